@@ -1,0 +1,35 @@
+// swift-tools-version:6.0
+import PackageDescription
+
+let package = Package(
+    name: "keybagfs",
+    platforms: [.macOS(.v15)],
+    products: [
+        .executable(name: "keybagfs", targets: ["keybagfs"]),
+        .executable(name: "keybagctl", targets: ["keybagctl"]),
+    ],
+    dependencies: [
+        .package(url: "https://github.com/apple/swift-argument-parser", from: "1.5.0"),
+    ],
+    targets: [
+        .systemLibrary(name: "CFuse", path: "Sources/CFuse", pkgConfig: "fuse3",
+                       providers: [.apt(["libfuse3-dev"])]),
+        .systemLibrary(name: "CSodium", path: "Sources/CSodium", pkgConfig: "libsodium",
+                       providers: [.apt(["libsodium-dev"])]),
+        // The core: formats, keybag, class rules, lock state. No FUSE here.
+        .target(name: "KeybagCore", dependencies: ["CSodium"]),
+        // The daemon: FUSE frontend and control socket server.
+        .target(name: "KeybagDaemon", dependencies: ["KeybagCore", "CFuse", "CSodium"]),
+        .executableTarget(name: "keybagfs", dependencies: [
+            "KeybagDaemon", "KeybagCore",
+            .product(name: "ArgumentParser", package: "swift-argument-parser"),
+        ]),
+        .executableTarget(name: "keybagctl", dependencies: [
+            "KeybagCore",
+            .product(name: "ArgumentParser", package: "swift-argument-parser"),
+        ]),
+        .testTarget(name: "KeybagCoreTests", dependencies: ["KeybagCore"]),
+        .testTarget(name: "MountTests", dependencies: ["KeybagCore", "keybagfs", "keybagctl"]),
+    ],
+    swiftLanguageModes: [.v6]
+)

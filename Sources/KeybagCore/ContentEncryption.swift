@@ -1,0 +1,192 @@
+import CSodium
+import Glibc
+import Synchronization
+
+/// The AEAD that encrypts file contents, chosen once per store and recorded in the keybag.
+public enum ContentCipher: UInt8, Sendable, CaseIterable {
+    /// AES-256-GCM (libsodium, needs AES-NI): 12-byte random nonce per block.
+    case aes256gcm = 1
+    /// XChaCha20-Poly1305-IETF: 24-byte random nonce per block; the portable fallback.
+    case xchacha20poly1305 = 2
+
+    /// The cipher the running CPU supports best.
+    public static var preferred: ContentCipher {
+        Sodium.ensureInitialized()
+        return crypto_aead_aes256gcm_is_available() == 1 ? .aes256gcm : .xchacha20poly1305
+    }
+
+    /// Whether this machine can use the cipher.
+    public var isAvailable: Bool {
+        Sodium.ensureInitialized()
+        return self == .xchacha20poly1305 || crypto_aead_aes256gcm_is_available() == 1
+    }
+
+    /// Nonce length in bytes.
+    public var nonceSize: Int { self == .aes256gcm ? 12 : 24 }
+
+    /// The name stored in the keybag.
+    public var name: String { self == .aes256gcm ? "aes256gcm" : "xchacha20poly1305" }
+
+    /// Parses a keybag name.
+    public init?(name: String) {
+        guard let c = ContentCipher.allCases.first(where: { $0.name == name }) else { return nil }
+        self = c
+    }
+}
+
+/// Offset arithmetic of the content format: a fixed header, then blocks of
+/// `nonce || ciphertext || tag`, each holding up to `plainBlockSize` plaintext bytes.
+public struct BlockLayout: Sendable, Equatable {
+    /// Plaintext bytes per block.
+    public static let plainBlockSize = 4096
+    /// Poly1305 / GCM tag length.
+    public static let tagSize = 16
+
+    /// The store's content cipher.
+    public let cipher: ContentCipher
+    /// Bytes of per-block overhead (nonce + tag).
+    public let overhead: Int
+    /// Bytes of one full ciphertext block.
+    public let cipherBlockSize: Int
+
+    /// Layout for a cipher.
+    public init(cipher: ContentCipher) {
+        self.cipher = cipher
+        self.overhead = cipher.nonceSize + BlockLayout.tagSize
+        self.cipherBlockSize = BlockLayout.plainBlockSize + overhead
+    }
+
+    /// Offset in the backing file where block `n` starts.
+    public func cipherOffset(ofBlock n: Int) -> Int { FileHeader.size + n * cipherBlockSize }
+
+    /// Plaintext size for a backing file size, computed without decrypting. A trailing
+    /// fragment too short to hold a block's overhead is ignored (it cannot authenticate).
+    public func plainSize(backingSize: Int) -> Int {
+        guard backingSize > FileHeader.size else { return 0 }
+        let n = backingSize - FileHeader.size
+        let full = n / cipherBlockSize
+        let rest = n % cipherBlockSize
+        return full * BlockLayout.plainBlockSize + (rest > overhead ? rest - overhead : 0)
+    }
+
+    /// Backing file size that holds `plainSize` plaintext bytes.
+    public func backingSize(plainSize: Int) -> Int {
+        let full = plainSize / BlockLayout.plainBlockSize
+        let rest = plainSize % BlockLayout.plainBlockSize
+        return FileHeader.size + full * cipherBlockSize + (rest > 0 ? rest + overhead : 0)
+    }
+}
+
+/// A file's content key with its precomputed cipher state in guarded memory.
+/// Encrypts and authenticates one block at a time with the file id and block number
+/// as associated data. Wiping it makes every later use throw `keyUnavailable`.
+public final class FileContentKey: Sendable {
+    /// The raw 32-byte file key (needed to rewrap it on a class change).
+    public let key: SecureKey
+    /// AES-GCM expanded state (`beforenm`), present for the AES cipher.
+    private let aesState: SecureKey?
+    /// The store's cipher.
+    public let cipher: ContentCipher
+    /// The file's 16-byte id, bound into every block.
+    public let fileID: [UInt8]
+
+    /// Wraps a raw key; precomputes the AES state when needed.
+    public init(key: SecureKey, cipher: ContentCipher, fileID: [UInt8]) throws {
+        self.key = key
+        self.cipher = cipher
+        self.fileID = fileID
+        if cipher == .aes256gcm {
+            let size = MemoryLayout<crypto_aead_aes256gcm_state>.size
+            let state = SecureKey(zeroed: size)
+            try key.withBytes { k in
+                _ = try state.withBytes { s in
+                    crypto_aead_aes256gcm_beforenm(
+                        UnsafeMutableRawPointer(mutating: s.baseAddress!).assumingMemoryBound(to: crypto_aead_aes256gcm_state.self),
+                        k.baseAddress!.assumingMemoryBound(to: UInt8.self))
+                }
+            }
+            self.aesState = state
+        } else {
+            self.aesState = nil
+        }
+    }
+
+    /// Zeroes the key and its expanded state.
+    public func wipe() {
+        key.wipe()
+        aesState?.wipe()
+    }
+
+    /// True once wiped.
+    public var isWiped: Bool { key.isWiped }
+
+    /// Associated data: file id (16) || block number (8, little endian).
+    @inline(__always)
+    private func withAD<R>(_ block: UInt64, _ body: (UnsafePointer<UInt8>) throws -> R) rethrows -> R {
+        var ad = [UInt8](repeating: 0, count: 24)
+        for i in 0..<16 { ad[i] = fileID[i] }
+        var b = block.littleEndian
+        withUnsafeBytes(of: &b) { for i in 0..<8 { ad[16 + i] = $0[i] } }
+        return try ad.withUnsafeBufferPointer { try body($0.baseAddress!) }
+    }
+
+    /// Encrypts `plain` (1...4096 bytes) as block `block` into `out`, which must hold
+    /// `plain.count + overhead` bytes: nonce || ciphertext || tag.
+    public func seal(_ plain: UnsafeRawBufferPointer, block: UInt64, into out: UnsafeMutableRawBufferPointer) throws {
+        let ns = cipher.nonceSize
+        precondition(out.count >= plain.count + ns + BlockLayout.tagSize)
+        let o = out.baseAddress!.assumingMemoryBound(to: UInt8.self)
+        randombytes_buf(o, ns)
+        let m = plain.baseAddress?.assumingMemoryBound(to: UInt8.self)
+        var clen: UInt64 = 0
+        let rc: Int32 = try withAD(block) { ad in
+            if let st = aesState {
+                return try st.withBytes { s in
+                    crypto_aead_aes256gcm_encrypt_afternm(o + ns, &clen, m, UInt64(plain.count), ad, 24, nil, o,
+                        s.baseAddress!.assumingMemoryBound(to: crypto_aead_aes256gcm_state.self))
+                }
+            }
+            return try key.withBytes { k in
+                crypto_aead_xchacha20poly1305_ietf_encrypt(o + ns, &clen, m, UInt64(plain.count), ad, 24, nil, o,
+                    k.baseAddress!.assumingMemoryBound(to: UInt8.self))
+            }
+        }
+        guard rc == 0 else { throw KeybagError.corrupt("encryption failed") }
+    }
+
+    /// Decrypts block `block` from `sealed` (nonce || ciphertext || tag) into `out`,
+    /// returning the plaintext length. An all-zero block is a hole and reads as zeros.
+    public func open(_ sealed: UnsafeRawBufferPointer, block: UInt64, into out: UnsafeMutableRawBufferPointer) throws -> Int {
+        let ns = cipher.nonceSize
+        guard sealed.count > ns + BlockLayout.tagSize else { throw KeybagError.corrupt("block \(block) truncated") }
+        let plainLen = sealed.count - ns - BlockLayout.tagSize
+        precondition(out.count >= plainLen)
+        if FileContentKey.isAllZero(sealed) {
+            memset(out.baseAddress!, 0, plainLen)
+            return plainLen
+        }
+        let s0 = sealed.baseAddress!.assumingMemoryBound(to: UInt8.self)
+        let o = out.baseAddress!.assumingMemoryBound(to: UInt8.self)
+        var mlen: UInt64 = 0
+        let rc: Int32 = try withAD(block) { ad in
+            if let st = aesState {
+                return try st.withBytes { s in
+                    crypto_aead_aes256gcm_decrypt_afternm(o, &mlen, nil, s0 + ns, UInt64(sealed.count - ns), ad, 24, s0,
+                        s.baseAddress!.assumingMemoryBound(to: crypto_aead_aes256gcm_state.self))
+                }
+            }
+            return try key.withBytes { k in
+                crypto_aead_xchacha20poly1305_ietf_decrypt(o, &mlen, nil, s0 + ns, UInt64(sealed.count - ns), ad, 24, s0,
+                    k.baseAddress!.assumingMemoryBound(to: UInt8.self))
+            }
+        }
+        guard rc == 0 else { throw KeybagError.corrupt("block \(block) failed authentication") }
+        return Int(mlen)
+    }
+
+    /// True when every byte is zero (a sparse hole in the backing file).
+    static func isAllZero(_ b: UnsafeRawBufferPointer) -> Bool {
+        guard let base = b.baseAddress else { return true }
+        return sodium_is_zero(base.assumingMemoryBound(to: UInt8.self), b.count) == 1
+    }
+}

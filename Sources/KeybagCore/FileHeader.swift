@@ -1,0 +1,138 @@
+import CSodium
+
+/// The per-file header at the start of every backing file: two 160-byte slots, each
+/// holding the file id, class and the file key wrapped by its class key. A class change
+/// writes the inactive slot with a higher generation, so a crash at any instant leaves
+/// either the old or the new slot valid (each slot carries a BLAKE2b checksum).
+public struct FileHeader: Sendable, Equatable {
+    /// Bytes of one slot.
+    public static let slotSize = 160
+    /// Bytes before the first content block.
+    public static let size = 2 * slotSize
+    static let magic: [UInt8] = Array("KBH1".utf8)
+    /// Bytes of a slot covered by the checksum.
+    static let bodySize = 132
+
+    /// Slot generation; the valid slot with the highest generation wins.
+    public var generation: UInt32
+    /// The file's protection class.
+    public var protectionClass: ProtectionClass
+    /// The store's content cipher, repeated here for self-description.
+    public var cipher: ContentCipher
+    /// Random 16-byte file id, bound into every content block.
+    public var fileID: [UInt8]
+    /// Ephemeral X25519 public key (class B), else zeros.
+    public var ephemeralPublic: [UInt8]
+    /// nonce (24) || wrapped file key (32) || tag (16).
+    public var wrappedKey: [UInt8]
+    /// Index (0 or 1) of the slot this header was read from or will be written to.
+    public var slot: Int
+
+    /// What can unwrap or wrap a file key for one class.
+    public enum ClassKey {
+        /// Classes A, C, D: a 32-byte symmetric class key.
+        case symmetric(SecureKey)
+        /// Class B, wrapping only: the class public key.
+        case classBPublic([UInt8])
+        /// Class B, both ways: the class private key and its public key.
+        case classBPrivate(SecureKey, [UInt8])
+    }
+
+    /// Bytes 0..<60 of the slot: authenticated by the key wrap.
+    private func wrapAD() -> [UInt8] {
+        var ad = FileHeader.magic
+        withUnsafeBytes(of: generation.littleEndian) { ad += $0 }
+        ad += [protectionClass.rawValue, cipher.rawValue, 0, 0]
+        ad += fileID
+        ad += ephemeralPublic
+        return ad
+    }
+
+    /// A header for a new file: `fileKey` wrapped for `cls`.
+    public static func create(fileKey: SecureKey, class cls: ProtectionClass, cipher: ContentCipher, using classKey: ClassKey) throws -> FileHeader {
+        var h = FileHeader(generation: 1, protectionClass: cls, cipher: cipher, fileID: Sodium.randomArray(16),
+                           ephemeralPublic: [UInt8](repeating: 0, count: 32), wrappedKey: [], slot: 0)
+        try h.wrap(fileKey, using: classKey)
+        return h
+    }
+
+    /// The same file moved to class `cls`, written to the other slot with the next generation.
+    public func rewrapped(fileKey: SecureKey, to cls: ProtectionClass, using classKey: ClassKey) throws -> FileHeader {
+        var h = self
+        h.generation = generation &+ 1
+        h.protectionClass = cls
+        h.slot = 1 - slot
+        h.ephemeralPublic = [UInt8](repeating: 0, count: 32)
+        try h.wrap(fileKey, using: classKey)
+        return h
+    }
+
+    private mutating func wrap(_ fileKey: SecureKey, using classKey: ClassKey) throws {
+        let wrapKey: SecureKey
+        switch classKey {
+        case .symmetric(let k): wrapKey = k
+        case .classBPublic(let pk), .classBPrivate(_, let pk):
+            let (k, eph) = try ClassBAgreement.newFileWrapKey(classPublicKey: pk, fileID: fileID)
+            ephemeralPublic = eph
+            wrapKey = k
+        }
+        wrappedKey = try KeyWrap.wrap(fileKey, with: wrapKey, ad: wrapAD())
+        if case .symmetric = classKey {} else { wrapKey.wipe() }
+    }
+
+    /// Unwraps the file key; throws `keyUnavailable` for a public-only class B key and
+    /// `corrupt` when the wrap does not authenticate.
+    public func unwrap(using classKey: ClassKey) throws -> SecureKey {
+        switch classKey {
+        case .symmetric(let k):
+            return try KeyWrap.unwrap(wrappedKey, with: k, ad: wrapAD())
+        case .classBPublic:
+            throw KeybagError.keyUnavailable
+        case .classBPrivate(let sk, let pk):
+            let k = try ClassBAgreement.existingFileWrapKey(classSecret: sk, classPublicKey: pk, ephPublic: ephemeralPublic, fileID: fileID)
+            defer { k.wipe() }
+            return try KeyWrap.unwrap(wrappedKey, with: k, ad: wrapAD())
+        }
+    }
+
+    /// The 160 bytes of this header's slot.
+    public func encodeSlot() -> [UInt8] {
+        var b = wrapAD()
+        b += wrappedKey
+        precondition(b.count == FileHeader.bodySize)
+        var sum = [UInt8](repeating: 0, count: 16)
+        crypto_generichash(&sum, 16, b, UInt64(b.count), nil, 0)
+        b += sum
+        b += [UInt8](repeating: 0, count: FileHeader.slotSize - b.count)
+        return b
+    }
+
+    /// Byte offset of this header's slot in the backing file.
+    public var slotOffset: Int { slot * FileHeader.slotSize }
+
+    /// Parses one slot; nil when it is empty, torn or not a header.
+    static func parseSlot(_ b: ArraySlice<UInt8>, index: Int) -> FileHeader? {
+        let s = Array(b)
+        guard s.count == slotSize, Array(s[0..<4]) == magic else { return nil }
+        var sum = [UInt8](repeating: 0, count: 16)
+        crypto_generichash(&sum, 16, s, UInt64(bodySize), nil, 0)
+        guard sodium_memcmp(sum, Array(s[bodySize..<(bodySize + 16)]), 16) == 0 else { return nil }
+        let gen = UInt32(s[4]) | UInt32(s[5]) << 8 | UInt32(s[6]) << 16 | UInt32(s[7]) << 24
+        guard let cls = ProtectionClass(rawValue: s[8]), let cipher = ContentCipher(rawValue: s[9]) else { return nil }
+        return FileHeader(generation: gen, protectionClass: cls, cipher: cipher, fileID: Array(s[12..<28]),
+                          ephemeralPublic: Array(s[28..<60]), wrappedKey: Array(s[60..<132]), slot: index)
+    }
+
+    /// Parses the two-slot header; the valid slot with the higher generation wins.
+    public static func parse(_ bytes: [UInt8]) throws -> FileHeader {
+        guard bytes.count >= size else { throw KeybagError.corrupt("file header truncated") }
+        let a = parseSlot(bytes[0..<slotSize], index: 0)
+        let b = parseSlot(bytes[slotSize..<size], index: 1)
+        switch (a, b) {
+        case let (x?, y?): return x.generation >= y.generation ? x : y
+        case let (x?, nil): return x
+        case let (nil, y?): return y
+        case (nil, nil): throw KeybagError.corrupt("no valid file header slot")
+        }
+    }
+}
