@@ -135,9 +135,8 @@ public struct Keybag: Sendable {
     }
 
     /// Creates a new keybag in `storePath` (which must be empty or absent) and returns it.
-    public static func create(storePath: String, passcode: SecureKey, deviceKey: SecureKey, strength: KDFStrength,
+    public static func create(storePath: String, storeID: String, passcode: SecureKey, deviceKey: SecureKey, strength: KDFStrength,
                               cipher: ContentCipher = .preferred) throws -> Keybag {
-        let storeID = Sodium.randomArray(16).map { String(format: "%02x", $0) }.joined()
         var file = KeybagFile(format: 1, storeID: storeID, cipher: cipher.name, kdfOpsLimit: strength.opsLimit,
                               kdfMemLimit: strength.memLimit, kdfSalt: Data(Sodium.randomArray(Int(crypto_pwhash_SALTBYTES))).base64EncodedString(),
                               wrapped: [:], classBPublic: "", failedAttempts: 0, lockoutUntil: 0)

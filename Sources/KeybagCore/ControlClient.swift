@@ -1,0 +1,45 @@
+import Glibc
+
+/// A minimal client of the control socket: connect, send a line, read a line.
+public enum ControlClient {
+    /// Connects to a Unix socket; throws with errno when nothing listens.
+    public static func connect(path: String) throws -> Int32 {
+        let fd = socket(AF_UNIX, Int32(SOCK_STREAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
+        guard fd >= 0 else { throw KeybagError.system("socket", errno) }
+        var addr = sockaddr_un()
+        addr.sun_family = sa_family_t(AF_UNIX)
+        let bytes = Array(path.utf8)
+        guard bytes.count < MemoryLayout.size(ofValue: addr.sun_path) else { close(fd); throw KeybagError.invalid("socket path too long") }
+        withUnsafeMutableBytes(of: &addr.sun_path) { p in for (i, b) in bytes.enumerated() { p[i] = b } }
+        let rc = withUnsafePointer(to: &addr) { Glibc.connect(fd, UnsafeRawPointer($0).assumingMemoryBound(to: sockaddr.self), socklen_t(MemoryLayout<sockaddr_un>.size)) }
+        guard rc == 0 else { let e = errno; close(fd); throw KeybagError.system("cannot connect to \(path)", e) }
+        return fd
+    }
+
+    /// Writes one line (a newline is appended).
+    public static func sendLine(_ fd: Int32, _ line: String) throws {
+        let bytes = Array((line + "\n").utf8)
+        var off = 0
+        while off < bytes.count {
+            let n = bytes.withUnsafeBytes { send(fd, $0.baseAddress! + off, bytes.count - off, Int32(MSG_NOSIGNAL)) }
+            if n < 0 { if errno == EINTR { continue }; throw KeybagError.system("send", errno) }
+            off += n
+        }
+    }
+
+    /// Reads bytes up to a newline; nil at EOF before one.
+    public static func readLine(_ fd: Int32, buffer: inout [UInt8]) -> String? {
+        var chunk = [UInt8](repeating: 0, count: 4096)
+        while true {
+            if let nl = buffer.firstIndex(of: UInt8(ascii: "\n")) {
+                let line = String(decoding: buffer[..<nl], as: UTF8.self)
+                buffer.removeSubrange(...nl)
+                return line
+            }
+            let n = recv(fd, &chunk, chunk.count, 0)
+            if n < 0 && errno == EINTR { continue }
+            if n <= 0 { return nil }
+            buffer += chunk[0..<n]
+        }
+    }
+}

@@ -1,0 +1,92 @@
+import Foundation
+
+/// Where control sockets live and how a mount point names one.
+public enum ControlPaths {
+    /// Folder of default sockets.
+    public static let runDirectory = "/run/keybagfs"
+
+    /// `systemd-escape --path`: strips and collapses slashes, `/` becomes `-`, bytes outside
+    /// `[A-Za-z0-9:_.]` (and a leading `.`) become `\xNN`; the root is `-`.
+    public static func systemdEscapePath(_ path: String) -> String {
+        let parts = path.split(separator: "/", omittingEmptySubsequences: true)
+        if parts.isEmpty { return "-" }
+        let joined = parts.joined(separator: "/")
+        var out = ""
+        for (i, byte) in joined.utf8.enumerated() {
+            switch byte {
+            case UInt8(ascii: "/"): out += "-"
+            case UInt8(ascii: "."):
+                out += i == 0 ? "\\x2e" : "."
+            case UInt8(ascii: "a")...UInt8(ascii: "z"), UInt8(ascii: "A")...UInt8(ascii: "Z"),
+                 UInt8(ascii: "0")...UInt8(ascii: "9"), UInt8(ascii: ":"), UInt8(ascii: "_"):
+                out += String(UnicodeScalar(byte))
+            default:
+                out += String(format: "\\x%02x", byte)
+            }
+        }
+        return out
+    }
+
+    /// The default socket of a mount point (made absolute).
+    public static func defaultSocket(forMountpoint mountpoint: String) -> String {
+        let abs = URL(fileURLWithPath: mountpoint).standardizedFileURL.path
+        return runDirectory + "/" + systemdEscapePath(abs) + ".sock"
+    }
+
+    /// Mount points of keybagfs mounts, from /proc/self/mountinfo (octal escapes decoded).
+    public static func keybagfsMounts(mountinfo: String? = nil) -> [String] {
+        let text = mountinfo ?? ((try? String(contentsOfFile: "/proc/self/mountinfo", encoding: .utf8)) ?? "")
+        var result: [String] = []
+        for line in text.split(separator: "\n") {
+            let halves = line.components(separatedBy: " - ")
+            guard halves.count >= 2 else { continue }
+            let left = halves[0].split(separator: " ")
+            let right = halves[1].split(separator: " ")
+            guard left.count >= 5, let fstype = right.first, fstype == "fuse.keybagfs" else { continue }
+            result.append(unescapeMountinfo(String(left[4])))
+        }
+        return result
+    }
+
+    /// Decodes mountinfo's `\NNN` octal escapes.
+    static func unescapeMountinfo(_ s: String) -> String {
+        var bytes: [UInt8] = []
+        let u = Array(s.utf8)
+        var i = 0
+        while i < u.count {
+            if u[i] == UInt8(ascii: "\\"), i + 4 <= u.count,
+               let v = UInt8(String(decoding: u[(i + 1)..<(i + 4)], as: UTF8.self), radix: 8) {
+                bytes.append(v); i += 4
+            } else {
+                bytes.append(u[i]); i += 1
+            }
+        }
+        return String(decoding: bytes, as: UTF8.self)
+    }
+}
+
+/// JSON-line helpers of the control protocol.
+public enum ControlProtocol {
+    /// Longest accepted request line.
+    public static let maxLine = 64 * 1024
+
+    /// One JSON object as a single line (no trailing newline).
+    public static func encode(_ object: [String: Any]) -> String {
+        guard let d = try? JSONSerialization.data(withJSONObject: object, options: [.sortedKeys, .withoutEscapingSlashes]),
+              let s = String(data: d, encoding: .utf8) else { return "{\"ok\":false,\"error\":\"internal\"}" }
+        return s
+    }
+
+    /// Parses one line into a JSON object; nil when it is not one.
+    public static func decode(_ line: String) -> [String: Any]? {
+        guard let d = line.data(using: .utf8), let o = try? JSONSerialization.jsonObject(with: d), let dict = o as? [String: Any] else { return nil }
+        return dict
+    }
+
+    /// ISO 8601 time with milliseconds, UTC.
+    public static func timestamp(_ date: Date = Date()) -> String {
+        let f = ISO8601DateFormatter()
+        f.formatOptions = [.withInternetDateTime, .withFractionalSeconds]
+        return f.string(from: date)
+    }
+}

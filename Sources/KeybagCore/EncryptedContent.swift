@@ -1,0 +1,180 @@
+import Glibc
+
+/// Reads and writes plaintext ranges of one encrypted backing file: offset math, the
+/// read-modify-write of partial blocks, holes and truncation. Callers serialise writes
+/// and truncations of one file (the daemon holds the inode's I/O lock).
+public struct EncryptedContent: Sendable {
+    /// The store's block layout.
+    public let layout: BlockLayout
+
+    public init(layout: BlockLayout) { self.layout = layout }
+
+    static let B = BlockLayout.plainBlockSize
+
+    /// Plaintext size of the backing file behind `fd`, from its size alone.
+    public func plainSize(fd: Int32) throws -> Int {
+        var st = stat()
+        guard fstat(fd, &st) == 0 else { throw KeybagError.system("fstat", errno) }
+        return layout.plainSize(backingSize: Int(st.st_size))
+    }
+
+    /// Reads the header of the backing file.
+    public static func readHeader(fd: Int32) throws -> FileHeader {
+        var buf = [UInt8](repeating: 0, count: FileHeader.size)
+        let n = try buf.withUnsafeMutableBytes { try preadFull(fd, $0, offset: 0) }
+        guard n == FileHeader.size else { throw KeybagError.corrupt("file header truncated") }
+        return try FileHeader.parse(buf)
+    }
+
+    /// Writes a new file's header (its slot and an empty other slot).
+    public static func writeNewHeader(fd: Int32, _ header: FileHeader) throws {
+        var buf = [UInt8](repeating: 0, count: FileHeader.size)
+        let slot = header.encodeSlot()
+        buf.replaceSubrange(header.slotOffset..<(header.slotOffset + FileHeader.slotSize), with: slot)
+        try buf.withUnsafeBytes { try pwriteFull(fd, $0, offset: 0) }
+    }
+
+    /// Writes a header's slot and makes it durable: the crash-safe class change.
+    public static func writeHeaderSlot(fd: Int32, _ header: FileHeader) throws {
+        let slot = header.encodeSlot()
+        try slot.withUnsafeBytes { try pwriteFull(fd, $0, offset: header.slotOffset) }
+        guard fdatasync(fd) == 0 else { throw KeybagError.system("fdatasync", errno) }
+    }
+
+    /// Reads up to `out.count` plaintext bytes at `offset`; returns the count (0 at EOF).
+    public func read(fd: Int32, key: FileContentKey, offset: Int, into out: UnsafeMutableRawBufferPointer) throws -> Int {
+        let size = try plainSize(fd: fd)
+        guard offset < size, out.count > 0 else { return 0 }
+        let end = min(offset + out.count, size)
+        let first = offset / Self.B, last = (end - 1) / Self.B
+        let cStart = layout.cipherOffset(ofBlock: first)
+        let cEnd = layout.cipherOffset(ofBlock: last) + min(Self.B, size - last * Self.B) + layout.overhead
+        let cbuf = UnsafeMutableRawBufferPointer.allocate(byteCount: cEnd - cStart, alignment: 16)
+        defer { cbuf.deallocate() }
+        let got = try Self.preadFull(fd, cbuf, offset: cStart)
+        let plain = UnsafeMutableRawBufferPointer.allocate(byteCount: Self.B, alignment: 16)
+        defer { plain.deallocate() }
+        var written = 0
+        for b in first...last {
+            let bStart = b * Self.B
+            let bLen = min(Self.B, size - bStart)
+            let rel = (b - first) * layout.cipherBlockSize
+            guard rel + bLen + layout.overhead <= got else { break }   // truncated underneath us
+            let sealed = UnsafeRawBufferPointer(rebasing: cbuf[rel..<(rel + bLen + layout.overhead)])
+            let n = try key.open(sealed, block: UInt64(b), into: plain)
+            let lo = max(offset, bStart) - bStart
+            let hi = min(end, bStart + n) - bStart
+            guard hi > lo else { break }
+            (out.baseAddress! + written).copyMemory(from: plain.baseAddress! + lo, byteCount: hi - lo)
+            written += hi - lo
+        }
+        return written
+    }
+
+    /// Writes `data` at plaintext `offset`, extending the file (with holes) as needed.
+    public func write(fd: Int32, key: FileContentKey, offset: Int, data: UnsafeRawBufferPointer) throws {
+        guard data.count > 0 else { return }
+        let size = try plainSize(fd: fd)
+        let first = offset / Self.B
+        let end = offset + data.count
+        let last = (end - 1) / Self.B
+        // A partial last block followed by new blocks must first become a full block.
+        if size % Self.B != 0, first > size / Self.B {
+            try resealBlock(fd: fd, key: key, block: size / Self.B, oldLength: size % Self.B, newLength: Self.B)
+        }
+        let effSize = (size % Self.B != 0 && first > size / Self.B) ? (size / Self.B + 1) * Self.B : size
+        let out = UnsafeMutableRawBufferPointer.allocate(byteCount: (last - first + 1) * layout.cipherBlockSize, alignment: 16)
+        defer { out.deallocate() }
+        let plain = UnsafeMutableRawBufferPointer.allocate(byteCount: Self.B, alignment: 16)
+        defer { plain.deallocate() }
+        var outLen = 0
+        for b in first...last {
+            let bStart = b * Self.B
+            let lo = max(offset, bStart) - bStart
+            let hi = min(end, bStart + Self.B) - bStart
+            let existing = max(0, min(Self.B, effSize - bStart))
+            let newLen = max(existing, hi)
+            if existing > 0 && (lo > 0 || hi < existing) {
+                let n = try readBlock(fd: fd, key: key, block: b, length: existing, into: plain)
+                guard n == existing else { throw KeybagError.corrupt("block \(b) short") }
+            }
+            if lo > existing { memset(plain.baseAddress! + existing, 0, lo - existing) }
+            (plain.baseAddress! + lo).copyMemory(from: data.baseAddress! + (bStart + lo - offset), byteCount: hi - lo)
+            let dst = UnsafeMutableRawBufferPointer(rebasing: out[outLen..<(outLen + newLen + layout.overhead)])
+            try key.seal(UnsafeRawBufferPointer(rebasing: plain[0..<newLen]), block: UInt64(b), into: dst)
+            outLen += newLen + layout.overhead
+        }
+        try Self.pwriteFull(fd, UnsafeRawBufferPointer(rebasing: out[0..<outLen]), offset: layout.cipherOffset(ofBlock: first))
+    }
+
+    /// Sets the plaintext size, re-sealing the block that the new end cuts or extends.
+    public func truncate(fd: Int32, key: FileContentKey, to newSize: Int) throws {
+        let size = try plainSize(fd: fd)
+        if newSize < size {
+            let b = newSize / Self.B
+            let keep = newSize % Self.B
+            if keep != 0 {
+                let plain = UnsafeMutableRawBufferPointer.allocate(byteCount: Self.B, alignment: 16)
+                defer { plain.deallocate() }
+                _ = try readBlock(fd: fd, key: key, block: b, length: min(Self.B, size - b * Self.B), into: plain)
+                let sealed = UnsafeMutableRawBufferPointer.allocate(byteCount: keep + layout.overhead, alignment: 16)
+                defer { sealed.deallocate() }
+                try key.seal(UnsafeRawBufferPointer(rebasing: plain[0..<keep]), block: UInt64(b), into: sealed)
+                guard ftruncate(fd, off_t(layout.cipherOffset(ofBlock: b))) == 0 else { throw KeybagError.system("ftruncate", errno) }
+                try Self.pwriteFull(fd, UnsafeRawBufferPointer(sealed), offset: layout.cipherOffset(ofBlock: b))
+            }
+            guard ftruncate(fd, off_t(layout.backingSize(plainSize: newSize))) == 0 else { throw KeybagError.system("ftruncate", errno) }
+        } else if newSize > size {
+            if size % Self.B != 0 {
+                let b = size / Self.B
+                let target = newSize / Self.B == b ? newSize - b * Self.B : Self.B
+                try resealBlock(fd: fd, key: key, block: b, oldLength: size % Self.B, newLength: target)
+            }
+            guard ftruncate(fd, off_t(layout.backingSize(plainSize: newSize))) == 0 else { throw KeybagError.system("ftruncate", errno) }
+        }
+    }
+
+    /// Decrypts block `block` of `length` plaintext bytes into `plain`.
+    private func readBlock(fd: Int32, key: FileContentKey, block: Int, length: Int, into plain: UnsafeMutableRawBufferPointer) throws -> Int {
+        let sealed = UnsafeMutableRawBufferPointer.allocate(byteCount: length + layout.overhead, alignment: 16)
+        defer { sealed.deallocate() }
+        let got = try Self.preadFull(fd, sealed, offset: layout.cipherOffset(ofBlock: block))
+        guard got == sealed.count else { throw KeybagError.corrupt("block \(block) truncated") }
+        return try key.open(UnsafeRawBufferPointer(sealed), block: UInt64(block), into: plain)
+    }
+
+    /// Re-seals a block zero-extended from `oldLength` to `newLength` plaintext bytes.
+    private func resealBlock(fd: Int32, key: FileContentKey, block: Int, oldLength: Int, newLength: Int) throws {
+        let plain = UnsafeMutableRawBufferPointer.allocate(byteCount: Self.B, alignment: 16)
+        defer { plain.deallocate() }
+        let n = try readBlock(fd: fd, key: key, block: block, length: oldLength, into: plain)
+        guard n == oldLength else { throw KeybagError.corrupt("block \(block) short") }
+        memset(plain.baseAddress! + oldLength, 0, newLength - oldLength)
+        let sealed = UnsafeMutableRawBufferPointer.allocate(byteCount: newLength + layout.overhead, alignment: 16)
+        defer { sealed.deallocate() }
+        try key.seal(UnsafeRawBufferPointer(rebasing: plain[0..<newLength]), block: UInt64(block), into: sealed)
+        try Self.pwriteFull(fd, UnsafeRawBufferPointer(sealed), offset: layout.cipherOffset(ofBlock: block))
+    }
+
+    /// pread until `buf` is full or EOF; returns bytes read.
+    public static func preadFull(_ fd: Int32, _ buf: UnsafeMutableRawBufferPointer, offset: Int) throws -> Int {
+        var done = 0
+        while done < buf.count {
+            let n = pread(fd, buf.baseAddress! + done, buf.count - done, off_t(offset + done))
+            if n < 0 { if errno == EINTR { continue }; throw KeybagError.system("pread", errno) }
+            if n == 0 { break }
+            done += n
+        }
+        return done
+    }
+
+    /// pwrite all of `buf` (ENOSPC and friends surface as errors).
+    public static func pwriteFull(_ fd: Int32, _ buf: UnsafeRawBufferPointer, offset: Int) throws {
+        var done = 0
+        while done < buf.count {
+            let n = pwrite(fd, buf.baseAddress! + done, buf.count - done, off_t(offset + done))
+            if n < 0 { if errno == EINTR { continue }; throw KeybagError.system("pwrite", errno) }
+            done += n
+        }
+    }
+}

@@ -1,0 +1,176 @@
+import CFuse
+import Dispatch
+import Foundation
+import KeybagCore
+import Synchronization
+
+/// The lock-state controller: runs unlock, lock (with its grace period), passwd and
+/// status against the keybag, the keyring and the filesystem, and publishes events.
+/// Transitions are serialised by one lock that no FUSE request handler ever takes.
+final class Controller: Sendable {
+    private let machine = Mutex(LockStateMachine())
+    private let transitions = Mutex(0)
+    private let keybag: Mutex<Keybag>
+    private let deviceKey: SecureKey
+    let keyring: ClassKeyring
+    let fs: Filesystem
+    let events = EventHub()
+    /// Grace period used when a lock request names none.
+    let defaultGrace: Double
+    /// The FUSE session (bit pattern), for page-cache invalidation.
+    let session = Atomic<UInt>(0)
+    /// The mount point, for `status`.
+    let mountpoint: String
+
+    init(keybag: Keybag, deviceKey: SecureKey, keyring: ClassKeyring, fs: Filesystem, grace: Double, mountpoint: String) {
+        self.keybag = Mutex(keybag)
+        self.deviceKey = deviceKey
+        self.keyring = keyring
+        self.fs = fs
+        self.defaultGrace = grace
+        self.mountpoint = mountpoint
+    }
+
+    /// Current state.
+    var state: LockState { machine.withLock { $0.state } }
+
+    /// The `status` reply.
+    func status() -> [String: Any] {
+        let st = state
+        let (failures, retry) = keybag.withLock { ($0.file.failedAttempts, $0.retryAfter(now: Date().timeIntervalSince1970)) }
+        return ["ok": true, "state": st.rawValue, "protectedDataAvailable": st == .unlocked, "grace": defaultGrace,
+                "openFiles": fs.openFiles.load(ordering: .relaxed), "pid": Int(getpid()), "mountpoint": mountpoint,
+                "failedAttempts": failures, "retryAfter": Int(retry.rounded(.up))]
+    }
+
+    /// An error reply.
+    static func refusal(_ code: String, _ message: String, _ extra: [String: Any] = [:]) -> [String: Any] {
+        var r: [String: Any] = ["ok": false, "error": code, "message": message]
+        for (k, v) in extra { r[k] = v }
+        return r
+    }
+
+    /// Outcome of a passcode check.
+    private enum Verification { case accepted(UnlockedClassKeys), refused([String: Any]) }
+
+    /// Checks the throttle, then the passcode, counting failures in the keybag.
+    private func verify(_ passcode: SecureKey) -> Verification {
+        keybag.withLock { kb in
+            let now = Date().timeIntervalSince1970
+            let wait = kb.retryAfter(now: now)
+            if wait > 0 {
+                let s = Int(wait.rounded(.up))
+                return .refused(Self.refusal("throttled", "too many failed attempts; retry in \(s) s", ["retryAfter": s]))
+            }
+            do {
+                let keys = try kb.unlock(passcode: passcode, deviceKey: deviceKey)
+                try? kb.recordSuccess()
+                return .accepted(keys)
+            } catch KeybagError.badPasscode {
+                do { try kb.recordFailure(now: now) } catch {
+                    return .refused(Self.refusal("internal", "wrong passcode; the failure could not be recorded: \(error)"))
+                }
+                let retry = Int(kb.retryAfter(now: now).rounded(.up))
+                var extra: [String: Any] = ["failedAttempts": kb.file.failedAttempts]
+                if retry > 0 { extra["retryAfter"] = retry }
+                return .refused(Self.refusal("badPasscode", retry > 0 ? "wrong passcode; retry in \(retry) s" : "wrong passcode", extra))
+            } catch {
+                return .refused(Self.refusal("internal", "\(error)"))
+            }
+        }
+    }
+
+    /// unlock: installs the class keys, cancels a pending lock, sends `didBecomeAvailable`.
+    func unlock(passcode: SecureKey) -> [String: Any] {
+        transitions.withLock { _ in
+            switch verify(passcode) {
+            case .refused(let reply): return reply
+            case .accepted(let keys):
+                keyring.install(keys)
+                let evs = machine.withLock { $0.unlocked() }
+                for e in evs { events.publish(e, state: .unlocked) }
+                return ["ok": true, "state": LockState.unlocked.rawValue]
+            }
+        }
+    }
+
+    /// passwd: rewraps the passcode-protected class keys under a new passcode.
+    func passwd(old: SecureKey, new: SecureKey) -> [String: Any] {
+        transitions.withLock { _ in
+            switch verify(old) {
+            case .refused(let reply): return reply
+            case .accepted(let keys):
+                keys.wipe()
+                do {
+                    try keybag.withLock { try $0.changePasscode(old: old, new: new, deviceKey: deviceKey) }
+                    return ["ok": true]
+                } catch {
+                    return Self.refusal("internal", "passcode not changed: \(error)")
+                }
+            }
+        }
+    }
+
+    /// lock: `locking` and `willBecomeUnavailable` now; after the grace period the keys go.
+    func lock(grace: Double?) -> [String: Any] {
+        let g = max(0, grace ?? defaultGrace)
+        return transitions.withLock { _ -> [String: Any] in
+            let action = machine.withLock { $0.requestLock(grace: g) }
+            switch action {
+            case .nothing:
+                break
+            case .startGrace(let ticket):
+                events.publish(.willBecomeUnavailable, state: .locking)
+                DispatchQueue.global().asyncAfter(deadline: .now() + g) { [self] in
+                    transitions.withLock { _ in evict(ticket: ticket) }
+                }
+            case .evictNow(let ticket, let sendWill):
+                if sendWill { events.publish(.willBecomeUnavailable, state: .locking) }
+                evict(ticket: ticket)
+            }
+            return ["ok": true, "state": state.rawValue]
+        }
+    }
+
+    /// Evicts class A and B keys, drops their page cache, then reports `locked`.
+    /// Called with the transition lock held.
+    private func evict(ticket: UInt64) {
+        guard machine.withLock({ $0.shouldEvict(ticket: ticket) }) else { return }
+        keyring.evictForLock()
+        let ids = fs.evictFileKeys()
+        let se = OpaquePointer(bitPattern: session.load(ordering: .acquiring))
+        if let se {
+            for id in ids { _ = fuse_lowlevel_notify_inval_inode(se, id, 0, 0) }
+        }
+        let evs = machine.withLock { $0.evicted(ticket: ticket) }
+        for e in evs { events.publish(e, state: .locked) }
+    }
+
+    /// Daemon exit: every key zeroed.
+    func shutdown() {
+        transitions.withLock { _ in keyring.wipeAll() }
+        for n in fs.table.regularFiles() { n.io.withLock { $0.key?.wipe(); $0.key = nil } }
+        deviceKey.wipe()
+    }
+}
+
+/// Subscribers of events: each gets one JSON line per event, written without blocking;
+/// a subscriber whose socket buffer is full is dropped rather than stalling anyone.
+final class EventHub: Sendable {
+    private let subscribers = Mutex<[Int32: Connection]>([:])
+
+    /// Adds a subscribed connection.
+    func add(_ c: Connection) { subscribers.withLock { $0[c.fd] = c } }
+    /// Removes a connection.
+    func remove(_ c: Connection) { subscribers.withLock { _ = $0.removeValue(forKey: c.fd) } }
+
+    /// Sends an event to every subscriber.
+    func publish(_ event: ProtectionEvent, state: LockState) {
+        let line = ControlProtocol.encode(["event": event.rawValue, "state": state.rawValue, "time": ControlProtocol.timestamp()])
+        let all = subscribers.withLock { Array($0.values) }
+        for c in all where !c.send(line, blocking: false) {
+            remove(c)
+            c.hangUp()
+        }
+    }
+}

@@ -1,0 +1,502 @@
+import CFuse
+import Glibc
+import KeybagCore
+import Synchronization
+
+/// An operation's failure as an errno value (what the kernel gets back).
+struct FSError: Error {
+    let errno: Int32
+    init(_ e: Int32) { errno = e }
+
+    /// Maps core and system errors: evicted keys are EACCES, bad data is EIO.
+    init(_ error: Error) {
+        switch error {
+        case let e as FSError: errno = e.errno
+        case KeybagError.keyUnavailable: errno = EACCES
+        case KeybagError.corrupt: errno = EIO
+        case KeybagError.system(_, let e): errno = e
+        default: errno = EIO
+        }
+    }
+}
+
+/// Runs a syscall-style call, throwing its errno when it returns -1.
+@discardableResult
+@inline(__always)
+func check<T: BinaryInteger>(_ r: T) throws -> T {
+    if r < 0 { throw FSError(errno) }
+    return r
+}
+
+/// The filesystem behind the FUSE glue: maps each operation onto the backing store and
+/// enforces the class rules. Every method throws `FSError` with the errno to reply.
+final class Filesystem: Sendable {
+    /// Name of the per-directory file that stores a directory's default class.
+    static let dirClassFile = ".kbfs-dir"
+
+    let table: NodeTable
+    let keyring: ClassKeyring
+    let content: EncryptedContent
+    let cipher: ContentCipher
+    let defaultClass: ProtectionClass
+    /// Open file handles (for `status`).
+    let openFiles = Atomic<Int>(0)
+    /// Whether created objects are chowned to the caller (the daemon runs as root).
+    let chownToCaller: Bool
+
+    init(dataFD: Int32, keyring: ClassKeyring, cipher: ContentCipher, defaultClass: ProtectionClass) throws {
+        table = try NodeTable(rootFD: dataFD)
+        self.keyring = keyring
+        self.cipher = cipher
+        self.content = EncryptedContent(layout: BlockLayout(cipher: cipher))
+        self.defaultClass = defaultClass
+        self.chownToCaller = geteuid() == 0
+    }
+
+    /// Caller identity of a request.
+    struct Caller { let uid: uid_t; let gid: gid_t }
+
+    // MARK: nodes and attributes
+
+    /// A node by id, or ENOENT / ESTALE.
+    func node(_ id: UInt64) throws -> Node {
+        guard let n = table.node(id) else { throw FSError(ESTALE) }
+        return n
+    }
+
+    /// Names the store reserves for its own metadata.
+    static func isReserved(_ name: String) -> Bool { name.hasPrefix(dirClassFile) }
+
+    /// Rejects reserved and malformed names.
+    static func checkName(_ name: String) throws {
+        if isReserved(name) { throw FSError(EPERM) }
+        if name.utf8.count > 255 { throw FSError(ENAMETOOLONG) }
+    }
+
+    /// Attributes with the plaintext size for regular files.
+    func attributes(fd: Int32) throws -> stat {
+        var st = stat()
+        try check(fstat(fd, &st))
+        if (st.st_mode & S_IFMT) == S_IFREG {
+            st.st_size = off_t(content.layout.plainSize(backingSize: Int(st.st_size)))
+        }
+        return st
+    }
+
+    /// Looks up `name` in `parent`: counts one kernel lookup.
+    func lookup(parent: UInt64, name: String) throws -> (Node, stat) {
+        if Self.isReserved(name) { throw FSError(ENOENT) }
+        let p = try node(parent)
+        let fd = try check(openat(p.fd, name, kbfs_O_PATH | O_NOFOLLOW | O_CLOEXEC))
+        var st = stat()
+        guard fstat(fd, &st) == 0 else { let e = errno; close(fd); throw FSError(e) }
+        let n = table.remember(fd: fd, stat: st)
+        return (n, try attributes(fd: n.fd))
+    }
+
+    /// getattr.
+    func getattr(_ id: UInt64) throws -> stat { try attributes(fd: try node(id).fd) }
+
+    /// setattr: mode, owner, size, times; returns the new attributes.
+    func setattr(_ id: UInt64, handle: FileHandle?, mode: mode_t?, uid: uid_t?, gid: gid_t?, size: Int?,
+                 atime: timespec?, mtime: timespec?) throws -> stat {
+        let n = try node(id)
+        if let mode {
+            if n.type == S_IFLNK { throw FSError(EOPNOTSUPP) }
+            try check(chmod(n.procPath, mode & 0o7777))
+        }
+        if uid != nil || gid != nil {
+            try check(fchownat(n.fd, "", uid ?? uid_t.max, gid ?? gid_t.max, kbfs_AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW))
+        }
+        if let size {
+            guard n.isRegular else { throw FSError(n.isDirectory ? EISDIR : EINVAL) }
+            try truncate(n, handle: handle, to: size)
+        }
+        if atime != nil || mtime != nil {
+            let omit = timespec(tv_sec: 0, tv_nsec: kbfs_UTIME_OMIT)
+            var times = [atime ?? omit, mtime ?? omit]
+            if n.type == S_IFLNK {
+                throw FSError(EOPNOTSUPP)
+            }
+            try check(utimensat(AT_FDCWD, n.procPath, &times, 0))
+        }
+        return try attributes(fd: n.fd)
+    }
+
+    // MARK: classes and keys
+
+    /// The header of a regular file, read once and cached.
+    private func header(_ state: inout FileKeyState, node: Node) throws -> FileHeader {
+        if let h = state.header { return h }
+        let fd = try check(Glibc.open(node.procPath, O_RDONLY | O_CLOEXEC))
+        defer { close(fd) }
+        let h = try EncryptedContent.readHeader(fd: fd)
+        state.header = h
+        return h
+    }
+
+    /// The file key for content access now, loading it from the header when the class key
+    /// is present. Class A answers EACCES whenever its class key is gone.
+    private func contentKey(_ state: inout FileKeyState, node: Node) throws -> FileContentKey {
+        let h = try header(&state, node: node)
+        if h.protectionClass == .complete && !keyring.canOpen(.complete) { throw FSError(EACCES) }
+        if let k = state.key, !k.isWiped { return k }
+        guard let ck = keyring.unwrappingKey(for: h.protectionClass) else { throw FSError(EACCES) }
+        let raw = try h.unwrap(using: ck)
+        let k = try FileContentKey(key: raw, cipher: cipher, fileID: h.fileID)
+        state.key = k
+        return k
+    }
+
+    /// The default class for new children of directory `dir`: its own setting, else the
+    /// nearest ancestor's, else the mount's default.
+    func inheritedClass(dirFD: Int32) -> ProtectionClass {
+        var cur = dup(dirFD)
+        defer { if cur >= 0 { close(cur) } }
+        for _ in 0..<4096 {
+            guard cur >= 0 else { break }
+            if let c = Self.readDirClass(dirFD: cur) { return c }
+            var st = stat()
+            guard fstat(cur, &st) == 0 else { break }
+            if UInt64(st.st_dev) == table.root.backingDev && UInt64(st.st_ino) == table.root.backingIno { break }
+            let up = openat(cur, "..", kbfs_O_PATH | O_DIRECTORY | O_CLOEXEC)
+            close(cur)
+            cur = up
+        }
+        return defaultClass
+    }
+
+    /// The class stored in a directory, if any.
+    static func readDirClass(dirFD: Int32) -> ProtectionClass? {
+        let fd = openat(dirFD, dirClassFile, O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
+        guard fd >= 0 else { return nil }
+        defer { close(fd) }
+        var buf = [UInt8](repeating: 0, count: 128)
+        let n = Glibc.read(fd, &buf, 128)
+        guard n > 0 else { return nil }
+        return ProtectionClass(name: String(decoding: buf[0..<n], as: UTF8.self))
+    }
+
+    /// Stores (or with nil removes) a directory's default class, atomically.
+    func writeDirClass(dirFD: Int32, _ cls: ProtectionClass?) throws {
+        guard let cls else {
+            if unlinkat(dirFD, Self.dirClassFile, 0) != 0 && errno != ENOENT { throw FSError(errno) }
+            return
+        }
+        let tmp = Self.dirClassFile + ".tmp"
+        let fd = try check(openat(dirFD, tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0o644))
+        let bytes = Array(cls.name.utf8)
+        let ok = Glibc.write(fd, bytes, bytes.count) == bytes.count && Glibc.fsync(fd) == 0
+        close(fd)
+        guard ok, renameat(dirFD, tmp, dirFD, Self.dirClassFile) == 0 else {
+            let e = errno; unlinkat(dirFD, tmp, 0); throw FSError(e == 0 ? EIO : e)
+        }
+    }
+
+    // MARK: files
+
+    /// Opens the backing file for a handle and loads the file key (EACCES by class rules).
+    func open(_ id: UInt64, flags: Int32) throws -> FileHandle {
+        let n = try node(id)
+        guard n.isRegular else { throw FSError(n.isDirectory ? EISDIR : EINVAL) }
+        let writable = (flags & O_ACCMODE) != O_RDONLY
+        let fd = try check(Glibc.open(n.procPath, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC))
+        do {
+            try n.io.withLock { st in
+                let h = try header(&st, node: n)
+                guard keyring.canOpen(h.protectionClass) else { throw FSError(EACCES) }
+                let key = try contentKey(&st, node: n)
+                if flags & O_TRUNC != 0 && writable { try content.truncate(fd: fd, key: key, to: 0) }
+                st.openCount += 1
+            }
+        } catch {
+            close(fd)
+            throw FSError(error)
+        }
+        openFiles.add(1, ordering: .relaxed)
+        return FileHandle(node: n, fd: fd, writable: writable)
+    }
+
+    /// Creates a regular file with the inherited class (EACCES when that class cannot create now).
+    func create(parent: UInt64, name: String, mode: mode_t, flags: Int32, caller: Caller) throws -> (Node, stat, FileHandle) {
+        try Self.checkName(name)
+        let p = try node(parent)
+        let cls = inheritedClass(dirFD: p.fd)
+        guard let wrapKey = keyring.wrappingKey(for: cls) else { throw FSError(EACCES) }
+        let bfd = openat(p.fd, name, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode & 0o7777)
+        if bfd < 0 {
+            let e = errno
+            if e == EEXIST && flags & O_EXCL == 0 {
+                let (n, _) = try lookup(parent: parent, name: name)
+                let h = try open(n.id, flags: flags)
+                return (n, try attributes(fd: n.fd), h)
+            }
+            throw FSError(e)
+        }
+        do {
+            if chownToCaller { fchown(bfd, caller.uid, caller.gid) }
+            let raw = SecureKey(random: 32)
+            let header = try FileHeader.create(fileKey: raw, class: cls, cipher: cipher, using: wrapKey)
+            try EncryptedContent.writeNewHeader(fd: bfd, header)
+            let key = try FileContentKey(key: raw, cipher: cipher, fileID: header.fileID)
+            let pathFD = try check(openat(p.fd, name, kbfs_O_PATH | O_NOFOLLOW | O_CLOEXEC))
+            var st = stat()
+            try check(fstat(pathFD, &st))
+            let n = table.remember(fd: pathFD, stat: st)
+            n.io.withLock { s in
+                s.header = header
+                s.key = key
+                s.openCount += 1
+            }
+            openFiles.add(1, ordering: .relaxed)
+            return (n, try attributes(fd: n.fd), FileHandle(node: n, fd: bfd, writable: true))
+        } catch {
+            unlinkat(p.fd, name, 0)
+            close(bfd)
+            throw FSError(error)
+        }
+    }
+
+    /// The last close of a handle: class B file keys die with the last handle once locked.
+    func release(_ h: FileHandle) {
+        h.node.io.withLock { st in
+            st.openCount -= 1
+            if st.openCount == 0, st.header?.protectionClass == .completeUnlessOpen, !keyring.canOpen(.completeUnlessOpen) {
+                st.key?.wipe()
+                st.key = nil
+            }
+        }
+        openFiles.subtract(1, ordering: .relaxed)
+    }
+
+    /// Reads through a handle.
+    func read(_ h: FileHandle, offset: Int, into buf: UnsafeMutableRawBufferPointer) throws -> Int {
+        try h.node.io.withLock { st in
+            let key = try contentKey(&st, node: h.node)
+            return try content.read(fd: h.fd, key: key, offset: offset, into: buf)
+        }
+    }
+
+    /// Writes through a handle.
+    func write(_ h: FileHandle, offset: Int, data: UnsafeRawBufferPointer) throws {
+        try h.node.io.withLock { st in
+            let key = try contentKey(&st, node: h.node)
+            try content.write(fd: h.fd, key: key, offset: offset, data: data)
+        }
+    }
+
+    /// Truncates through a handle when given, else through a fresh backing descriptor.
+    func truncate(_ n: Node, handle: FileHandle?, to size: Int) throws {
+        guard size >= 0 else { throw FSError(EINVAL) }
+        let fd: Int32
+        if let handle, handle.writable { fd = handle.fd } else { fd = try check(Glibc.open(n.procPath, O_RDWR | O_CLOEXEC)) }
+        defer { if fd != handle?.fd { close(fd) } }
+        try n.io.withLock { st in
+            let key = try contentKey(&st, node: n)
+            try content.truncate(fd: fd, key: key, to: size)
+        }
+    }
+
+    /// fsync of a handle.
+    func fsync(_ h: FileHandle, dataOnly: Bool) throws {
+        try check(dataOnly ? fdatasync(h.fd) : Glibc.fsync(h.fd))
+    }
+
+    // MARK: user.protection
+
+    /// The class of a file, or the stored default of a directory (ENODATA where none).
+    func protection(of id: UInt64) throws -> ProtectionClass {
+        let n = try node(id)
+        if n.isDirectory {
+            guard let c = Self.readDirClass(dirFD: n.fd) else { throw FSError(ENODATA) }
+            return c
+        }
+        guard n.isRegular else { throw FSError(ENODATA) }
+        return try n.io.withLock { st in try header(&st, node: n).protectionClass }
+    }
+
+    /// Changes a file's class by rewrapping its key into the other header slot; on a
+    /// directory, stores the default for new children.
+    func setProtection(of id: UInt64, to cls: ProtectionClass) throws {
+        let n = try node(id)
+        if n.isDirectory { return try writeDirClass(dirFD: n.fd, cls) }
+        guard n.isRegular else { throw FSError(EPERM) }
+        let fd = try check(Glibc.open(n.procPath, O_RDWR | O_CLOEXEC))
+        defer { close(fd) }
+        try n.io.withLock { st in
+            let h = try header(&st, node: n)
+            guard h.protectionClass != cls else { return }
+            let key = try contentKey(&st, node: n)
+            guard let wk = keyring.wrappingKey(for: cls) else { throw FSError(EACCES) }
+            let next = try h.rewrapped(fileKey: key.key, to: cls, using: wk)
+            try EncryptedContent.writeHeaderSlot(fd: fd, next)
+            st.header = next
+        }
+    }
+
+    /// Removes a directory's stored default (files always have a class: EPERM).
+    func removeProtection(of id: UInt64) throws {
+        let n = try node(id)
+        guard n.isDirectory else { throw FSError(n.isRegular ? EPERM : ENODATA) }
+        guard Self.readDirClass(dirFD: n.fd) != nil else { throw FSError(ENODATA) }
+        try writeDirClass(dirFD: n.fd, nil)
+    }
+
+    // MARK: lock
+
+    /// Lock, after the class keys are evicted: zeroes class A file keys and the keys of
+    /// class B files with no open handle. Returns the nodes whose page cache must go.
+    func evictFileKeys() -> [UInt64] {
+        var ids: [UInt64] = []
+        for n in table.regularFiles() {
+            let drop: Bool = n.io.withLock { st in
+                guard let h = st.header else { return false }
+                switch h.protectionClass {
+                case .complete:
+                    st.key?.wipe(); st.key = nil
+                    return true
+                case .completeUnlessOpen:
+                    if st.openCount == 0 { st.key?.wipe(); st.key = nil }
+                    return st.openCount == 0
+                default:
+                    return false
+                }
+            }
+            if drop { ids.append(n.id) }
+        }
+        return ids
+    }
+
+    // MARK: namespace
+
+    /// Chowns a new object to the caller when running as root.
+    private func own(_ dirFD: Int32, _ name: String, _ caller: Caller) {
+        if chownToCaller { fchownat(dirFD, name, caller.uid, caller.gid, AT_SYMLINK_NOFOLLOW) }
+    }
+
+    /// mkdir.
+    func mkdir(parent: UInt64, name: String, mode: mode_t, caller: Caller) throws -> (Node, stat) {
+        try Self.checkName(name)
+        let p = try node(parent)
+        try check(mkdirat(p.fd, name, mode & 0o7777))
+        own(p.fd, name, caller)
+        return try lookup(parent: parent, name: name)
+    }
+
+    /// mknod (FIFOs, sockets, and device nodes as root).
+    func mknod(parent: UInt64, name: String, mode: mode_t, rdev: dev_t, caller: Caller) throws -> (Node, stat) {
+        try Self.checkName(name)
+        let p = try node(parent)
+        if (mode & S_IFMT) == S_IFREG {
+            throw FSError(EPERM)   // regular files go through create, which writes the header
+        }
+        try check(mknodat(p.fd, name, mode, rdev))
+        own(p.fd, name, caller)
+        return try lookup(parent: parent, name: name)
+    }
+
+    /// symlink.
+    func symlink(target: String, parent: UInt64, name: String, caller: Caller) throws -> (Node, stat) {
+        try Self.checkName(name)
+        let p = try node(parent)
+        try check(symlinkat(target, p.fd, name))
+        own(p.fd, name, caller)
+        return try lookup(parent: parent, name: name)
+    }
+
+    /// readlink.
+    func readlink(_ id: UInt64) throws -> [UInt8] {
+        let n = try node(id)
+        var buf = [UInt8](repeating: 0, count: Int(PATH_MAX) + 1)
+        let len = try check(readlinkat(n.fd, "", &buf, buf.count))
+        return Array(buf[0..<len])
+    }
+
+    /// unlink.
+    func unlink(parent: UInt64, name: String) throws {
+        if Self.isReserved(name) { throw FSError(ENOENT) }
+        try check(unlinkat(try node(parent).fd, name, 0))
+    }
+
+    /// rmdir: a directory holding only its class file counts as empty.
+    func rmdir(parent: UInt64, name: String) throws {
+        if Self.isReserved(name) { throw FSError(ENOENT) }
+        let p = try node(parent)
+        if unlinkat(p.fd, name, AT_REMOVEDIR) == 0 { return }
+        let e = errno
+        guard e == ENOTEMPTY || e == EEXIST else { throw FSError(e) }
+        let dfd = try check(openat(p.fd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC))
+        defer { close(dfd) }
+        let names = try listNames(dirFD: dfd)
+        guard names.allSatisfy({ Self.isReserved($0) }) else { throw FSError(ENOTEMPTY) }
+        let saved = Self.readDirClass(dirFD: dfd)
+        for r in names { unlinkat(dfd, r, 0) }
+        if unlinkat(p.fd, name, AT_REMOVEDIR) != 0 {
+            let e2 = errno
+            if let saved { try? writeDirClass(dirFD: dfd, saved) }
+            throw FSError(e2)
+        }
+    }
+
+    /// rename (flags: RENAME_NOREPLACE, RENAME_EXCHANGE).
+    func rename(parent: UInt64, name: String, newParent: UInt64, newName: String, flags: UInt32) throws {
+        if Self.isReserved(name) { throw FSError(ENOENT) }
+        try Self.checkName(newName)
+        let p = try node(parent), np = try node(newParent)
+        try check(kbfs_renameat2(p.fd, name, np.fd, newName, flags))
+    }
+
+    /// link: hard links share the backing inode, so its header, key and class.
+    func link(_ id: UInt64, newParent: UInt64, newName: String) throws -> (Node, stat) {
+        try Self.checkName(newName)
+        let n = try node(id)
+        let np = try node(newParent)
+        guard !n.isDirectory else { throw FSError(EPERM) }
+        try check(linkat(AT_FDCWD, n.procPath, np.fd, newName, AT_SYMLINK_FOLLOW))
+        return try lookup(parent: newParent, name: newName)
+    }
+
+    /// statfs of the store's filesystem.
+    func statfs() throws -> statvfs {
+        var s = statvfs()
+        try check(fstatvfs(table.root.fd, &s))
+        return s
+    }
+
+    // MARK: directories
+
+    /// Names in a directory (without . and ..).
+    private func listNames(dirFD: Int32) throws -> [String] {
+        try listEntries(dirFD: dirFD, includeReserved: true).map(\.name)
+    }
+
+    /// Entries of a directory opened as `dirFD` (consumed).
+    private func listEntries(dirFD: Int32, includeReserved: Bool) throws -> [DirHandle.Entry] {
+        let dup2fd = try check(dup(dirFD))
+        guard let dir = fdopendir(dup2fd) else { let e = errno; close(dup2fd); throw FSError(e) }
+        defer { closedir(dir) }
+        var out: [DirHandle.Entry] = []
+        while let ent = readdir(dir) {
+            let name = withUnsafeBytes(of: ent.pointee.d_name) { raw in
+                String(cString: raw.baseAddress!.assumingMemoryBound(to: CChar.self))
+            }
+            if name == "." || name == ".." { continue }
+            if !includeReserved && Self.isReserved(name) { continue }
+            out.append(.init(name: name, ino: UInt64(ent.pointee.d_ino), type: ent.pointee.d_type))
+        }
+        return out
+    }
+
+    /// opendir: snapshots the entries, with . and .. first.
+    func opendir(_ id: UInt64) throws -> DirHandle {
+        let n = try node(id)
+        guard n.isDirectory else { throw FSError(ENOTDIR) }
+        let dfd = try check(openat(n.fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC))
+        defer { close(dfd) }
+        var entries = [DirHandle.Entry(name: ".", ino: n.backingIno, type: UInt8(DT_DIR)),
+                       DirHandle.Entry(name: "..", ino: 0, type: UInt8(DT_DIR))]
+        entries += try listEntries(dirFD: dfd, includeReserved: false)
+        return DirHandle(entries: entries)
+    }
+}
+

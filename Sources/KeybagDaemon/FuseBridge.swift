@@ -1,0 +1,265 @@
+import CFuse
+import Glibc
+import KeybagCore
+import Synchronization
+
+/// What the FUSE callbacks reach through `fuse_req_userdata`.
+final class FuseContext: Sendable {
+    /// The filesystem the callbacks drive.
+    let fs: Filesystem
+    /// Seconds the kernel may cache attributes and entries.
+    let cacheTimeout: Double
+    init(fs: Filesystem, cacheTimeout: Double) { self.fs = fs; self.cacheTimeout = cacheTimeout }
+}
+
+/// The low-level FUSE glue: thin callbacks that decode a request, call `Filesystem` and
+/// reply. No policy lives here.
+enum FuseBridge {
+    /// The context of a request.
+    @inline(__always)
+    static func context(_ req: fuse_req_t?) -> FuseContext {
+        Unmanaged<FuseContext>.fromOpaque(fuse_req_userdata(req)!).takeUnretainedValue()
+    }
+
+    /// The caller's uid and gid.
+    static func caller(_ req: fuse_req_t?) -> Filesystem.Caller {
+        let c = fuse_req_ctx(req)!.pointee
+        return .init(uid: c.uid, gid: c.gid)
+    }
+
+    /// Replies an errno.
+    static func err(_ req: fuse_req_t?, _ e: Int32) { fuse_reply_err(req, e) }
+
+    /// Replies an error from any thrown error.
+    static func fail(_ req: fuse_req_t?, _ error: Error) {
+        fuse_reply_err(req, FSError(error).errno)
+    }
+
+    /// Replies an entry for a looked-up node.
+    static func replyEntry(_ req: fuse_req_t?, _ node: Node, _ st: stat) {
+        let ctx = context(req)
+        var e = fuse_entry_param()
+        e.ino = node.id
+        e.attr = st
+        e.attr_timeout = ctx.cacheTimeout
+        e.entry_timeout = ctx.cacheTimeout
+        fuse_reply_entry(req, &e)
+    }
+
+    /// The handle behind `fi.fh`.
+    static func handle(_ fi: UnsafeMutablePointer<fuse_file_info>?) -> FileHandle? {
+        guard let fi, fi.pointee.fh != 0 else { return nil }
+        return Unmanaged<FileHandle>.fromOpaque(UnsafeRawPointer(bitPattern: UInt(fi.pointee.fh))!).takeUnretainedValue()
+    }
+
+    /// Stores a file handle in `fi` (no page cache kept across opens).
+    static func attach(_ h: FileHandle, to fi: UnsafeMutablePointer<fuse_file_info>) {
+        fi.pointee.fh = UInt64(UInt(bitPattern: Unmanaged.passRetained(h).toOpaque()))
+        fi.pointee.keep_cache = 0
+    }
+
+    /// A C string argument as a Swift string.
+    static func str(_ p: UnsafePointer<CChar>?) -> String { p.map { String(cString: $0) } ?? "" }
+
+    /// The operations table.
+    static func operations() -> fuse_lowlevel_ops {
+        var ops = fuse_lowlevel_ops()
+        ops.`init` = { _, conn in
+            guard let conn else { return }
+            conn.pointee.want &= ~UInt32(FUSE_CAP_WRITEBACK_CACHE)
+            conn.pointee.want |= UInt32(FUSE_CAP_ATOMIC_O_TRUNC) & conn.pointee.capable
+        }
+        ops.lookup = { req, parent, name in
+            do { let (n, st) = try FuseBridge.context(req).fs.lookup(parent: parent, name: FuseBridge.str(name)); FuseBridge.replyEntry(req, n, st) }
+            catch { FuseBridge.fail(req, error) }
+        }
+        ops.forget = { req, ino, nlookup in
+            FuseBridge.context(req).fs.table.forget(ino, count: nlookup)
+            fuse_reply_none(req)
+        }
+        ops.forget_multi = { req, count, forgets in
+            let fs = FuseBridge.context(req).fs
+            if let forgets { for i in 0..<count { fs.table.forget(forgets[i].ino, count: forgets[i].nlookup) } }
+            fuse_reply_none(req)
+        }
+        ops.getattr = { req, ino, _ in
+            do { var st = try FuseBridge.context(req).fs.getattr(ino); fuse_reply_attr(req, &st, FuseBridge.context(req).cacheTimeout) }
+            catch { FuseBridge.fail(req, error) }
+        }
+        ops.setattr = { req, ino, attr, toSet, fi in
+            guard let a = attr?.pointee else { return FuseBridge.err(req, EINVAL) }
+            let s = toSet
+            func ts(_ set: Int32, _ now: Int32, _ v: timespec) -> timespec? {
+                if s & now != 0 { return timespec(tv_sec: 0, tv_nsec: kbfs_UTIME_NOW) }
+                return s & set != 0 ? v : nil
+            }
+            do {
+                var st = try FuseBridge.context(req).fs.setattr(
+                    ino, handle: FuseBridge.handle(fi),
+                    mode: s & FUSE_SET_ATTR_MODE != 0 ? a.st_mode : nil,
+                    uid: s & FUSE_SET_ATTR_UID != 0 ? a.st_uid : nil,
+                    gid: s & FUSE_SET_ATTR_GID != 0 ? a.st_gid : nil,
+                    size: s & FUSE_SET_ATTR_SIZE != 0 ? Int(a.st_size) : nil,
+                    atime: ts(FUSE_SET_ATTR_ATIME, FUSE_SET_ATTR_ATIME_NOW, a.st_atim),
+                    mtime: ts(FUSE_SET_ATTR_MTIME, FUSE_SET_ATTR_MTIME_NOW, a.st_mtim))
+                fuse_reply_attr(req, &st, FuseBridge.context(req).cacheTimeout)
+            } catch { FuseBridge.fail(req, error) }
+        }
+        ops.readlink = { req, ino in
+            do {
+                var bytes = try FuseBridge.context(req).fs.readlink(ino)
+                bytes.append(0)
+                bytes.withUnsafeBufferPointer { b in
+                    _ = b.baseAddress!.withMemoryRebound(to: CChar.self, capacity: b.count) { fuse_reply_readlink(req, $0) }
+                }
+            } catch { FuseBridge.fail(req, error) }
+        }
+        ops.mknod = { req, parent, name, mode, rdev in
+            do { let (n, st) = try FuseBridge.context(req).fs.mknod(parent: parent, name: FuseBridge.str(name), mode: mode, rdev: rdev, caller: FuseBridge.caller(req)); FuseBridge.replyEntry(req, n, st) }
+            catch { FuseBridge.fail(req, error) }
+        }
+        ops.mkdir = { req, parent, name, mode in
+            do { let (n, st) = try FuseBridge.context(req).fs.mkdir(parent: parent, name: FuseBridge.str(name), mode: mode, caller: FuseBridge.caller(req)); FuseBridge.replyEntry(req, n, st) }
+            catch { FuseBridge.fail(req, error) }
+        }
+        ops.unlink = { req, parent, name in
+            do { try FuseBridge.context(req).fs.unlink(parent: parent, name: FuseBridge.str(name)); _ = fuse_reply_err(req, 0) } catch { FuseBridge.fail(req, error) }
+        }
+        ops.rmdir = { req, parent, name in
+            do { try FuseBridge.context(req).fs.rmdir(parent: parent, name: FuseBridge.str(name)); _ = fuse_reply_err(req, 0) } catch { FuseBridge.fail(req, error) }
+        }
+        ops.symlink = { req, link, parent, name in
+            do { let (n, st) = try FuseBridge.context(req).fs.symlink(target: FuseBridge.str(link), parent: parent, name: FuseBridge.str(name), caller: FuseBridge.caller(req)); FuseBridge.replyEntry(req, n, st) }
+            catch { FuseBridge.fail(req, error) }
+        }
+        ops.rename = { req, parent, name, newParent, newName, flags in
+            do { try FuseBridge.context(req).fs.rename(parent: parent, name: FuseBridge.str(name), newParent: newParent, newName: FuseBridge.str(newName), flags: flags); _ = fuse_reply_err(req, 0) }
+            catch { FuseBridge.fail(req, error) }
+        }
+        ops.link = { req, ino, newParent, newName in
+            do { let (n, st) = try FuseBridge.context(req).fs.link(ino, newParent: newParent, newName: FuseBridge.str(newName)); FuseBridge.replyEntry(req, n, st) }
+            catch { FuseBridge.fail(req, error) }
+        }
+        ops.open = { req, ino, fi in
+            guard let fi else { return FuseBridge.err(req, EINVAL) }
+            do {
+                let h = try FuseBridge.context(req).fs.open(ino, flags: fi.pointee.flags)
+                FuseBridge.attach(h, to: fi)
+                if fuse_reply_open(req, fi) != 0 { FuseBridge.context(req).fs.release(h); Unmanaged<FileHandle>.fromOpaque(UnsafeRawPointer(bitPattern: UInt(fi.pointee.fh))!).release() }
+            } catch { FuseBridge.fail(req, error) }
+        }
+        ops.create = { req, parent, name, mode, fi in
+            guard let fi else { return FuseBridge.err(req, EINVAL) }
+            do {
+                let (n, st, h) = try FuseBridge.context(req).fs.create(parent: parent, name: FuseBridge.str(name), mode: mode, flags: fi.pointee.flags, caller: FuseBridge.caller(req))
+                FuseBridge.attach(h, to: fi)
+                var e = fuse_entry_param()
+                e.ino = n.id
+                e.attr = st
+                e.attr_timeout = FuseBridge.context(req).cacheTimeout
+                e.entry_timeout = FuseBridge.context(req).cacheTimeout
+                if fuse_reply_create(req, &e, fi) != 0 { FuseBridge.context(req).fs.release(h); Unmanaged<FileHandle>.fromOpaque(UnsafeRawPointer(bitPattern: UInt(fi.pointee.fh))!).release() }
+            } catch { FuseBridge.fail(req, error) }
+        }
+        ops.read = { req, _, size, off, fi in
+            guard let h = FuseBridge.handle(fi) else { return FuseBridge.err(req, EBADF) }
+            let buf = UnsafeMutableRawBufferPointer.allocate(byteCount: max(size, 1), alignment: 16)
+            defer { buf.deallocate() }
+            do {
+                let n = try FuseBridge.context(req).fs.read(h, offset: Int(off), into: UnsafeMutableRawBufferPointer(rebasing: buf[0..<size]))
+                fuse_reply_buf(req, buf.baseAddress!.assumingMemoryBound(to: CChar.self), n)
+            } catch { FuseBridge.fail(req, error) }
+        }
+        ops.write = { req, _, data, size, off, fi in
+            guard let h = FuseBridge.handle(fi) else { return FuseBridge.err(req, EBADF) }
+            do {
+                try FuseBridge.context(req).fs.write(h, offset: Int(off), data: UnsafeRawBufferPointer(start: data, count: size))
+                fuse_reply_write(req, size)
+            } catch { FuseBridge.fail(req, error) }
+        }
+        ops.flush = { req, _, _ in _ = fuse_reply_err(req, 0) }
+        ops.release = { req, _, fi in
+            if let fi, fi.pointee.fh != 0 {
+                let h = Unmanaged<FileHandle>.fromOpaque(UnsafeRawPointer(bitPattern: UInt(fi.pointee.fh))!).takeRetainedValue()
+                FuseBridge.context(req).fs.release(h)
+            }
+            fuse_reply_err(req, 0)
+        }
+        ops.fsync = { req, _, datasync, fi in
+            guard let h = FuseBridge.handle(fi) else { return FuseBridge.err(req, EBADF) }
+            do { try FuseBridge.context(req).fs.fsync(h, dataOnly: datasync != 0); _ = fuse_reply_err(req, 0) } catch { FuseBridge.fail(req, error) }
+        }
+        ops.opendir = { req, ino, fi in
+            guard let fi else { return FuseBridge.err(req, EINVAL) }
+            do {
+                let d = try FuseBridge.context(req).fs.opendir(ino)
+                fi.pointee.fh = UInt64(UInt(bitPattern: Unmanaged.passRetained(d).toOpaque()))
+                if fuse_reply_open(req, fi) != 0 { Unmanaged<DirHandle>.fromOpaque(UnsafeRawPointer(bitPattern: UInt(fi.pointee.fh))!).release() }
+            } catch { FuseBridge.fail(req, error) }
+        }
+        ops.readdir = { req, _, size, off, fi in
+            guard let fi, fi.pointee.fh != 0 else { return FuseBridge.err(req, EBADF) }
+            let d = Unmanaged<DirHandle>.fromOpaque(UnsafeRawPointer(bitPattern: UInt(fi.pointee.fh))!).takeUnretainedValue()
+            let buf = UnsafeMutablePointer<CChar>.allocate(capacity: max(size, 1))
+            defer { buf.deallocate() }
+            var used = 0
+            var i = max(0, Int(off))
+            while i < d.entries.count {
+                let e = d.entries[i]
+                var st = stat()
+                st.st_ino = UInt(e.ino)
+                st.st_mode = mode_t(e.type) << 12
+                let need = fuse_add_direntry(req, buf + used, size - used, e.name, &st, off_t(i + 1))
+                if need > size - used { break }
+                used += need
+                i += 1
+            }
+            fuse_reply_buf(req, buf, used)
+        }
+        ops.releasedir = { req, _, fi in
+            if let fi, fi.pointee.fh != 0 {
+                Unmanaged<DirHandle>.fromOpaque(UnsafeRawPointer(bitPattern: UInt(fi.pointee.fh))!).release()
+            }
+            fuse_reply_err(req, 0)
+        }
+        ops.fsyncdir = { req, _, _, _ in _ = fuse_reply_err(req, 0) }
+        ops.statfs = { req, _ in
+            do { var s = try FuseBridge.context(req).fs.statfs(); fuse_reply_statfs(req, &s) } catch { FuseBridge.fail(req, error) }
+        }
+        ops.setxattr = { req, ino, name, value, size, flags in
+            let n = FuseBridge.str(name)
+            guard n == "user.protection" else { return FuseBridge.err(req, n.hasPrefix("user.") ? EOPNOTSUPP : EOPNOTSUPP) }
+            let raw = value.map { String(decoding: UnsafeRawBufferPointer(start: $0, count: size), as: UTF8.self) } ?? ""
+            guard let cls = ProtectionClass(name: raw) else { return FuseBridge.err(req, EINVAL) }
+            let fs = FuseBridge.context(req).fs
+            do {
+                let current = try? fs.protection(of: ino)
+                if flags & kbfs_XATTR_CREATE != 0 && current != nil { return FuseBridge.err(req, EEXIST) }
+                if flags & kbfs_XATTR_REPLACE != 0 && current == nil { return FuseBridge.err(req, ENODATA) }
+                try fs.setProtection(of: ino, to: cls)
+                fuse_reply_err(req, 0)
+            } catch { FuseBridge.fail(req, error) }
+        }
+        ops.getxattr = { req, ino, name, size in
+            guard FuseBridge.str(name) == "user.protection" else { return FuseBridge.err(req, ENODATA) }
+            do {
+                let value = Array(try FuseBridge.context(req).fs.protection(of: ino).name.utf8)
+                if size == 0 { fuse_reply_xattr(req, value.count) }
+                else if size < value.count { fuse_reply_err(req, ERANGE) }
+                else { value.withUnsafeBufferPointer { b in _ = b.baseAddress!.withMemoryRebound(to: CChar.self, capacity: b.count) { fuse_reply_buf(req, $0, b.count) } } }
+            } catch { FuseBridge.fail(req, error) }
+        }
+        ops.listxattr = { req, ino, size in
+            let fs = FuseBridge.context(req).fs
+            let list: [UInt8] = (try? fs.protection(of: ino)) != nil ? Array("user.protection\0".utf8) : []
+            if size == 0 { fuse_reply_xattr(req, list.count) }
+            else if size < list.count { fuse_reply_err(req, ERANGE) }
+            else { list.withUnsafeBufferPointer { b in _ = fuse_reply_buf(req, UnsafeRawPointer(b.baseAddress)?.assumingMemoryBound(to: CChar.self), b.count) } }
+        }
+        ops.removexattr = { req, ino, name in
+            guard FuseBridge.str(name) == "user.protection" else { return FuseBridge.err(req, ENODATA) }
+            do { try FuseBridge.context(req).fs.removeProtection(of: ino); _ = fuse_reply_err(req, 0) } catch { FuseBridge.fail(req, error) }
+        }
+        return ops
+    }
+}

@@ -1,0 +1,146 @@
+import CFuse
+import Foundation
+import Glibc
+import KeybagCore
+
+/// What `keybagfs mount` was asked to do.
+public struct MountConfiguration: Sendable {
+    public var store: String
+    public var mountpoint: String
+    public var socketPath: String
+    public var deviceKeyPath: String?
+    public var defaultClass: ProtectionClass
+    public var grace: Double
+    public var fuseOptions: [String]
+    /// Descriptor to report readiness on ("OK" or "ERR message"), from the launching parent.
+    public var readyFD: Int32?
+
+    public init(store: String, mountpoint: String, socketPath: String, deviceKeyPath: String?, defaultClass: ProtectionClass,
+                grace: Double, fuseOptions: [String], readyFD: Int32?) {
+        self.store = store; self.mountpoint = mountpoint; self.socketPath = socketPath; self.deviceKeyPath = deviceKeyPath
+        self.defaultClass = defaultClass; self.grace = grace; self.fuseOptions = fuseOptions; self.readyFD = readyFD
+    }
+}
+
+/// The daemon's life: open the store, bind the control socket, mount, serve until
+/// unmounted or signalled, then zero every key.
+public enum MountDaemon {
+    /// Writes a line to stderr.
+    static func log(_ s: String) { Foundation.FileHandle.standardError.write(Data(("keybagfs: " + s + "\n").utf8)) }
+
+    /// Tells the launching parent (and systemd) how the start went.
+    static func report(_ cfg: MountConfiguration, _ line: String) {
+        if let fd = cfg.readyFD {
+            let b = Array((line + "\n").utf8)
+            _ = b.withUnsafeBytes { Glibc.write(fd, $0.baseAddress!, $0.count) }
+            close(fd)
+        }
+    }
+
+    /// Sends READY=1 to systemd when started as a Type=notify service.
+    static func notifySystemd() {
+        guard let path = ProcessInfo.processInfo.environment["NOTIFY_SOCKET"], !path.isEmpty else { return }
+        let fd = socket(AF_UNIX, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
+        guard fd >= 0 else { return }
+        defer { close(fd) }
+        var addr = sockaddr_un()
+        addr.sun_family = sa_family_t(AF_UNIX)
+        var bytes = Array(path.utf8)
+        if bytes.first == UInt8(ascii: "@") { bytes[0] = 0 }   // abstract namespace
+        guard bytes.count < MemoryLayout.size(ofValue: addr.sun_path) else { return }
+        withUnsafeMutableBytes(of: &addr.sun_path) { p in for (i, b) in bytes.enumerated() { p[i] = b } }
+        let msg = Array("READY=1\nMAINPID=\(getpid())".utf8)
+        let len = socklen_t(MemoryLayout<sa_family_t>.size + bytes.count)
+        _ = withUnsafePointer(to: &addr) { a in
+            msg.withUnsafeBytes { m in sendto(fd, m.baseAddress!, m.count, Int32(MSG_NOSIGNAL), UnsafeRawPointer(a).assumingMemoryBound(to: sockaddr.self), len) }
+        }
+    }
+
+    /// Runs the daemon in this process; returns the exit code.
+    public static func run(_ cfg: MountConfiguration) -> Int32 {
+        _ = kbfs_set_nondumpable()
+        _ = kbfs_raise_nofile()
+        umask(0)
+        Sodium.ensureInitialized()
+        let deviceKey: SecureKey, keybag: Keybag, classD: SecureKey
+        do {
+            keybag = try Keybag.load(storePath: cfg.store)
+            guard keybag.cipher.isAvailable else { throw KeybagError.invalid("this CPU cannot run the store's cipher \(keybag.cipher.name)") }
+            let dkPath = cfg.deviceKeyPath ?? DeviceKeyFile.defaultPath(storeID: keybag.file.storeID)
+            deviceKey = try DeviceKeyFile.load(from: dkPath)
+            classD = try keybag.unwrapDeviceKeySlot("D", deviceKey: deviceKey)
+            try keybag.unwrapDeviceKeySlot("volume", deviceKey: deviceKey).wipe()
+        } catch {
+            log("\(error)"); report(cfg, "ERR \(error)"); return 1
+        }
+        let dataFD = open(cfg.store + "/" + Keybag.dataDirName, kbfs_O_PATH | O_DIRECTORY | O_CLOEXEC)
+        guard dataFD >= 0 else {
+            let m = "cannot open \(cfg.store)/\(Keybag.dataDirName): \(String(cString: strerror(errno)))"
+            log(m); report(cfg, "ERR " + m); return 1
+        }
+        let keyring = ClassKeyring(classD: classD)
+        let fs: Filesystem
+        do { fs = try Filesystem(dataFD: dataFD, keyring: keyring, cipher: keybag.cipher, defaultClass: cfg.defaultClass) } catch {
+            log("\(error)"); report(cfg, "ERR \(error)"); return 1
+        }
+        let mountpoint = URL(fileURLWithPath: cfg.mountpoint).standardizedFileURL.path
+        let controller = Controller(keybag: keybag, deviceKey: deviceKey, keyring: keyring, fs: fs, grace: cfg.grace, mountpoint: mountpoint)
+        let server: ControlServer
+        do { server = try ControlServer(path: cfg.socketPath, controller: controller) } catch {
+            log("\(error)"); report(cfg, "ERR \(error)"); controller.shutdown(); return 1
+        }
+
+        let fsname = cfg.store.replacingOccurrences(of: ",", with: "_")
+        var opts = ["default_permissions", "fsname=\(fsname)", "subtype=keybagfs"]
+        opts += cfg.fuseOptions
+        let argv: [String] = ["keybagfs", "-o", opts.joined(separator: ",")]
+        let cargs = argv.map { strdup($0) }
+        defer { cargs.forEach { free($0) } }
+        var cArgv: [UnsafeMutablePointer<CChar>?] = cargs + [nil]
+        let context = FuseContext(fs: fs, cacheTimeout: 1.0)
+        let userdata = Unmanaged.passRetained(context).toOpaque()
+        var ops = FuseBridge.operations()
+        let se: OpaquePointer? = cArgv.withUnsafeMutableBufferPointer { buf in
+            var args = fuse_args(argc: Int32(argv.count), argv: buf.baseAddress, allocated: 0)
+            let s = fuse_session_new(&args, &ops, MemoryLayout<fuse_lowlevel_ops>.size, userdata)
+            fuse_opt_free_args(&args)
+            return s
+        }
+        guard let se else {
+            let m = "cannot create the FUSE session (bad -o options?)"
+            log(m); report(cfg, "ERR " + m); server.stop(); controller.shutdown(); return 1
+        }
+        guard fuse_set_signal_handlers(se) == 0 else {
+            report(cfg, "ERR cannot install signal handlers"); server.stop(); controller.shutdown(); return 1
+        }
+        guard fuse_session_mount(se, mountpoint) == 0 else {
+            let m = "cannot mount on \(mountpoint) (does it exist? is /dev/fuse usable?)"
+            log(m); report(cfg, "ERR " + m)
+            fuse_remove_signal_handlers(se); fuse_session_destroy(se); server.stop(); controller.shutdown(); return 1
+        }
+        controller.session.store(UInt(bitPattern: Int(bitPattern: UnsafeRawPointer(se))), ordering: .releasing)
+        server.start()
+        report(cfg, "OK")
+        notifySystemd()
+        if cfg.readyFD != nil {
+            // Detached: stdio no longer belongs to the launching terminal.
+            let null = open("/dev/null", O_RDWR)
+            if null >= 0 { dup2(null, 0); dup2(null, 1); dup2(null, 2); close(null) }
+        }
+
+        let loopCfg = fuse_loop_cfg_create()
+        fuse_loop_cfg_set_max_threads(loopCfg, 16)
+        fuse_loop_cfg_set_clone_fd(loopCfg, 1)
+        let rc = fuse_session_loop_mt(se, loopCfg)
+        fuse_loop_cfg_destroy(loopCfg)
+
+        controller.session.store(0, ordering: .releasing)
+        server.stop()
+        controller.shutdown()
+        fuse_session_unmount(se)
+        fuse_remove_signal_handlers(se)
+        fuse_session_destroy(se)
+        Unmanaged<FuseContext>.fromOpaque(userdata).release()
+        return rc == 0 || rc == SIGTERM || rc == SIGINT || rc == SIGHUP ? 0 : 1
+    }
+}

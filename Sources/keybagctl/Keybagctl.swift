@@ -1,0 +1,228 @@
+import ArgumentParser
+import Foundation
+import Glibc
+import KeybagCore
+
+/// A refusal or failure with the exit code the contract gives it.
+struct CtlFailure: Error {
+    let code: Int32
+    let message: String
+}
+
+/// `keybagctl`: talk to a keybagfs daemon over its control socket.
+@main
+struct Keybagctl: ParsableCommand {
+    static let configuration = CommandConfiguration(
+        commandName: "keybagctl",
+        abstract: "Lock, unlock and watch a keybagfs mount.",
+        discussion: """
+        Exit codes: 0 done, 1 refused (wrong passcode, locked, throttled), 2 usage, 3 cannot reach the daemon.
+        Without --socket or --mount, the only keybagfs mount in /proc/self/mountinfo is used.
+        """,
+        subcommands: [Status.self, Unlock.self, Lock.self, Watch.self, Passwd.self])
+
+    /// Runs the command with the contract's exit codes.
+    static func main() {
+        do {
+            var command = try parseAsRoot(hoistingTargetOptions(Array(CommandLine.arguments.dropFirst())))
+            try command.run()
+        } catch let f as CtlFailure {
+            FileHandle.standardError.write(Data("keybagctl: \(f.message)\n".utf8))
+            Glibc.exit(f.code)
+        } catch let e as KeybagError {
+            FileHandle.standardError.write(Data("keybagctl: \(e)\n".utf8))
+            Glibc.exit(1)
+        } catch {
+            let code = exitCode(for: error)
+            if code == .success { exit(withError: error) }
+            if code.rawValue == 64 || code == .validationFailure {
+                FileHandle.standardError.write(Data((fullMessage(for: error) + "\n").utf8))
+                Glibc.exit(2)
+            }
+            exit(withError: error)
+        }
+    }
+}
+
+/// Moves `--socket`/`--mount` given before the subcommand behind it, so both
+/// `keybagctl --socket S status` and `keybagctl status --socket S` work.
+func hoistingTargetOptions(_ args: [String]) -> [String] {
+    var leading: [String] = []
+    var i = 0
+    while i < args.count {
+        let a = args[i]
+        if (a == "--socket" || a == "--mount"), i + 1 < args.count {
+            leading += [a, args[i + 1]]; i += 2
+        } else if a.hasPrefix("--socket=") || a.hasPrefix("--mount=") {
+            leading.append(a); i += 1
+        } else { break }
+    }
+    guard !leading.isEmpty, i < args.count else { return args }
+    return [args[i]] + leading + Array(args[(i + 1)...])
+}
+
+/// Where to find the daemon.
+struct Target: ParsableArguments {
+    @Option(help: "Control socket path.")
+    var socket: String?
+
+    @Option(help: "Mount point of the keybagfs mount (its default socket is used).")
+    var mount: String?
+
+    /// The socket path to use.
+    func socketPath() throws -> String {
+        if let socket { return socket }
+        if let mount { return ControlPaths.defaultSocket(forMountpoint: mount) }
+        let mounts = ControlPaths.keybagfsMounts()
+        if mounts.count == 1 { return ControlPaths.defaultSocket(forMountpoint: mounts[0]) }
+        if mounts.isEmpty { throw CtlFailure(code: 3, message: "no keybagfs mount found; use --socket or --mount") }
+        throw CtlFailure(code: 2, message: "several keybagfs mounts (\(mounts.joined(separator: ", "))); choose one with --mount")
+    }
+
+    /// Opens a connection.
+    func connect() throws -> Session {
+        let path = try socketPath()
+        do { return Session(fd: try ControlClient.connect(path: path)) } catch {
+            throw CtlFailure(code: 3, message: "cannot reach the daemon at \(path): \(error)")
+        }
+    }
+}
+
+/// One connection: request/reply.
+final class Session {
+    let fd: Int32
+    var buffer: [UInt8] = []
+    init(fd: Int32) { self.fd = fd }
+    deinit { close(fd) }
+
+    /// Sends a request and returns the reply object.
+    func call(_ request: [String: Any]) throws -> [String: Any] {
+        do { try ControlClient.sendLine(fd, ControlProtocol.encode(request)) } catch {
+            throw CtlFailure(code: 3, message: "lost the daemon: \(error)")
+        }
+        guard let line = ControlClient.readLine(fd, buffer: &buffer) else { throw CtlFailure(code: 3, message: "the daemon closed the connection") }
+        guard let reply = ControlProtocol.decode(line) else { throw CtlFailure(code: 3, message: "unreadable reply from the daemon") }
+        return reply
+    }
+
+    /// Sends a request; a refusal becomes exit 1 with the daemon's message and any retry delay.
+    func checked(_ request: [String: Any]) throws -> [String: Any] {
+        let reply = try call(request)
+        if reply["ok"] as? Bool == true { return reply }
+        let code = reply["error"] as? String ?? "error"
+        var msg = reply["message"] as? String ?? code
+        if let r = reply["retryAfter"] as? Int, !msg.contains("retry") { msg += " (retry in \(r) s)" }
+        throw CtlFailure(code: 1, message: "\(code): \(msg)")
+    }
+}
+
+/// A passcode as a JSON string (the protocol carries text).
+func passcodeString(_ k: SecureKey) throws -> String {
+    try k.withBytes { b in
+        guard let s = String(validating: b.bindMemory(to: UInt8.self), as: UTF8.self) else {
+            throw CtlFailure(code: 2, message: "the passcode must be valid UTF-8")
+        }
+        return s
+    }
+}
+
+struct Status: ParsableCommand {
+    static let configuration = CommandConfiguration(abstract: "Show the lock state.")
+    @OptionGroup var target: Target
+    @Flag(help: "Print the daemon's status object as one JSON line.")
+    var json = false
+
+    func run() throws {
+        let reply = try target.connect().checked(["op": "status"])
+        if json { print(ControlProtocol.encode(reply)); return }
+        print("state: \(reply["state"] ?? "?")")
+        print("protected data available: \((reply["protectedDataAvailable"] as? Bool) == true ? "yes" : "no")")
+        print("open files: \(reply["openFiles"] ?? 0)")
+        print("grace: \(reply["grace"] ?? 0) s")
+        if let r = reply["retryAfter"] as? Int, r > 0 { print("unlock throttled: retry in \(r) s") }
+    }
+}
+
+struct Unlock: ParsableCommand {
+    static let configuration = CommandConfiguration(abstract: "Unlock with the passcode (asked without echo, or one line on stdin).")
+    @OptionGroup var target: Target
+    @Flag(help: "Read the passcode as one line from standard input.")
+    var passcodeStdin = false
+
+    func run() throws {
+        let session = try target.connect()
+        let k = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ")
+        defer { k.wipe() }
+        let reply = try session.checked(["op": "unlock", "passcode": try passcodeString(k)])
+        if !passcodeStdin { print("state: \(reply["state"] ?? "unlocked")") }
+    }
+}
+
+struct Lock: ParsableCommand {
+    static let configuration = CommandConfiguration(abstract: "Lock: state locking, then locked after the grace period.")
+    @OptionGroup var target: Target
+    @Option(help: "Seconds of grace before the keys are evicted (default: the mount's --grace).")
+    var grace: Double?
+    @Flag(help: "Wait until the state is locked.")
+    var wait = false
+
+    func validate() throws {
+        if let grace, !(grace >= 0 && grace < 86_400) { throw ValidationError("--grace must be from 0 to 86400 seconds") }
+    }
+
+    func run() throws {
+        let session = try target.connect()
+        var req: [String: Any] = ["op": "lock"]
+        if let grace { req["grace"] = grace }
+        var reply = try session.checked(req)
+        while wait, let s = reply["state"] as? String, s == LockState.locking.rawValue {
+            usleep(50_000)
+            reply = try session.checked(["op": "status"])
+        }
+        print("state: \(reply["state"] ?? "?")")
+    }
+}
+
+struct Watch: ParsableCommand {
+    static let configuration = CommandConfiguration(abstract: "Print one line per protected-data event until interrupted.")
+    @OptionGroup var target: Target
+    @Flag(help: "Print each event object as one JSON line.")
+    var json = false
+
+    func run() throws {
+        let session = try target.connect()
+        _ = try session.checked(["op": "subscribe"])
+        while let line = ControlClient.readLine(session.fd, buffer: &session.buffer) {
+            var out = line
+            if !json, let e = ControlProtocol.decode(line) {
+                out = "\(e["time"] ?? "") \(e["event"] ?? "?") (state \(e["state"] ?? "?"))"
+            }
+            FileHandle.standardOutput.write(Data((out + "\n").utf8))   // unbuffered: one line as it arrives
+        }
+        throw CtlFailure(code: 3, message: "the daemon closed the connection")
+    }
+}
+
+struct Passwd: ParsableCommand {
+    static let configuration = CommandConfiguration(
+        abstract: "Change the passcode (old, then new). No data is re-encrypted.",
+        discussion: "With --passcode-stdin, the first line of stdin is the old passcode and the second the new one.")
+    @OptionGroup var target: Target
+    @Flag(help: "Read old and new passcode as two lines from standard input.")
+    var passcodeStdin = false
+
+    func run() throws {
+        let session = try target.connect()
+        let old = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Current passcode: ")
+        defer { old.wipe() }
+        let new = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "New passcode: ")
+        defer { new.wipe() }
+        if !passcodeStdin {
+            let again = try PasscodeInput.prompt("Repeat new passcode: ")
+            defer { again.wipe() }
+            guard PasscodeInput.equal(new, again) else { throw CtlFailure(code: 2, message: "the new passcodes differ") }
+        }
+        _ = try session.checked(["op": "passwd", "old": try passcodeString(old), "new": try passcodeString(new)])
+        if !passcodeStdin { print("passcode changed") }
+    }
+}

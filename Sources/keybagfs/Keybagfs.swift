@@ -1,0 +1,190 @@
+import ArgumentParser
+import Foundation
+import Glibc
+import KeybagCore
+import KeybagDaemon
+
+/// `keybagfs`: create a store, mount it.
+@main
+struct Keybagfs: ParsableCommand {
+    static let configuration = CommandConfiguration(
+        commandName: "keybagfs",
+        abstract: "iOS-style Data Protection for a directory: an encrypted FUSE filesystem with four protection classes.",
+        discussion: """
+        Create a store once with `keybagfs init`, mount it with `keybagfs mount`, then unlock and lock it \
+        with `keybagctl`. Each file's class is the xattr user.protection (none, \
+        completeUntilFirstUserAuthentication, completeUnlessOpen, complete).
+        """,
+        subcommands: [Init.self, Mount.self])
+
+    /// Runs the command; usage errors exit 2, refusals 1.
+    static func main() {
+        do {
+            var command = try parseAsRoot()
+            try command.run()
+        } catch let e as KeybagError {
+            FileHandle.standardError.write(Data("keybagfs: \(e)\n".utf8))
+            Glibc.exit(1)
+        } catch {
+            let code = exitCode(for: error)
+            if code == .success { exit(withError: error) }
+            if code.rawValue == 64 || code == .validationFailure {
+                FileHandle.standardError.write(Data((fullMessage(for: error) + "\n").utf8))
+                Glibc.exit(2)
+            }
+            exit(withError: error)
+        }
+    }
+}
+
+/// Parses a class name or Apple alias for an option.
+extension ProtectionClass: ExpressibleByArgument {
+    public init?(argument: String) { self.init(name: argument) }
+    public static var allValueStrings: [String] { allCases.map(\.name) }
+}
+
+extension KDFStrength: ExpressibleByArgument {}
+
+/// `keybagfs init`.
+struct Init: ParsableCommand {
+    static let configuration = CommandConfiguration(
+        abstract: "Create a new store: keybag, class keys and the device key.",
+        discussion: "The passcode is asked on the terminal (twice), or read as one line from stdin with --passcode-stdin. It is never taken from the command line.")
+
+    @Argument(help: "The store directory to create (must be absent or empty).")
+    var store: String
+
+    @Flag(help: "Read the passcode as one line from standard input.")
+    var passcodeStdin = false
+
+    @Option(help: "Device key file (default /var/lib/keybagfs/<store-id>.key). An existing 32-byte key is reused.")
+    var deviceKey: String?
+
+    @Option(help: "Argon2id cost: interactive, moderate or sensitive.")
+    var kdf: KDFStrength = .moderate
+
+    func run() throws {
+        let fm = FileManager.default
+        var isDir: ObjCBool = false
+        if fm.fileExists(atPath: store, isDirectory: &isDir) {
+            guard isDir.boolValue else { throw KeybagError.invalid("\(store) exists and is not a directory") }
+            let items = try fm.contentsOfDirectory(atPath: store)
+            guard items.isEmpty else { throw KeybagError.invalid("\(store) is not empty; refusing to initialise over existing data") }
+        } else {
+            try fm.createDirectory(atPath: store, withIntermediateDirectories: true, attributes: [.posixPermissions: 0o700])
+        }
+        let passcode = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "New passcode: ")
+        defer { passcode.wipe() }
+        if !passcodeStdin {
+            let again = try PasscodeInput.prompt("Repeat passcode: ")
+            defer { again.wipe() }
+            guard PasscodeInput.equal(passcode, again) else { throw KeybagError.invalid("the passcodes differ; nothing was created") }
+        }
+        let storeID = Sodium.randomArray(16).map { String(format: "%02x", $0) }.joined()
+        let dkPath = deviceKey ?? DeviceKeyFile.defaultPath(storeID: storeID)
+        let dk = fm.fileExists(atPath: dkPath) ? try DeviceKeyFile.load(from: dkPath) : try DeviceKeyFile.create(at: dkPath)
+        defer { dk.wipe() }
+        let kb = try Keybag.create(storePath: store, storeID: storeID, passcode: passcode, deviceKey: dk, strength: kdf)
+        try fm.createDirectory(atPath: store + "/" + Keybag.dataDirName, withIntermediateDirectories: false, attributes: [.posixPermissions: 0o755])
+        print("initialised store \(store)")
+        print("  store id:   \(kb.file.storeID)")
+        print("  cipher:     \(kb.file.cipher)")
+        print("  device key: \(dkPath)  (keep it; without it the store cannot be opened)")
+    }
+}
+
+/// `keybagfs mount`.
+struct Mount: ParsableCommand {
+    static let configuration = CommandConfiguration(
+        abstract: "Mount a store. Returns once the mount is usable (or stays in the foreground with --foreground).",
+        discussion: "The mount starts in state beforeFirstUnlock: only class none files are readable until `keybagctl unlock`. Unmount with `fusermount3 -u MOUNTPOINT`; the daemon then exits.")
+
+    @Argument(help: "The store directory.")
+    var store: String
+
+    @Argument(help: "Where to mount it.")
+    var mountpoint: String
+
+    @Option(help: "Control socket path (default /run/keybagfs/<escaped mountpoint>.sock).")
+    var socket: String?
+
+    @Option(help: "Device key file (default /var/lib/keybagfs/<store-id>.key).")
+    var deviceKey: String?
+
+    @Option(help: "Class of new files where no ancestor directory sets user.protection.")
+    var defaultClass: ProtectionClass = .completeUntilFirstUserAuthentication
+
+    @Option(help: "Seconds between a lock request and key eviction (0 allowed).")
+    var grace: Double = 10
+
+    @Flag(help: "Stay in the foreground (for systemd Type=notify).")
+    var foreground = false
+
+    @Option(name: .customShort("o"), help: "FUSE mount options, comma separated (e.g. allow_other).")
+    var options: [String] = []
+
+    @Option(help: .hidden)
+    var readyFd: Int32?
+
+    func validate() throws {
+        guard grace >= 0, grace.isFinite else { throw ValidationError("--grace must be 0 or more seconds") }
+        var isDir: ObjCBool = false
+        guard FileManager.default.fileExists(atPath: mountpoint, isDirectory: &isDir), isDir.boolValue else {
+            throw ValidationError("mount point \(mountpoint) is not a directory")
+        }
+    }
+
+    func run() throws {
+        _ = try Keybag.load(storePath: store)   // a clear error before any daemon starts
+        let socketPath = socket ?? ControlPaths.defaultSocket(forMountpoint: mountpoint)
+        let fuseOptions = options.flatMap { $0.split(separator: ",").map(String.init) }.filter { !$0.isEmpty }
+        if foreground {
+            if readyFd != nil { setsid() }
+            let cfg = MountConfiguration(store: store, mountpoint: mountpoint, socketPath: socketPath, deviceKeyPath: deviceKey,
+                                         defaultClass: defaultClass, grace: grace, fuseOptions: fuseOptions, readyFD: readyFd)
+            let rc = MountDaemon.run(cfg)
+            if rc != 0 { throw ExitCode(rc) }
+            return
+        }
+        try Launcher.spawnDaemon(arguments: Array(CommandLine.arguments.dropFirst()) + ["--foreground", "--ready-fd", "3"])
+    }
+}
+
+/// Starts the daemon as a child process and waits until it reports the mount live.
+enum Launcher {
+    static func spawnDaemon(arguments: [String]) throws {
+        var fds: [Int32] = [0, 0]
+        guard pipe(&fds) == 0 else { throw KeybagError.system("pipe", errno) }
+        _ = fcntl(fds[0], F_SETFD, FD_CLOEXEC)
+        _ = fcntl(fds[1], F_SETFD, FD_CLOEXEC)
+        var actions = posix_spawn_file_actions_t()
+        posix_spawn_file_actions_init(&actions)
+        defer { posix_spawn_file_actions_destroy(&actions) }
+        posix_spawn_file_actions_adddup2(&actions, fds[1], 3)
+        posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0)
+        posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0)
+        posix_spawn_file_actions_addopen(&actions, 2, "/dev/null", O_WRONLY, 0)
+        let exe = (try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/self/exe")) ?? CommandLine.arguments[0]
+        let argv = ([exe] + arguments).map { strdup($0) } + [nil]
+        defer { argv.forEach { free($0) } }
+        var pid: pid_t = 0
+        let rc = posix_spawn(&pid, exe, &actions, nil, argv, environ)
+        close(fds[1])
+        guard rc == 0 else { close(fds[0]); throw KeybagError.system("cannot start the daemon", rc) }
+        var buffer: [UInt8] = []
+        var chunk = [UInt8](repeating: 0, count: 512)
+        while true {
+            let n = read(fds[0], &chunk, chunk.count)
+            if n < 0 && errno == EINTR { continue }
+            if n <= 0 { break }
+            buffer += chunk[0..<n]
+        }
+        close(fds[0])
+        let line = String(decoding: buffer, as: UTF8.self).trimmingCharacters(in: .whitespacesAndNewlines)
+        if line == "OK" { return }
+        var status: Int32 = 0
+        waitpid(pid, &status, 0)
+        if line.hasPrefix("ERR ") { throw KeybagError.invalid(String(line.dropFirst(4))) }
+        throw KeybagError.invalid("the daemon exited before the mount was ready (status \(status))")
+    }
+}
