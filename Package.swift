@@ -16,10 +16,12 @@ let package = Package(
                        providers: [.apt(["libfuse3-dev"])]),
         .systemLibrary(name: "CSodium", path: "Sources/CSodium", pkgConfig: "libsodium",
                        providers: [.apt(["libsodium-dev"])]),
+        // Linux calls and constants that need _GNU_SOURCE.
+        .target(name: "CSystem", path: "Sources/CSystem"),
         // The core: formats, keybag, class rules, lock state. No FUSE here.
         .target(name: "KeybagCore", dependencies: ["CSodium"]),
         // The daemon: FUSE frontend and control socket server.
-        .target(name: "KeybagDaemon", dependencies: ["KeybagCore", "CFuse", "CSodium"]),
+        .target(name: "KeybagDaemon", dependencies: ["KeybagCore", "CFuse", "CSodium", "CSystem"]),
         .executableTarget(name: "keybagfs", dependencies: [
             "KeybagDaemon", "KeybagCore",
             .product(name: "ArgumentParser", package: "swift-argument-parser"),
@@ -29,7 +31,7 @@ let package = Package(
             .product(name: "ArgumentParser", package: "swift-argument-parser"),
         ]),
         .testTarget(name: "KeybagCoreTests", dependencies: ["KeybagCore"]),
-        .testTarget(name: "MountTests", dependencies: ["KeybagCore", "keybagfs", "keybagctl"]),
+        .testTarget(name: "MountTests", dependencies: ["KeybagCore", "CFuse", "keybagfs", "keybagctl"]),
     ],
     swiftLanguageModes: [.v6]
 )

@@ -1,4 +1,5 @@
 import CFuse
+import CSystem
 import Foundation
 import Glibc
 import KeybagCore
@@ -91,8 +92,9 @@ final class ControlServer: Sendable {
             var peer = sockaddr_un()
             var plen = socklen_t(MemoryLayout<sockaddr_un>.size)
             let fd = withUnsafeMutablePointer(to: &peer) { p in
-                p.withMemoryRebound(to: sockaddr.self, capacity: 1) { accept4(listenFD, __SOCKADDR_ARG(__sockaddr__: $0), &plen, Int32(SOCK_CLOEXEC.rawValue)) }
+                p.withMemoryRebound(to: sockaddr.self, capacity: 1) { accept(listenFD, $0, &plen) }
             }
+            if fd >= 0 { _ = fcntl(fd, F_SETFD, FD_CLOEXEC) }
             if fd < 0 {
                 if errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE { usleep(10_000); continue }
                 return

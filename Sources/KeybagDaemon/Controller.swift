@@ -1,4 +1,5 @@
 import CFuse
+import CSystem
 import Dispatch
 import Foundation
 import KeybagCore

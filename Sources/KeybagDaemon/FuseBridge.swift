@@ -1,4 +1,5 @@
 import CFuse
+import CSystem
 import Glibc
 import KeybagCore
 import Synchronization

@@ -1,4 +1,5 @@
 import CFuse
+import CSystem
 import Foundation
 import Glibc
 import KeybagCore

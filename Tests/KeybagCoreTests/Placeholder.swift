@@ -1,1 +1,2 @@
-// placeholder
+import XCTest
+final class PlaceholderCoreTests: XCTestCase { func testNothing() {} }

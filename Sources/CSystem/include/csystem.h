@@ -1,0 +1,21 @@
+#ifndef KEYBAGFS_CSYSTEM_H
+#define KEYBAGFS_CSYSTEM_H
+/* Linux calls and constants that need _GNU_SOURCE, compiled in system.c so that the
+   Swift-visible header stays free of feature macros. */
+
+extern const int kbfs_O_PATH;
+extern const int kbfs_AT_EMPTY_PATH;
+extern const long kbfs_UTIME_NOW;
+extern const long kbfs_UTIME_OMIT;
+extern const unsigned int kbfs_RENAME_NOREPLACE;
+extern const unsigned int kbfs_RENAME_EXCHANGE;
+
+/* renameat2(2). */
+int kbfs_renameat2(int olddirfd, const char *oldpath, int newdirfd, const char *newpath, unsigned int flags);
+/* The peer's credentials of a Unix socket (SO_PEERCRED); 0 on success. */
+int kbfs_peercred(int fd, unsigned int *uid, unsigned int *gid, int *pid);
+/* PR_SET_DUMPABLE 0: no core dumps, no ptrace by other users. */
+int kbfs_set_nondumpable(void);
+/* Raises the soft open-files limit to the hard one; returns it, or -1. */
+long kbfs_raise_nofile(void);
+#endif

@@ -1,0 +1,39 @@
+#define _GNU_SOURCE
+#include "csystem.h"
+#include <fcntl.h>
+#include <stdio.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+const int kbfs_O_PATH = O_PATH;
+const int kbfs_AT_EMPTY_PATH = AT_EMPTY_PATH;
+const long kbfs_UTIME_NOW = UTIME_NOW;
+const long kbfs_UTIME_OMIT = UTIME_OMIT;
+const unsigned int kbfs_RENAME_NOREPLACE = RENAME_NOREPLACE;
+const unsigned int kbfs_RENAME_EXCHANGE = RENAME_EXCHANGE;
+
+int kbfs_renameat2(int olddirfd, const char *oldpath, int newdirfd, const char *newpath, unsigned int flags) {
+    return (int)syscall(SYS_renameat2, olddirfd, oldpath, newdirfd, newpath, flags);
+}
+
+int kbfs_peercred(int fd, unsigned int *uid, unsigned int *gid, int *pid) {
+    struct ucred c;
+    socklen_t len = sizeof(c);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &c, &len) != 0) return -1;
+    *uid = c.uid; *gid = c.gid; *pid = c.pid;
+    return 0;
+}
+
+int kbfs_set_nondumpable(void) { return prctl(PR_SET_DUMPABLE, 0, 0, 0, 0); }
+
+long kbfs_raise_nofile(void) {
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return -1;
+    rl.rlim_cur = rl.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &rl) != 0) return -1;
+    return (long)rl.rlim_cur;
+}

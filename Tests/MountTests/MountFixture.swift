@@ -1,0 +1,268 @@
+import CFuse
+import Foundation
+import Glibc
+import XCTest
+
+/// An errno value as an Error.
+struct Errno: Error, Equatable {
+    let rawValue: Int32
+    init(_ v: Int32) { rawValue = v }
+}
+
+/// Result of running a command-line tool.
+struct ToolResult {
+    let code: Int32
+    let stdout: String
+    let stderr: String
+}
+
+/// A temporary store mounted by the real daemon binary in its own process. Tests act on
+/// `mnt` with real syscalls; `close()` always unmounts and reaps the daemon.
+final class MountFixture {
+    /// Folder holding the built `keybagfs` and `keybagctl` (beside the test bundle).
+    static let binDir: String = {
+        let exe = (try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/self/exe")) ?? CommandLine.arguments[0]
+        var dir = URL(fileURLWithPath: exe).deletingLastPathComponent()
+        while dir.path != "/" && !FileManager.default.fileExists(atPath: dir.appendingPathComponent("keybagfs").path) {
+            dir = dir.deletingLastPathComponent()
+        }
+        return dir.path
+    }()
+
+    let root: String
+    let store: String
+    let mnt: String
+    let socket: String
+    let deviceKey: String
+    let passcode: String
+    var grace: Double
+    var defaultClass: String?
+    private(set) var daemon: Process?
+    private var closed = false
+
+    /// Creates a store (Argon2id interactive, for speed) and mounts it in the foreground.
+    init(passcode: String = "correct horse battery", grace: Double = 0, defaultClass: String? = nil, mount: Bool = true) throws {
+        guard FileManager.default.fileExists(atPath: "/dev/fuse") else { throw NSError(domain: "/dev/fuse is missing: the mount tests need FUSE (they fail rather than skip)", code: 1) }
+        let template = "/tmp/kbfs-test.XXXXXX"
+        var buf = Array(template.utf8CString)
+        guard let p = mkdtemp(&buf) else { throw NSError(domain: "mkdtemp", code: Int(errno)) }
+        root = String(cString: p)
+        chmod(root, 0o755)
+        store = root + "/store"
+        mnt = root + "/mnt"
+        socket = root + "/ctl.sock"
+        deviceKey = root + "/device.key"
+        self.passcode = passcode
+        self.grace = grace
+        self.defaultClass = defaultClass
+        try FileManager.default.createDirectory(atPath: mnt, withIntermediateDirectories: true)
+        let r = Self.run(Self.binDir + "/keybagfs", ["init", store, "--passcode-stdin", "--device-key", deviceKey, "--kdf", "interactive"],
+                         stdin: passcode + "\n")
+        guard r.code == 0 else { throw NSError(domain: "keybagfs init failed: \(r.stderr)", code: Int(r.code)) }
+        if mount { try self.mount() }
+    }
+
+    deinit { close() }
+
+    /// Path inside the mount.
+    func path(_ rel: String) -> String { mnt + "/" + rel }
+
+    /// Starts the daemon (`--foreground`) and waits until the mount is live.
+    func mount(extra: [String] = []) throws {
+        let p = Process()
+        p.executableURL = URL(fileURLWithPath: Self.binDir + "/keybagfs")
+        var args = ["mount", store, mnt, "--foreground", "--socket", socket, "--device-key", deviceKey, "--grace", String(grace)]
+        if let defaultClass { args += ["--default-class", defaultClass] }
+        p.arguments = args + extra
+        let log = FileManager.default.createFile(atPath: root + "/daemon.log", contents: nil) ? Foundation.FileHandle(forWritingAtPath: root + "/daemon.log") : nil
+        p.standardError = log
+        p.standardOutput = log
+        p.standardInput = Foundation.FileHandle.nullDevice
+        try p.run()
+        daemon = p
+        let deadline = Date().addingTimeInterval(15)
+        while Date() < deadline {
+            if isMounted && FileManager.default.fileExists(atPath: socket) { return }
+            if !p.isRunning { break }
+            usleep(20_000)
+        }
+        let logText = (try? String(contentsOfFile: root + "/daemon.log", encoding: .utf8)) ?? ""
+        throw NSError(domain: "mount did not come up: \(logText)", code: 1)
+    }
+
+    /// Whether `mnt` is a mount point now.
+    var isMounted: Bool {
+        let info = (try? String(contentsOfFile: "/proc/self/mountinfo", encoding: .utf8)) ?? ""
+        return info.split(separator: "\n").contains { $0.split(separator: " ").count > 4 && $0.split(separator: " ")[4] == Substring(mnt) }
+    }
+
+    /// Unmounts and reaps the daemon (SIGKILL after 10 s).
+    func unmount() {
+        if isMounted { _ = Self.run("/bin/fusermount3", ["-u", mnt]) }
+        if let p = daemon {
+            let deadline = Date().addingTimeInterval(10)
+            while p.isRunning && Date() < deadline { usleep(20_000) }
+            if p.isRunning { kill(p.processIdentifier, SIGKILL); p.waitUntilExit() }
+        }
+        if isMounted { _ = Self.run("/bin/umount", ["-l", mnt]) }
+        daemon = nil
+    }
+
+    /// Unmounts, then mounts again: a daemon restart ("reboot").
+    func restart() throws {
+        unmount()
+        try mount()
+    }
+
+    /// Unmounts and deletes everything.
+    func close() {
+        guard !closed else { return }
+        closed = true
+        unmount()
+        try? FileManager.default.removeItem(atPath: root)
+    }
+
+    /// Runs keybagctl against this mount's socket.
+    @discardableResult
+    func ctl(_ args: [String], stdin: String? = nil) -> ToolResult {
+        Self.run(Self.binDir + "/keybagctl", ["--socket", socket] + args, stdin: stdin)
+    }
+
+    /// Unlocks with the passcode; fails the test on refusal.
+    func unlock(file: StaticString = #filePath, line: UInt = #line) {
+        let r = ctl(["unlock", "--passcode-stdin"], stdin: passcode + "\n")
+        XCTAssertEqual(r.code, 0, "unlock failed: \(r.stderr)", file: file, line: line)
+    }
+
+    /// Locks with a grace period.
+    func lock(grace: Double = 0, file: StaticString = #filePath, line: UInt = #line) {
+        let r = ctl(["lock", "--grace", String(grace)])
+        XCTAssertEqual(r.code, 0, "lock failed: \(r.stderr)", file: file, line: line)
+    }
+
+    /// The daemon's status object.
+    func status() -> [String: Any] {
+        let r = ctl(["status", "--json"])
+        guard r.code == 0, let d = r.stdout.data(using: .utf8),
+              let o = try? JSONSerialization.jsonObject(with: d) as? [String: Any] else { return [:] }
+        return o
+    }
+
+    /// The lock state name.
+    var state: String { status()["state"] as? String ?? "?" }
+
+    /// Runs a program, feeding `stdin`, and collects its output.
+    static func run(_ exe: String, _ args: [String], stdin: String? = nil, timeout: Double = 60) -> ToolResult {
+        let p = Process()
+        p.executableURL = URL(fileURLWithPath: exe)
+        p.arguments = args
+        let out = Pipe(), err = Pipe(), inp = Pipe()
+        p.standardOutput = out
+        p.standardError = err
+        p.standardInput = stdin == nil ? Foundation.FileHandle.nullDevice : inp
+        do { try p.run() } catch { return ToolResult(code: -1, stdout: "", stderr: "\(error)") }
+        if let stdin {
+            inp.fileHandleForWriting.write(Data(stdin.utf8))
+            try? inp.fileHandleForWriting.close()
+        }
+        let o = out.fileHandleForReading.readDataToEndOfFile()
+        let e = err.fileHandleForReading.readDataToEndOfFile()
+        p.waitUntilExit()
+        return ToolResult(code: p.terminationStatus, stdout: String(decoding: o, as: UTF8.self), stderr: String(decoding: e, as: UTF8.self))
+    }
+}
+
+// MARK: syscall helpers returning errno
+
+/// open(2): the descriptor or -errno.
+func sysOpen(_ path: String, _ flags: Int32, _ mode: mode_t = 0o644) -> Int32 {
+    let fd = open(path, flags | O_CLOEXEC, mode)
+    return fd >= 0 ? fd : -errno
+}
+
+/// pread(2): the bytes or the errno.
+func sysPread(_ fd: Int32, _ count: Int, _ offset: Int) -> Result<[UInt8], Errno> {
+    var buf = [UInt8](repeating: 0, count: count)
+    let n = pread(fd, &buf, count, off_t(offset))
+    if n < 0 { return .failure(Errno(errno)) }
+    return .success(Array(buf[0..<n]))
+}
+
+/// pwrite(2): bytes written or the errno.
+func sysPwrite(_ fd: Int32, _ bytes: [UInt8], _ offset: Int) -> Result<Int, Errno> {
+    let n = pwrite(fd, bytes, bytes.count, off_t(offset))
+    if n < 0 { return .failure(Errno(errno)) }
+    return .success(n)
+}
+
+/// The errno of a Result, or 0.
+func errnoOf<T>(_ r: Result<T, Errno>) -> Int32 {
+    if case .failure(let e) = r { return e.rawValue }
+    return 0
+}
+
+/// Reads a whole file, or the errno.
+func readFile(_ path: String) -> Result<[UInt8], Errno> {
+    let fd = open(path, O_RDONLY | O_CLOEXEC)
+    guard fd >= 0 else { return .failure(Errno(errno)) }
+    defer { close(fd) }
+    var out: [UInt8] = []
+    var buf = [UInt8](repeating: 0, count: 65536)
+    while true {
+        let n = read(fd, &buf, buf.count)
+        if n < 0 { return .failure(Errno(errno)) }
+        if n == 0 { break }
+        out += buf[0..<n]
+    }
+    return .success(out)
+}
+
+/// Creates a file with content; returns 0 or errno.
+@discardableResult
+func writeFile(_ path: String, _ bytes: [UInt8], mode: mode_t = 0o644) -> Int32 {
+    let fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode)
+    guard fd >= 0 else { return errno }
+    defer { close(fd) }
+    var off = 0
+    while off < bytes.count {
+        let n = write(fd, Array(bytes[off...]), bytes.count - off)
+        if n < 0 { return errno }
+        off += n
+    }
+    return 0
+}
+
+/// getxattr of user.protection (or another name): the value or the errno.
+func getXattr(_ path: String, _ name: String = "user.protection") -> Result<String, Errno> {
+    var buf = [UInt8](repeating: 0, count: 256)
+    let n = getxattr(path, name, &buf, buf.count)
+    if n < 0 { return .failure(Errno(errno)) }
+    return .success(String(decoding: buf[0..<n], as: UTF8.self))
+}
+
+/// setxattr: 0 or errno.
+func setXattr(_ path: String, _ value: String, _ name: String = "user.protection", flags: Int32 = 0) -> Int32 {
+    let b = Array(value.utf8)
+    return setxattr(path, name, b, b.count, flags) == 0 ? 0 : errno
+}
+
+/// fsetxattr: 0 or errno.
+func fsetXattr(_ fd: Int32, _ value: String, _ name: String = "user.protection") -> Int32 {
+    let b = Array(value.utf8)
+    return fsetxattr(fd, name, b, b.count, 0) == 0 ? 0 : errno
+}
+
+/// Bytes of a string.
+func bytes(_ s: String) -> [UInt8] { Array(s.utf8) }
+
+/// Deterministic pseudo-random bytes (xorshift) for content tests.
+struct SeededBytes {
+    var state: UInt64
+    init(seed: UInt64) { state = seed | 1 }
+    mutating func next() -> UInt64 {
+        state ^= state << 13; state ^= state >> 7; state ^= state << 17
+        return state
+    }
+    mutating func bytes(_ n: Int) -> [UInt8] { (0..<n).map { _ in UInt8(truncatingIfNeeded: next()) } }
+    mutating func int(_ range: Range<Int>) -> Int { range.lowerBound + Int(next() % UInt64(range.count)) }
+}
