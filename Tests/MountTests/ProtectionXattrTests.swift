@@ -1,0 +1,135 @@
+import CFuse
+import Foundation
+import Glibc
+import XCTest
+
+/// The xattr user.protection: values, aliases, errors, inheritance and rewrapping.
+final class ProtectionXattrTests: XCTestCase {
+    func testValuesAliasesInheritanceAndErrors() throws {
+        let m = try MountFixture(defaultClass: "none")
+        addTeardownBlock { m.close() }
+        m.unlock()
+        // The mount's --default-class applies where no ancestor sets one.
+        XCTAssertEqual(writeFile(m.path("top"), bytes("t")), 0)
+        XCTAssertEqual(try getXattr(m.path("top")).get(), "none")
+        XCTAssertEqual(errnoOf(getXattr(m.mnt)), ENODATA, "root has no stored default")
+
+        // Nearest ancestor wins, through several levels.
+        XCTAssertEqual(mkdir(m.path("a"), 0o755), 0)
+        XCTAssertEqual(mkdir(m.path("a/b"), 0o755), 0)
+        XCTAssertEqual(mkdir(m.path("a/b/c"), 0o755), 0)
+        XCTAssertEqual(setXattr(m.path("a"), "NSFileProtectionComplete"), 0, "Apple alias accepted")
+        XCTAssertEqual(try getXattr(m.path("a")).get(), "complete")
+        XCTAssertEqual(errnoOf(getXattr(m.path("a/b"))), ENODATA, "a directory that inherits has no value")
+        XCTAssertEqual(writeFile(m.path("a/b/c/f"), bytes("x")), 0)
+        XCTAssertEqual(try getXattr(m.path("a/b/c/f")).get(), "complete")
+        XCTAssertEqual(setXattr(m.path("a/b"), "completeUnlessOpen"), 0)
+        XCTAssertEqual(writeFile(m.path("a/b/c/g"), bytes("x")), 0)
+        XCTAssertEqual(try getXattr(m.path("a/b/c/g")).get(), "completeUnlessOpen")
+        XCTAssertEqual(removexattr(m.path("a/b"), "user.protection"), 0)
+        XCTAssertEqual(writeFile(m.path("a/b/c/h"), bytes("x")), 0)
+        XCTAssertEqual(try getXattr(m.path("a/b/c/h")).get(), "complete")
+        XCTAssertFalse(try FileManager.default.contentsOfDirectory(atPath: m.path("a")).contains { $0.hasPrefix(".kbfs") }, "metadata file is hidden")
+        XCTAssertEqual(rmdir(m.path("a/b/c")) == 0 ? 0 : errno, ENOTEMPTY)
+
+        // Bad values: EINVAL and nothing changes.
+        for bad in ["", "Complete", "classA", "complete2", "NSFileProtectionCompleteUntilFirstUserAuthenticationX"] {
+            XCTAssertEqual(setXattr(m.path("top"), bad), EINVAL, "value \(bad)")
+        }
+        XCTAssertEqual(try getXattr(m.path("top")).get(), "none")
+        XCTAssertEqual(removexattr(m.path("top"), "user.protection") == 0 ? 0 : errno, EPERM, "a file always has a class")
+
+        // Size probing and ERANGE, and listing.
+        XCTAssertEqual(getxattr(m.path("top"), "user.protection", nil, 0), 4)
+        var small = [UInt8](repeating: 0, count: 2)
+        XCTAssertEqual(getxattr(m.path("top"), "user.protection", &small, 2), -1)
+        XCTAssertEqual(errno, ERANGE)
+        var list = [CChar](repeating: 0, count: 256)
+        let n = listxattr(m.path("top"), &list, 256)
+        XCTAssertEqual(n, 16)
+        XCTAssertEqual(String(decoding: list.prefix(15).map { UInt8(bitPattern: $0) }, as: UTF8.self), "user.protection")
+
+        // A directory with a stored default can still be removed when empty.
+        XCTAssertEqual(mkdir(m.path("d"), 0o755), 0)
+        XCTAssertEqual(setXattr(m.path("d"), "complete"), 0)
+        XCTAssertEqual(rmdir(m.path("d")), 0)
+    }
+
+    func testClassChangeRewrapsAndNeedsKeys() throws {
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        var rng = SeededBytes(seed: 7)
+        let data = rng.bytes(50_000)
+        XCTAssertEqual(writeFile(m.path("f"), data), 0)
+        var before = [UInt8](repeating: 0, count: 0)
+        before = Array(try Data(contentsOf: URL(fileURLWithPath: m.store + "/data/f")))
+        // Walk through all classes: content unchanged, only the header changes.
+        for c in ["complete", "completeUnlessOpen", "none", "completeUntilFirstUserAuthentication", "NSFileProtectionCompleteUnlessOpen"] {
+            XCTAssertEqual(setXattr(m.path("f"), c), 0, c)
+            XCTAssertEqual(try readFile(m.path("f")).get(), data)
+        }
+        XCTAssertEqual(try getXattr(m.path("f")).get(), "completeUnlessOpen")
+        let after = Array(try Data(contentsOf: URL(fileURLWithPath: m.store + "/data/f")))
+        XCTAssertEqual(Array(after[320...]), Array(before[320...]), "no re-encryption of data")
+
+        // An open handle sees the new class: B → A, then lock → EACCES on that handle.
+        let fd = sysOpen(m.path("f"), O_RDONLY)
+        XCTAssertEqual(setXattr(m.path("f"), "complete"), 0)
+        m.lock(grace: 0)
+        XCTAssertEqual(errnoOf(sysPread(fd, 10, 0)), EACCES)
+        close(fd)
+        // While locked: moving a class A file needs its key (EACCES); a class C file may
+        // become class B (public key suffices) but not class A.
+        XCTAssertEqual(setXattr(m.path("f"), "none"), EACCES)
+        XCTAssertEqual(writeFile(m.path("c"), bytes("c data")), 0)
+        XCTAssertEqual(setXattr(m.path("c"), "complete"), EACCES)
+        XCTAssertEqual(try getXattr(m.path("c")).get(), "completeUntilFirstUserAuthentication")
+        XCTAssertEqual(setXattr(m.path("c"), "completeUnlessOpen"), 0)
+        XCTAssertEqual(sysOpen(m.path("c"), O_RDONLY), -EACCES, "now class B, closed, locked")
+        m.unlock()
+        XCTAssertEqual(try readFile(m.path("c")).get(), bytes("c data"))
+        // Survives a restart.
+        try m.restart()
+        m.unlock()
+        XCTAssertEqual(try getXattr(m.path("f")).get(), "complete")
+        XCTAssertEqual(try readFile(m.path("f")).get(), data)
+    }
+
+    func testClassChangeIsCrashSafe() throws {
+        // The daemon is killed with SIGKILL while a loop changes the class of a file;
+        // after each kill the file must read back intact in one of the two classes.
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        var rng = SeededBytes(seed: 99)
+        let data = rng.bytes(20_000)
+        XCTAssertEqual(writeFile(m.path("f"), data), 0)
+        for round in 0..<5 {
+            let stop = m.root + "/stop"
+            let script = """
+            import os, sys
+            classes = ['complete', 'none', 'completeUnlessOpen', 'completeUntilFirstUserAuthentication']
+            i = 0
+            while not os.path.exists(sys.argv[2]):
+                try: os.setxattr(sys.argv[1], 'user.protection', classes[i % 4].encode())
+                except OSError: break
+                i += 1
+            """
+            let p = Process()
+            p.executableURL = URL(fileURLWithPath: "/usr/bin/env")
+            p.arguments = ["python3", "-c", script, m.path("f"), stop]
+            try p.run()
+            usleep(UInt32(100_000 + 37_000 * round))
+            if let d = m.daemon { kill(d.processIdentifier, SIGKILL); d.waitUntilExit() }
+            _ = FileManager.default.createFile(atPath: stop, contents: nil)
+            p.waitUntilExit()
+            try? FileManager.default.removeItem(atPath: stop)
+            m.unmount()
+            try m.mount()
+            m.unlock()
+            XCTAssertEqual(try readFile(m.path("f")).get(), data, "round \(round)")
+            XCTAssertNotNil(try? getXattr(m.path("f")).get())
+        }
+    }
+}
