@@ -139,7 +139,10 @@ struct Mount: ParsableCommand {
         let socketPath = socket ?? ControlPaths.defaultSocket(forMountpoint: mountpoint)
         let fuseOptions = options.flatMap { $0.split(separator: ",").map(String.init) }.filter { !$0.isEmpty }
         if foreground {
-            if readyFd != nil { setsid() }
+            if let readyFd {
+                setsid()
+                Launcher.closeInheritedDescriptors(keeping: readyFd)
+            }
             let cfg = MountConfiguration(store: store, mountpoint: mountpoint, socketPath: socketPath, deviceKeyPath: deviceKey,
                                          defaultClass: defaultClass, grace: grace, fuseOptions: fuseOptions, readyFD: readyFd)
             let rc = MountDaemon.run(cfg)
@@ -152,6 +155,13 @@ struct Mount: ParsableCommand {
 
 /// Starts the daemon as a child process and waits until it reports the mount live.
 enum Launcher {
+    /// Closes descriptors above stderr that a detached daemon inherited by accident
+    /// (they would hold the launching program's pipes open).
+    static func closeInheritedDescriptors(keeping keep: Int32) {
+        let fds = (try? FileManager.default.contentsOfDirectory(atPath: "/proc/self/fd"))?.compactMap { Int32($0) } ?? []
+        for fd in fds where fd > 2 && fd != keep { close(fd) }
+    }
+
     static func spawnDaemon(arguments: [String]) throws {
         var fds: [Int32] = [0, 0]
         guard pipe(&fds) == 0 else { throw KeybagError.system("pipe", errno) }

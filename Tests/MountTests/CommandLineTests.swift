@@ -1,0 +1,72 @@
+import Foundation
+import Glibc
+import XCTest
+
+/// The commands as a user runs them: `keybagfs mount` returning once live, the default
+/// socket path, `keybagctl --mount` and discovery, init refusing to overwrite.
+final class CommandLineTests: XCTestCase {
+    func testBackgroundMountDefaultSocketAndDiscovery() throws {
+        let m = try MountFixture(mount: false)
+        addTeardownBlock { m.close() }
+        let bin = MountFixture.binDir
+        let r = MountFixture.run(bin + "/keybagfs", ["mount", m.store, m.mnt, "--device-key", m.deviceKey, "--grace", "0"])
+        XCTAssertEqual(r.code, 0, r.stderr)
+        XCTAssertTrue(m.isMounted, "mount returns only once the mount is usable")
+        let expectedSocket = "/run/keybagfs/" + m.mnt.dropFirst().replacingOccurrences(of: "/", with: "-").replacingOccurrences(of: ".", with: ".") + ".sock"
+        XCTAssertTrue(FileManager.default.fileExists(atPath: expectedSocket.replacingOccurrences(of: "kbfs-test", with: "kbfs\\x2dtest")), "default socket \(expectedSocket)")
+        let byMount = MountFixture.run(bin + "/keybagctl", ["--mount", m.mnt, "status", "--json"])
+        XCTAssertEqual(byMount.code, 0, byMount.stderr)
+        let pid = (try? JSONSerialization.jsonObject(with: Data(byMount.stdout.utf8)) as? [String: Any])?["pid"] as? Int ?? 0
+        XCTAssertGreaterThan(pid, 0)
+        // The only keybagfs mount is found without --socket or --mount.
+        let auto = MountFixture.run(bin + "/keybagctl", ["unlock", "--passcode-stdin"], stdin: m.passcode + "\n")
+        XCTAssertEqual(auto.code, 0, auto.stderr)
+        XCTAssertEqual(writeFile(m.path("f"), bytes("hello")), 0)
+        XCTAssertEqual(try readFile(m.path("f")).get(), bytes("hello"))
+        // A second mount of the same mount point is refused with a clear error.
+        let again = MountFixture.run(bin + "/keybagfs", ["mount", m.store, m.mnt, "--device-key", m.deviceKey])
+        XCTAssertNotEqual(again.code, 0)
+        XCTAssertFalse(again.stderr.isEmpty)
+        // Unmounting ends the daemon.
+        XCTAssertEqual(MountFixture.run("/bin/fusermount3", ["-u", m.mnt]).code, 0)
+        let deadline = Date().addingTimeInterval(10)
+        while kill(pid_t(pid), 0) == 0 && Date() < deadline { usleep(20_000) }
+        XCTAssertNotEqual(kill(pid_t(pid), 0), 0, "daemon exited after unmount")
+        XCTAssertFalse(FileManager.default.fileExists(atPath: expectedSocket.replacingOccurrences(of: "kbfs-test", with: "kbfs\\x2dtest")), "socket removed")
+        if kill(pid_t(pid), 0) == 0 { kill(pid_t(pid), SIGKILL) }
+    }
+
+    func testInitAndMountErrors() throws {
+        let m = try MountFixture(mount: false)
+        addTeardownBlock { m.close() }
+        let bin = MountFixture.binDir
+        // init over an existing store refuses and changes nothing.
+        let keybag = try Data(contentsOf: URL(fileURLWithPath: m.store + "/keybag"))
+        let again = MountFixture.run(bin + "/keybagfs", ["init", m.store, "--passcode-stdin", "--device-key", m.deviceKey], stdin: "x\n")
+        XCTAssertEqual(again.code, 1)
+        XCTAssertEqual(try Data(contentsOf: URL(fileURLWithPath: m.store + "/keybag")), keybag)
+        // A wrong device key is named as such.
+        let otherKey = m.root + "/other.key"
+        XCTAssertEqual(writeFile(otherKey, [UInt8](repeating: 1, count: 32), mode: 0o600), 0)
+        let wrong = MountFixture.run(bin + "/keybagfs", ["mount", m.store, m.mnt, "--device-key", otherKey, "--socket", m.socket])
+        XCTAssertEqual(wrong.code, 1)
+        XCTAssertTrue(wrong.stderr.contains("device key"), wrong.stderr)
+        XCTAssertFalse(m.isMounted)
+        // Not a store; a missing mount point; a bad class; a bad option.
+        XCTAssertEqual(MountFixture.run(bin + "/keybagfs", ["mount", m.root, m.mnt, "--socket", m.socket]).code, 1)
+        XCTAssertEqual(MountFixture.run(bin + "/keybagfs", ["mount", m.store, m.root + "/nope"]).code, 2)
+        XCTAssertEqual(MountFixture.run(bin + "/keybagfs", ["mount", m.store, m.mnt, "--default-class", "classZ"]).code, 2)
+        // A corrupt keybag is reported, not crashed on.
+        try Data("{ not json".utf8).write(to: URL(fileURLWithPath: m.store + "/keybag"))
+        let corrupt = MountFixture.run(bin + "/keybagfs", ["mount", m.store, m.mnt, "--device-key", m.deviceKey, "--socket", m.socket])
+        XCTAssertEqual(corrupt.code, 1)
+        XCTAssertTrue(corrupt.stderr.contains("keybag"), corrupt.stderr)
+        try keybag.write(to: URL(fileURLWithPath: m.store + "/keybag"))
+        try m.mount()
+        XCTAssertEqual(m.state, "beforeFirstUnlock")
+        // Help that a person can follow.
+        let help = MountFixture.run(bin + "/keybagfs", ["mount", "--help"])
+        XCTAssertEqual(help.code, 0)
+        XCTAssertTrue(help.stdout.contains("--grace"))
+    }
+}
