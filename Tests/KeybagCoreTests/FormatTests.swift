@@ -1,0 +1,174 @@
+import Foundation
+import Glibc
+import XCTest
+@testable import KeybagCore
+
+/// The content format and the file header on real temporary files, without FUSE.
+final class FormatTests: XCTestCase {
+    var dir = ""
+
+    override func setUp() {
+        var t = Array("/tmp/kbfs-unit.XXXXXX".utf8CString)
+        dir = String(cString: mkdtemp(&t)!)
+    }
+
+    override func tearDown() { try? FileManager.default.removeItem(atPath: dir) }
+
+    func newFile(_ name: String, cipher: ContentCipher, cls: ProtectionClass = .none) throws -> (Int32, FileContentKey, FileHeader, SecureKey) {
+        let fd = open(dir + "/" + name, O_RDWR | O_CREAT | O_TRUNC, 0o600)
+        XCTAssertGreaterThanOrEqual(fd, 0)
+        let classKey = SecureKey(random: 32)
+        let raw = SecureKey(random: 32)
+        let h = try FileHeader.create(fileKey: raw, class: cls, cipher: cipher, using: .symmetric(classKey))
+        try EncryptedContent.writeNewHeader(fd: fd, h)
+        return (fd, try FileContentKey(key: raw, cipher: cipher, fileID: h.fileID), h, classKey)
+    }
+
+    func testLayoutSizesRoundTrip() {
+        for cipher in ContentCipher.allCases {
+            let l = BlockLayout(cipher: cipher)
+            for size in [0, 1, 4095, 4096, 4097, 8192, 1_000_000, 12_345_678] {
+                XCTAssertEqual(l.plainSize(backingSize: l.backingSize(plainSize: size)), size, "\(cipher) \(size)")
+            }
+            XCTAssertEqual(l.plainSize(backingSize: FileHeader.size + l.overhead), 0, "a fragment without payload is ignored")
+        }
+    }
+
+    func testRandomIOMatchesModelForBothCiphers() throws {
+        for cipher in ContentCipher.allCases where cipher.isAvailable {
+            let (fd, key, _, _) = try newFile("model-\(cipher.name)", cipher: cipher)
+            defer { close(fd) }
+            let c = EncryptedContent(layout: BlockLayout(cipher: cipher))
+            var model: [UInt8] = []
+            var seed: UInt64 = 0x1234_5678
+            func rnd(_ n: Int) -> Int { seed ^= seed << 13; seed ^= seed >> 7; seed ^= seed << 17; return Int(seed % UInt64(max(n, 1))) }
+            for _ in 0..<400 {
+                if rnd(4) == 0 {
+                    let n = rnd(model.count + 9000)
+                    try c.truncate(fd: fd, key: key, to: n)
+                    if n < model.count { model.removeSubrange(n...) } else { model += [UInt8](repeating: 0, count: n - model.count) }
+                } else {
+                    let off = rnd(model.count + 9000)
+                    let data = (0..<(1 + rnd(10000))).map { _ in UInt8(truncatingIfNeeded: rnd(256)) }
+                    try data.withUnsafeBytes { try c.write(fd: fd, key: key, offset: off, data: $0) }
+                    if off + data.count > model.count { model += [UInt8](repeating: 0, count: off + data.count - model.count) }
+                    model.replaceSubrange(off..<(off + data.count), with: data)
+                }
+                XCTAssertEqual(try c.plainSize(fd: fd), model.count)
+            }
+            var out = [UInt8](repeating: 0, count: model.count + 100)
+            let n = try out.withUnsafeMutableBytes { try c.read(fd: fd, key: key, offset: 0, into: $0) }
+            XCTAssertEqual(Array(out[0..<n]), model, cipher.name)
+        }
+    }
+
+    /// Reads the whole file, mapping errors to a label.
+    func readAll(_ fd: Int32, _ key: FileContentKey, _ c: EncryptedContent) -> String {
+        var out = [UInt8](repeating: 0, count: 100_000)
+        do { _ = try out.withUnsafeMutableBytes { try c.read(fd: fd, key: key, offset: 0, into: $0) }; return "ok" } catch KeybagError.corrupt { return "corrupt" } catch { return "\(error)" }
+    }
+
+    func testEveryTamperOfABlockIsAnError() throws {
+        let cipher = ContentCipher.preferred
+        let c = EncryptedContent(layout: BlockLayout(cipher: cipher))
+        let (fd, key, _, _) = try newFile("t", cipher: cipher)
+        defer { close(fd) }
+        let data = [UInt8](repeating: 0x5a, count: 3 * 4096 + 100)
+        try data.withUnsafeBytes { try c.write(fd: fd, key: key, offset: 0, data: $0) }
+        XCTAssertEqual(readAll(fd, key, c), "ok")
+        var original = [UInt8](repeating: 0, count: Int(lseek(fd, 0, SEEK_END)))
+        _ = pread(fd, &original, original.count, 0)
+        // Every byte of the content region, flipped one at a time (sampled every 7 bytes).
+        for pos in stride(from: FileHeader.size, to: original.count, by: 7) {
+            var b = original[pos] ^ 0x80
+            _ = pwrite(fd, &b, 1, off_t(pos))
+            XCTAssertEqual(readAll(fd, key, c), "corrupt", "flip at \(pos)")
+            b = original[pos]
+            _ = pwrite(fd, &b, 1, off_t(pos))
+        }
+        XCTAssertEqual(readAll(fd, key, c), "ok")
+        // Blocks swapped within the file.
+        let cb = BlockLayout(cipher: cipher).cipherBlockSize
+        var swapped = original
+        swapped.replaceSubrange((FileHeader.size)..<(FileHeader.size + cb), with: original[(FileHeader.size + cb)..<(FileHeader.size + 2 * cb)])
+        swapped.replaceSubrange((FileHeader.size + cb)..<(FileHeader.size + 2 * cb), with: original[(FileHeader.size)..<(FileHeader.size + cb)])
+        _ = pwrite(fd, swapped, swapped.count, 0)
+        XCTAssertEqual(readAll(fd, key, c), "corrupt")
+        // A block from another file with the same key but another file id.
+        let other = try FileContentKey(key: key.key, cipher: cipher, fileID: Sodium.randomArray(16))
+        _ = pwrite(fd, original, original.count, 0)
+        XCTAssertEqual(readAll(fd, other, c), "corrupt")
+        // A truncated last block.
+        XCTAssertEqual(ftruncate(fd, off_t(original.count - 5)), 0)
+        var out = [UInt8](repeating: 0, count: 200)
+        XCTAssertThrowsError(try out.withUnsafeMutableBytes { try c.read(fd: fd, key: key, offset: 3 * 4096, into: $0) })
+    }
+
+    func testHeaderRoundTripForEveryClassAndTamper() throws {
+        let sym = SecureKey(random: 32)
+        let bSecret = SecureKey(random: 32)
+        let bPublic = try ClassBAgreement.publicKey(of: bSecret)
+        for cls in ProtectionClass.allCases {
+            let raw = SecureKey(random: 32)
+            let wrap: FileHeader.ClassKey = cls == .completeUnlessOpen ? .classBPublic(bPublic) : .symmetric(sym)
+            let unwrap: FileHeader.ClassKey = cls == .completeUnlessOpen ? .classBPrivate(bSecret, bPublic) : .symmetric(sym)
+            let h = try FileHeader.create(fileKey: raw, class: cls, cipher: .xchacha20poly1305, using: wrap)
+            var bytes = h.encodeSlot() + [UInt8](repeating: 0, count: FileHeader.slotSize)
+            let parsed = try FileHeader.parse(bytes)
+            XCTAssertEqual(parsed, h)
+            let got = try parsed.unwrap(using: unwrap)
+            XCTAssertTrue(try raw.withBytes { a in try got.withBytes { b in Array(a) == Array(b) } })
+            if cls == .completeUnlessOpen {
+                XCTAssertThrowsError(try parsed.unwrap(using: .classBPublic(bPublic)), "public key cannot unwrap") { e in
+                    XCTAssertEqual(e as? KeybagError, .keyUnavailable)
+                }
+            }
+            // A flipped bit anywhere in the slot body: the slot is rejected (checksum),
+            // and a slot with a valid checksum but another class fails the key wrap.
+            for pos in 0..<FileHeader.bodySize {
+                bytes[pos] ^= 0x04
+                XCTAssertThrowsError(try FileHeader.parse(bytes), "flip at \(pos)")
+                bytes[pos] ^= 0x04
+            }
+            var forged = parsed
+            forged.protectionClass = cls == .none ? .complete : .none
+            XCTAssertThrowsError(try FileHeader.parse(forged.encodeSlot() + [UInt8](repeating: 0, count: 160)).unwrap(using: .symmetric(sym)))
+        }
+    }
+
+    func testTornClassChangeFallsBackToTheOldSlot() throws {
+        let a = SecureKey(random: 32), d = SecureKey(random: 32)
+        let raw = SecureKey(random: 32)
+        let h1 = try FileHeader.create(fileKey: raw, class: .complete, cipher: .aes256gcm, using: .symmetric(a))
+        let h2 = try h1.rewrapped(fileKey: raw, to: .none, using: .symmetric(d))
+        XCTAssertEqual(h2.slot, 1)
+        XCTAssertEqual(h2.generation, 2)
+        let full = h1.encodeSlot() + h2.encodeSlot()
+        XCTAssertEqual(try FileHeader.parse(full).protectionClass, .none, "newer slot wins")
+        // Torn write of the new slot: any prefix of it.
+        for cut in [1, 10, 60, 100, 131, 147] {
+            let torn = h1.encodeSlot() + Array(h2.encodeSlot()[0..<cut]) + [UInt8](repeating: 0, count: 160 - cut)
+            let p = try FileHeader.parse(torn)
+            XCTAssertEqual(p.protectionClass, .complete, "cut \(cut)")
+            XCTAssertNoThrow(try p.unwrap(using: .symmetric(a)))
+        }
+        // The next change goes to slot 0 again, above generation 2.
+        let h3 = try h2.rewrapped(fileKey: raw, to: .complete, using: .symmetric(a))
+        XCTAssertEqual(h3.slot, 0)
+        XCTAssertEqual(try FileHeader.parse(h3.encodeSlot() + h2.encodeSlot()).protectionClass, .complete)
+    }
+
+    func testWipedKeyRefusesUse() throws {
+        let k = SecureKey(random: 32)
+        XCTAssertFalse(k.isWiped)
+        k.wipe()
+        XCTAssertTrue(k.isWiped)
+        XCTAssertThrowsError(try k.withBytes { _ in 0 }) { XCTAssertEqual($0 as? KeybagError, .keyUnavailable) }
+        let raw = SecureKey(random: 32)
+        let fk = try FileContentKey(key: raw, cipher: .preferred, fileID: Sodium.randomArray(16))
+        fk.wipe()
+        var out = [UInt8](repeating: 0, count: 100)
+        let plain = [UInt8](repeating: 1, count: 10)
+        XCTAssertThrowsError(try plain.withUnsafeBytes { p in try out.withUnsafeMutableBytes { try fk.seal(p, block: 0, into: $0) } })
+    }
+}

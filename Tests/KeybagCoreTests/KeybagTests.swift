@@ -1,0 +1,127 @@
+import Foundation
+import Glibc
+import XCTest
+@testable import KeybagCore
+
+/// Keybag, keyring, throttle, lock state machine and path helpers.
+final class KeybagTests: XCTestCase {
+    var dir = ""
+
+    override func setUp() {
+        var t = Array("/tmp/kbfs-unit.XXXXXX".utf8CString)
+        dir = String(cString: mkdtemp(&t)!)
+    }
+
+    override func tearDown() { try? FileManager.default.removeItem(atPath: dir) }
+
+    func secret(_ s: String) -> SecureKey {
+        let b = Array(s.utf8)
+        return SecureKey(count: b.count) { $0.copyBytes(from: b) }
+    }
+
+    func testUnlockWrongPasscodeWrongDeviceKeyAndPasswd() throws {
+        let dk = SecureKey(random: 32)
+        var kb = try Keybag.create(storePath: dir, storeID: "00112233445566778899aabbccddeeff", passcode: secret("right"), deviceKey: dk, strength: .interactive)
+        let keys = try kb.unlock(passcode: secret("right"), deviceKey: dk)
+        XCTAssertEqual(keys.classBPublic, try ClassBAgreement.publicKey(of: keys.classBSecret))
+        XCTAssertThrowsError(try kb.unlock(passcode: secret("wrong"), deviceKey: dk)) { XCTAssertEqual($0 as? KeybagError, .badPasscode) }
+        // The passcode alone does not derive the keys: a different device key fails too.
+        XCTAssertThrowsError(try kb.unlock(passcode: secret("right"), deviceKey: SecureKey(random: 32)))
+        XCTAssertThrowsError(try kb.unwrapDeviceKeySlot("D", deviceKey: SecureKey(random: 32))) { XCTAssertEqual($0 as? KeybagError, .badDeviceKey) }
+        XCTAssertNoThrow(try kb.unwrapDeviceKeySlot("D", deviceKey: dk))
+        // passwd keeps the class keys, changes what unlocks them, and persists.
+        try kb.changePasscode(old: secret("right"), new: secret("new one"), deviceKey: dk)
+        let reloaded = try Keybag.load(storePath: dir)
+        XCTAssertThrowsError(try reloaded.unlock(passcode: secret("right"), deviceKey: dk))
+        let again = try reloaded.unlock(passcode: secret("new one"), deviceKey: dk)
+        XCTAssertTrue(try keys.classA.withBytes { a in try again.classA.withBytes { b in Array(a) == Array(b) } })
+        XCTAssertThrowsError(try kb.changePasscode(old: secret("nope"), new: secret("x"), deviceKey: dk))
+    }
+
+    func testFailuresPersistAndEscalate() throws {
+        let dk = SecureKey(random: 32)
+        var kb = try Keybag.create(storePath: dir, storeID: "ff", passcode: secret("p"), deviceKey: dk, strength: .interactive)
+        let now = 1_000_000.0
+        for _ in 1...4 { try kb.recordFailure(now: now) }
+        XCTAssertEqual(kb.retryAfter(now: now), 0)
+        try kb.recordFailure(now: now)
+        XCTAssertEqual(kb.retryAfter(now: now), 60)
+        XCTAssertEqual(try Keybag.load(storePath: dir).retryAfter(now: now), 60, "persisted")
+        XCTAssertEqual([5, 6, 7, 8, 9, 12].map { UnlockThrottle.delay(afterFailures: $0) }, [60, 300, 900, 900, 3600, 3600])
+        try kb.recordSuccess()
+        XCTAssertEqual(try Keybag.load(storePath: dir).file.failedAttempts, 0)
+    }
+
+    func testCorruptKeybagIsAnErrorNotACrash() throws {
+        try Data("{\"format\": 1".utf8).write(to: URL(fileURLWithPath: dir + "/keybag"))
+        XCTAssertThrowsError(try Keybag.load(storePath: dir))
+        try Data("[]".utf8).write(to: URL(fileURLWithPath: dir + "/keybag"))
+        XCTAssertThrowsError(try Keybag.load(storePath: dir))
+        XCTAssertThrowsError(try Keybag.load(storePath: dir + "/absent"))
+    }
+
+    func testKeyringEvictionOnLock() throws {
+        let d = SecureKey(random: 32)
+        let ring = ClassKeyring(classD: d)
+        XCTAssertTrue(ring.canOpen(.none))
+        for c in [ProtectionClass.complete, .completeUnlessOpen, .completeUntilFirstUserAuthentication] {
+            XCTAssertFalse(ring.canOpen(c)); XCTAssertFalse(ring.canCreate(c))
+        }
+        let bs = SecureKey(random: 32)
+        let keys = UnlockedClassKeys(classA: SecureKey(random: 32), classBSecret: bs, classBPublic: try ClassBAgreement.publicKey(of: bs), classC: SecureKey(random: 32))
+        ring.install(keys)
+        ProtectionClass.allCases.forEach { XCTAssertTrue(ring.canOpen($0)) }
+        ring.evictForLock()
+        XCTAssertTrue(keys.classA.isWiped, "class A key zeroed")
+        XCTAssertTrue(keys.classBSecret.isWiped, "class B private key zeroed")
+        XCTAssertFalse(keys.classC.isWiped)
+        XCTAssertFalse(ring.canOpen(.complete)); XCTAssertFalse(ring.canCreate(.complete))
+        XCTAssertFalse(ring.canOpen(.completeUnlessOpen)); XCTAssertTrue(ring.canCreate(.completeUnlessOpen))
+        XCTAssertTrue(ring.canOpen(.completeUntilFirstUserAuthentication))
+        ring.wipeAll()
+        XCTAssertTrue(d.isWiped)
+    }
+
+    func testLockStateMachine() {
+        var m = LockStateMachine()
+        XCTAssertEqual(m.requestLock(grace: 0), .nothing, "nothing to lock before the first unlock")
+        XCTAssertEqual(m.unlocked(), [.didBecomeAvailable])
+        XCTAssertEqual(m.unlocked(), [], "already unlocked")
+        guard case .startGrace(let t1) = m.requestLock(grace: 5) else { return XCTFail() }
+        XCTAssertEqual(m.state, .locking)
+        XCTAssertEqual(m.unlocked(), [.didBecomeAvailable])
+        XCTAssertFalse(m.shouldEvict(ticket: t1), "cancelled")
+        XCTAssertEqual(m.evicted(ticket: t1), [])
+        XCTAssertEqual(m.state, .unlocked)
+        guard case .startGrace(let t2) = m.requestLock(grace: 5) else { return XCTFail() }
+        XCTAssertEqual(m.requestLock(grace: 0), .evictNow(ticket: t2, sendWill: false), "grace 0 during locking finishes now")
+        XCTAssertEqual(m.evicted(ticket: t2), [.didBecomeUnavailable])
+        XCTAssertEqual(m.state, .locked)
+        XCTAssertEqual(m.requestLock(grace: 0), .nothing)
+        XCTAssertEqual(m.unlocked(), [.didBecomeAvailable])
+        guard case .evictNow(let t3, true) = m.requestLock(grace: 0) else { return XCTFail() }
+        XCTAssertEqual(m.evicted(ticket: t3), [.didBecomeUnavailable])
+    }
+
+    func testClassNamesAndAliases() {
+        XCTAssertEqual(ProtectionClass(name: "complete"), .complete)
+        XCTAssertEqual(ProtectionClass(name: "NSFileProtectionCompleteUnlessOpen"), .completeUnlessOpen)
+        XCTAssertEqual(ProtectionClass(name: "none\0"), ProtectionClass.none)
+        XCTAssertNil(ProtectionClass(name: "Complete"))
+        XCTAssertNil(ProtectionClass(name: ""))
+    }
+
+    func testSystemdEscapeAndMountinfo() {
+        XCTAssertEqual(ControlPaths.systemdEscapePath("/"), "-")
+        XCTAssertEqual(ControlPaths.systemdEscapePath("/mnt/secure"), "mnt-secure")
+        XCTAssertEqual(ControlPaths.systemdEscapePath("/mnt//my data/"), "mnt-my\\x20data")
+        XCTAssertEqual(ControlPaths.systemdEscapePath("/a-b/.c"), "a\\x2db-.c")
+        XCTAssertEqual(ControlPaths.systemdEscapePath("/.hidden"), "\\x2ehidden")
+        XCTAssertEqual(ControlPaths.defaultSocket(forMountpoint: "/srv/vault"), "/run/keybagfs/srv-vault.sock")
+        let info = """
+        36 35 98:0 / /mnt1 rw,noatime master:1 - ext3 /dev/root rw,errors=continue
+        40 35 0:50 / /srv/my\\040vault rw,nosuid - fuse.keybagfs /store rw,user_id=0
+        """
+        XCTAssertEqual(ControlPaths.keybagfsMounts(mountinfo: info), ["/srv/my vault"])
+    }
+}

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Installs the system packages keybagfs builds and tests with (Debian 12), when missing.
+set -euo pipefail
+pkgs=(libfuse3-dev fuse3 libsodium-dev pkg-config attr python3 util-linux)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "# installing: ${missing[*]}" >&2
+  SUDO=""; [[ $(id -u) -eq 0 ]] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi

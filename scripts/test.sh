@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Runs every test: unit tests of the core and tests that mount for real.
+# Needs root and /dev/fuse; a missing prerequisite is a failure, never a skip.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install-deps.sh
+if [[ $(id -u) -ne 0 ]]; then echo "FAIL: the mount tests need root (/dev/fuse is root-only here)" >&2; exit 1; fi
+if [[ ! -c /dev/fuse ]]; then echo "FAIL: /dev/fuse is missing; the mount tests cannot run" >&2; exit 1; fi
+command -v fusermount3 >/dev/null || { echo "FAIL: fusermount3 missing" >&2; exit 1; }
+start=$(date +%s)
+swift build --build-tests
+status=0
+swift test --skip-build "$@" || status=$?
+# No test may leave a mount behind.
+left=$(grep ' fuse.keybagfs ' /proc/mounts | awk '{print $2}' | grep '/kbfs-test\.' || true)
+if [[ -n $left ]]; then
+  echo "FAIL: mounts left behind by tests:" >&2; echo "$left" >&2
+  for m in $left; do fusermount3 -u "$m" || umount -l "$m" || true; done
+  status=1
+fi
+echo "# scripts/test.sh: $(( $(date +%s) - start )) s wall" >&2
+exit $status
