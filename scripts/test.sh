@@ -10,7 +10,14 @@ command -v fusermount3 >/dev/null || { echo "FAIL: fusermount3 missing" >&2; exi
 start=$(date +%s)
 swift build --build-tests
 status=0
-swift test --skip-build "$@" || status=$?
+log=$(mktemp)
+swift test --skip-build --disable-swift-testing "$@" 2>&1 | tee "$log" || status=$?
+# One plain closing line: counts from XCTest's per-case lines.
+passed=$(grep -cE "^Test Case .* passed \(" "$log" || true)
+failed=$(grep -cE "^Test Case .* failed \(" "$log" || true)
+rm -f "$log"
+[[ $failed -eq 0 ]] || status=1
+[[ $passed -gt 0 ]] || { echo "FAIL: no test ran" >&2; status=1; }
 # No test may leave a mount behind.
 left=$(grep ' fuse.keybagfs ' /proc/mounts | awk '{print $2}' | grep '/kbfs-test\.' || true)
 if [[ -n $left ]]; then
@@ -19,4 +26,5 @@ if [[ -n $left ]]; then
   status=1
 fi
 echo "# scripts/test.sh: $(( $(date +%s) - start )) s wall" >&2
+echo "$passed passed, $failed failed"
 exit $status

@@ -32,6 +32,9 @@ func check<T: BinaryInteger>(_ r: T) throws -> T {
 /// The filesystem behind the FUSE glue: maps each operation onto the backing store and
 /// enforces the class rules. Every method throws `FSError` with the errno to reply.
 final class Filesystem: Sendable {
+    /// Largest plaintext size (and offset) accepted: keeps every backing offset far from Int overflow.
+    static let maxFileSize = 1 << 60
+
     /// Name of the per-directory file that stores a directory's default class.
     static let dirClassFile = ".kbfs-dir"
 
@@ -272,7 +275,9 @@ final class Filesystem: Sendable {
 
     /// Reads through a handle.
     func read(_ h: FileHandle, offset: Int, into buf: UnsafeMutableRawBufferPointer) throws -> Int {
-        try h.node.io.withLock { st in
+        guard offset >= 0 else { throw FSError(EINVAL) }
+        if offset >= Self.maxFileSize { return 0 }
+        return try h.node.io.withLock { st in
             let key = try contentKey(&st, node: h.node)
             return try content.read(fd: h.fd, key: key, offset: offset, into: buf)
         }
@@ -280,6 +285,8 @@ final class Filesystem: Sendable {
 
     /// Writes through a handle.
     func write(_ h: FileHandle, offset: Int, data: UnsafeRawBufferPointer) throws {
+        guard offset >= 0 else { throw FSError(EINVAL) }
+        guard offset <= Self.maxFileSize - data.count else { throw FSError(EFBIG) }
         try h.node.io.withLock { st in
             let key = try contentKey(&st, node: h.node)
             try content.write(fd: h.fd, key: key, offset: offset, data: data)
@@ -289,6 +296,7 @@ final class Filesystem: Sendable {
     /// Truncates through a handle when given, else through a fresh backing descriptor.
     func truncate(_ n: Node, handle: FileHandle?, to size: Int) throws {
         guard size >= 0 else { throw FSError(EINVAL) }
+        guard size <= Self.maxFileSize else { throw FSError(EFBIG) }
         let fd: Int32
         if let handle, handle.writable { fd = handle.fd } else { fd = try check(Glibc.open(n.procPath, O_RDWR | O_CLOEXEC)) }
         defer { if fd != handle?.fd { close(fd) } }
