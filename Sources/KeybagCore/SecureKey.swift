@@ -52,69 +52,155 @@ public enum Sodium {
     }
 }
 
-/// A secret held in libsodium guarded memory (`sodium_malloc`): not swapped, not dumped,
-/// zeroed on `wipe()` and freed on deinit. Access goes through `withBytes`, which holds
-/// a lock, so a wipe never tears an in-flight use and a use after a wipe throws.
-public final class SecureKey: Sendable {
-    /// The guarded allocation as an address bit pattern; 0 once wiped.
-    private let storage: Mutex<UInt>
+/// A reader-writer lock around a value: many readers at once, one writer.
+/// `@unchecked Sendable`: `value` is only touched with the pthread lock held.
+public final class RWLocked<Value>: @unchecked Sendable {
+    private let lock: UnsafeMutablePointer<pthread_rwlock_t>
+    private var value: Value
+
+    /// Wraps a value.
+    public init(_ value: Value) {
+        self.value = value
+        lock = .allocate(capacity: 1)
+        pthread_rwlock_init(lock, nil)
+    }
+
+    deinit {
+        pthread_rwlock_destroy(lock)
+        lock.deallocate()
+    }
+
+    /// Runs `body` with shared access.
+    public func read<R>(_ body: (Value) throws -> R) rethrows -> R {
+        pthread_rwlock_rdlock(lock)
+        defer { pthread_rwlock_unlock(lock) }
+        return try body(value)
+    }
+
+    /// Runs `body` with exclusive access.
+    public func write<R>(_ body: (inout Value) throws -> R) rethrows -> R {
+        pthread_rwlock_wrlock(lock)
+        defer { pthread_rwlock_unlock(lock) }
+        return try body(&value)
+    }
+}
+
+/// Slabs of guarded memory for small secrets. One `sodium_malloc` per secret would cost
+/// a mapping, two guard pages and an mlock each, and 10,000 open files would exhaust the
+/// kernel's map count; secrets of up to `slotSize` bytes share 256 KiB guarded chunks.
+/// Released slots are zeroed before reuse. Chunks are kept for the life of the process.
+final class SecureArena: Sendable {
+    /// The process-wide arena.
+    static let shared = SecureArena()
+    /// Bytes per slot (an AES-GCM state is 512 bytes); slots are 16-byte aligned.
+    static let slotSize = 512
+    static let chunkSize = 256 * 1024
+    private let freeSlots = Mutex<[UInt]>([])
+
+    /// A zeroed slot, or nil when guarded memory cannot be had.
+    func allocate() -> UnsafeMutableRawPointer? {
+        let addr: UInt? = freeSlots.withLock { free in
+            if free.isEmpty {
+                guard let chunk = sodium_malloc(Self.chunkSize) else { return nil }
+                sodium_memzero(chunk, Self.chunkSize)
+                let base = UInt(bitPattern: chunk)
+                for i in stride(from: Self.chunkSize / Self.slotSize - 1, through: 0, by: -1) {
+                    free.append(base + UInt(i * Self.slotSize))
+                }
+            }
+            return free.popLast()
+        }
+        return addr.flatMap { UnsafeMutableRawPointer(bitPattern: $0) }
+    }
+
+    /// Zeroes a slot and makes it available again.
+    func release(_ p: UnsafeMutableRawPointer) {
+        sodium_memzero(p, Self.slotSize)
+        freeSlots.withLock { $0.append(UInt(bitPattern: p)) }
+    }
+}
+
+/// A secret held in libsodium guarded memory (`sodium_malloc`: not swapped, not dumped),
+/// zeroed on `wipe()` and on deinit. Uses go through `withBytes`, which holds a shared
+/// lock, so a wipe (exclusive) never tears an in-flight use and a use after it throws.
+/// `@unchecked Sendable`: `address` is only read under the shared lock and only
+/// changed under the exclusive one.
+public final class SecureKey: @unchecked Sendable {
+    private let lock: UnsafeMutablePointer<pthread_rwlock_t>
+    /// The guarded bytes; 0 once wiped.
+    private var address: UInt
+    /// Whether the bytes come from the shared arena (else a dedicated `sodium_malloc`).
+    private let pooled: Bool
     /// Length in bytes.
     public let count: Int
 
     /// Allocates `count` zero bytes of guarded memory.
     public init(zeroed count: Int) {
         Sodium.ensureInitialized()
-        guard let p = sodium_malloc(count) else { fatalError("sodium_malloc failed") }
-        sodium_memzero(p, count)
         self.count = count
-        self.storage = Mutex(UInt(bitPattern: p))
+        lock = .allocate(capacity: 1)
+        pthread_rwlock_init(lock, nil)
+        if count <= SecureArena.slotSize, let p = SecureArena.shared.allocate() {
+            pooled = true
+            address = UInt(bitPattern: p)
+        } else {
+            guard let p = sodium_malloc(max(count, 1)) else { fatalError("sodium_malloc failed: out of guarded memory") }
+            sodium_memzero(p, count)
+            pooled = false
+            address = UInt(bitPattern: p)
+        }
     }
 
     /// A new random key of `count` bytes.
     public convenience init(random count: Int) {
         self.init(zeroed: count)
-        storage.withLock { addr in
-            randombytes_buf(UnsafeMutableRawPointer(bitPattern: addr)!, count)
-        }
+        randombytes_buf(UnsafeMutableRawPointer(bitPattern: address)!, count)
     }
 
     /// A key filled by `fill`, which writes exactly `count` bytes into guarded memory.
     public convenience init(count: Int, fill: (UnsafeMutableRawBufferPointer) throws -> Void) rethrows {
         self.init(zeroed: count)
-        try storage.withLock { addr in
-            try fill(UnsafeMutableRawBufferPointer(start: UnsafeMutableRawPointer(bitPattern: addr)!, count: count))
+        do {
+            try fill(UnsafeMutableRawBufferPointer(start: UnsafeMutableRawPointer(bitPattern: address)!, count: count))
+        } catch {
+            wipe()
+            throw error
         }
     }
 
     deinit {
-        let addr = storage.withLock { $0 }
-        if addr != 0 { sodium_free(UnsafeMutableRawPointer(bitPattern: addr)) }
+        wipe()
+        pthread_rwlock_destroy(lock)
+        lock.deallocate()
     }
 
     /// Runs `body` with the key bytes; throws `keyUnavailable` once wiped.
     public func withBytes<R>(_ body: (UnsafeRawBufferPointer) throws -> R) throws -> R {
-        var result: R?
-        var failure: Error?
-        storage.withLock { addr in
-            guard addr != 0 else { failure = KeybagError.keyUnavailable; return }
-            let buf = UnsafeRawBufferPointer(start: UnsafeRawPointer(bitPattern: addr)!, count: count)
-            do { result = try body(buf) } catch { failure = error }
-        }
-        if let failure { throw failure }
-        return result!
+        pthread_rwlock_rdlock(lock)
+        defer { pthread_rwlock_unlock(lock) }
+        guard address != 0 else { throw KeybagError.keyUnavailable }
+        return try body(UnsafeRawBufferPointer(start: UnsafeRawPointer(bitPattern: address)!, count: count))
     }
 
-    /// Zeroes and frees the key now; later uses throw `keyUnavailable`.
+    /// Zeroes and releases the key now; later uses throw `keyUnavailable`.
     public func wipe() {
-        storage.withLock { addr in
-            guard addr != 0 else { return }
-            let p = UnsafeMutableRawPointer(bitPattern: addr)!
+        pthread_rwlock_wrlock(lock)
+        defer { pthread_rwlock_unlock(lock) }
+        guard address != 0 else { return }
+        let p = UnsafeMutableRawPointer(bitPattern: address)!
+        if pooled {
+            SecureArena.shared.release(p)
+        } else {
             sodium_memzero(p, count)
             sodium_free(p)
-            addr = 0
         }
+        address = 0
     }
 
     /// True once `wipe()` ran.
-    public var isWiped: Bool { storage.withLock { $0 == 0 } }
+    public var isWiped: Bool {
+        pthread_rwlock_rdlock(lock)
+        defer { pthread_rwlock_unlock(lock) }
+        return address == 0
+    }
 }

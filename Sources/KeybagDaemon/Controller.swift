@@ -150,7 +150,7 @@ final class Controller: Sendable {
     /// Daemon exit: every key zeroed.
     func shutdown() {
         transitions.withLock { _ in keyring.wipeAll() }
-        for n in fs.table.regularFiles() { n.io.withLock { $0.key?.wipe(); $0.key = nil } }
+        for n in fs.table.regularFiles() { n.io.write { $0.key?.wipe(); $0.key = nil } }
         deviceKey.wipe()
     }
 }

@@ -152,6 +152,19 @@ final class Filesystem: Sendable {
         return k
     }
 
+    /// Runs `body` with the file key, holding the inode's lock shared (reads) or alone
+    /// (writes). A key wiped by a lock makes `body` throw `keyUnavailable` (EACCES).
+    private func withContentKey<R>(_ node: Node, exclusive: Bool, _ body: (FileContentKey) throws -> R) throws -> R {
+        if !exclusive {
+            let done: R?? = try node.io.read { st in
+                guard let k = st.key, !k.isWiped else { return .none }
+                return .some(try body(k))
+            }
+            if case .some(let r) = done, let r { return r }
+        }
+        return try node.io.write { st in try body(try contentKey(&st, node: node)) }
+    }
+
     /// The default class for new children of directory `dir`: its own setting, else the
     /// nearest ancestor's, else the mount's default.
     func inheritedClass(dirFD: Int32) -> ProtectionClass {
@@ -206,7 +219,7 @@ final class Filesystem: Sendable {
         let writable = (flags & O_ACCMODE) != O_RDONLY
         let fd = try check(Glibc.open(n.procPath, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC))
         do {
-            try n.io.withLock { st in
+            try n.io.write { st in
                 let h = try header(&st, node: n)
                 guard keyring.canOpen(h.protectionClass) else { throw FSError(EACCES) }
                 let key = try contentKey(&st, node: n)
@@ -247,7 +260,7 @@ final class Filesystem: Sendable {
             var st = stat()
             try check(fstat(pathFD, &st))
             let n = table.remember(fd: pathFD, stat: st)
-            n.io.withLock { s in
+            n.io.write { s in
                 s.header = header
                 s.key = key
                 s.openCount += 1
@@ -263,7 +276,7 @@ final class Filesystem: Sendable {
 
     /// The last close of a handle: class B file keys die with the last handle once locked.
     func release(_ h: FileHandle) {
-        h.node.io.withLock { st in
+        h.node.io.write { st in
             st.openCount -= 1
             if st.openCount == 0, st.header?.protectionClass == .completeUnlessOpen, !keyring.canOpen(.completeUnlessOpen) {
                 st.key?.wipe()
@@ -273,13 +286,13 @@ final class Filesystem: Sendable {
         openFiles.subtract(1, ordering: .relaxed)
     }
 
-    /// Reads through a handle.
-    func read(_ h: FileHandle, offset: Int, into buf: UnsafeMutableRawBufferPointer) throws -> Int {
+    /// Reads through a handle and replies while still holding the inode's lock, so a lock
+    /// (which takes it alone before dropping the page cache) cannot be overtaken by a reply.
+    func read(_ h: FileHandle, offset: Int, into buf: UnsafeMutableRawBufferPointer, reply: (Int) -> Void) throws {
         guard offset >= 0 else { throw FSError(EINVAL) }
-        if offset >= Self.maxFileSize { return 0 }
-        return try h.node.io.withLock { st in
-            let key = try contentKey(&st, node: h.node)
-            return try content.read(fd: h.fd, key: key, offset: offset, into: buf)
+        if offset >= Self.maxFileSize { return reply(0) }
+        try withContentKey(h.node, exclusive: false) { key in
+            reply(try content.read(fd: h.fd, key: key, offset: offset, into: buf))
         }
     }
 
@@ -287,8 +300,7 @@ final class Filesystem: Sendable {
     func write(_ h: FileHandle, offset: Int, data: UnsafeRawBufferPointer) throws {
         guard offset >= 0 else { throw FSError(EINVAL) }
         guard offset <= Self.maxFileSize - data.count else { throw FSError(EFBIG) }
-        try h.node.io.withLock { st in
-            let key = try contentKey(&st, node: h.node)
+        try withContentKey(h.node, exclusive: true) { key in
             try content.write(fd: h.fd, key: key, offset: offset, data: data)
         }
     }
@@ -300,8 +312,7 @@ final class Filesystem: Sendable {
         let fd: Int32
         if let handle, handle.writable { fd = handle.fd } else { fd = try check(Glibc.open(n.procPath, O_RDWR | O_CLOEXEC)) }
         defer { if fd != handle?.fd { close(fd) } }
-        try n.io.withLock { st in
-            let key = try contentKey(&st, node: n)
+        try withContentKey(n, exclusive: true) { key in
             try content.truncate(fd: fd, key: key, to: size)
         }
     }
@@ -321,7 +332,8 @@ final class Filesystem: Sendable {
             return c
         }
         guard n.isRegular else { throw FSError(ENODATA) }
-        return try n.io.withLock { st in try header(&st, node: n).protectionClass }
+        if let c = n.io.read({ $0.header?.protectionClass }) { return c }
+        return try n.io.write { st in try header(&st, node: n).protectionClass }
     }
 
     /// Changes a file's class by rewrapping its key into the other header slot; on a
@@ -332,7 +344,7 @@ final class Filesystem: Sendable {
         guard n.isRegular else { throw FSError(EPERM) }
         let fd = try check(Glibc.open(n.procPath, O_RDWR | O_CLOEXEC))
         defer { close(fd) }
-        try n.io.withLock { st in
+        try n.io.write { st in
             let h = try header(&st, node: n)
             guard h.protectionClass != cls else { return }
             let key = try contentKey(&st, node: n)
@@ -358,7 +370,7 @@ final class Filesystem: Sendable {
     func evictFileKeys() -> [UInt64] {
         var ids: [UInt64] = []
         for n in table.regularFiles() {
-            let drop: Bool = n.io.withLock { st in
+            let drop: Bool = n.io.write { st in
                 guard let h = st.header else { return false }
                 switch h.protectionClass {
                 case .complete:

@@ -167,8 +167,9 @@ enum FuseBridge {
             let buf = UnsafeMutableRawBufferPointer.allocate(byteCount: max(size, 1), alignment: 16)
             defer { buf.deallocate() }
             do {
-                let n = try FuseBridge.context(req).fs.read(h, offset: Int(off), into: UnsafeMutableRawBufferPointer(rebasing: buf[0..<size]))
-                fuse_reply_buf(req, buf.baseAddress!.assumingMemoryBound(to: CChar.self), n)
+                try FuseBridge.context(req).fs.read(h, offset: Int(off), into: UnsafeMutableRawBufferPointer(rebasing: buf[0..<size])) { n in
+                    fuse_reply_buf(req, buf.baseAddress!.assumingMemoryBound(to: CChar.self), n)
+                }
             } catch { FuseBridge.fail(req, error) }
         }
         ops.write = { req, _, data, size, off, fi in

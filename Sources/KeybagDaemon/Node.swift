@@ -25,8 +25,8 @@ final class Node: Sendable {
     let backingIno: UInt64
     /// File type bits (`S_IFMT` part of st_mode).
     let type: mode_t
-    /// Serialises content I/O and holds the key state.
-    let io: Mutex<FileKeyState>
+    /// Holds the key state: reads share it, writes, truncation and eviction take it alone.
+    let io: RWLocked<FileKeyState>
 
     init(id: UInt64, fd: Int32, dev: UInt64, ino: UInt64, type: mode_t) {
         self.id = id
@@ -34,7 +34,7 @@ final class Node: Sendable {
         self.backingDev = dev
         self.backingIno = ino
         self.type = type
-        self.io = Mutex(FileKeyState())
+        self.io = RWLocked(FileKeyState())
     }
 
     deinit { close(fd) }
