@@ -89,12 +89,16 @@ public final class FileContentKey: Sendable {
     public let cipher: ContentCipher
     /// The file's 16-byte id, bound into every block.
     public let fileID: [UInt8]
+    /// The file id as two words, for building associated data without allocating.
+    private let idWords: (UInt64, UInt64)
 
     /// Wraps a raw key; precomputes the AES state when needed.
     public init(key: SecureKey, cipher: ContentCipher, fileID: [UInt8]) throws {
         self.key = key
         self.cipher = cipher
         self.fileID = fileID
+        precondition(fileID.count == 16)
+        self.idWords = fileID.withUnsafeBytes { ($0.loadUnaligned(fromByteOffset: 0, as: UInt64.self), $0.loadUnaligned(fromByteOffset: 8, as: UInt64.self)) }
         if cipher == .aes256gcm {
             let size = MemoryLayout<crypto_aead_aes256gcm_state>.size
             let state = SecureKey(zeroed: size)
@@ -123,11 +127,8 @@ public final class FileContentKey: Sendable {
     /// Associated data: file id (16) || block number (8, little endian).
     @inline(__always)
     private func withAD<R>(_ block: UInt64, _ body: (UnsafePointer<UInt8>) throws -> R) rethrows -> R {
-        var ad = [UInt8](repeating: 0, count: 24)
-        for i in 0..<16 { ad[i] = fileID[i] }
-        var b = block.littleEndian
-        withUnsafeBytes(of: &b) { for i in 0..<8 { ad[16 + i] = $0[i] } }
-        return try ad.withUnsafeBufferPointer { try body($0.baseAddress!) }
+        var ad = (idWords.0, idWords.1, block.littleEndian)
+        return try withUnsafeBytes(of: &ad) { try body($0.baseAddress!.assumingMemoryBound(to: UInt8.self)) }
     }
 
     /// Encrypts `plain` (1...4096 bytes) as block `block` into `out`, which must hold
@@ -161,10 +162,6 @@ public final class FileContentKey: Sendable {
         guard sealed.count > ns + BlockLayout.tagSize else { throw KeybagError.corrupt("block \(block) truncated") }
         let plainLen = sealed.count - ns - BlockLayout.tagSize
         precondition(out.count >= plainLen)
-        if FileContentKey.isAllZero(sealed) {
-            memset(out.baseAddress!, 0, plainLen)
-            return plainLen
-        }
         let s0 = sealed.baseAddress!.assumingMemoryBound(to: UInt8.self)
         let o = out.baseAddress!.assumingMemoryBound(to: UInt8.self)
         var mlen: UInt64 = 0
@@ -180,8 +177,13 @@ public final class FileContentKey: Sendable {
                     k.baseAddress!.assumingMemoryBound(to: UInt8.self))
             }
         }
-        guard rc == 0 else { throw KeybagError.corrupt("block \(block) failed authentication") }
-        return Int(mlen)
+        if rc == 0 { return Int(mlen) }
+        // Not authentic: either a hole (all zero bytes, never produced by sealing) or damage.
+        if FileContentKey.isAllZero(sealed) {
+            memset(out.baseAddress!, 0, plainLen)
+            return plainLen
+        }
+        throw KeybagError.corrupt("block \(block) failed authentication")
     }
 
     /// True when every byte is zero (a sparse hole in the backing file).

@@ -1,4 +1,5 @@
 import Glibc
+import Synchronization
 
 /// Reads and writes plaintext ranges of one encrypted backing file: offset math, the
 /// read-modify-write of partial blocks, holes and truncation. Callers serialise writes
@@ -49,26 +50,33 @@ public struct EncryptedContent: Sendable {
         let first = offset / Self.B, last = (end - 1) / Self.B
         let cStart = layout.cipherOffset(ofBlock: first)
         let cEnd = layout.cipherOffset(ofBlock: last) + min(Self.B, size - last * Self.B) + layout.overhead
-        let cbuf = UnsafeMutableRawBufferPointer.allocate(byteCount: cEnd - cStart, alignment: 16)
-        defer { cbuf.deallocate() }
-        let got = try Self.preadFull(fd, cbuf, offset: cStart)
-        let plain = UnsafeMutableRawBufferPointer.allocate(byteCount: Self.B, alignment: 16)
-        defer { plain.deallocate() }
-        var written = 0
-        for b in first...last {
-            let bStart = b * Self.B
-            let bLen = min(Self.B, size - bStart)
-            let rel = (b - first) * layout.cipherBlockSize
-            guard rel + bLen + layout.overhead <= got else { break }   // truncated underneath us
-            let sealed = UnsafeRawBufferPointer(rebasing: cbuf[rel..<(rel + bLen + layout.overhead)])
-            let n = try key.open(sealed, block: UInt64(b), into: plain)
-            let lo = max(offset, bStart) - bStart
-            let hi = min(end, bStart + n) - bStart
-            guard hi > lo else { break }
-            (out.baseAddress! + written).copyMemory(from: plain.baseAddress! + lo, byteCount: hi - lo)
-            written += hi - lo
+        return try ScratchBuffers.shared.with(cEnd - cStart) { cbuf in
+            let got = try Self.preadFull(fd, cbuf, offset: cStart)
+            return try withUnsafeTemporaryAllocation(byteCount: Self.B, alignment: 64) { plain in
+                var written = 0
+                for b in first...last {
+                    let bStart = b * Self.B
+                    let bLen = min(Self.B, size - bStart)
+                    let rel = (b - first) * layout.cipherBlockSize
+                    guard rel + bLen + layout.overhead <= got else { break }   // truncated underneath us
+                    let sealed = UnsafeRawBufferPointer(rebasing: cbuf[rel..<(rel + bLen + layout.overhead)])
+                    let lo = max(offset, bStart) - bStart
+                    if lo == 0 && end - bStart >= bLen {
+                        // The whole block is wanted: decrypt straight into the reply.
+                        let n = try key.open(sealed, block: UInt64(b), into: UnsafeMutableRawBufferPointer(rebasing: out[written..<(written + bLen)]))
+                        written += n
+                        if n < bLen { break }
+                        continue
+                    }
+                    let n = try key.open(sealed, block: UInt64(b), into: plain)
+                    let hi = min(end, bStart + n) - bStart
+                    guard hi > lo else { break }
+                    (out.baseAddress! + written).copyMemory(from: plain.baseAddress! + lo, byteCount: hi - lo)
+                    written += hi - lo
+                }
+                return written
+            }
         }
-        return written
     }
 
     /// Writes `data` at plaintext `offset`, extending the file (with holes) as needed.
@@ -83,10 +91,8 @@ public struct EncryptedContent: Sendable {
             try resealBlock(fd: fd, key: key, block: size / Self.B, oldLength: size % Self.B, newLength: Self.B)
         }
         let effSize = (size % Self.B != 0 && first > size / Self.B) ? (size / Self.B + 1) * Self.B : size
-        let out = UnsafeMutableRawBufferPointer.allocate(byteCount: (last - first + 1) * layout.cipherBlockSize, alignment: 16)
-        defer { out.deallocate() }
-        let plain = UnsafeMutableRawBufferPointer.allocate(byteCount: Self.B, alignment: 16)
-        defer { plain.deallocate() }
+        try ScratchBuffers.shared.with((last - first + 1) * layout.cipherBlockSize) { out in
+        try withUnsafeTemporaryAllocation(byteCount: Self.B, alignment: 64) { plain in
         var outLen = 0
         for b in first...last {
             let bStart = b * Self.B
@@ -105,6 +111,8 @@ public struct EncryptedContent: Sendable {
             outLen += newLen + layout.overhead
         }
         try Self.pwriteFull(fd, UnsafeRawBufferPointer(rebasing: out[0..<outLen]), offset: layout.cipherOffset(ofBlock: first))
+        }
+        }
     }
 
     /// Sets the plaintext size, re-sealing the block that the new end cuts or extends.
@@ -176,5 +184,27 @@ public struct EncryptedContent: Sendable {
             if n < 0 { if errno == EINTR { continue }; throw KeybagError.system("pwrite", errno) }
             done += n
         }
+    }
+}
+
+/// Reusable aligned buffers for the data path, so a request does not allocate (and, for
+/// large sizes, map and fault in) fresh memory. Buffers up to `pooledSize` are pooled.
+public final class ScratchBuffers: Sendable {
+    /// The process-wide pool.
+    public static let shared = ScratchBuffers()
+    /// Size of every pooled buffer: a 1 MiB request plus block overhead.
+    public static let pooledSize = (1 << 20) + 64 * 1024
+    private let free = Mutex<[UInt]>([])
+
+    /// Runs `body` with a buffer of at least `count` bytes (contents undefined).
+    public func with<R>(_ count: Int, _ body: (UnsafeMutableRawBufferPointer) throws -> R) rethrows -> R {
+        guard count <= Self.pooledSize else {
+            let b = UnsafeMutableRawBufferPointer.allocate(byteCount: max(count, 1), alignment: 64)
+            defer { b.deallocate() }
+            return try body(b)
+        }
+        let addr = free.withLock { $0.popLast() } ?? UInt(bitPattern: UnsafeMutableRawPointer.allocate(byteCount: Self.pooledSize, alignment: 64))
+        defer { free.withLock { $0.append(addr) } }
+        return try body(UnsafeMutableRawBufferPointer(start: UnsafeMutableRawPointer(bitPattern: addr)!, count: count))
     }
 }

@@ -81,6 +81,12 @@ final class Filesystem: Sendable {
     func attributes(fd: Int32) throws -> stat {
         var st = stat()
         try check(fstat(fd, &st))
+        return plaintextAttributes(st)
+    }
+
+    /// Backing attributes with the size turned into the plaintext size.
+    func plaintextAttributes(_ backing: stat) -> stat {
+        var st = backing
         if (st.st_mode & S_IFMT) == S_IFREG {
             st.st_size = off_t(content.layout.plainSize(backingSize: Int(st.st_size)))
         }
@@ -95,7 +101,7 @@ final class Filesystem: Sendable {
         var st = stat()
         guard fstat(fd, &st) == 0 else { let e = errno; close(fd); throw FSError(e) }
         let n = table.remember(fd: fd, stat: st)
-        return (n, try attributes(fd: n.fd))
+        return (n, plaintextAttributes(st))
     }
 
     /// getattr.

@@ -164,13 +164,13 @@ enum FuseBridge {
         }
         ops.read = { req, _, size, off, fi in
             guard let h = FuseBridge.handle(fi) else { return FuseBridge.err(req, EBADF) }
-            let buf = UnsafeMutableRawBufferPointer.allocate(byteCount: max(size, 1), alignment: 16)
-            defer { buf.deallocate() }
-            do {
-                try FuseBridge.context(req).fs.read(h, offset: Int(off), into: UnsafeMutableRawBufferPointer(rebasing: buf[0..<size])) { n in
-                    fuse_reply_buf(req, buf.baseAddress!.assumingMemoryBound(to: CChar.self), n)
-                }
-            } catch { FuseBridge.fail(req, error) }
+            ScratchBuffers.shared.with(max(size, 1)) { buf in
+                do {
+                    try FuseBridge.context(req).fs.read(h, offset: Int(off), into: UnsafeMutableRawBufferPointer(rebasing: buf[0..<size])) { n in
+                        fuse_reply_buf(req, buf.baseAddress!.assumingMemoryBound(to: CChar.self), n)
+                    }
+                } catch { FuseBridge.fail(req, error) }
+            }
         }
         ops.write = { req, _, data, size, off, fi in
             guard let h = FuseBridge.handle(fi) else { return FuseBridge.err(req, EBADF) }
@@ -213,6 +213,41 @@ enum FuseBridge {
                 st.st_mode = mode_t(e.type) << 12
                 let need = fuse_add_direntry(req, buf + used, size - used, e.name, &st, off_t(i + 1))
                 if need > size - used { break }
+                used += need
+                i += 1
+            }
+            fuse_reply_buf(req, buf, used)
+        }
+        ops.readdirplus = { req, ino, size, off, fi in
+            guard let fi, fi.pointee.fh != 0 else { return FuseBridge.err(req, EBADF) }
+            let ctx = FuseBridge.context(req)
+            let d = Unmanaged<DirHandle>.fromOpaque(UnsafeRawPointer(bitPattern: UInt(fi.pointee.fh))!).takeUnretainedValue()
+            let buf = UnsafeMutablePointer<CChar>.allocate(capacity: max(size, 1))
+            defer { buf.deallocate() }
+            var used = 0
+            var i = max(0, Int(off))
+            while i < d.entries.count {
+                let e = d.entries[i]
+                var entry = fuse_entry_param()
+                var counted: UInt64 = 0
+                if e.name == "." || e.name == ".." {
+                    entry.attr.st_ino = UInt(e.ino)
+                    entry.attr.st_mode = mode_t(e.type) << 12
+                } else if let (n, st) = try? ctx.fs.lookup(parent: ino, name: e.name) {
+                    entry.ino = n.id
+                    entry.attr = st
+                    entry.attr_timeout = ctx.cacheTimeout
+                    entry.entry_timeout = ctx.cacheTimeout
+                    counted = n.id
+                } else {
+                    i += 1   // vanished since opendir
+                    continue
+                }
+                let need = fuse_add_direntry_plus(req, buf + used, size - used, e.name, &entry, off_t(i + 1))
+                if need > size - used {
+                    if counted != 0 { ctx.fs.table.forget(counted, count: 1) }
+                    break
+                }
                 used += need
                 i += 1
             }
