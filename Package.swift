@@ -30,6 +30,8 @@ let package = Package(
             "KeybagCore",
             .product(name: "ArgumentParser", package: "swift-argument-parser"),
         ]),
+        // Micro-benchmarks and lock latency; built, not run, in CI.
+        .executableTarget(name: "keybagfs-bench", dependencies: ["KeybagCore", "CSystem"]),
         .testTarget(name: "KeybagCoreTests", dependencies: ["KeybagCore"]),
         .testTarget(name: "MountTests", dependencies: ["KeybagCore", "CFuse", "keybagfs", "keybagctl"]),
     ],

@@ -3,6 +3,8 @@
 /* Linux calls and constants that need _GNU_SOURCE, compiled in system.c so that the
    Swift-visible header stays free of feature macros. */
 
+#include <sys/xattr.h>
+
 extern const int kbfs_O_PATH;
 extern const int kbfs_AT_EMPTY_PATH;
 extern const long kbfs_UTIME_NOW;
