@@ -86,6 +86,8 @@ public struct Keybag: Sendable {
     public static let fileName = "keybag"
     /// Folder inside the store that holds the encrypted tree.
     public static let dataDirName = "data"
+    /// Folder inside the store for symlink targets too long for a backing symlink.
+    public static let targetsDirName = "targets"
 
     /// Path of the store.
     public let storePath: String

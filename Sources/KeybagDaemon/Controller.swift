@@ -152,6 +152,7 @@ final class Controller: Sendable {
         transitions.withLock { _ in keyring.wipeAll() }
         for n in fs.table.regularFiles() { n.io.write { $0.key?.wipe(); $0.key = nil } }
         deviceKey.wipe()
+        fs.names.wipe()
     }
 }
 

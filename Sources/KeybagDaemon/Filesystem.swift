@@ -35,10 +35,18 @@ final class Filesystem: Sendable {
     /// Largest plaintext size (and offset) accepted: keeps every backing offset far from Int overflow.
     static let maxFileSize = 1 << 60
 
-    /// Name of the per-directory file that stores a directory's default class.
-    static let dirClassFile = ".kbfs-dir"
+    /// Backing names the store reserves for its own files (`.kbfs-dir`, temporaries);
+    /// encrypted names are base64url and never start with a dot.
+    static let reservedPrefix = ".kbfs-"
 
     let table: NodeTable
+    /// Names, symlink targets and directory metadata under the volume key.
+    let names: NameCipher
+    /// The store's folder of long symlink targets.
+    let targetsFD: Int32
+    /// Bumped whenever a directory's class or the tree's shape changes; cached
+    /// inherited classes of an older generation are recomputed.
+    let classGeneration = Atomic<UInt64>(1)
     let keyring: ClassKeyring
     let content: EncryptedContent
     let cipher: ContentCipher
@@ -48,8 +56,10 @@ final class Filesystem: Sendable {
     /// Whether created objects are chowned to the caller (the daemon runs as root).
     let chownToCaller: Bool
 
-    init(dataFD: Int32, keyring: ClassKeyring, cipher: ContentCipher, defaultClass: ProtectionClass) throws {
+    init(dataFD: Int32, targetsFD: Int32, names: NameCipher, keyring: ClassKeyring, cipher: ContentCipher, defaultClass: ProtectionClass) throws {
         table = try NodeTable(rootFD: dataFD)
+        self.names = names
+        self.targetsFD = targetsFD
         self.keyring = keyring
         self.cipher = cipher
         self.content = EncryptedContent(layout: BlockLayout(cipher: cipher))
@@ -68,13 +78,13 @@ final class Filesystem: Sendable {
         return n
     }
 
-    /// Names the store reserves for its own metadata.
-    static func isReserved(_ name: String) -> Bool { name.hasPrefix(dirClassFile) }
+    /// Whether a backing entry is the store's own (metadata, temporaries).
+    static func isReserved(_ backing: String) -> Bool { backing.hasPrefix(reservedPrefix) }
 
-    /// Rejects reserved and malformed names.
+    /// Rejects names no directory entry may have.
     static func checkName(_ name: String) throws {
-        if isReserved(name) { throw FSError(EPERM) }
         if name.utf8.count > 255 { throw FSError(ENAMETOOLONG) }
+        if name.isEmpty || name == "." || name == ".." || name.utf8.contains(UInt8(ascii: "/")) { throw FSError(EINVAL) }
     }
 
     /// Attributes with the plaintext size for regular files.
@@ -95,9 +105,14 @@ final class Filesystem: Sendable {
 
     /// Looks up `name` in `parent`: counts one kernel lookup.
     func lookup(parent: UInt64, name: String) throws -> (Node, stat) {
-        if Self.isReserved(name) { throw FSError(ENOENT) }
         let p = try node(parent)
-        let fd = try check(openat(p.fd, name, kbfs_O_PATH | O_NOFOLLOW | O_CLOEXEC))
+        if name.utf8.count > 255 { throw FSError(ENAMETOOLONG) }
+        return try lookupBacking(p, try backingName(p, name).name)
+    }
+
+    /// Looks up a backing entry of directory `p`: counts one kernel lookup.
+    func lookupBacking(_ p: Node, _ backing: String) throws -> (Node, stat) {
+        let fd = try check(openat(p.fd, backing, kbfs_O_PATH | O_NOFOLLOW | O_CLOEXEC))
         var st = stat()
         guard fstat(fd, &st) == 0 else { let e = errno; close(fd); throw FSError(e) }
         let n = table.remember(fd: fd, stat: st)
@@ -171,51 +186,6 @@ final class Filesystem: Sendable {
         return try node.io.write { st in try body(try contentKey(&st, node: node)) }
     }
 
-    /// The default class for new children of directory `dir`: its own setting, else the
-    /// nearest ancestor's, else the mount's default.
-    func inheritedClass(dirFD: Int32) -> ProtectionClass {
-        var cur = dup(dirFD)
-        defer { if cur >= 0 { close(cur) } }
-        for _ in 0..<4096 {
-            guard cur >= 0 else { break }
-            if let c = Self.readDirClass(dirFD: cur) { return c }
-            var st = stat()
-            guard fstat(cur, &st) == 0 else { break }
-            if UInt64(st.st_dev) == table.root.backingDev && UInt64(st.st_ino) == table.root.backingIno { break }
-            let up = openat(cur, "..", kbfs_O_PATH | O_DIRECTORY | O_CLOEXEC)
-            close(cur)
-            cur = up
-        }
-        return defaultClass
-    }
-
-    /// The class stored in a directory, if any.
-    static func readDirClass(dirFD: Int32) -> ProtectionClass? {
-        let fd = openat(dirFD, dirClassFile, O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
-        guard fd >= 0 else { return nil }
-        defer { close(fd) }
-        var buf = [UInt8](repeating: 0, count: 128)
-        let n = Glibc.read(fd, &buf, 128)
-        guard n > 0 else { return nil }
-        return ProtectionClass(name: String(decoding: buf[0..<n], as: UTF8.self))
-    }
-
-    /// Stores (or with nil removes) a directory's default class, atomically.
-    func writeDirClass(dirFD: Int32, _ cls: ProtectionClass?) throws {
-        guard let cls else {
-            if unlinkat(dirFD, Self.dirClassFile, 0) != 0 && errno != ENOENT { throw FSError(errno) }
-            return
-        }
-        let tmp = Self.dirClassFile + ".tmp"
-        let fd = try check(openat(dirFD, tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0o644))
-        let bytes = Array(cls.name.utf8)
-        let ok = Glibc.write(fd, bytes, bytes.count) == bytes.count && Glibc.fsync(fd) == 0
-        close(fd)
-        guard ok, renameat(dirFD, tmp, dirFD, Self.dirClassFile) == 0 else {
-            let e = errno; unlinkat(dirFD, tmp, 0); throw FSError(e == 0 ? EIO : e)
-        }
-    }
-
     // MARK: files
 
     /// Opens the backing file for a handle and loads the file key (EACCES by class rules).
@@ -244,13 +214,16 @@ final class Filesystem: Sendable {
     func create(parent: UInt64, name: String, mode: mode_t, flags: Int32, caller: Caller) throws -> (Node, stat, FileHandle) {
         try Self.checkName(name)
         let p = try node(parent)
-        let cls = inheritedClass(dirFD: p.fd)
+        let cls = try inheritedClass(p)
         guard let wrapKey = keyring.wrappingKey(for: cls) else { throw FSError(EACCES) }
-        let bfd = openat(p.fd, name, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode & 0o7777)
+        let entry = try backingName(p, name)
+        let sideCreated = try ensureSideFile(p, entry)
+        let bfd = openat(p.fd, entry.name, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode & 0o7777)
         if bfd < 0 {
             let e = errno
+            if sideCreated && e != EEXIST { removeSideFile(p, entry) }
             if e == EEXIST && flags & O_EXCL == 0 {
-                let (n, _) = try lookup(parent: parent, name: name)
+                let (n, _) = try lookupBacking(p, entry.name)
                 let h = try open(n.id, flags: flags)
                 return (n, try attributes(fd: n.fd), h)
             }
@@ -262,7 +235,7 @@ final class Filesystem: Sendable {
             let header = try FileHeader.create(fileKey: raw, class: cls, cipher: cipher, using: wrapKey)
             try EncryptedContent.writeNewHeader(fd: bfd, header)
             let key = try FileContentKey(key: raw, cipher: cipher, fileID: header.fileID)
-            let pathFD = try check(openat(p.fd, name, kbfs_O_PATH | O_NOFOLLOW | O_CLOEXEC))
+            let pathFD = try check(openat(p.fd, entry.name, kbfs_O_PATH | O_NOFOLLOW | O_CLOEXEC))
             var st = stat()
             try check(fstat(pathFD, &st))
             let n = table.remember(fd: pathFD, stat: st)
@@ -274,7 +247,8 @@ final class Filesystem: Sendable {
             openFiles.add(1, ordering: .relaxed)
             return (n, try attributes(fd: n.fd), FileHandle(node: n, fd: bfd, writable: true))
         } catch {
-            unlinkat(p.fd, name, 0)
+            unlinkat(p.fd, entry.name, 0)
+            if sideCreated { removeSideFile(p, entry) }
             close(bfd)
             throw FSError(error)
         }
@@ -334,7 +308,7 @@ final class Filesystem: Sendable {
     func protection(of id: UInt64) throws -> ProtectionClass {
         let n = try node(id)
         if n.isDirectory {
-            guard let c = Self.readDirClass(dirFD: n.fd) else { throw FSError(ENODATA) }
+            guard let c = try meta(of: n).defaultClass else { throw FSError(ENODATA) }
             return c
         }
         guard n.isRegular else { throw FSError(ENODATA) }
@@ -346,7 +320,7 @@ final class Filesystem: Sendable {
     /// directory, stores the default for new children.
     func setProtection(of id: UInt64, to cls: ProtectionClass) throws {
         let n = try node(id)
-        if n.isDirectory { return try writeDirClass(dirFD: n.fd, cls) }
+        if n.isDirectory { return try setDirectoryClass(n, cls) }
         guard n.isRegular else { throw FSError(EPERM) }
         let fd = try check(Glibc.open(n.procPath, O_RDWR | O_CLOEXEC))
         defer { close(fd) }
@@ -365,8 +339,8 @@ final class Filesystem: Sendable {
     func removeProtection(of id: UInt64) throws {
         let n = try node(id)
         guard n.isDirectory else { throw FSError(n.isRegular ? EPERM : ENODATA) }
-        guard Self.readDirClass(dirFD: n.fd) != nil else { throw FSError(ENODATA) }
-        try writeDirClass(dirFD: n.fd, nil)
+        guard try meta(of: n).defaultClass != nil else { throw FSError(ENODATA) }
+        try setDirectoryClass(n, nil)
     }
 
     // MARK: lock
@@ -394,136 +368,11 @@ final class Filesystem: Sendable {
         return ids
     }
 
-    // MARK: namespace
-
-    /// Chowns a new object to the caller when running as root.
-    private func own(_ dirFD: Int32, _ name: String, _ caller: Caller) {
-        if chownToCaller { fchownat(dirFD, name, caller.uid, caller.gid, AT_SYMLINK_NOFOLLOW) }
-    }
-
-    /// mkdir.
-    func mkdir(parent: UInt64, name: String, mode: mode_t, caller: Caller) throws -> (Node, stat) {
-        try Self.checkName(name)
-        let p = try node(parent)
-        try check(mkdirat(p.fd, name, mode & 0o7777))
-        own(p.fd, name, caller)
-        return try lookup(parent: parent, name: name)
-    }
-
-    /// mknod (FIFOs, sockets, and device nodes as root).
-    func mknod(parent: UInt64, name: String, mode: mode_t, rdev: dev_t, caller: Caller) throws -> (Node, stat) {
-        try Self.checkName(name)
-        let p = try node(parent)
-        if (mode & S_IFMT) == S_IFREG {
-            throw FSError(EPERM)   // regular files go through create, which writes the header
-        }
-        try check(mknodat(p.fd, name, mode, rdev))
-        own(p.fd, name, caller)
-        return try lookup(parent: parent, name: name)
-    }
-
-    /// symlink.
-    func symlink(target: String, parent: UInt64, name: String, caller: Caller) throws -> (Node, stat) {
-        try Self.checkName(name)
-        let p = try node(parent)
-        try check(symlinkat(target, p.fd, name))
-        own(p.fd, name, caller)
-        return try lookup(parent: parent, name: name)
-    }
-
-    /// readlink.
-    func readlink(_ id: UInt64) throws -> [UInt8] {
-        let n = try node(id)
-        var buf = [UInt8](repeating: 0, count: Int(PATH_MAX) + 1)
-        let len = try check(readlinkat(n.fd, "", &buf, buf.count))
-        return Array(buf[0..<len])
-    }
-
-    /// unlink.
-    func unlink(parent: UInt64, name: String) throws {
-        if Self.isReserved(name) { throw FSError(ENOENT) }
-        try check(unlinkat(try node(parent).fd, name, 0))
-    }
-
-    /// rmdir: a directory holding only its class file counts as empty.
-    func rmdir(parent: UInt64, name: String) throws {
-        if Self.isReserved(name) { throw FSError(ENOENT) }
-        let p = try node(parent)
-        if unlinkat(p.fd, name, AT_REMOVEDIR) == 0 { return }
-        let e = errno
-        guard e == ENOTEMPTY || e == EEXIST else { throw FSError(e) }
-        let dfd = try check(openat(p.fd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC))
-        defer { close(dfd) }
-        let names = try listNames(dirFD: dfd)
-        guard names.allSatisfy({ Self.isReserved($0) }) else { throw FSError(ENOTEMPTY) }
-        let saved = Self.readDirClass(dirFD: dfd)
-        for r in names { unlinkat(dfd, r, 0) }
-        if unlinkat(p.fd, name, AT_REMOVEDIR) != 0 {
-            let e2 = errno
-            if let saved { try? writeDirClass(dirFD: dfd, saved) }
-            throw FSError(e2)
-        }
-    }
-
-    /// rename (flags: RENAME_NOREPLACE, RENAME_EXCHANGE).
-    func rename(parent: UInt64, name: String, newParent: UInt64, newName: String, flags: UInt32) throws {
-        if Self.isReserved(name) { throw FSError(ENOENT) }
-        try Self.checkName(newName)
-        let p = try node(parent), np = try node(newParent)
-        try check(kbfs_renameat2(p.fd, name, np.fd, newName, flags))
-    }
-
-    /// link: hard links share the backing inode, so its header, key and class.
-    func link(_ id: UInt64, newParent: UInt64, newName: String) throws -> (Node, stat) {
-        try Self.checkName(newName)
-        let n = try node(id)
-        let np = try node(newParent)
-        guard !n.isDirectory else { throw FSError(EPERM) }
-        try check(linkat(AT_FDCWD, n.procPath, np.fd, newName, AT_SYMLINK_FOLLOW))
-        return try lookup(parent: newParent, name: newName)
-    }
-
     /// statfs of the store's filesystem.
     func statfs() throws -> statvfs {
         var s = statvfs()
         try check(fstatvfs(table.root.fd, &s))
         return s
-    }
-
-    // MARK: directories
-
-    /// Names in a directory (without . and ..).
-    private func listNames(dirFD: Int32) throws -> [String] {
-        try listEntries(dirFD: dirFD, includeReserved: true).map(\.name)
-    }
-
-    /// Entries of a directory opened as `dirFD` (consumed).
-    private func listEntries(dirFD: Int32, includeReserved: Bool) throws -> [DirHandle.Entry] {
-        let dup2fd = try check(dup(dirFD))
-        guard let dir = fdopendir(dup2fd) else { let e = errno; close(dup2fd); throw FSError(e) }
-        defer { closedir(dir) }
-        var out: [DirHandle.Entry] = []
-        while let ent = readdir(dir) {
-            let name = withUnsafeBytes(of: ent.pointee.d_name) { raw in
-                String(cString: raw.baseAddress!.assumingMemoryBound(to: CChar.self))
-            }
-            if name == "." || name == ".." { continue }
-            if !includeReserved && Self.isReserved(name) { continue }
-            out.append(.init(name: name, ino: UInt64(ent.pointee.d_ino), type: ent.pointee.d_type))
-        }
-        return out
-    }
-
-    /// opendir: snapshots the entries, with . and .. first.
-    func opendir(_ id: UInt64) throws -> DirHandle {
-        let n = try node(id)
-        guard n.isDirectory else { throw FSError(ENOTDIR) }
-        let dfd = try check(openat(n.fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC))
-        defer { close(dfd) }
-        var entries = [DirHandle.Entry(name: ".", ino: n.backingIno, type: UInt8(DT_DIR)),
-                       DirHandle.Entry(name: "..", ino: 0, type: UInt8(DT_DIR))]
-        entries += try listEntries(dirFD: dfd, includeReserved: false)
-        return DirHandle(entries: entries)
     }
 }
 

@@ -233,7 +233,7 @@ enum FuseBridge {
                 if e.name == "." || e.name == ".." {
                     entry.attr.st_ino = UInt(e.ino)
                     entry.attr.st_mode = mode_t(e.type) << 12
-                } else if let (n, st) = try? ctx.fs.lookup(parent: ino, name: e.name) {
+                } else if let p = ctx.fs.table.node(ino), let (n, st) = try? ctx.fs.lookupBacking(p, e.backing) {
                     entry.ino = n.id
                     entry.attr = st
                     entry.attr_timeout = ctx.cacheTimeout

@@ -63,14 +63,16 @@ public enum MountDaemon {
         _ = kbfs_raise_nofile()
         umask(0)
         Sodium.ensureInitialized()
-        let deviceKey: SecureKey, keybag: Keybag, classD: SecureKey
+        let deviceKey: SecureKey, keybag: Keybag, classD: SecureKey, names: NameCipher
         do {
             keybag = try Keybag.load(storePath: cfg.store)
             guard keybag.cipher.isAvailable else { throw KeybagError.invalid("this CPU cannot run the store's cipher \(keybag.cipher.name)") }
             let dkPath = cfg.deviceKeyPath ?? DeviceKeyFile.defaultPath(storeID: keybag.file.storeID)
             deviceKey = try DeviceKeyFile.load(from: dkPath)
             classD = try keybag.unwrapDeviceKeySlot("D", deviceKey: deviceKey)
-            try keybag.unwrapDeviceKeySlot("volume", deviceKey: deviceKey).wipe()
+            let volume = try keybag.unwrapDeviceKeySlot("volume", deviceKey: deviceKey)
+            defer { volume.wipe() }
+            names = try NameCipher(volumeKey: volume)
         } catch {
             log("\(error)"); report(cfg, "ERR \(error)"); return 1
         }
@@ -79,9 +81,18 @@ public enum MountDaemon {
             let m = "cannot open \(cfg.store)/\(Keybag.dataDirName): \(String(cString: strerror(errno)))"
             log(m); report(cfg, "ERR " + m); return 1
         }
+        mkdirat(AT_FDCWD, cfg.store + "/" + Keybag.targetsDirName, 0o700)
+        let targetsFD = open(cfg.store + "/" + Keybag.targetsDirName, kbfs_O_PATH | O_DIRECTORY | O_CLOEXEC)
+        guard targetsFD >= 0 else {
+            let m = "cannot open \(cfg.store)/\(Keybag.targetsDirName): \(String(cString: strerror(errno)))"
+            log(m); report(cfg, "ERR " + m); return 1
+        }
         let keyring = ClassKeyring(classD: classD)
         let fs: Filesystem
-        do { fs = try Filesystem(dataFD: dataFD, keyring: keyring, cipher: keybag.cipher, defaultClass: cfg.defaultClass) } catch {
+        do {
+            fs = try Filesystem(dataFD: dataFD, targetsFD: targetsFD, names: names, keyring: keyring, cipher: keybag.cipher, defaultClass: cfg.defaultClass)
+            _ = try fs.meta(of: fs.table.root)   // the root's name IV exists before the first request
+        } catch {
             log("\(error)"); report(cfg, "ERR \(error)"); return 1
         }
         let mountpoint = URL(fileURLWithPath: cfg.mountpoint).standardizedFileURL.path

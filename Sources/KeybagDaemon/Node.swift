@@ -27,6 +27,10 @@ final class Node: Sendable {
     let type: mode_t
     /// Holds the key state: reads share it, writes, truncation and eviction take it alone.
     let io: RWLocked<FileKeyState>
+    /// Directories: the parsed `.kbfs-dir` (name IV, default class), once read.
+    let dirMeta = Mutex<DirectoryMeta?>(nil)
+    /// Directories: the inherited default class and the class generation it was computed in.
+    let inherited = Mutex<(generation: UInt64, cls: ProtectionClass)?>(nil)
 
     init(id: UInt64, fd: Int32, dev: UInt64, ino: UInt64, type: mode_t) {
         self.id = id
@@ -137,8 +141,8 @@ final class FileHandle: Sendable {
 
 /// An open directory: a snapshot of its entries taken at opendir.
 final class DirHandle: Sendable {
-    /// One listed entry.
-    struct Entry: Sendable { let name: String; let ino: UInt64; let type: UInt8 }
+    /// One listed entry: plaintext name and the backing entry it came from.
+    struct Entry: Sendable { let name: String; let backing: String; let ino: UInt64; let type: UInt8 }
     /// The entries (without reserved names).
     let entries: [Entry]
     init(entries: [Entry]) { self.entries = entries }

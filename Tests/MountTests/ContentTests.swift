@@ -68,7 +68,7 @@ final class ContentTests: XCTestCase {
         XCTAssertEqual(try sysPread(fd, 10, 9_999_998).get(), [0, 0] + bytes("end"))
         close(fd)
         var bst = stat()
-        XCTAssertEqual(stat(m.store + "/data/sparse", &bst), 0)
+        XCTAssertEqual(stat(m.backing("sparse"), &bst), 0)
         XCTAssertLessThan(Int(bst.st_blocks) * 512, 1_000_000, "the hole stays sparse in the store")
 
         // Append and O_TRUNC.
@@ -124,6 +124,7 @@ final class ContentTests: XCTestCase {
             XCTAssertEqual(try sysPwrite(fd, bytes(text), 0).get(), text.utf8.count)
             close(fd)
         }
+        let docNone = m.backing("doc-none")
         m.unmount()
         var found: [String] = []
         let e = FileManager.default.enumerator(atPath: m.store)!
@@ -136,7 +137,7 @@ final class ContentTests: XCTestCase {
         XCTAssertEqual(found, [], "plaintext in the store")
         // Sizes: header plus per-block overhead, not plaintext sizes.
         var st = stat()
-        XCTAssertEqual(stat(m.store + "/data/doc-none", &st), 0)
+        XCTAssertEqual(stat(docNone, &st), 0)
         XCTAssertGreaterThan(Int(st.st_size), text.utf8.count)
     }
 
@@ -149,20 +150,21 @@ final class ContentTests: XCTestCase {
         XCTAssertEqual(writeFile(m.path("a"), a), 0)
         XCTAssertEqual(writeFile(m.path("b"), b), 0)
         XCTAssertEqual(writeFile(m.path("c"), a), 0)
+        let (pa, pb, pc) = (m.backing("a"), m.backing("b"), m.backing("c"))
         m.unmount()
         let header = 320
-        let cblock = (try? Data(contentsOf: URL(fileURLWithPath: m.store + "/data/a")).count).map { ($0 - header) / 3 } ?? 0
+        let cblock = (try? Data(contentsOf: URL(fileURLWithPath: pa)).count).map { ($0 - header) / 3 } ?? 0
         XCTAssertGreaterThan(cblock, 4096)
         // a: one flipped bit in block 1. b: blocks 0 and 2 swapped. c: last block cut short.
-        var da = try Data(contentsOf: URL(fileURLWithPath: m.store + "/data/a"))
+        var da = try Data(contentsOf: URL(fileURLWithPath: pa))
         da[header + cblock + 100] ^= 0x01
-        try da.write(to: URL(fileURLWithPath: m.store + "/data/a"))
-        var db = try Data(contentsOf: URL(fileURLWithPath: m.store + "/data/b"))
+        try da.write(to: URL(fileURLWithPath: pa))
+        var db = try Data(contentsOf: URL(fileURLWithPath: pb))
         let b0 = db[(header)..<(header + cblock)], b2 = db[(header + 2 * cblock)..<(header + 3 * cblock)]
         db.replaceSubrange((header + 2 * cblock)..<(header + 3 * cblock), with: b0)
         db.replaceSubrange(header..<(header + cblock), with: b2)
-        try db.write(to: URL(fileURLWithPath: m.store + "/data/b"))
-        XCTAssertEqual(Glibc.truncate(m.store + "/data/c", off_t(header + 3 * cblock - 10)), 0)
+        try db.write(to: URL(fileURLWithPath: pb))
+        XCTAssertEqual(Glibc.truncate(pc, off_t(header + 3 * cblock - 10)), 0)
         try m.mount()
         m.unlock()
         let fa = sysOpen(m.path("a"), O_RDONLY)
@@ -175,10 +177,10 @@ final class ContentTests: XCTestCase {
         close(fc)
         // A header from another file: the file key no longer matches the blocks.
         m.unmount()
-        var hb = try Data(contentsOf: URL(fileURLWithPath: m.store + "/data/b"))
-        let ha = try Data(contentsOf: URL(fileURLWithPath: m.store + "/data/a"))
+        var hb = try Data(contentsOf: URL(fileURLWithPath: pb))
+        let ha = try Data(contentsOf: URL(fileURLWithPath: pa))
         hb.replaceSubrange(0..<header, with: ha[0..<header])
-        try hb.write(to: URL(fileURLWithPath: m.store + "/data/b"))
+        try hb.write(to: URL(fileURLWithPath: pb))
         try m.mount()
         m.unlock()
         XCTAssertEqual(errnoOf(readFile(m.path("b"))), EIO)

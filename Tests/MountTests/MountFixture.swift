@@ -67,6 +67,20 @@ final class MountFixture {
     /// Path inside the mount.
     func path(_ rel: String) -> String { mnt + "/" + rel }
 
+    /// The backing file in the store of a path in the (mounted) mount, found by inode
+    /// number, since names in the store are encrypted.
+    func backing(_ rel: String) -> String {
+        var st = stat()
+        guard lstat(path(rel), &st) == 0 else { return "/nonexistent-backing-of-" + rel }
+        let data = store + "/data"
+        let e = FileManager.default.enumerator(atPath: data)!
+        while let r = e.nextObject() as? String {
+            var b = stat()
+            if lstat(data + "/" + r, &b) == 0 && b.st_ino == st.st_ino && b.st_dev != st.st_dev { return data + "/" + r }
+        }
+        return "/nonexistent-backing-of-" + rel
+    }
+
     /// Starts the daemon (`--foreground`) and waits until the mount is live.
     func mount(extra: [String] = []) throws {
         let p = Process()

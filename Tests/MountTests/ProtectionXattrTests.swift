@@ -63,14 +63,15 @@ final class ProtectionXattrTests: XCTestCase {
         let data = rng.bytes(50_000)
         XCTAssertEqual(writeFile(m.path("f"), data), 0)
         var before = [UInt8](repeating: 0, count: 0)
-        before = Array(try Data(contentsOf: URL(fileURLWithPath: m.store + "/data/f")))
+        let backing = m.backing("f")
+        before = Array(try Data(contentsOf: URL(fileURLWithPath: backing)))
         // Walk through all classes: content unchanged, only the header changes.
         for c in ["complete", "completeUnlessOpen", "none", "completeUntilFirstUserAuthentication", "NSFileProtectionCompleteUnlessOpen"] {
             XCTAssertEqual(setXattr(m.path("f"), c), 0, c)
             XCTAssertEqual(try readFile(m.path("f")).get(), data)
         }
         XCTAssertEqual(try getXattr(m.path("f")).get(), "completeUnlessOpen")
-        let after = Array(try Data(contentsOf: URL(fileURLWithPath: m.store + "/data/f")))
+        let after = Array(try Data(contentsOf: URL(fileURLWithPath: backing)))
         XCTAssertEqual(Array(after[320...]), Array(before[320...]), "no re-encryption of data")
 
         // An open handle sees the new class: B → A, then lock → EACCES on that handle.

@@ -1,0 +1,341 @@
+import CSodium
+import CSystem
+import Foundation
+import Glibc
+import KeybagCore
+
+/// Names and directories: encrypted entry names (with hashed long names and their side
+/// files), directory metadata (name IV, default class), inheritance of classes, and the
+/// namespace operations built on them.
+extension Filesystem {
+    /// A plaintext name's backing entry in one directory.
+    struct BackingEntry {
+        /// The directory entry in the store.
+        let name: String
+        /// For a long name: the side file holding `encrypted`.
+        let sideFile: String?
+        /// The full encrypted name.
+        let encrypted: String
+    }
+
+    // MARK: directory metadata
+
+    /// Reads a directory's `.kbfs-dir`; nil when absent.
+    func readMeta(dirFD: Int32) throws -> DirectoryMeta? {
+        let fd = openat(dirFD, DirectoryMeta.fileName, O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
+        if fd < 0 { if errno == ENOENT { return nil }; throw FSError(errno) }
+        defer { close(fd) }
+        var buf = [UInt8](repeating: 0, count: 512)
+        let n = Glibc.read(fd, &buf, buf.count)
+        guard n > 0 else { throw FSError(EIO) }
+        return try DirectoryMeta.decode(Array(buf[0..<n]), names)
+    }
+
+    /// Writes `bytes` to a fresh temporary file in `dirFD` and returns its name.
+    private func writeTemporary(dirFD: Int32, _ bytes: [UInt8]) throws -> String {
+        let tmp = Self.reservedPrefix + "tmp-" + Base64URL.encode(Sodium.randomArray(9))
+        let fd = try check(openat(dirFD, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0o644))
+        let ok = Glibc.write(fd, bytes, bytes.count) == bytes.count && fdatasync(fd) == 0
+        let e = errno
+        close(fd)
+        guard ok else { unlinkat(dirFD, tmp, 0); throw FSError(e == 0 ? EIO : e) }
+        return tmp
+    }
+
+    /// Creates `name` in `dirFD` with `bytes` unless it exists (atomic: temp file + link).
+    /// Returns whether this call created it.
+    @discardableResult
+    func createFileIfAbsent(dirFD: Int32, _ name: String, _ bytes: [UInt8]) throws -> Bool {
+        let tmp = try writeTemporary(dirFD: dirFD, bytes)
+        defer { unlinkat(dirFD, tmp, 0) }
+        if linkat(dirFD, tmp, dirFD, name, 0) == 0 { return true }
+        if errno == EEXIST { return false }
+        throw FSError(errno)
+    }
+
+    /// Replaces `name` in `dirFD` with `bytes` atomically (temp file + rename).
+    func replaceFile(dirFD: Int32, _ name: String, _ bytes: [UInt8]) throws {
+        let tmp = try writeTemporary(dirFD: dirFD, bytes)
+        guard renameat(dirFD, tmp, dirFD, name) == 0 else { let e = errno; unlinkat(dirFD, tmp, 0); throw FSError(e) }
+    }
+
+    /// Gives a directory its metadata when it has none (a new directory, or the root of a
+    /// new store) and returns what is there now.
+    func ensureMeta(dirFD: Int32) throws -> DirectoryMeta {
+        if let m = try readMeta(dirFD: dirFD) { return m }
+        try createFileIfAbsent(dirFD: dirFD, DirectoryMeta.fileName, try DirectoryMeta.fresh().encode(names))
+        guard let m = try readMeta(dirFD: dirFD) else { throw FSError(EIO) }
+        return m
+    }
+
+    /// A directory node's metadata, read once and cached.
+    func meta(of dir: Node) throws -> DirectoryMeta {
+        guard dir.isDirectory else { throw FSError(ENOTDIR) }
+        if let m = dir.dirMeta.withLock({ $0 }) { return m }
+        let m = try ensureMeta(dirFD: dir.fd)
+        dir.dirMeta.withLock { $0 = m }
+        return m
+    }
+
+    /// Stores (or with nil clears) a directory's default class.
+    func setDirectoryClass(_ dir: Node, _ cls: ProtectionClass?) throws {
+        var m = try meta(of: dir)
+        m.defaultClass = cls
+        try replaceFile(dirFD: dir.fd, DirectoryMeta.fileName, try m.encode(names))
+        dir.dirMeta.withLock { $0 = m }
+        classGeneration.add(1, ordering: .relaxed)
+    }
+
+    /// The default class for new children of `dir`: its own setting, else the nearest
+    /// ancestor's, else the mount's default. Cached per directory until the next class
+    /// change or rename anywhere.
+    func inheritedClass(_ dir: Node) throws -> ProtectionClass {
+        let gen = classGeneration.load(ordering: .relaxed)
+        if let c = dir.inherited.withLock({ $0 }), c.generation == gen { return c.cls }
+        var result = defaultClass
+        if let own = try meta(of: dir).defaultClass {
+            result = own
+        } else if dir.id != 1 {
+            var cur = openat(dir.fd, "..", kbfs_O_PATH | O_DIRECTORY | O_CLOEXEC)
+            defer { if cur >= 0 { close(cur) } }
+            for _ in 0..<4096 where cur >= 0 {
+                if let c = try readMeta(dirFD: cur)?.defaultClass { result = c; break }
+                var st = stat()
+                guard fstat(cur, &st) == 0 else { break }
+                if UInt64(st.st_dev) == table.root.backingDev && UInt64(st.st_ino) == table.root.backingIno { break }
+                let up = openat(cur, "..", kbfs_O_PATH | O_DIRECTORY | O_CLOEXEC)
+                close(cur)
+                cur = up
+            }
+        }
+        dir.inherited.withLock { $0 = (gen, result) }
+        return result
+    }
+
+    // MARK: names
+
+    /// The backing entry of a plaintext name in directory `dir`.
+    func backingName(_ dir: Node, _ name: String) throws -> BackingEntry {
+        try Self.checkName(name)
+        let enc = try names.encrypt(Array(name.utf8), dirIV: try meta(of: dir).iv)
+        let (b, side) = NameCipher.backingEntry(for: enc)
+        return BackingEntry(name: b, sideFile: side, encrypted: enc)
+    }
+
+    /// Makes sure a long name's side file exists before its entry; returns whether it was
+    /// created now (so a failed operation can remove it again).
+    func ensureSideFile(_ dir: Node, _ e: BackingEntry) throws -> Bool {
+        guard let side = e.sideFile else { return false }
+        return try createFileIfAbsent(dirFD: dir.fd, side, Array(e.encrypted.utf8))
+    }
+
+    /// Removes a long name's side file after its entry is gone.
+    func removeSideFile(_ dir: Node, _ e: BackingEntry) {
+        if let side = e.sideFile { unlinkat(dir.fd, side, 0) }
+    }
+
+    /// The plaintext name of a backing entry; nil for the store's own files and side files.
+    /// Throws `corrupt` for an entry that does not decrypt.
+    func plaintextName(dirFD: Int32, backing: String, iv: [UInt8]) throws -> String? {
+        if Self.isReserved(backing) || NameCipher.isSideFile(backing) { return nil }
+        var encrypted = backing
+        if NameCipher.isLongName(backing) {
+            let fd = openat(dirFD, backing + NameCipher.longSuffix, O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
+            guard fd >= 0 else { throw KeybagError.corrupt("long name \(backing) has no side file") }
+            defer { close(fd) }
+            var buf = [UInt8](repeating: 0, count: 1024)
+            let n = Glibc.read(fd, &buf, buf.count)
+            guard n > 0 else { throw KeybagError.corrupt("side file of \(backing) is empty") }
+            encrypted = String(decoding: buf[0..<n], as: UTF8.self)
+            guard NameCipher.backingEntry(for: encrypted).name == backing else { throw KeybagError.corrupt("side file of \(backing) does not match") }
+        }
+        let name = try names.decrypt(encrypted, dirIV: iv)
+        return String(decoding: name, as: UTF8.self)
+    }
+
+    // MARK: namespace operations
+
+    /// Chowns a new object to the caller when running as root.
+    private func own(_ dirFD: Int32, _ backing: String, _ caller: Caller) {
+        if chownToCaller { fchownat(dirFD, backing, caller.uid, caller.gid, AT_SYMLINK_NOFOLLOW) }
+    }
+
+    /// Creates an entry with `make`, its side file first; undoes the side file on failure.
+    private func makeEntry(parent: UInt64, name: String, caller: Caller, _ make: (Int32, String) throws -> Void) throws -> (Node, stat) {
+        let p = try node(parent)
+        let e = try backingName(p, name)
+        let created = try ensureSideFile(p, e)
+        do {
+            try make(p.fd, e.name)
+        } catch {
+            if created { removeSideFile(p, e) }
+            throw FSError(error)
+        }
+        own(p.fd, e.name, caller)
+        return try lookupBacking(p, e.name)
+    }
+
+    /// mkdir: the new directory gets its own name IV before anyone can see it.
+    func mkdir(parent: UInt64, name: String, mode: mode_t, caller: Caller) throws -> (Node, stat) {
+        try makeEntry(parent: parent, name: name, caller: caller) { dirFD, backing in
+            try check(mkdirat(dirFD, backing, mode & 0o7777))
+            do {
+                let d = try check(openat(dirFD, backing, kbfs_O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC))
+                defer { close(d) }
+                try createFileIfAbsent(dirFD: d, DirectoryMeta.fileName, try DirectoryMeta.fresh().encode(names))
+            } catch {
+                unlinkat(dirFD, backing, AT_REMOVEDIR)
+                throw error
+            }
+        }
+    }
+
+    /// mknod (FIFOs, sockets, and device nodes as root).
+    func mknod(parent: UInt64, name: String, mode: mode_t, rdev: dev_t, caller: Caller) throws -> (Node, stat) {
+        if (mode & S_IFMT) == S_IFREG { throw FSError(EPERM) }   // regular files go through create (header)
+        return try makeEntry(parent: parent, name: name, caller: caller) { dirFD, backing in
+            try check(mknodat(dirFD, backing, mode, rdev))
+        }
+    }
+
+    /// symlink: the target is encrypted; one too long for a backing symlink lives in the
+    /// store's `targets/` folder under its hash, written before the link.
+    func symlink(target: String, parent: UInt64, name: String, caller: Caller) throws -> (Node, stat) {
+        let t = Array(target.utf8)
+        guard !t.isEmpty, t.count < Int(PATH_MAX) else { throw FSError(t.isEmpty ? ENOENT : ENAMETOOLONG) }
+        var stored = try names.encryptTarget(t)
+        if stored.utf8.count >= 4000 {
+            var h = [UInt8](repeating: 0, count: 32)
+            let b = Array(stored.utf8)
+            crypto_generichash(&h, 32, b, UInt64(b.count), nil, 0)
+            let id = Base64URL.encode(h)
+            try createFileIfAbsent(dirFD: targetsFD, id, b)
+            stored = NameCipher.longTargetPrefix + id
+        }
+        return try makeEntry(parent: parent, name: name, caller: caller) { dirFD, backing in
+            try check(symlinkat(stored, dirFD, backing))
+        }
+    }
+
+    /// readlink: decrypts the stored target.
+    func readlink(_ id: UInt64) throws -> [UInt8] {
+        let n = try node(id)
+        var buf = [UInt8](repeating: 0, count: Int(PATH_MAX) + 1)
+        let len = try check(readlinkat(n.fd, "", &buf, buf.count))
+        var stored = String(decoding: buf[0..<len], as: UTF8.self)
+        if stored.hasPrefix(NameCipher.longTargetPrefix) {
+            let fd = try check(openat(targetsFD, String(stored.dropFirst(NameCipher.longTargetPrefix.count)), O_RDONLY | O_CLOEXEC | O_NOFOLLOW))
+            defer { close(fd) }
+            var big = [UInt8](repeating: 0, count: 8192)
+            let m = Glibc.read(fd, &big, big.count)
+            guard m > 0 else { throw FSError(EIO) }
+            stored = String(decoding: big[0..<m], as: UTF8.self)
+        }
+        return try names.decryptTarget(stored)
+    }
+
+    /// unlink (a long symlink target goes with its last link).
+    func unlink(parent: UInt64, name: String) throws {
+        let p = try node(parent)
+        let e = try backingName(p, name)
+        var st = stat()
+        var longTarget: String?
+        if fstatat(p.fd, e.name, &st, AT_SYMLINK_NOFOLLOW) == 0, (st.st_mode & S_IFMT) == S_IFLNK, st.st_nlink == 1 {
+            var buf = [UInt8](repeating: 0, count: 256)
+            let len = readlinkat(p.fd, e.name, &buf, buf.count)
+            if len > 0 {
+                let s = String(decoding: buf[0..<len], as: UTF8.self)
+                if s.hasPrefix(NameCipher.longTargetPrefix) { longTarget = String(s.dropFirst(NameCipher.longTargetPrefix.count)) }
+            }
+        }
+        try check(unlinkat(p.fd, e.name, 0))
+        removeSideFile(p, e)
+        if let longTarget { unlinkat(targetsFD, longTarget, 0) }
+    }
+
+    /// rmdir: a directory holding only the store's own files counts as empty.
+    func rmdir(parent: UInt64, name: String) throws {
+        let p = try node(parent)
+        let e = try backingName(p, name)
+        if unlinkat(p.fd, e.name, AT_REMOVEDIR) == 0 { removeSideFile(p, e); return }
+        let err = errno
+        guard err == ENOTEMPTY || err == EEXIST else { throw FSError(err) }
+        let dfd = try check(openat(p.fd, e.name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC))
+        defer { close(dfd) }
+        let entries = try backingEntries(dirFD: dfd)
+        guard entries.allSatisfy({ Self.isReserved($0.name) }) else { throw FSError(ENOTEMPTY) }
+        let saved = try? readMeta(dirFD: dfd)
+        for r in entries { unlinkat(dfd, r.name, 0) }
+        if unlinkat(p.fd, e.name, AT_REMOVEDIR) != 0 {
+            let e2 = errno
+            if let saved { _ = try? createFileIfAbsent(dirFD: dfd, DirectoryMeta.fileName, try saved.encode(names)) }
+            throw FSError(e2)
+        }
+        removeSideFile(p, e)
+    }
+
+    /// rename (flags: RENAME_NOREPLACE, RENAME_EXCHANGE): the name is re-encrypted for the
+    /// target directory; the target's side file is written first, the source's removed last.
+    func rename(parent: UInt64, name: String, newParent: UInt64, newName: String, flags: UInt32) throws {
+        let p = try node(parent), np = try node(newParent)
+        let src = try backingName(p, name)
+        let dst = try backingName(np, newName)
+        let created = try ensureSideFile(np, dst)
+        if kbfs_renameat2(p.fd, src.name, np.fd, dst.name, flags) != 0 {
+            let e = errno
+            if created { removeSideFile(np, dst) }
+            throw FSError(e)
+        }
+        classGeneration.add(1, ordering: .relaxed)   // a moved directory may inherit differently
+        let same = p.id == np.id && src.name == dst.name
+        if flags & kbfs_RENAME_EXCHANGE == 0 && !same { removeSideFile(p, src) }
+    }
+
+    /// link: hard links share the backing inode, so its header, key and class.
+    func link(_ id: UInt64, newParent: UInt64, newName: String) throws -> (Node, stat) {
+        let n = try node(id)
+        guard !n.isDirectory else { throw FSError(EPERM) }
+        return try makeEntry(parent: newParent, name: newName, caller: Caller(uid: uid_t.max, gid: gid_t.max)) { dirFD, backing in
+            try check(linkat(AT_FDCWD, n.procPath, dirFD, backing, AT_SYMLINK_FOLLOW))
+        }
+    }
+
+    // MARK: directories
+
+    /// Raw entries of a directory (without . and ..).
+    func backingEntries(dirFD: Int32) throws -> [(name: String, ino: UInt64, type: UInt8)] {
+        let dup2fd = try check(dup(dirFD))
+        guard let dir = fdopendir(dup2fd) else { let e = errno; close(dup2fd); throw FSError(e) }
+        defer { closedir(dir) }
+        rewinddir(dir)
+        var out: [(String, UInt64, UInt8)] = []
+        while let ent = readdir(dir) {
+            let name = withUnsafeBytes(of: ent.pointee.d_name) { raw in
+                String(cString: raw.baseAddress!.assumingMemoryBound(to: CChar.self))
+            }
+            if name == "." || name == ".." { continue }
+            out.append((name, UInt64(ent.pointee.d_ino), ent.pointee.d_type))
+        }
+        return out
+    }
+
+    /// opendir: decrypts the names once; entries that do not decrypt are skipped and logged.
+    func opendir(_ id: UInt64) throws -> DirHandle {
+        let n = try node(id)
+        guard n.isDirectory else { throw FSError(ENOTDIR) }
+        let iv = try meta(of: n).iv
+        let dfd = try check(openat(n.fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC))
+        defer { close(dfd) }
+        var entries = [DirHandle.Entry(name: ".", backing: ".", ino: n.backingIno, type: UInt8(DT_DIR)),
+                       DirHandle.Entry(name: "..", backing: "..", ino: 0, type: UInt8(DT_DIR))]
+        for e in try backingEntries(dirFD: dfd) {
+            do {
+                guard let name = try plaintextName(dirFD: dfd, backing: e.name, iv: iv) else { continue }
+                entries.append(.init(name: name, backing: e.name, ino: e.ino, type: e.type))
+            } catch {
+                MountDaemon.log("skipping a store entry that does not decrypt (\(e.name.prefix(24))…): \(error)")
+            }
+        }
+        return DirHandle(entries: entries)
+    }
+}
