@@ -88,6 +88,8 @@ public struct Keybag: Sendable {
     public static let dataDirName = "data"
     /// Folder inside the store for symlink targets too long for a backing symlink.
     public static let targetsDirName = "targets"
+    /// Folder inside the store for sealed user xattrs.
+    public static let xattrsDirName = "xattrs"
 
     /// Path of the store.
     public let storePath: String

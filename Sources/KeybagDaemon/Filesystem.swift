@@ -44,6 +44,10 @@ final class Filesystem: Sendable {
     let names: NameCipher
     /// The store's folder of long symlink targets.
     let targetsFD: Int32
+    /// The store's folder of sealed user xattrs.
+    let xattrsFD: Int32
+    /// Serialises read-modify-write of stored xattr sets.
+    let xattrUpdates = Mutex(0)
     /// Bumped whenever a directory's class or the tree's shape changes; cached
     /// inherited classes of an older generation are recomputed.
     let classGeneration = Atomic<UInt64>(1)
@@ -56,10 +60,11 @@ final class Filesystem: Sendable {
     /// Whether created objects are chowned to the caller (the daemon runs as root).
     let chownToCaller: Bool
 
-    init(dataFD: Int32, targetsFD: Int32, names: NameCipher, keyring: ClassKeyring, cipher: ContentCipher, defaultClass: ProtectionClass) throws {
+    init(dataFD: Int32, targetsFD: Int32, xattrsFD: Int32, names: NameCipher, keyring: ClassKeyring, cipher: ContentCipher, defaultClass: ProtectionClass) throws {
         table = try NodeTable(rootFD: dataFD)
         self.names = names
         self.targetsFD = targetsFD
+        self.xattrsFD = xattrsFD
         self.keyring = keyring
         self.cipher = cipher
         self.content = EncryptedContent(layout: BlockLayout(cipher: cipher))

@@ -47,6 +47,13 @@ enum FuseBridge {
         fuse_reply_entry(req, &e)
     }
 
+    /// Replies an xattr value or list: its size when probed with 0, ERANGE when too small.
+    static func replyXattr(_ req: fuse_req_t?, _ value: [UInt8], size: Int) {
+        if size == 0 { fuse_reply_xattr(req, value.count) }
+        else if size < value.count { fuse_reply_err(req, ERANGE) }
+        else { value.withUnsafeBufferPointer { b in _ = fuse_reply_buf(req, UnsafeRawPointer(b.baseAddress)?.assumingMemoryBound(to: CChar.self), b.count) } }
+    }
+
     /// The handle behind `fi.fh`.
     static func handle(_ fi: UnsafeMutablePointer<fuse_file_info>?) -> FileHandle? {
         guard let fi, fi.pointee.fh != 0 else { return nil }
@@ -265,37 +272,42 @@ enum FuseBridge {
         }
         ops.setxattr = { req, ino, name, value, size, flags in
             let n = FuseBridge.str(name)
-            guard n == "user.protection" else { return FuseBridge.err(req, n.hasPrefix("user.") ? EOPNOTSUPP : EOPNOTSUPP) }
-            let raw = value.map { String(decoding: UnsafeRawBufferPointer(start: $0, count: size), as: UTF8.self) } ?? ""
-            guard let cls = ProtectionClass(name: raw) else { return FuseBridge.err(req, EINVAL) }
+            let bytes = value.map { Array(UnsafeRawBufferPointer(start: $0, count: size)) } ?? []
             let fs = FuseBridge.context(req).fs
             do {
-                let current = try? fs.protection(of: ino)
-                if flags & kbfs_XATTR_CREATE != 0 && current != nil { return FuseBridge.err(req, EEXIST) }
-                if flags & kbfs_XATTR_REPLACE != 0 && current == nil { return FuseBridge.err(req, ENODATA) }
-                try fs.setProtection(of: ino, to: cls)
-                fuse_reply_err(req, 0)
+                if n == Filesystem.protectionXattr {
+                    guard let cls = ProtectionClass(name: String(decoding: bytes, as: UTF8.self)) else { return FuseBridge.err(req, EINVAL) }
+                    let current = try? fs.protection(of: ino)
+                    if flags & kbfs_XATTR_CREATE != 0 && current != nil { return FuseBridge.err(req, EEXIST) }
+                    if flags & kbfs_XATTR_REPLACE != 0 && current == nil { return FuseBridge.err(req, ENODATA) }
+                    try fs.setProtection(of: ino, to: cls)
+                } else {
+                    try fs.setXattr(ino, name: n, value: bytes, flags: flags)
+                }
+                FuseBridge.err(req, 0)
             } catch { FuseBridge.fail(req, error) }
         }
         ops.getxattr = { req, ino, name, size in
-            guard FuseBridge.str(name) == "user.protection" else { return FuseBridge.err(req, ENODATA) }
+            let n = FuseBridge.str(name)
+            let fs = FuseBridge.context(req).fs
             do {
-                let value = Array(try FuseBridge.context(req).fs.protection(of: ino).name.utf8)
-                if size == 0 { fuse_reply_xattr(req, value.count) }
-                else if size < value.count { fuse_reply_err(req, ERANGE) }
-                else { value.withUnsafeBufferPointer { b in _ = b.baseAddress!.withMemoryRebound(to: CChar.self, capacity: b.count) { fuse_reply_buf(req, $0, b.count) } } }
+                let value = n == Filesystem.protectionXattr ? Array(try fs.protection(of: ino).name.utf8) : try fs.getXattr(ino, name: n)
+                FuseBridge.replyXattr(req, value, size: size)
             } catch { FuseBridge.fail(req, error) }
         }
         ops.listxattr = { req, ino, size in
-            let fs = FuseBridge.context(req).fs
-            let list: [UInt8] = (try? fs.protection(of: ino)) != nil ? Array("user.protection\0".utf8) : []
-            if size == 0 { fuse_reply_xattr(req, list.count) }
-            else if size < list.count { fuse_reply_err(req, ERANGE) }
-            else { list.withUnsafeBufferPointer { b in _ = fuse_reply_buf(req, UnsafeRawPointer(b.baseAddress)?.assumingMemoryBound(to: CChar.self), b.count) } }
+            do {
+                let names = try FuseBridge.context(req).fs.listXattrs(ino)
+                FuseBridge.replyXattr(req, names.flatMap { Array($0.utf8) + [0] }, size: size)
+            } catch { FuseBridge.fail(req, error) }
         }
         ops.removexattr = { req, ino, name in
-            guard FuseBridge.str(name) == "user.protection" else { return FuseBridge.err(req, ENODATA) }
-            do { try FuseBridge.context(req).fs.removeProtection(of: ino); _ = fuse_reply_err(req, 0) } catch { FuseBridge.fail(req, error) }
+            let n = FuseBridge.str(name)
+            let fs = FuseBridge.context(req).fs
+            do {
+                if n == Filesystem.protectionXattr { try fs.removeProtection(of: ino) } else { try fs.removeXattr(ino, name: n) }
+                FuseBridge.err(req, 0)
+            } catch { FuseBridge.fail(req, error) }
         }
         return ops
     }

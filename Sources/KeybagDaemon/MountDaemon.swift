@@ -87,10 +87,16 @@ public enum MountDaemon {
             let m = "cannot open \(cfg.store)/\(Keybag.targetsDirName): \(String(cString: strerror(errno)))"
             log(m); report(cfg, "ERR " + m); return 1
         }
+        mkdirat(AT_FDCWD, cfg.store + "/" + Keybag.xattrsDirName, 0o700)
+        let xattrsFD = open(cfg.store + "/" + Keybag.xattrsDirName, kbfs_O_PATH | O_DIRECTORY | O_CLOEXEC)
+        guard xattrsFD >= 0 else {
+            let m = "cannot open \(cfg.store)/\(Keybag.xattrsDirName): \(String(cString: strerror(errno)))"
+            log(m); report(cfg, "ERR " + m); return 1
+        }
         let keyring = ClassKeyring(classD: classD)
         let fs: Filesystem
         do {
-            fs = try Filesystem(dataFD: dataFD, targetsFD: targetsFD, names: names, keyring: keyring, cipher: keybag.cipher, defaultClass: cfg.defaultClass)
+            fs = try Filesystem(dataFD: dataFD, targetsFD: targetsFD, xattrsFD: xattrsFD, names: names, keyring: keyring, cipher: keybag.cipher, defaultClass: cfg.defaultClass)
             _ = try fs.meta(of: fs.table.root)   // the root's name IV exists before the first request
         } catch {
             log("\(error)"); report(cfg, "ERR \(error)"); return 1

@@ -248,7 +248,9 @@ func writeFile(_ path: String, _ bytes: [UInt8], mode: mode_t = 0o644) -> Int32 
 
 /// getxattr of user.protection (or another name): the value or the errno.
 func getXattr(_ path: String, _ name: String = "user.protection") -> Result<String, Errno> {
-    var buf = [UInt8](repeating: 0, count: 256)
+    let size = getxattr(path, name, nil, 0)
+    if size < 0 { return .failure(Errno(errno)) }
+    var buf = [UInt8](repeating: 0, count: max(size, 1))
     let n = getxattr(path, name, &buf, buf.count)
     if n < 0 { return .failure(Errno(errno)) }
     return .success(String(decoding: buf[0..<n], as: UTF8.self))

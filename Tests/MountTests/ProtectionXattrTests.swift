@@ -134,3 +134,55 @@ final class ProtectionXattrTests: XCTestCase {
         }
     }
 }
+
+/// Other user.* xattrs: stored encrypted, with ext4's semantics.
+final class UserXattrTests: XCTestCase {
+    func testUserXattrsBehaveAsOnExt4AndAreEncrypted() throws {
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        XCTAssertEqual(writeFile(m.path("f"), bytes("data")), 0)
+        XCTAssertEqual(mkdir(m.path("d"), 0o755), 0)
+        for p in [m.path("f"), m.path("d")] {
+            XCTAssertEqual(errnoOf(getXattr(p, "user.missing")), ENODATA)
+            XCTAssertEqual(setXattr(p, "SECRET-XATTR-VALUE", "user.comment"), 0)
+            XCTAssertEqual(try getXattr(p, "user.comment").get(), "SECRET-XATTR-VALUE")
+            XCTAssertEqual(setXattr(p, "x", "user.comment", flags: kbfs_XATTR_CREATE), EEXIST)
+            XCTAssertEqual(setXattr(p, "x", "user.other", flags: kbfs_XATTR_REPLACE), ENODATA)
+            XCTAssertEqual(setXattr(p, "replaced", "user.comment", flags: kbfs_XATTR_REPLACE), 0)
+            XCTAssertEqual(setXattr(p, "", "user.empty"), 0)
+            XCTAssertEqual(try getXattr(p, "user.empty").get(), "")
+            XCTAssertEqual(getxattr(p, "user.comment", nil, 0), 8, "size probe")
+            var small = [UInt8](repeating: 0, count: 3)
+            XCTAssertEqual(getxattr(p, "user.comment", &small, 3), -1)
+            XCTAssertEqual(errno, ERANGE)
+            var list = [CChar](repeating: 0, count: 1024)
+            let n = listxattr(p, &list, list.count)
+            let names = String(decoding: list[0..<max(n, 0)].map { UInt8(bitPattern: $0) }, as: UTF8.self).split(separator: "\0").map(String.init)
+            XCTAssertTrue(Set(names).isSuperset(of: ["user.comment", "user.empty"]), "\(names)")
+            XCTAssertEqual(listxattr(p, nil, 0), n)
+            XCTAssertEqual(removexattr(p, "user.empty"), 0)
+            XCTAssertEqual(removexattr(p, "user.empty") == 0 ? 0 : errno, ENODATA)
+            XCTAssertEqual(setXattr(p, "v", "trusted.x") == 0 ? 0 : 1, 1, "other namespaces are not stored")
+        }
+        // Values follow the file through rename and hard link, and survive a remount.
+        XCTAssertEqual(rename(m.path("f"), m.path("g")), 0)
+        XCTAssertEqual(link(m.path("g"), m.path("h")), 0)
+        XCTAssertEqual(try getXattr(m.path("h"), "user.comment").get(), "replaced")
+        let big = String(repeating: "v", count: 60_000)
+        XCTAssertEqual(setXattr(m.path("g"), big, "user.big"), 0)
+        try m.restart()
+        XCTAssertEqual(try getXattr(m.path("g"), "user.comment").get(), "replaced", "metadata: readable before the first unlock")
+        XCTAssertEqual(try getXattr(m.path("g"), "user.big").get(), big)
+        XCTAssertEqual(try getXattr(m.path("d"), "user.comment").get(), "replaced")
+        m.unmount()
+        let e = FileManager.default.enumerator(atPath: m.store)!
+        while let rel = e.nextObject() as? String {
+            XCTAssertFalse(rel.contains("comment"))
+            if let d = FileManager.default.contents(atPath: m.store + "/" + rel) {
+                XCTAssertNil(d.range(of: Data("user.comment".utf8)), rel)
+                XCTAssertNil(d.range(of: Data("replaced".utf8)), rel)
+            }
+        }
+    }
+}

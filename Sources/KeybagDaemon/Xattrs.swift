@@ -1,0 +1,91 @@
+import CFuse
+import CSystem
+import Glibc
+import KeybagCore
+
+/// User xattrs other than `user.protection`: names and values sealed under the volume key
+/// in `STORE/xattrs/<id>`, where the id is a file's header file id or a directory's name
+/// IV, so renames, hard links and `cp -a` keep them. Linux allows `user.*` only on regular
+/// files and directories; elsewhere they answer EPERM as on ext4.
+extension Filesystem {
+    /// The virtual xattr of the protection class.
+    static let protectionXattr = "user.protection"
+
+    /// The stable id under which a node's xattrs are stored.
+    func xattrID(_ n: Node) throws -> String {
+        if n.isDirectory { return Base64URL.encode(try meta(of: n).iv) }
+        guard n.isRegular else { throw FSError(EPERM) }
+        if let h = n.io.read({ $0.header }) { return Base64URL.encode(h.fileID) }
+        let fd = try check(Glibc.open(n.procPath, O_RDONLY | O_CLOEXEC))
+        defer { close(fd) }
+        return Base64URL.encode(try EncryptedContent.readHeader(fd: fd).fileID)
+    }
+
+    /// The stored set of a node (empty when none).
+    func loadXattrs(_ id: String) throws -> XattrSet {
+        let fd = openat(xattrsFD, id, O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
+        if fd < 0 { if errno == ENOENT { return XattrSet() }; throw FSError(errno) }
+        defer { close(fd) }
+        var st = stat()
+        try check(fstat(fd, &st))
+        guard st.st_size <= 16 << 20 else { throw FSError(EIO) }
+        var buf = [UInt8](repeating: 0, count: Int(st.st_size))
+        let n = try buf.withUnsafeMutableBytes { try EncryptedContent.preadFull(fd, $0, offset: 0) }
+        return try XattrSet.decode(try names.open(Array(buf[0..<n]), purpose: "keybagfs-xattr-v1|" + id))
+    }
+
+    /// Replaces the stored set atomically (removes it when empty).
+    func saveXattrs(_ id: String, _ set: XattrSet) throws {
+        if set.values.isEmpty {
+            if unlinkat(xattrsFD, id, 0) != 0 && errno != ENOENT { throw FSError(errno) }
+            return
+        }
+        try replaceFile(dirFD: xattrsFD, id, try names.seal(set.encode(), purpose: "keybagfs-xattr-v1|" + id))
+    }
+
+    /// getxattr of a stored user xattr.
+    func getXattr(_ id: UInt64, name: String) throws -> [UInt8] {
+        guard name.hasPrefix("user.") else { throw FSError(ENODATA) }
+        let n = try node(id)
+        guard n.isRegular || n.isDirectory else { throw FSError(ENODATA) }
+        guard let v = try loadXattrs(try xattrID(n)).values[name] else { throw FSError(ENODATA) }
+        return v
+    }
+
+    /// setxattr with XATTR_CREATE / XATTR_REPLACE semantics.
+    func setXattr(_ id: UInt64, name: String, value: [UInt8], flags: Int32) throws {
+        guard name.hasPrefix("user."), name.utf8.count > 5, name.utf8.count <= 255 else { throw FSError(name.hasPrefix("user.") ? ERANGE : EOPNOTSUPP) }
+        let n = try node(id)
+        let key = try xattrID(n)
+        try xattrUpdates.withLock { _ in
+            var set = try loadXattrs(key)
+            let exists = set.values[name] != nil
+            if flags & kbfs_XATTR_CREATE != 0 && exists { throw FSError(EEXIST) }
+            if flags & kbfs_XATTR_REPLACE != 0 && !exists { throw FSError(ENODATA) }
+            set.values[name] = value
+            try saveXattrs(key, set)
+        }
+    }
+
+    /// removexattr of a stored user xattr.
+    func removeXattr(_ id: UInt64, name: String) throws {
+        guard name.hasPrefix("user.") else { throw FSError(ENODATA) }
+        let n = try node(id)
+        guard n.isRegular || n.isDirectory else { throw FSError(ENODATA) }
+        let key = try xattrID(n)
+        try xattrUpdates.withLock { _ in
+            var set = try loadXattrs(key)
+            guard set.values.removeValue(forKey: name) != nil else { throw FSError(ENODATA) }
+            try saveXattrs(key, set)
+        }
+    }
+
+    /// The names listxattr reports: `user.protection` where it applies, then stored ones.
+    func listXattrs(_ id: UInt64) throws -> [String] {
+        let n = try node(id)
+        var out: [String] = []
+        if (try? protection(of: id)) != nil { out.append(Self.protectionXattr) }
+        if n.isRegular || n.isDirectory { out += try loadXattrs(try xattrID(n)).values.keys.sorted() }
+        return out
+    }
+}
