@@ -16,6 +16,10 @@ const long kbfs_UTIME_OMIT = UTIME_OMIT;
 const unsigned int kbfs_RENAME_NOREPLACE = RENAME_NOREPLACE;
 const unsigned int kbfs_RENAME_EXCHANGE = RENAME_EXCHANGE;
 
+int kbfs_fallocate(int fd, int mode, long long offset, long long len) {
+    return fallocate(fd, mode, (off_t)offset, (off_t)len);
+}
+
 int kbfs_renameat2(int olddirfd, const char *oldpath, int newdirfd, const char *newpath, unsigned int flags) {
     return (int)syscall(SYS_renameat2, olddirfd, oldpath, newdirfd, newpath, flags);
 }

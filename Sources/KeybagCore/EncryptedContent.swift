@@ -142,6 +142,29 @@ public struct EncryptedContent: Sendable {
         }
     }
 
+    /// Makes the plaintext range [offset, offset+length) read as zeros (within the current
+    /// size): whole blocks become backing holes (all zero bytes read as zeros), the partial
+    /// blocks at the edges are re-sealed with zeros.
+    public func zeroRange(fd: Int32, key: FileContentKey, offset: Int, length: Int, punch: (Int, Int) -> Bool) throws {
+        let size = try plainSize(fd: fd)
+        let end = min(offset + length, size)
+        guard offset < end else { return }
+        var pos = offset
+        while pos < end {
+            let b = pos / Self.B
+            let bStart = b * Self.B
+            let bEnd = min(bStart + Self.B, size)
+            let stop = min(end, bEnd)
+            if pos == bStart && stop == bEnd && punch(layout.cipherOffset(ofBlock: b), bEnd - bStart + layout.overhead) {
+                pos = stop
+                continue
+            }
+            let zeros = [UInt8](repeating: 0, count: stop - pos)
+            try zeros.withUnsafeBytes { try write(fd: fd, key: key, offset: pos, data: $0) }
+            pos = stop
+        }
+    }
+
     /// Decrypts block `block` of `length` plaintext bytes into `plain`.
     private func readBlock(fd: Int32, key: FileContentKey, block: Int, length: Int, into plain: UnsafeMutableRawBufferPointer) throws -> Int {
         let sealed = UnsafeMutableRawBufferPointer.allocate(byteCount: length + layout.overhead, alignment: 16)

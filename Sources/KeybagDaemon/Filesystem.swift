@@ -75,6 +75,14 @@ final class Filesystem: Sendable {
     /// Caller identity of a request.
     struct Caller { let uid: uid_t; let gid: gid_t }
 
+    /// The group a new object of `caller` gets in a directory: unchanged (the directory's,
+    /// set by the backing filesystem) in a setgid directory, else the caller's.
+    func groupFor(_ caller: Caller, dirFD: Int32) -> gid_t {
+        var st = stat()
+        if fstat(dirFD, &st) == 0 && st.st_mode & S_ISGID != 0 { return gid_t.max }
+        return caller.gid
+    }
+
     // MARK: nodes and attributes
 
     /// A node by id, or ENOENT / ESTALE.
@@ -146,9 +154,10 @@ final class Filesystem: Sendable {
             let omit = timespec(tv_sec: 0, tv_nsec: kbfs_UTIME_OMIT)
             var times = [atime ?? omit, mtime ?? omit]
             if n.type == S_IFLNK {
-                throw FSError(EOPNOTSUPP)
+                try check(utimensat(n.fd, "", &times, kbfs_AT_EMPTY_PATH))   // the link itself
+            } else {
+                try check(utimensat(AT_FDCWD, n.procPath, &times, 0))
             }
-            try check(utimensat(AT_FDCWD, n.procPath, &times, 0))
         }
         return try attributes(fd: n.fd)
     }
@@ -235,7 +244,7 @@ final class Filesystem: Sendable {
             throw FSError(e)
         }
         do {
-            if chownToCaller { fchown(bfd, caller.uid, caller.gid) }
+            if chownToCaller { fchown(bfd, caller.uid, groupFor(caller, dirFD: p.fd)) }
             let raw = SecureKey(random: 32)
             let header = try FileHeader.create(fileKey: raw, class: cls, cipher: cipher, using: wrapKey)
             try EncryptedContent.writeNewHeader(fd: bfd, header)
@@ -299,6 +308,40 @@ final class Filesystem: Sendable {
         defer { if fd != handle?.fd { close(fd) } }
         try withContentKey(n, exclusive: true) { key in
             try content.truncate(fd: fd, key: key, to: size)
+        }
+    }
+
+    /// fallocate: mode 0 (allocate, growing the size), KEEP_SIZE, PUNCH_HOLE|KEEP_SIZE,
+    /// ZERO_RANGE (optionally KEEP_SIZE); other modes are EOPNOTSUPP.
+    func fallocate(_ h: FileHandle, mode: Int32, offset: Int, length: Int) throws {
+        let keepSize: Int32 = 0x01, punchHole: Int32 = 0x02, zeroRange: Int32 = 0x10
+        guard offset >= 0, length > 0 else { throw FSError(EINVAL) }
+        guard offset <= Self.maxFileSize - length else { throw FSError(EFBIG) }
+        guard mode & ~(keepSize | punchHole | zeroRange) == 0 else { throw FSError(EOPNOTSUPP) }
+        if mode & punchHole != 0 && (mode & keepSize == 0 || mode & zeroRange != 0) { throw FSError(EOPNOTSUPP) }
+        guard h.writable else { throw FSError(EBADF) }
+        let layout = content.layout
+        try withContentKey(h.node, exclusive: true) { key in
+            let size = try content.plainSize(fd: h.fd)
+            let end = offset + length
+            if mode & (punchHole | zeroRange) != 0 {
+                try content.zeroRange(fd: h.fd, key: key, offset: offset, length: length) { off, len in
+                    kbfs_fallocate(h.fd, punchHole | keepSize, Int64(off), Int64(len)) == 0
+                }
+            }
+            if mode & keepSize == 0 && end > size {
+                try content.truncate(fd: h.fd, key: key, to: end)
+            }
+            if mode & (punchHole | zeroRange) == 0 {
+                // Reserve backing space for the range (best effort where the backing fs cannot).
+                let b0 = layout.cipherOffset(ofBlock: offset / BlockLayout.plainBlockSize)
+                let b1 = layout.cipherOffset(ofBlock: (end - 1) / BlockLayout.plainBlockSize + 1)
+                let bsize = layout.backingSize(plainSize: max(size, mode & keepSize == 0 ? end : size))
+                let upTo = mode & keepSize == 0 ? min(b1, bsize) : b1
+                if upTo > b0 && kbfs_fallocate(h.fd, keepSize, Int64(b0), Int64(upTo - b0)) != 0 && errno == ENOSPC {
+                    throw FSError(ENOSPC)
+                }
+            }
         }
     }
 

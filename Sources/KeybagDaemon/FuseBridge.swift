@@ -187,6 +187,11 @@ enum FuseBridge {
             } catch { FuseBridge.fail(req, error) }
         }
         ops.flush = { req, _, _ in _ = fuse_reply_err(req, 0) }
+        ops.fallocate = { req, _, mode, off, length, fi in
+            guard let h = FuseBridge.handle(fi) else { return FuseBridge.err(req, EBADF) }
+            do { try FuseBridge.context(req).fs.fallocate(h, mode: mode, offset: Int(off), length: Int(length)); FuseBridge.err(req, 0) }
+            catch { FuseBridge.fail(req, error) }
+        }
         ops.release = { req, _, fi in
             if let fi, fi.pointee.fh != 0 {
                 let h = Unmanaged<FileHandle>.fromOpaque(UnsafeRawPointer(bitPattern: UInt(fi.pointee.fh))!).takeRetainedValue()

@@ -155,9 +155,10 @@ extension Filesystem {
 
     // MARK: namespace operations
 
-    /// Chowns a new object to the caller when running as root.
+    /// Chowns a new object to the caller when running as root (the group stays the
+    /// directory's where it is setgid, as the backing filesystem already set it).
     private func own(_ dirFD: Int32, _ backing: String, _ caller: Caller) {
-        if chownToCaller { fchownat(dirFD, backing, caller.uid, caller.gid, AT_SYMLINK_NOFOLLOW) }
+        if chownToCaller { fchownat(dirFD, backing, caller.uid, groupFor(caller, dirFD: dirFD), AT_SYMLINK_NOFOLLOW) }
     }
 
     /// Creates an entry with `make`, its side file first; undoes the side file on failure.
@@ -281,7 +282,12 @@ extension Filesystem {
         let src = try backingName(p, name)
         let dst = try backingName(np, newName)
         let created = try ensureSideFile(np, dst)
-        if kbfs_renameat2(p.fd, src.name, np.fd, dst.name, flags) != 0 {
+        var rc = kbfs_renameat2(p.fd, src.name, np.fd, dst.name, flags)
+        if rc != 0 && (errno == ENOTEMPTY || errno == EEXIST) && flags == 0 {
+            // The target is a directory; one holding only the store's own files is empty.
+            rc = try renameOverEmptyDirectory(p, src.name, np, dst.name)
+        }
+        if rc != 0 {
             let e = errno
             if created { removeSideFile(np, dst) }
             throw FSError(e)
@@ -289,6 +295,25 @@ extension Filesystem {
         classGeneration.add(1, ordering: .relaxed)   // a moved directory may inherit differently
         let same = p.id == np.id && src.name == dst.name
         if flags & kbfs_RENAME_EXCHANGE == 0 && !same { removeSideFile(p, src) }
+    }
+
+    /// Retries a rename whose target directory holds only the store's own files, after
+    /// removing them (restored if the rename still fails). Returns the rename's result.
+    private func renameOverEmptyDirectory(_ p: Node, _ from: String, _ np: Node, _ to: String) throws -> Int32 {
+        let dfd = openat(np.fd, to, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+        guard dfd >= 0 else { errno = ENOTEMPTY; return -1 }
+        defer { close(dfd) }
+        let entries = try backingEntries(dirFD: dfd)
+        guard entries.allSatisfy({ Self.isReserved($0.name) }) else { errno = ENOTEMPTY; return -1 }
+        let saved = try? readMeta(dirFD: dfd)
+        for r in entries { unlinkat(dfd, r.name, 0) }
+        let rc = kbfs_renameat2(p.fd, from, np.fd, to, 0)
+        if rc != 0 {
+            let e = errno
+            if let saved { _ = try? createFileIfAbsent(dirFD: dfd, DirectoryMeta.fileName, try saved.encode(names)) }
+            errno = e
+        }
+        return rc
     }
 
     /// link: hard links share the backing inode, so its header, key and class.

@@ -12,6 +12,8 @@ extern const long kbfs_UTIME_OMIT;
 extern const unsigned int kbfs_RENAME_NOREPLACE;
 extern const unsigned int kbfs_RENAME_EXCHANGE;
 
+/* fallocate(2). */
+int kbfs_fallocate(int fd, int mode, long long offset, long long len);
 /* renameat2(2). */
 int kbfs_renameat2(int olddirfd, const char *oldpath, int newdirfd, const char *newpath, unsigned int flags);
 /* The peer's credentials of a Unix socket (SO_PEERCRED); 0 on success. */
