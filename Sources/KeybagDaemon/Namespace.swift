@@ -31,11 +31,12 @@ extension Filesystem {
         return try DirectoryMeta.decode(Array(buf[0..<n]), names)
     }
 
-    /// Writes `bytes` to a fresh temporary file in `dirFD` and returns its name.
-    private func writeTemporary(dirFD: Int32, _ bytes: [UInt8]) throws -> String {
+    /// Writes `bytes` to a fresh temporary file in `dirFD` and returns its name; `durable`
+    /// syncs it before it is linked or renamed into place.
+    private func writeTemporary(dirFD: Int32, _ bytes: [UInt8], durable: Bool = true) throws -> String {
         let tmp = Self.reservedPrefix + "tmp-" + Base64URL.encode(Sodium.randomArray(9))
         let fd = try check(openat(dirFD, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0o644))
-        let ok = Glibc.write(fd, bytes, bytes.count) == bytes.count && fdatasync(fd) == 0
+        let ok = Glibc.write(fd, bytes, bytes.count) == bytes.count && (!durable || fdatasync(fd) == 0)
         let e = errno
         close(fd)
         guard ok else { unlinkat(dirFD, tmp, 0); throw FSError(e == 0 ? EIO : e) }
@@ -54,8 +55,8 @@ extension Filesystem {
     }
 
     /// Replaces `name` in `dirFD` with `bytes` atomically (temp file + rename).
-    func replaceFile(dirFD: Int32, _ name: String, _ bytes: [UInt8]) throws {
-        let tmp = try writeTemporary(dirFD: dirFD, bytes)
+    func replaceFile(dirFD: Int32, _ name: String, _ bytes: [UInt8], durable: Bool = true) throws {
+        let tmp = try writeTemporary(dirFD: dirFD, bytes, durable: durable)
         guard renameat(dirFD, tmp, dirFD, name) == 0 else { let e = errno; unlinkat(dirFD, tmp, 0); throw FSError(e) }
     }
 

@@ -8,6 +8,9 @@ import KeybagCore
 /// IV, so renames, hard links and `cp -a` keep them. Linux allows `user.*` only on regular
 /// files and directories; elsewhere they answer EPERM as on ext4.
 extension Filesystem {
+    /// Most bytes of user xattrs one object may hold (names and values); ENOSPC beyond.
+    static let maxXattrBytes = 256 * 1024
+
     /// The virtual xattr of the protection class.
     static let protectionXattr = "user.protection"
 
@@ -40,7 +43,10 @@ extension Filesystem {
             if unlinkat(xattrsFD, id, 0) != 0 && errno != ENOENT { throw FSError(errno) }
             return
         }
-        try replaceFile(dirFD: xattrsFD, id, try names.seal(set.encode(), purpose: "keybagfs-xattr-v1|" + id))
+        let encoded = set.encode()
+        guard encoded.count <= Self.maxXattrBytes else { throw FSError(ENOSPC) }
+        // Atomic by rename; not synced (like xattrs on ext4, durable at the next sync).
+        try replaceFile(dirFD: xattrsFD, id, try names.seal(encoded, purpose: "keybagfs-xattr-v1|" + id), durable: false)
     }
 
     /// getxattr of a stored user xattr.
