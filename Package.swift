@@ -33,7 +33,7 @@ let package = Package(
         // Micro-benchmarks and lock latency; built, not run, in CI.
         .executableTarget(name: "keybagfs-bench", dependencies: ["KeybagCore", "CSystem"]),
         .testTarget(name: "KeybagCoreTests", dependencies: ["KeybagCore"]),
-        .testTarget(name: "MountTests", dependencies: ["KeybagCore", "CFuse", "keybagfs", "keybagctl"]),
+        .testTarget(name: "MountTests", dependencies: ["KeybagCore", "CFuse", "CSystem", "keybagfs", "keybagctl"]),
     ],
     swiftLanguageModes: [.v6]
 )

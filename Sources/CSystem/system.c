@@ -11,6 +11,7 @@
 
 const int kbfs_O_PATH = O_PATH;
 const int kbfs_AT_EMPTY_PATH = AT_EMPTY_PATH;
+const int kbfs_O_TMPFILE = O_TMPFILE;
 const long kbfs_UTIME_NOW = UTIME_NOW;
 const long kbfs_UTIME_OMIT = UTIME_OMIT;
 const unsigned int kbfs_RENAME_NOREPLACE = RENAME_NOREPLACE;

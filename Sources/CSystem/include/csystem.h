@@ -7,6 +7,7 @@
 
 extern const int kbfs_O_PATH;
 extern const int kbfs_AT_EMPTY_PATH;
+extern const int kbfs_O_TMPFILE;
 extern const long kbfs_UTIME_NOW;
 extern const long kbfs_UTIME_OMIT;
 extern const unsigned int kbfs_RENAME_NOREPLACE;

@@ -1,0 +1,77 @@
+import CSystem
+import Foundation
+import Glibc
+import XCTest
+
+/// POSIX behaviour a program relies on: modes at creation, symlink times, several users.
+final class PosixTests: XCTestCase {
+    /// Runs a shell command as another user.
+    func asUser(_ uid: Int, _ script: String) -> ToolResult {
+        MountFixture.run("/usr/bin/setpriv", ["--reuid=\(uid)", "--regid=\(uid)", "--clear-groups", "/bin/sh", "-c", script])
+    }
+
+    func testModesAtCreationAndSymlinkTimes() throws {
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        XCTAssertEqual(mkdir(m.path("odd"), 0o151), 0)
+        var st = stat()
+        XCTAssertEqual(lstat(m.path("odd"), &st), 0)
+        XCTAssertEqual(st.st_mode & 0o7777, 0o151, "mode right at creation")
+        XCTAssertEqual(symlink("target", m.path("sym")), 0)
+        var times = [timespec(tv_sec: 1_000_000_000, tv_nsec: 5), timespec(tv_sec: 1_100_000_000, tv_nsec: 7)]
+        XCTAssertEqual(utimensat(AT_FDCWD, m.path("sym"), &times, AT_SYMLINK_NOFOLLOW), 0)
+        XCTAssertEqual(lstat(m.path("sym"), &st), 0)
+        XCTAssertEqual(st.st_atim.tv_sec, 1_000_000_000)
+        XCTAssertEqual(st.st_mtim.tv_sec, 1_100_000_000)
+        // mkfifo works (no ENOSYS), O_TMPFILE is refused cleanly.
+        XCTAssertEqual(mkfifo(m.path("fifo"), 0o600), 0)
+        XCTAssertEqual(lstat(m.path("fifo"), &st), 0)
+        XCTAssertEqual(st.st_mode & S_IFMT, S_IFIFO)
+        let t = open(m.mnt, kbfs_O_TMPFILE | O_RDWR, 0o600)
+        XCTAssertEqual(t, -1)
+        XCTAssertTrue([EOPNOTSUPP, EISDIR, EINVAL].contains(errno), "errno \(errno)")
+        // RENAME_EXCHANGE and RENAME_NOREPLACE.
+        XCTAssertEqual(writeFile(m.path("x"), bytes("X")), 0)
+        XCTAssertEqual(writeFile(m.path("y"), bytes("Y")), 0)
+        XCTAssertEqual(kbfs_renameat2(AT_FDCWD, m.path("x"), AT_FDCWD, m.path("y"), kbfs_RENAME_NOREPLACE), -1)
+        XCTAssertEqual(errno, EEXIST)
+        XCTAssertEqual(kbfs_renameat2(AT_FDCWD, m.path("x"), AT_FDCWD, m.path("y"), kbfs_RENAME_EXCHANGE), 0)
+        XCTAssertEqual(try readFile(m.path("x")).get(), bytes("Y"))
+        XCTAssertEqual(try readFile(m.path("y")).get(), bytes("X"))
+    }
+
+    func testSeveralUsersOwnershipAndKernelPermissions() throws {
+        let m = try MountFixture(mount: false)
+        addTeardownBlock { m.close() }
+        try m.mount(extra: ["-o", "allow_other"])
+        m.unlock()
+        XCTAssertEqual(mkdir(m.path("shared"), 0o1777), 0)
+        XCTAssertEqual(chmod(m.path("shared"), 0o1777), 0)
+        var r = asUser(65534, "echo mine > \(m.path("shared/nobody.txt")) && mkdir \(m.path("shared/nobody.d"))")
+        XCTAssertEqual(r.code, 0, r.stderr)
+        var st = stat()
+        XCTAssertEqual(stat(m.path("shared/nobody.txt"), &st), 0)
+        XCTAssertEqual(st.st_uid, 65534, "owned by the creating user")
+        XCTAssertEqual(st.st_gid, 65534)
+        XCTAssertEqual(stat(m.path("shared/nobody.d"), &st), 0)
+        XCTAssertEqual(st.st_uid, 65534)
+        // Another user may read (0644) but not write, and not delete in a sticky directory.
+        r = asUser(65533, "cat \(m.path("shared/nobody.txt"))")
+        XCTAssertEqual(r.stdout, "mine\n")
+        XCTAssertNotEqual(asUser(65533, "echo x >> \(m.path("shared/nobody.txt"))").code, 0)
+        XCTAssertNotEqual(asUser(65533, "rm -f \(m.path("shared/nobody.txt"))").code, 0)
+        XCTAssertEqual(stat(m.path("shared/nobody.txt"), &st), 0, "sticky directory kept it")
+        // Setgid directories pass their group on.
+        XCTAssertEqual(mkdir(m.path("team"), 0o2777), 0)
+        XCTAssertEqual(chown(m.path("team"), 0, 4242), 0)
+        XCTAssertEqual(chmod(m.path("team"), 0o2777), 0)
+        XCTAssertEqual(asUser(65534, "echo t > \(m.path("team/f")) && mkdir \(m.path("team/sub"))").code, 0)
+        XCTAssertEqual(stat(m.path("team/f"), &st), 0)
+        XCTAssertEqual(st.st_uid, 65534)
+        XCTAssertEqual(st.st_gid, 4242, "group of the setgid directory")
+        XCTAssertEqual(stat(m.path("team/sub"), &st), 0)
+        XCTAssertEqual(st.st_gid, 4242)
+        XCTAssertNotEqual(st.st_mode & S_ISGID, 0, "setgid inherited by subdirectories")
+    }
+}
