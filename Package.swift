@@ -22,12 +22,17 @@ let package = Package(
         .target(name: "KeybagCore", dependencies: ["CSodium"]),
         // The daemon: FUSE frontend and control socket server.
         .target(name: "KeybagDaemon", dependencies: ["KeybagCore", "CFuse", "CSodium", "CSystem"]),
+        // What both commands share: the contract's exit codes.
+        .target(name: "KeybagCLI", dependencies: [
+            "KeybagCore",
+            .product(name: "ArgumentParser", package: "swift-argument-parser"),
+        ]),
         .executableTarget(name: "keybagfs", dependencies: [
-            "KeybagDaemon", "KeybagCore",
+            "KeybagDaemon", "KeybagCore", "KeybagCLI",
             .product(name: "ArgumentParser", package: "swift-argument-parser"),
         ]),
         .executableTarget(name: "keybagctl", dependencies: [
-            "KeybagCore",
+            "KeybagCore", "KeybagCLI",
             .product(name: "ArgumentParser", package: "swift-argument-parser"),
         ]),
         // Micro-benchmarks and lock latency; built, not run, in CI.

@@ -17,6 +17,21 @@ const long kbfs_UTIME_OMIT = UTIME_OMIT;
 const unsigned int kbfs_RENAME_NOREPLACE = RENAME_NOREPLACE;
 const unsigned int kbfs_RENAME_EXCHANGE = RENAME_EXCHANGE;
 
+const int kbfs_HANDLE_BUFFER = (int)(sizeof(struct file_handle) + MAX_HANDLE_SZ);
+
+int kbfs_handle_of(int fd, unsigned char *out, int outsize) {
+    struct file_handle *fh = (struct file_handle *)(void *)out;
+    int mount_id;
+    if (outsize < kbfs_HANDLE_BUFFER) return -1;
+    fh->handle_bytes = MAX_HANDLE_SZ;
+    if (name_to_handle_at(fd, "", fh, &mount_id, AT_EMPTY_PATH) != 0) return -1;
+    return (int)(sizeof(struct file_handle) + fh->handle_bytes);
+}
+
+int kbfs_open_handle(int mountfd, const unsigned char *handle, int flags) {
+    return open_by_handle_at(mountfd, (struct file_handle *)(void *)handle, flags);
+}
+
 int kbfs_fallocate(int fd, int mode, long long offset, long long len) {
     return fallocate(fd, mode, (off_t)offset, (off_t)len);
 }

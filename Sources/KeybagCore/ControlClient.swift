@@ -1,19 +1,28 @@
 import Glibc
 
+/// A Unix stream socket bound or connected to a path.
+public enum UnixSocket {
+    /// A new stream socket (close-on-exec) and the address of `path`, passed to `body`
+    /// (`bind` or `connect`); the socket is closed again when `body` fails.
+    public static func make(path: String, _ body: (Int32, UnsafePointer<sockaddr>, socklen_t) -> Int32) throws -> Int32 {
+        var addr = sockaddr_un()
+        addr.sun_family = sa_family_t(AF_UNIX)
+        let bytes = Array(path.utf8)
+        guard bytes.count < MemoryLayout.size(ofValue: addr.sun_path) else { throw KeybagError.invalid("socket path too long: \(path)") }
+        withUnsafeMutableBytes(of: &addr.sun_path) { p in for (i, b) in bytes.enumerated() { p[i] = b } }
+        let fd = socket(AF_UNIX, Int32(SOCK_STREAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
+        guard fd >= 0 else { throw KeybagError.system("socket", errno) }
+        let rc = withUnsafePointer(to: &addr) { body(fd, UnsafeRawPointer($0).assumingMemoryBound(to: sockaddr.self), socklen_t(MemoryLayout<sockaddr_un>.size)) }
+        guard rc == 0 else { let e = errno; close(fd); throw KeybagError.system(path, e) }
+        return fd
+    }
+}
+
 /// A minimal client of the control socket: connect, send a line, read a line.
 public enum ControlClient {
     /// Connects to a Unix socket; throws with errno when nothing listens.
     public static func connect(path: String) throws -> Int32 {
-        let fd = socket(AF_UNIX, Int32(SOCK_STREAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
-        guard fd >= 0 else { throw KeybagError.system("socket", errno) }
-        var addr = sockaddr_un()
-        addr.sun_family = sa_family_t(AF_UNIX)
-        let bytes = Array(path.utf8)
-        guard bytes.count < MemoryLayout.size(ofValue: addr.sun_path) else { close(fd); throw KeybagError.invalid("socket path too long") }
-        withUnsafeMutableBytes(of: &addr.sun_path) { p in for (i, b) in bytes.enumerated() { p[i] = b } }
-        let rc = withUnsafePointer(to: &addr) { Glibc.connect(fd, UnsafeRawPointer($0).assumingMemoryBound(to: sockaddr.self), socklen_t(MemoryLayout<sockaddr_un>.size)) }
-        guard rc == 0 else { let e = errno; close(fd); throw KeybagError.system("cannot connect to \(path)", e) }
-        return fd
+        try UnixSocket.make(path: path) { Glibc.connect($0, $1, $2) }
     }
 
     /// Writes one line (a newline is appended).

@@ -53,15 +53,7 @@ final class ControlServer: Sendable {
         if !dir.isEmpty { try? FileManager.default.createDirectory(atPath: dir, withIntermediateDirectories: true, attributes: [.posixPermissions: 0o755]) }
         if ControlServer.isLive(path) { throw KeybagError.invalid("control socket \(path) is in use by another daemon") }
         unlink(path)
-        let fd = socket(AF_UNIX, Int32(SOCK_STREAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
-        guard fd >= 0 else { throw KeybagError.system("socket", errno) }
-        var addr = sockaddr_un()
-        addr.sun_family = sa_family_t(AF_UNIX)
-        let bytes = Array(path.utf8)
-        guard bytes.count < MemoryLayout.size(ofValue: addr.sun_path) else { close(fd); throw KeybagError.invalid("socket path too long: \(path)") }
-        withUnsafeMutableBytes(of: &addr.sun_path) { p in for (i, b) in bytes.enumerated() { p[i] = b } }
-        let rc = withUnsafePointer(to: &addr) { $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, socklen_t(MemoryLayout<sockaddr_un>.size)) } }
-        guard rc == 0 else { let e = errno; close(fd); throw KeybagError.system("cannot bind \(path)", e) }
+        let fd = try UnixSocket.make(path: path) { bind($0, $1, $2) }
         chmod(path, 0o666)
         guard listen(fd, 64) == 0 else { let e = errno; close(fd); throw KeybagError.system("listen", e) }
         listenFD = fd

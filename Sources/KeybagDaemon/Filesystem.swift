@@ -133,33 +133,36 @@ final class Filesystem: Sendable {
     }
 
     /// getattr.
-    func getattr(_ id: UInt64) throws -> stat { try attributes(fd: try node(id).fd) }
+    func getattr(_ id: UInt64) throws -> stat { try node(id).withPathFD { try attributes(fd: $0) } }
 
     /// setattr: mode, owner, size, times; returns the new attributes.
     func setattr(_ id: UInt64, handle: FileHandle?, mode: mode_t?, uid: uid_t?, gid: gid_t?, size: Int?,
                  atime: timespec?, mtime: timespec?) throws -> stat {
         let n = try node(id)
-        if let mode {
-            if n.type == S_IFLNK { throw FSError(EOPNOTSUPP) }
-            try check(chmod(n.procPath, mode & 0o7777))
-        }
-        if uid != nil || gid != nil {
-            try check(fchownat(n.fd, "", uid ?? uid_t.max, gid ?? gid_t.max, kbfs_AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW))
-        }
         if let size {
             guard n.isRegular else { throw FSError(n.isDirectory ? EISDIR : EINVAL) }
             try truncate(n, handle: handle, to: size)
         }
-        if atime != nil || mtime != nil {
-            let omit = timespec(tv_sec: 0, tv_nsec: kbfs_UTIME_OMIT)
-            var times = [atime ?? omit, mtime ?? omit]
-            if n.type == S_IFLNK {
-                try check(utimensat(n.fd, "", &times, kbfs_AT_EMPTY_PATH))   // the link itself
-            } else {
-                try check(utimensat(AT_FDCWD, n.procPath, &times, 0))
+        return try n.withPathFD { pfd in
+            let path = "/proc/self/fd/\(pfd)"
+            if let mode {
+                if n.type == S_IFLNK { throw FSError(EOPNOTSUPP) }
+                try check(chmod(path, mode & 0o7777))
             }
+            if uid != nil || gid != nil {
+                try check(fchownat(pfd, "", uid ?? uid_t.max, gid ?? gid_t.max, kbfs_AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW))
+            }
+            if atime != nil || mtime != nil {
+                let omit = timespec(tv_sec: 0, tv_nsec: kbfs_UTIME_OMIT)
+                var times = [atime ?? omit, mtime ?? omit]
+                if n.type == S_IFLNK {
+                    try check(utimensat(pfd, "", &times, kbfs_AT_EMPTY_PATH))   // the link itself
+                } else {
+                    try check(utimensat(AT_FDCWD, path, &times, 0))
+                }
+            }
+            return try attributes(fd: pfd)
         }
-        return try attributes(fd: n.fd)
     }
 
     // MARK: classes and keys
@@ -167,7 +170,7 @@ final class Filesystem: Sendable {
     /// The header of a regular file, read once and cached.
     private func header(_ state: inout FileKeyState, node: Node) throws -> FileHeader {
         if let h = state.header { return h }
-        let fd = try check(Glibc.open(node.procPath, O_RDONLY | O_CLOEXEC))
+        let fd = try check(node.open(O_RDONLY))
         defer { close(fd) }
         let h = try EncryptedContent.readHeader(fd: fd)
         state.header = h
@@ -207,7 +210,7 @@ final class Filesystem: Sendable {
         let n = try node(id)
         guard n.isRegular else { throw FSError(n.isDirectory ? EISDIR : EINVAL) }
         let writable = (flags & O_ACCMODE) != O_RDONLY
-        let fd = try check(Glibc.open(n.procPath, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC))
+        let fd = try check(n.open(writable ? O_RDWR : O_RDONLY))
         do {
             try n.io.write { st in
                 let h = try header(&st, node: n)
@@ -239,7 +242,7 @@ final class Filesystem: Sendable {
             if e == EEXIST && flags & O_EXCL == 0 {
                 let (n, _) = try lookupBacking(p, entry.name)
                 let h = try open(n.id, flags: flags)
-                return (n, try attributes(fd: n.fd), h)
+                return (n, try attributes(fd: h.fd), h)
             }
             throw FSError(e)
         }
@@ -259,7 +262,7 @@ final class Filesystem: Sendable {
                 s.openCount += 1
             }
             openFiles.add(1, ordering: .relaxed)
-            return (n, try attributes(fd: n.fd), FileHandle(node: n, fd: bfd, writable: true))
+            return (n, plaintextAttributes(st), FileHandle(node: n, fd: bfd, writable: true))
         } catch {
             unlinkat(p.fd, entry.name, 0)
             if sideCreated { removeSideFile(p, entry) }
@@ -304,7 +307,7 @@ final class Filesystem: Sendable {
         guard size >= 0 else { throw FSError(EINVAL) }
         guard size <= Self.maxFileSize else { throw FSError(EFBIG) }
         let fd: Int32
-        if let handle, handle.writable { fd = handle.fd } else { fd = try check(Glibc.open(n.procPath, O_RDWR | O_CLOEXEC)) }
+        if let handle, handle.writable { fd = handle.fd } else { fd = try check(n.open(O_RDWR)) }
         defer { if fd != handle?.fd { close(fd) } }
         try withContentKey(n, exclusive: true) { key in
             try content.truncate(fd: fd, key: key, to: size)
@@ -370,7 +373,7 @@ final class Filesystem: Sendable {
         let n = try node(id)
         if n.isDirectory { return try setDirectoryClass(n, cls) }
         guard n.isRegular else { throw FSError(EPERM) }
-        let fd = try check(Glibc.open(n.procPath, O_RDWR | O_CLOEXEC))
+        let fd = try check(n.open(O_RDWR))
         defer { close(fd) }
         try n.io.write { st in
             let h = try header(&st, node: n)

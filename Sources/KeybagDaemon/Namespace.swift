@@ -223,7 +223,7 @@ extension Filesystem {
     func readlink(_ id: UInt64) throws -> [UInt8] {
         let n = try node(id)
         var buf = [UInt8](repeating: 0, count: Int(PATH_MAX) + 1)
-        let len = try check(readlinkat(n.fd, "", &buf, buf.count))
+        let len = try n.withPathFD { try check(readlinkat($0, "", &buf, buf.count)) }
         var stored = String(decoding: buf[0..<len], as: UTF8.self)
         if stored.hasPrefix(NameCipher.longTargetPrefix) {
             let fd = try check(openat(targetsFD, String(stored.dropFirst(NameCipher.longTargetPrefix.count)), O_RDONLY | O_CLOEXEC | O_NOFOLLOW))
@@ -322,7 +322,7 @@ extension Filesystem {
         let n = try node(id)
         guard !n.isDirectory else { throw FSError(EPERM) }
         return try makeEntry(parent: newParent, name: newName, caller: Caller(uid: uid_t.max, gid: gid_t.max)) { dirFD, backing in
-            try check(linkat(AT_FDCWD, n.procPath, dirFD, backing, AT_SYMLINK_FOLLOW))
+            try n.withPathFD { try check(linkat(AT_FDCWD, "/proc/self/fd/\($0)", dirFD, backing, AT_SYMLINK_FOLLOW)) }
         }
     }
 

@@ -1,3 +1,4 @@
+import CSystem
 import Glibc
 import KeybagCore
 import Synchronization
@@ -13,13 +14,20 @@ struct FileKeyState {
     var openCount = 0
 }
 
-/// One inode known to the kernel: an `O_PATH` descriptor of the backing object, the
-/// kernel's lookup count, and (for regular files) the key state under the I/O lock.
+/// One inode known to the kernel and how to reach its backing object: directories keep
+/// an `O_PATH` descriptor (they are the `dirfd` of every name operation); everything else
+/// keeps a file handle (`name_to_handle_at`) and is opened on demand, so the daemon does
+/// not hold a descriptor per cached inode (a tree of 100,000 files would exhaust the
+/// descriptor limit). Regular files also carry the key state under the I/O lock.
 final class Node: Sendable {
     /// FUSE node id.
     let id: UInt64
-    /// `O_PATH | O_NOFOLLOW` descriptor of the backing object; closed on deinit.
+    /// `O_PATH | O_NOFOLLOW` descriptor of a directory (or of an object on a filesystem
+    /// without file handles); -1 when the node is reached by `handle`. Closed on deinit.
     let fd: Int32
+    /// File handle of a non-directory, with `mountFD` to open it by.
+    let handle: [UInt8]?
+    let mountFD: Int32
     /// Backing device and inode numbers (the identity hard links share).
     let backingDev: UInt64
     let backingIno: UInt64
@@ -32,23 +40,43 @@ final class Node: Sendable {
     /// Directories: the inherited default class and the class generation it was computed in.
     let inherited = Mutex<(generation: UInt64, cls: ProtectionClass)?>(nil)
 
-    init(id: UInt64, fd: Int32, dev: UInt64, ino: UInt64, type: mode_t) {
+    init(id: UInt64, fd: Int32, handle: [UInt8]? = nil, mountFD: Int32 = -1, dev: UInt64, ino: UInt64, type: mode_t) {
         self.id = id
         self.fd = fd
+        self.handle = handle
+        self.mountFD = mountFD
         self.backingDev = dev
         self.backingIno = ino
         self.type = type
         self.io = RWLocked(FileKeyState())
     }
 
-    deinit { close(fd) }
+    deinit { if fd >= 0 { close(fd) } }
+
+    /// A new descriptor of the backing object opened with `flags` (`O_PATH` allowed,
+    /// never following a final symlink); the caller closes it. -1 with errno on failure.
+    func open(_ flags: Int32) -> Int32 {
+        if let handle {
+            return handle.withUnsafeBufferPointer { kbfs_open_handle(mountFD, $0.baseAddress, flags | O_CLOEXEC) }
+        }
+        return Glibc.open(procPath, flags | O_CLOEXEC)
+    }
+
+    /// Runs `body` with an `O_PATH` descriptor of the backing object.
+    func withPathFD<R>(_ body: (Int32) throws -> R) throws -> R {
+        if fd >= 0 { return try body(fd) }
+        let f = open(kbfs_O_PATH)
+        guard f >= 0 else { throw FSError(errno == ESTALE ? ENOENT : errno) }
+        defer { close(f) }
+        return try body(f)
+    }
 
     /// True for regular files.
     var isRegular: Bool { type == S_IFREG }
     /// True for directories.
     var isDirectory: Bool { type == S_IFDIR }
 
-    /// The `/proc/self/fd/N` path that reopens the backing object.
+    /// The `/proc/self/fd/N` path that reopens a node held by descriptor.
     var procPath: String { "/proc/self/fd/\(fd)" }
 }
 
@@ -65,10 +93,24 @@ final class NodeTable: Sendable {
     /// The root node (FUSE id 1); never forgotten.
     let root: Node
 
+    /// Whether the store's filesystem gives file handles (else every node keeps a descriptor).
+    private let handlesWork: Bool
+    /// A real (not `O_PATH`) descriptor of the store's tree, for `open_by_handle_at`.
+    private let mountFD: Int32
+
     init(rootFD: Int32) throws {
         var st = stat()
         guard fstat(rootFD, &st) == 0 else { throw KeybagError.system("fstat store", errno) }
         root = Node(id: 1, fd: rootFD, dev: UInt64(st.st_dev), ino: UInt64(st.st_ino), type: S_IFDIR)
+        let mfd = Glibc.open("/proc/self/fd/\(rootFD)", O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+        mountFD = mfd
+        var probe = [UInt8](repeating: 0, count: Int(kbfs_HANDLE_BUFFER))
+        let len = kbfs_handle_of(rootFD, &probe, Int32(probe.count))
+        handlesWork = mfd >= 0 && len > 0 && probe.withUnsafeBufferPointer { p in
+            let f = kbfs_open_handle(mfd, p.baseAddress, kbfs_O_PATH | O_CLOEXEC)
+            if f >= 0 { close(f) }
+            return f >= 0
+        }
         tables.withLock { t in
             t.byID[1] = (root, 1)
             t.byBacking[BackingID(dev: root.backingDev, ino: root.backingIno)] = 1
@@ -81,19 +123,34 @@ final class NodeTable: Sendable {
         return tables.withLock { $0.byID[id]?.node }
     }
 
-    /// Registers a lookup of the backing object open as `fd` (stat `st`): returns the
-    /// existing node (closing `fd`) or a new one, and counts one lookup.
+    /// Registers a lookup of the backing object open as `fd` (stat `st`, an `O_PATH`
+    /// descriptor this call takes over): returns the existing node or a new one, and counts
+    /// one lookup. A new non-directory keeps a file handle and the descriptor is closed.
     func remember(fd: Int32, stat st: stat) -> Node {
         let key = BackingID(dev: UInt64(st.st_dev), ino: UInt64(st.st_ino))
+        let type = st.st_mode & S_IFMT
+        var nodeFD = fd
+        var handle: [UInt8]? = nil
+        if type != S_IFDIR && handlesWork {
+            var buf = [UInt8](repeating: 0, count: Int(kbfs_HANDLE_BUFFER))
+            let len = kbfs_handle_of(fd, &buf, Int32(buf.count))
+            if len > 0 {
+                handle = Array(buf[0..<Int(len)])
+                close(fd)
+                nodeFD = -1
+            }
+        }
         return tables.withLock { t -> Node in
-            if let id = t.byBacking[key], let entry = t.byID[id] {
+            // The same object: same inode and, for handle nodes, the same handle (the
+            // handle carries the generation, so a reused inode number is a new object).
+            if let id = t.byBacking[key], let entry = t.byID[id], entry.node.handle == handle, entry.node.type == type {
                 t.byID[id] = (entry.node, entry.lookups + 1)
-                if entry.node.fd != fd { close(fd) }
+                if nodeFD >= 0 && nodeFD != entry.node.fd { close(nodeFD) }
                 return entry.node
             }
             let id = t.nextID
             t.nextID += 1
-            let n = Node(id: id, fd: fd, dev: key.dev, ino: key.ino, type: st.st_mode & S_IFMT)
+            let n = Node(id: id, fd: nodeFD, handle: handle, mountFD: mountFD, dev: key.dev, ino: key.ino, type: type)
             t.byID[id] = (n, 1)
             t.byBacking[key] = id
             return n

@@ -19,7 +19,7 @@ extension Filesystem {
         if n.isDirectory { return Base64URL.encode(try meta(of: n).iv) }
         guard n.isRegular else { throw FSError(EPERM) }
         if let h = n.io.read({ $0.header }) { return Base64URL.encode(h.fileID) }
-        let fd = try check(Glibc.open(n.procPath, O_RDONLY | O_CLOEXEC))
+        let fd = try check(n.open(O_RDONLY))
         defer { close(fd) }
         return Base64URL.encode(try EncryptedContent.readHeader(fd: fd).fileID)
     }

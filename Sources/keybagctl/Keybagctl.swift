@@ -1,13 +1,11 @@
 import ArgumentParser
 import Foundation
 import Glibc
+import KeybagCLI
 import KeybagCore
 
-/// A refusal or failure with the exit code the contract gives it.
-struct CtlFailure: Error {
-    let code: Int32
-    let message: String
-}
+/// Failures of keybagctl carry the contract's exit code.
+typealias CtlFailure = ToolFailure
 
 /// `keybagctl`: talk to a keybagfs daemon over its control socket.
 @main
@@ -23,24 +21,7 @@ struct Keybagctl: ParsableCommand {
 
     /// Runs the command with the contract's exit codes.
     static func main() {
-        do {
-            var command = try parseAsRoot(hoistingTargetOptions(Array(CommandLine.arguments.dropFirst())))
-            try command.run()
-        } catch let f as CtlFailure {
-            FileHandle.standardError.write(Data("keybagctl: \(f.message)\n".utf8))
-            Glibc.exit(f.code)
-        } catch let e as KeybagError {
-            FileHandle.standardError.write(Data("keybagctl: \(e)\n".utf8))
-            Glibc.exit(1)
-        } catch {
-            let code = exitCode(for: error)
-            if code == .success { exit(withError: error) }
-            if code.rawValue == 64 || code == .validationFailure {
-                FileHandle.standardError.write(Data((fullMessage(for: error) + "\n").utf8))
-                Glibc.exit(2)
-            }
-            exit(withError: error)
-        }
+        runWithContractExitCodes(tool: "keybagctl", arguments: hoistingTargetOptions(Array(CommandLine.arguments.dropFirst())))
     }
 }
 

@@ -1,6 +1,7 @@
 import ArgumentParser
 import Foundation
 import Glibc
+import KeybagCLI
 import KeybagCore
 import KeybagDaemon
 
@@ -18,23 +19,7 @@ struct Keybagfs: ParsableCommand {
         subcommands: [Init.self, Mount.self])
 
     /// Runs the command; usage errors exit 2, refusals 1.
-    static func main() {
-        do {
-            var command = try parseAsRoot()
-            try command.run()
-        } catch let e as KeybagError {
-            FileHandle.standardError.write(Data("keybagfs: \(e)\n".utf8))
-            Glibc.exit(1)
-        } catch {
-            let code = exitCode(for: error)
-            if code == .success { exit(withError: error) }
-            if code.rawValue == 64 || code == .validationFailure {
-                FileHandle.standardError.write(Data((fullMessage(for: error) + "\n").utf8))
-                Glibc.exit(2)
-            }
-            exit(withError: error)
-        }
-    }
+    static func main() { runWithContractExitCodes(tool: "keybagfs") }
 }
 
 /// Parses a class name or Apple alias for an option.

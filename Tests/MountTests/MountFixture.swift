@@ -82,12 +82,17 @@ final class MountFixture {
     }
 
     /// Starts the daemon (`--foreground`) and waits until the mount is live.
-    func mount(extra: [String] = []) throws {
+    func mount(extra: [String] = [], launcher: [String] = []) throws {
         let p = Process()
-        p.executableURL = URL(fileURLWithPath: Self.binDir + "/keybagfs")
         var args = ["mount", store, mnt, "--foreground", "--socket", socket, "--device-key", deviceKey, "--grace", String(grace)]
         if let defaultClass { args += ["--default-class", defaultClass] }
-        p.arguments = args + extra
+        if let first = launcher.first {
+            p.executableURL = URL(fileURLWithPath: first)
+            p.arguments = Array(launcher.dropFirst()) + [Self.binDir + "/keybagfs"] + args + extra
+        } else {
+            p.executableURL = URL(fileURLWithPath: Self.binDir + "/keybagfs")
+            p.arguments = args + extra
+        }
         let log = FileManager.default.createFile(atPath: root + "/daemon.log", contents: nil) ? Foundation.FileHandle(forWritingAtPath: root + "/daemon.log") : nil
         p.standardError = log
         p.standardOutput = log

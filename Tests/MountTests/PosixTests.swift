@@ -74,4 +74,19 @@ final class PosixTests: XCTestCase {
         XCTAssertEqual(st.st_gid, 4242)
         XCTAssertNotEqual(st.st_mode & S_ISGID, 0, "setgid inherited by subdirectories")
     }
+
+    func testMoreFilesThanTheDaemonHasDescriptors() throws {
+        // The daemon may hold 256 descriptors; the kernel keeps 3,000 inodes cached.
+        let m = try MountFixture(defaultClass: "none", mount: false)
+        addTeardownBlock { m.close() }
+        try m.mount(launcher: ["/usr/bin/prlimit", "--nofile=256:256", "--"])
+        XCTAssertEqual(mkdir(m.path("many"), 0o755), 0)
+        for i in 0..<3000 { XCTAssertEqual(writeFile(m.path("many/f\(i)"), bytes("\(i)")), 0, "create \(i)") }
+        var st = stat()
+        for i in stride(from: 0, to: 3000, by: 7) {
+            XCTAssertEqual(stat(m.path("many/f\(i)"), &st), 0)
+            XCTAssertEqual(try readFile(m.path("many/f\(i)")).get(), bytes("\(i)"))
+        }
+        XCTAssertEqual(try FileManager.default.contentsOfDirectory(atPath: m.path("many")).count, 3000)
+    }
 }

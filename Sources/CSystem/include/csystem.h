@@ -13,6 +13,12 @@ extern const long kbfs_UTIME_OMIT;
 extern const unsigned int kbfs_RENAME_NOREPLACE;
 extern const unsigned int kbfs_RENAME_EXCHANGE;
 
+/* Bytes a file handle buffer needs. */
+extern const int kbfs_HANDLE_BUFFER;
+/* name_to_handle_at(fd, "", AT_EMPTY_PATH) into `out`; returns the handle's length or -1. */
+int kbfs_handle_of(int fd, unsigned char *out, int outsize);
+/* open_by_handle_at(mountfd, handle, flags). */
+int kbfs_open_handle(int mountfd, const unsigned char *handle, int flags);
 /* fallocate(2). */
 int kbfs_fallocate(int fd, int mode, long long offset, long long len);
 /* renameat2(2). */
