@@ -26,6 +26,11 @@ public struct MountConfiguration: Sendable {
 /// The daemon's life: open the store, bind the control socket, mount, serve until
 /// unmounted or signalled, then zero every key.
 public enum MountDaemon {
+    /// Seconds the kernel may cache entries and attributes. Every change goes through
+    /// this daemon, which replies new attributes and lets the kernel drop what it changed,
+    /// so the cache can be long; editing the store behind a live mount is not supported.
+    static let cacheTimeout = 30.0
+
     /// Writes a line to stderr.
     static func log(_ s: String) { Foundation.FileHandle.standardError.write(Data(("keybagfs: " + s + "\n").utf8)) }
 
@@ -115,7 +120,7 @@ public enum MountDaemon {
         let cargs = argv.map { strdup($0) }
         defer { cargs.forEach { free($0) } }
         var cArgv: [UnsafeMutablePointer<CChar>?] = cargs + [nil]
-        let context = FuseContext(fs: fs, cacheTimeout: 1.0)
+        let context = FuseContext(fs: fs, cacheTimeout: Self.cacheTimeout)
         let userdata = Unmanaged.passRetained(context).toOpaque()
         var ops = FuseBridge.operations()
         let se: OpaquePointer? = cArgv.withUnsafeMutableBufferPointer { buf in

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Builds release binaries, runs the side-by-side harness (keybagfs vs gocryptfs vs plain),
+# then measures lock latency and daemon RSS with FILES open class A files.
+#   scripts/bench.sh [compare.sh options]        e.g. --tree full --rounds 3
+#   FILES=10000 scripts/bench.sh --tree quick --rounds 1
+# Needs root. FILES needs 2 descriptors per file in the daemon plus one in the tool.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+FILES=${FILES:-9000}
+swift build -c release
+BIN=$(swift build -c release --show-bin-path)
+bash ../shared/bench/compare.sh --keybagfs "$BIN" "$@"
+
+echo "# lock latency and RSS with $FILES open class A files"
+W=$(mktemp -d /dev/shm/kblock.XXXXXX)
+trap 'fusermount3 -u "$W/mnt" 2>/dev/null || true; rm -rf "$W"' EXIT
+mkdir -p "$W/mnt"
+echo bench-pass | "$BIN/keybagfs" init "$W/store" --passcode-stdin --device-key "$W/dk" --kdf interactive >/dev/null
+"$BIN/keybagfs" mount "$W/store" "$W/mnt" --device-key "$W/dk" --socket "$W/s.sock" --grace 0
+echo bench-pass | "$BIN/keybagctl" --socket "$W/s.sock" unlock --passcode-stdin
+pid=$("$BIN/keybagctl" --socket "$W/s.sock" status --json | sed -E 's/.*"pid":([0-9]+).*/\1/')
+echo "daemon RSS after unlock: $(awk '/VmRSS/{print $2, $3}' /proc/$pid/status)"
+for round in 1 2 3; do
+  echo bench-pass | "$BIN/keybagfs-bench" lock-latency "$W/mnt" "$W/s.sock" "$FILES" | grep -v "^unlock: type"
+  rm -rf "$W"/mnt/lock-latency-*
+done
