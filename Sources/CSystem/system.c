@@ -1,6 +1,7 @@
 #define _GNU_SOURCE
 #include "csystem.h"
 #include <fcntl.h>
+#include <malloc.h>
 #include <stdio.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -57,3 +58,5 @@ long kbfs_raise_nofile(void) {
     if (setrlimit(RLIMIT_NOFILE, &rl) != 0) return -1;
     return (long)rl.rlim_cur;
 }
+
+int kbfs_limit_malloc_arenas(int n) { return mallopt(M_ARENA_MAX, n); }

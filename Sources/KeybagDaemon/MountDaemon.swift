@@ -66,6 +66,7 @@ public enum MountDaemon {
     public static func run(_ cfg: MountConfiguration) -> Int32 {
         _ = kbfs_set_nondumpable()
         _ = kbfs_raise_nofile()
+        _ = kbfs_limit_malloc_arenas(2)   // 16 loop threads with an arena each inflate RSS
         umask(0)
         Sodium.ensureInitialized()
         let deviceKey: SecureKey, keybag: Keybag, classD: SecureKey, names: NameCipher

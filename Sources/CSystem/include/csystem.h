@@ -27,6 +27,8 @@ int kbfs_renameat2(int olddirfd, const char *oldpath, int newdirfd, const char *
 int kbfs_peercred(int fd, unsigned int *uid, unsigned int *gid, int *pid);
 /* PR_SET_DUMPABLE 0: no core dumps, no ptrace by other users. */
 int kbfs_set_nondumpable(void);
+/* mallopt(M_ARENA_MAX, n): fewer malloc arenas for many threads. */
+int kbfs_limit_malloc_arenas(int n);
 /* Raises the soft open-files limit to the hard one; returns it, or -1. */
 long kbfs_raise_nofile(void);
 #endif
