@@ -54,6 +54,46 @@ enum FuseBridge {
         else { value.withUnsafeBufferPointer { b in _ = fuse_reply_buf(req, UnsafeRawPointer(b.baseAddress)?.assumingMemoryBound(to: CChar.self), b.count) } }
     }
 
+    /// Replies a readdir / readdirplus page from the snapshot taken at opendir. With
+    /// `plus`, each entry is looked up (counting a kernel lookup, undone when the entry does
+    /// not fit); entries that vanished since opendir are skipped.
+    static func replyDirectory(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ size: Int, _ off: off_t,
+                               _ fi: UnsafeMutablePointer<fuse_file_info>?, plus: Bool) {
+        guard let fi, fi.pointee.fh != 0 else { return err(req, EBADF) }
+        let ctx = context(req)
+        let d = Unmanaged<DirHandle>.fromOpaque(UnsafeRawPointer(bitPattern: UInt(fi.pointee.fh))!).takeUnretainedValue()
+        let parent = ctx.fs.table.node(ino)
+        let buf = UnsafeMutablePointer<CChar>.allocate(capacity: max(size, 1))
+        defer { buf.deallocate() }
+        var used = 0
+        var i = max(0, Int(off))
+        while i < d.entries.count {
+            let e = d.entries[i]
+            var entry = fuse_entry_param()
+            entry.attr.st_ino = UInt(e.ino)
+            entry.attr.st_mode = mode_t(e.type) << 12
+            var counted: UInt64 = 0
+            if plus && e.name != "." && e.name != ".." {
+                guard let parent, let (n, st) = try? ctx.fs.lookupBacking(parent, e.backing) else { i += 1; continue }
+                entry.ino = n.id
+                entry.attr = st
+                entry.attr_timeout = ctx.cacheTimeout
+                entry.entry_timeout = ctx.cacheTimeout
+                counted = n.id
+            }
+            let need = plus
+                ? fuse_add_direntry_plus(req, buf + used, size - used, e.name, &entry, off_t(i + 1))
+                : fuse_add_direntry(req, buf + used, size - used, e.name, &entry.attr, off_t(i + 1))
+            if need > size - used {
+                if counted != 0 { ctx.fs.table.forget(counted, count: 1) }
+                break
+            }
+            used += need
+            i += 1
+        }
+        fuse_reply_buf(req, buf, used)
+    }
+
     /// The handle behind `fi.fh`.
     static func handle(_ fi: UnsafeMutablePointer<fuse_file_info>?) -> FileHandle? {
         guard let fi, fi.pointee.fh != 0 else { return nil }
@@ -211,60 +251,8 @@ enum FuseBridge {
                 if fuse_reply_open(req, fi) != 0 { Unmanaged<DirHandle>.fromOpaque(UnsafeRawPointer(bitPattern: UInt(fi.pointee.fh))!).release() }
             } catch { FuseBridge.fail(req, error) }
         }
-        ops.readdir = { req, _, size, off, fi in
-            guard let fi, fi.pointee.fh != 0 else { return FuseBridge.err(req, EBADF) }
-            let d = Unmanaged<DirHandle>.fromOpaque(UnsafeRawPointer(bitPattern: UInt(fi.pointee.fh))!).takeUnretainedValue()
-            let buf = UnsafeMutablePointer<CChar>.allocate(capacity: max(size, 1))
-            defer { buf.deallocate() }
-            var used = 0
-            var i = max(0, Int(off))
-            while i < d.entries.count {
-                let e = d.entries[i]
-                var st = stat()
-                st.st_ino = UInt(e.ino)
-                st.st_mode = mode_t(e.type) << 12
-                let need = fuse_add_direntry(req, buf + used, size - used, e.name, &st, off_t(i + 1))
-                if need > size - used { break }
-                used += need
-                i += 1
-            }
-            fuse_reply_buf(req, buf, used)
-        }
-        ops.readdirplus = { req, ino, size, off, fi in
-            guard let fi, fi.pointee.fh != 0 else { return FuseBridge.err(req, EBADF) }
-            let ctx = FuseBridge.context(req)
-            let d = Unmanaged<DirHandle>.fromOpaque(UnsafeRawPointer(bitPattern: UInt(fi.pointee.fh))!).takeUnretainedValue()
-            let buf = UnsafeMutablePointer<CChar>.allocate(capacity: max(size, 1))
-            defer { buf.deallocate() }
-            var used = 0
-            var i = max(0, Int(off))
-            while i < d.entries.count {
-                let e = d.entries[i]
-                var entry = fuse_entry_param()
-                var counted: UInt64 = 0
-                if e.name == "." || e.name == ".." {
-                    entry.attr.st_ino = UInt(e.ino)
-                    entry.attr.st_mode = mode_t(e.type) << 12
-                } else if let p = ctx.fs.table.node(ino), let (n, st) = try? ctx.fs.lookupBacking(p, e.backing) {
-                    entry.ino = n.id
-                    entry.attr = st
-                    entry.attr_timeout = ctx.cacheTimeout
-                    entry.entry_timeout = ctx.cacheTimeout
-                    counted = n.id
-                } else {
-                    i += 1   // vanished since opendir
-                    continue
-                }
-                let need = fuse_add_direntry_plus(req, buf + used, size - used, e.name, &entry, off_t(i + 1))
-                if need > size - used {
-                    if counted != 0 { ctx.fs.table.forget(counted, count: 1) }
-                    break
-                }
-                used += need
-                i += 1
-            }
-            fuse_reply_buf(req, buf, used)
-        }
+        ops.readdir = { req, ino, size, off, fi in FuseBridge.replyDirectory(req, ino, size, off, fi, plus: false) }
+        ops.readdirplus = { req, ino, size, off, fi in FuseBridge.replyDirectory(req, ino, size, off, fi, plus: true) }
         ops.releasedir = { req, _, fi in
             if let fi, fi.pointee.fh != 0 {
                 Unmanaged<DirHandle>.fromOpaque(UnsafeRawPointer(bitPattern: UInt(fi.pointee.fh))!).release()
