@@ -109,6 +109,13 @@ enum FuseBridge {
     /// A C string argument as a Swift string.
     static func str(_ p: UnsafePointer<CChar>?) -> String { p.map { String(cString: $0) } ?? "" }
 
+    /// A file name or symlink target: names are stored encrypted as UTF-8, so bytes that
+    /// are not UTF-8 are refused (EILSEQ) rather than silently changed.
+    static func name(_ p: UnsafePointer<CChar>?) throws -> String {
+        guard let p, let s = String(validatingCString: p) else { throw FSError(EILSEQ) }
+        return s
+    }
+
     /// The operations table.
     static func operations() -> fuse_lowlevel_ops {
         var ops = fuse_lowlevel_ops()
@@ -118,7 +125,7 @@ enum FuseBridge {
             conn.pointee.want |= UInt32(FUSE_CAP_ATOMIC_O_TRUNC) & conn.pointee.capable
         }
         ops.lookup = { req, parent, name in
-            do { let (n, st) = try FuseBridge.context(req).fs.lookup(parent: parent, name: FuseBridge.str(name)); FuseBridge.replyEntry(req, n, st) }
+            do { let (n, st) = try FuseBridge.context(req).fs.lookup(parent: parent, name: FuseBridge.name(name)); FuseBridge.replyEntry(req, n, st) }
             catch { FuseBridge.fail(req, error) }
         }
         ops.forget = { req, ino, nlookup in
@@ -163,29 +170,29 @@ enum FuseBridge {
             } catch { FuseBridge.fail(req, error) }
         }
         ops.mknod = { req, parent, name, mode, rdev in
-            do { let (n, st) = try FuseBridge.context(req).fs.mknod(parent: parent, name: FuseBridge.str(name), mode: mode, rdev: rdev, caller: FuseBridge.caller(req)); FuseBridge.replyEntry(req, n, st) }
+            do { let (n, st) = try FuseBridge.context(req).fs.mknod(parent: parent, name: FuseBridge.name(name), mode: mode, rdev: rdev, caller: FuseBridge.caller(req)); FuseBridge.replyEntry(req, n, st) }
             catch { FuseBridge.fail(req, error) }
         }
         ops.mkdir = { req, parent, name, mode in
-            do { let (n, st) = try FuseBridge.context(req).fs.mkdir(parent: parent, name: FuseBridge.str(name), mode: mode, caller: FuseBridge.caller(req)); FuseBridge.replyEntry(req, n, st) }
+            do { let (n, st) = try FuseBridge.context(req).fs.mkdir(parent: parent, name: FuseBridge.name(name), mode: mode, caller: FuseBridge.caller(req)); FuseBridge.replyEntry(req, n, st) }
             catch { FuseBridge.fail(req, error) }
         }
         ops.unlink = { req, parent, name in
-            do { try FuseBridge.context(req).fs.unlink(parent: parent, name: FuseBridge.str(name)); _ = fuse_reply_err(req, 0) } catch { FuseBridge.fail(req, error) }
+            do { try FuseBridge.context(req).fs.unlink(parent: parent, name: FuseBridge.name(name)); _ = fuse_reply_err(req, 0) } catch { FuseBridge.fail(req, error) }
         }
         ops.rmdir = { req, parent, name in
-            do { try FuseBridge.context(req).fs.rmdir(parent: parent, name: FuseBridge.str(name)); _ = fuse_reply_err(req, 0) } catch { FuseBridge.fail(req, error) }
+            do { try FuseBridge.context(req).fs.rmdir(parent: parent, name: FuseBridge.name(name)); _ = fuse_reply_err(req, 0) } catch { FuseBridge.fail(req, error) }
         }
         ops.symlink = { req, link, parent, name in
-            do { let (n, st) = try FuseBridge.context(req).fs.symlink(target: FuseBridge.str(link), parent: parent, name: FuseBridge.str(name), caller: FuseBridge.caller(req)); FuseBridge.replyEntry(req, n, st) }
+            do { let (n, st) = try FuseBridge.context(req).fs.symlink(target: FuseBridge.name(link), parent: parent, name: FuseBridge.name(name), caller: FuseBridge.caller(req)); FuseBridge.replyEntry(req, n, st) }
             catch { FuseBridge.fail(req, error) }
         }
         ops.rename = { req, parent, name, newParent, newName, flags in
-            do { try FuseBridge.context(req).fs.rename(parent: parent, name: FuseBridge.str(name), newParent: newParent, newName: FuseBridge.str(newName), flags: flags); _ = fuse_reply_err(req, 0) }
+            do { try FuseBridge.context(req).fs.rename(parent: parent, name: FuseBridge.name(name), newParent: newParent, newName: FuseBridge.name(newName), flags: flags); _ = fuse_reply_err(req, 0) }
             catch { FuseBridge.fail(req, error) }
         }
         ops.link = { req, ino, newParent, newName in
-            do { let (n, st) = try FuseBridge.context(req).fs.link(ino, newParent: newParent, newName: FuseBridge.str(newName)); FuseBridge.replyEntry(req, n, st) }
+            do { let (n, st) = try FuseBridge.context(req).fs.link(ino, newParent: newParent, newName: FuseBridge.name(newName)); FuseBridge.replyEntry(req, n, st) }
             catch { FuseBridge.fail(req, error) }
         }
         ops.open = { req, ino, fi in
@@ -199,7 +206,7 @@ enum FuseBridge {
         ops.create = { req, parent, name, mode, fi in
             guard let fi else { return FuseBridge.err(req, EINVAL) }
             do {
-                let (n, st, h) = try FuseBridge.context(req).fs.create(parent: parent, name: FuseBridge.str(name), mode: mode, flags: fi.pointee.flags, caller: FuseBridge.caller(req))
+                let (n, st, h) = try FuseBridge.context(req).fs.create(parent: parent, name: FuseBridge.name(name), mode: mode, flags: fi.pointee.flags, caller: FuseBridge.caller(req))
                 FuseBridge.attach(h, to: fi)
                 var e = fuse_entry_param()
                 e.ino = n.id

@@ -45,6 +45,19 @@ final class NameTests: XCTestCase {
         while let rel = e2.nextObject() as? String { XCTAssertLessThanOrEqual((rel as NSString).lastPathComponent.utf8.count, 255) }
     }
 
+    func testNamesThatAreNotUTF8AreRefusedNotMangled() throws {
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        var raw = Array((m.mnt + "/caf").utf8) + [0xE9, 0]   // Latin-1 "café"
+        let fd = raw.withUnsafeMutableBufferPointer { b in
+            b.baseAddress!.withMemoryRebound(to: CChar.self, capacity: b.count) { open($0, O_WRONLY | O_CREAT | O_CLOEXEC, 0o644) }
+        }
+        XCTAssertEqual(fd, -1)
+        XCTAssertEqual(errno, EILSEQ)
+        XCTAssertEqual(try FileManager.default.contentsOfDirectory(atPath: m.mnt), [], "nothing created under another name")
+    }
+
     func testLongNamesInEveryOperation() throws {
         let m = try MountFixture()
         addTeardownBlock { m.close() }
