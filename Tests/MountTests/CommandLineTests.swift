@@ -69,4 +69,33 @@ final class CommandLineTests: XCTestCase {
         XCTAssertEqual(help.code, 0)
         XCTAssertTrue(help.stdout.contains("--grace"))
     }
+
+    func testDefaultDeviceKeyLocation() throws {
+        let m = try MountFixture(mount: false)
+        addTeardownBlock { m.close() }
+        let store2 = m.root + "/store2"
+        let r = MountFixture.run(MountFixture.binDir + "/keybagfs", ["init", store2, "--passcode-stdin", "--kdf", "interactive"], stdin: "pw\n")
+        XCTAssertEqual(r.code, 0, r.stderr)
+        let kb = try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: store2 + "/keybag"))) as? [String: Any]
+        let id = try XCTUnwrap(kb?["storeID"] as? String)
+        let keyPath = "/var/lib/keybagfs/\(id).key"
+        addTeardownBlock { try? FileManager.default.removeItem(atPath: keyPath) }
+        var st = stat()
+        XCTAssertEqual(stat(keyPath, &st), 0, "device key at the default place")
+        XCTAssertEqual(st.st_mode & 0o777, 0o600)
+        XCTAssertEqual(st.st_size, 32)
+        XCTAssertTrue(r.stdout.contains(keyPath))
+        // The device key is outside the store, and mount finds it without --device-key.
+        XCTAssertFalse(try FileManager.default.contentsOfDirectory(atPath: store2).contains { $0.hasSuffix(".key") })
+        let mount = MountFixture.run(MountFixture.binDir + "/keybagfs", ["mount", store2, m.mnt, "--socket", m.socket])
+        XCTAssertEqual(mount.code, 0, mount.stderr)
+        let unlock = m.ctl(["unlock", "--passcode-stdin"], stdin: "pw\n")
+        XCTAssertEqual(unlock.code, 0, unlock.stderr)
+        XCTAssertEqual(writeFile(m.path("f"), bytes("x")), 0)
+        let pid = m.status()["pid"] as? Int ?? 0
+        XCTAssertEqual(MountFixture.run("/bin/fusermount3", ["-u", m.mnt]).code, 0)
+        let deadline = Date().addingTimeInterval(10)
+        while pid > 0 && kill(pid_t(pid), 0) == 0 && Date() < deadline { usleep(20_000) }
+        if pid > 0 && kill(pid_t(pid), 0) == 0 { kill(pid_t(pid), SIGKILL) }
+    }
 }
