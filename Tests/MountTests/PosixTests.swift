@@ -89,4 +89,58 @@ final class PosixTests: XCTestCase {
         }
         XCTAssertEqual(try FileManager.default.contentsOfDirectory(atPath: m.path("many")).count, 3000)
     }
+
+    func testLocksSeekCopyDirectIOAndStatfs() throws {
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        var rng = SeededBytes(seed: 3)
+        let data = rng.bytes(50_000)
+        XCTAssertEqual(writeFile(m.path("f"), data), 0)
+        // flock and POSIX record locks (the kernel arbitrates them for the mount).
+        let a = sysOpen(m.path("f"), O_RDWR), b = sysOpen(m.path("f"), O_RDWR)
+        defer { close(a); close(b) }
+        XCTAssertEqual(flock(a, LOCK_EX | LOCK_NB), 0)
+        XCTAssertEqual(flock(b, LOCK_EX | LOCK_NB), -1)
+        XCTAssertEqual(errno, EWOULDBLOCK)
+        XCTAssertEqual(flock(a, LOCK_UN), 0)
+        XCTAssertEqual(flock(b, LOCK_EX | LOCK_NB), 0)
+        var lk = flock()
+        lk.l_type = Int16(F_WRLCK); lk.l_whence = Int16(SEEK_SET); lk.l_start = 0; lk.l_len = 100
+        XCTAssertEqual(fcntl(a, F_SETLK, &lk), 0)
+        // SEEK_DATA / SEEK_HOLE answer consistently with the size.
+        XCTAssertEqual(lseek(a, 0, kbfs_SEEK_DATA), 0)
+        XCTAssertEqual(lseek(a, 0, kbfs_SEEK_HOLE), 50_000)
+        XCTAssertEqual(lseek(a, 60_000, kbfs_SEEK_DATA), -1)
+        XCTAssertEqual(errno, ENXIO)
+        // copy_file_range (or its fallback) copies plaintext.
+        let out = sysOpen(m.path("copy"), O_RDWR | O_CREAT)
+        defer { close(out) }
+        var inOff: Int64 = 0, outOff: Int64 = 0
+        var copied = 0
+        while copied < data.count {
+            let n = kbfs_copy_file_range(a, &inOff, out, &outOff, UInt(data.count - copied))
+            if n <= 0 { break }
+            copied += n
+        }
+        if copied < data.count {   // the kernel may refuse it for FUSE; the copy then goes through read/write
+            XCTAssertEqual(writeFile(m.path("copy"), data), 0)
+        }
+        XCTAssertEqual(try readFile(m.path("copy")).get(), data)
+        // O_DIRECT opens and reads aligned buffers, or is refused cleanly.
+        let d = open(m.path("f"), O_RDONLY | kbfs_O_DIRECT | O_CLOEXEC)
+        if d >= 0 {
+            let p = UnsafeMutableRawPointer.allocate(byteCount: 8192, alignment: 4096)
+            defer { p.deallocate(); close(d) }
+            XCTAssertEqual(pread(d, p, 8192, 0), 8192)
+            XCTAssertEqual(Array(UnsafeRawBufferPointer(start: p, count: 8192)), Array(data[0..<8192]))
+        } else {
+            XCTAssertEqual(errno, EINVAL)
+        }
+        // statfs answers with the store's figures.
+        var sv = statvfs()
+        XCTAssertEqual(statvfs(m.mnt, &sv), 0)
+        XCTAssertGreaterThan(sv.f_blocks, 0)
+        XCTAssertEqual(sv.f_namemax, 255)
+    }
 }

@@ -8,6 +8,9 @@
 extern const int kbfs_O_PATH;
 extern const int kbfs_AT_EMPTY_PATH;
 extern const int kbfs_O_TMPFILE;
+extern const int kbfs_O_DIRECT;
+extern const int kbfs_SEEK_DATA;
+extern const int kbfs_SEEK_HOLE;
 extern const long kbfs_UTIME_NOW;
 extern const long kbfs_UTIME_OMIT;
 extern const unsigned int kbfs_RENAME_NOREPLACE;
@@ -19,6 +22,8 @@ extern const int kbfs_HANDLE_BUFFER;
 int kbfs_handle_of(int fd, unsigned char *out, int outsize);
 /* open_by_handle_at(mountfd, handle, flags). */
 int kbfs_open_handle(int mountfd, const unsigned char *handle, int flags);
+/* copy_file_range(2). */
+long kbfs_copy_file_range(int fd_in, long long *off_in, int fd_out, long long *off_out, unsigned long len);
 /* fallocate(2). */
 int kbfs_fallocate(int fd, int mode, long long offset, long long len);
 /* renameat2(2). */
