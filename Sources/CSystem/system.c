@@ -32,6 +32,15 @@ int kbfs_handle_of(int fd, unsigned char *out, int outsize) {
     return (int)(sizeof(struct file_handle) + fh->handle_bytes);
 }
 
+int kbfs_handle_at(int dirfd, const char *name, unsigned char *out, int outsize) {
+    struct file_handle *fh = (struct file_handle *)(void *)out;
+    int mount_id;
+    if (outsize < kbfs_HANDLE_BUFFER) return -1;
+    fh->handle_bytes = MAX_HANDLE_SZ;
+    if (name_to_handle_at(dirfd, name, fh, &mount_id, 0) != 0) return -1;
+    return (int)(sizeof(struct file_handle) + fh->handle_bytes);
+}
+
 int kbfs_open_handle(int mountfd, const unsigned char *handle, int flags) {
     return open_by_handle_at(mountfd, (struct file_handle *)(void *)handle, flags);
 }

@@ -125,6 +125,16 @@ final class Filesystem: Sendable {
 
     /// Looks up a backing entry of directory `p`: counts one kernel lookup.
     func lookupBacking(_ p: Node, _ backing: String) throws -> (Node, stat) {
+        if table.handlesWork {
+            // Non-directories: stat and file handle by name, no descriptor (2 syscalls).
+            var st = stat()
+            try check(fstatat(p.fd, backing, &st, AT_SYMLINK_NOFOLLOW))
+            if (st.st_mode & S_IFMT) != S_IFDIR {
+                var buf = [UInt8](repeating: 0, count: Int(kbfs_HANDLE_BUFFER))
+                let len = kbfs_handle_at(p.fd, backing, &buf, Int32(buf.count))
+                if len > 0 { return (table.remember(handle: Array(buf[0..<Int(len)]), stat: st), plaintextAttributes(st)) }
+            }
+        }
         let fd = try check(openat(p.fd, backing, kbfs_O_PATH | O_NOFOLLOW | O_CLOEXEC))
         var st = stat()
         guard fstat(fd, &st) == 0 else { let e = errno; close(fd); throw FSError(e) }

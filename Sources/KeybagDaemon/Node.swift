@@ -94,7 +94,7 @@ final class NodeTable: Sendable {
     let root: Node
 
     /// Whether the store's filesystem gives file handles (else every node keeps a descriptor).
-    private let handlesWork: Bool
+    let handlesWork: Bool
     /// A real (not `O_PATH`) descriptor of the store's tree, for `open_by_handle_at`.
     private let mountFD: Int32
 
@@ -127,19 +127,27 @@ final class NodeTable: Sendable {
     /// descriptor this call takes over): returns the existing node or a new one, and counts
     /// one lookup. A new non-directory keeps a file handle and the descriptor is closed.
     func remember(fd: Int32, stat st: stat) -> Node {
-        let key = BackingID(dev: UInt64(st.st_dev), ino: UInt64(st.st_ino))
-        let type = st.st_mode & S_IFMT
-        var nodeFD = fd
         var handle: [UInt8]? = nil
-        if type != S_IFDIR && handlesWork {
+        if (st.st_mode & S_IFMT) != S_IFDIR && handlesWork {
             var buf = [UInt8](repeating: 0, count: Int(kbfs_HANDLE_BUFFER))
             let len = kbfs_handle_of(fd, &buf, Int32(buf.count))
             if len > 0 {
                 handle = Array(buf[0..<Int(len)])
                 close(fd)
-                nodeFD = -1
+                return insert(fd: -1, handle: handle, stat: st)
             }
         }
+        return insert(fd: fd, handle: nil, stat: st)
+    }
+
+    /// Registers a lookup of a non-directory known by its file handle (stat `st`).
+    func remember(handle: [UInt8], stat st: stat) -> Node { insert(fd: -1, handle: handle, stat: st) }
+
+    /// The node of a backing object, new or existing; counts one lookup. A descriptor
+    /// passed in belongs to the table afterwards.
+    private func insert(fd nodeFD: Int32, handle: [UInt8]?, stat st: stat) -> Node {
+        let key = BackingID(dev: UInt64(st.st_dev), ino: UInt64(st.st_ino))
+        let type = st.st_mode & S_IFMT
         return tables.withLock { t -> Node in
             // The same object: same inode and, for handle nodes, the same handle (the
             // handle carries the generation, so a reused inode number is a new object).

@@ -20,6 +20,8 @@ extern const unsigned int kbfs_RENAME_EXCHANGE;
 extern const int kbfs_HANDLE_BUFFER;
 /* name_to_handle_at(fd, "", AT_EMPTY_PATH) into `out`; returns the handle's length or -1. */
 int kbfs_handle_of(int fd, unsigned char *out, int outsize);
+/* name_to_handle_at(dirfd, name, 0) (a final symlink is not followed); length or -1. */
+int kbfs_handle_at(int dirfd, const char *name, unsigned char *out, int outsize);
 /* open_by_handle_at(mountfd, handle, flags). */
 int kbfs_open_handle(int mountfd, const unsigned char *handle, int flags);
 /* copy_file_range(2). */
