@@ -4,16 +4,7 @@ import XCTest
 @testable import KeybagCore
 
 /// The content format and the file header on real temporary files, without FUSE.
-final class FormatTests: XCTestCase {
-    var dir = ""
-
-    override func setUp() {
-        var t = Array("/tmp/kbfs-unit.XXXXXX".utf8CString)
-        dir = String(cString: mkdtemp(&t)!)
-    }
-
-    override func tearDown() { try? FileManager.default.removeItem(atPath: dir) }
-
+final class FormatTests: TempDirTestCase {
     func newFile(_ name: String, cipher: ContentCipher, cls: ProtectionClass = .none) throws -> (Int32, FileContentKey, FileHeader, SecureKey) {
         let fd = open(dir + "/" + name, O_RDWR | O_CREAT | O_TRUNC, 0o600)
         XCTAssertGreaterThanOrEqual(fd, 0)

@@ -4,16 +4,7 @@ import XCTest
 @testable import KeybagCore
 
 /// Keybag, keyring, throttle, lock state machine and path helpers.
-final class KeybagTests: XCTestCase {
-    var dir = ""
-
-    override func setUp() {
-        var t = Array("/tmp/kbfs-unit.XXXXXX".utf8CString)
-        dir = String(cString: mkdtemp(&t)!)
-    }
-
-    override func tearDown() { try? FileManager.default.removeItem(atPath: dir) }
-
+final class KeybagTests: TempDirTestCase {
     func secret(_ s: String) -> SecureKey {
         let b = Array(s.utf8)
         return SecureKey(count: b.count) { $0.copyBytes(from: b) }
