@@ -73,6 +73,12 @@ long kbfs_raise_nofile(void) {
 
 int kbfs_limit_malloc_arenas(int n) { return mallopt(M_ARENA_MAX, n); }
 
+int kbfs_fix_malloc_thresholds(int mmap_threshold, int trim_threshold) {
+    return mallopt(M_MMAP_THRESHOLD, mmap_threshold) && mallopt(M_TRIM_THRESHOLD, trim_threshold);
+}
+
+int kbfs_malloc_trim(void) { return malloc_trim(0); }
+
 long kbfs_copy_file_range(int fd_in, long long *off_in, int fd_out, long long *off_out, unsigned long len) {
     loff_t i = *off_in, o = *off_out;
     ssize_t n = copy_file_range(fd_in, &i, fd_out, &o, len, 0);

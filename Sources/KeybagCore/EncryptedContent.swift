@@ -50,9 +50,9 @@ public struct EncryptedContent: Sendable {
         let first = offset / Self.B, last = (end - 1) / Self.B
         let cStart = layout.cipherOffset(ofBlock: first)
         let cEnd = layout.cipherOffset(ofBlock: last) + min(Self.B, size - last * Self.B) + layout.overhead
-        return try ScratchBuffers.shared.with(cEnd - cStart) { cbuf in
+        return try ScratchBuffers.shared.withBlock(cEnd - cStart) { cbuf, plain in
             let got = try Self.preadFull(fd, cbuf, offset: cStart)
-            return try withUnsafeTemporaryAllocation(byteCount: Self.B, alignment: 64) { plain in
+            do {
                 var written = 0
                 for b in first...last {
                     let bStart = b * Self.B
@@ -91,8 +91,8 @@ public struct EncryptedContent: Sendable {
             try resealBlock(fd: fd, key: key, block: size / Self.B, oldLength: size % Self.B, newLength: Self.B)
         }
         let effSize = (size % Self.B != 0 && first > size / Self.B) ? (size / Self.B + 1) * Self.B : size
-        try ScratchBuffers.shared.with((last - first + 1) * layout.cipherBlockSize) { out in
-        try withUnsafeTemporaryAllocation(byteCount: Self.B, alignment: 64) { plain in
+        try ScratchBuffers.shared.withBlock((last - first + 1) * layout.cipherBlockSize) { out, plain in
+        do {
         var outLen = 0
         for b in first...last {
             let bStart = b * Self.B
@@ -218,6 +218,17 @@ public final class ScratchBuffers: Sendable {
     /// Size of every pooled buffer: a 1 MiB request plus block overhead.
     public static let pooledSize = (1 << 20) + 64 * 1024
     private let free = Mutex<[UInt]>([])
+
+    /// Runs `body` with a buffer of `count` bytes and a separate block-sized buffer, both
+    /// from one pooled buffer (a heap block per request would fragment the heap between
+    /// long-lived inode objects).
+    public func withBlock<R>(_ count: Int, _ body: (UnsafeMutableRawBufferPointer, UnsafeMutableRawBufferPointer) throws -> R) rethrows -> R {
+        let split = (count + 63) & ~63
+        let block = BlockLayout.plainBlockSize
+        return try with(split + block) { b in
+            try body(UnsafeMutableRawBufferPointer(rebasing: b[0..<count]), UnsafeMutableRawBufferPointer(rebasing: b[split..<(split + block)]))
+        }
+    }
 
     /// Runs `body` with a buffer of at least `count` bytes (contents undefined).
     public func with<R>(_ count: Int, _ body: (UnsafeMutableRawBufferPointer) throws -> R) rethrows -> R {

@@ -283,6 +283,7 @@ final class Filesystem: Sendable {
 
     /// The last close of a handle: class B file keys die with the last handle once locked.
     func release(_ h: FileHandle) {
+        HeapTrimmer.shared.note()
         h.node.io.write { st in
             st.openCount -= 1
             if st.openCount == 0, st.header?.protectionClass == .completeUnlessOpen, !keyring.canOpen(.completeUnlessOpen) {

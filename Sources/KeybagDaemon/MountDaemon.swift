@@ -29,6 +29,13 @@ public enum MountDaemon {
     /// Seconds the kernel may cache entries and attributes. Every change goes through
     /// this daemon, which replies new attributes and lets the kernel drop what it changed,
     /// so the cache can be long; editing the store behind a live mount is not supported.
+    /// Whether the kernel must check modes (`default_permissions`): always, unless the mount
+    /// is root's alone (no allow_other / allow_root), where every caller is root and the
+    /// checks would pass anyway but cost a GETATTR of the directory after each change in it.
+    static func needsKernelPermissionChecks(euid: uid_t, options: [String]) -> Bool {
+        euid != 0 || options.contains { $0 == "allow_other" || $0 == "allow_root" || $0 == "default_permissions" }
+    }
+
     static let cacheTimeout = 30.0
 
     /// Writes a line to stderr.
@@ -67,6 +74,7 @@ public enum MountDaemon {
         _ = kbfs_set_nondumpable()
         _ = kbfs_raise_nofile()
         _ = kbfs_limit_malloc_arenas(2)   // 16 loop threads with an arena each inflate RSS
+        _ = kbfs_fix_malloc_thresholds(128 * 1024, 1 << 20)   // request buffers of exiting loop threads go back by munmap
         umask(0)
         Sodium.ensureInitialized()
         let deviceKey: SecureKey, keybag: Keybag, classD: SecureKey, names: NameCipher
@@ -115,7 +123,8 @@ public enum MountDaemon {
         }
 
         let fsname = cfg.store.replacingOccurrences(of: ",", with: "_")
-        var opts = ["default_permissions", "fsname=\(fsname)", "subtype=keybagfs"]
+        var opts = ["fsname=\(fsname)", "subtype=keybagfs"]
+        if Self.needsKernelPermissionChecks(euid: geteuid(), options: cfg.fuseOptions) { opts.append("default_permissions") }
         opts += cfg.fuseOptions
         let argv: [String] = ["keybagfs", "-o", opts.joined(separator: ",")]
         let cargs = argv.map { strdup($0) }
@@ -144,6 +153,7 @@ public enum MountDaemon {
         }
         controller.session.store(UInt(bitPattern: Int(bitPattern: UnsafeRawPointer(se))), ordering: .releasing)
         server.start()
+        HeapTrimmer.shared.start()
         report(cfg, "OK")
         notifySystemd()
         if cfg.readyFD != nil {
@@ -159,6 +169,7 @@ public enum MountDaemon {
         fuse_loop_cfg_destroy(loopCfg)
 
         controller.session.store(0, ordering: .releasing)
+        HeapTrimmer.shared.stop()
         server.stop()
         controller.shutdown()
         fuse_session_unmount(se)

@@ -172,6 +172,7 @@ final class NodeTable: Sendable {
             guard let entry = t.byID[id] else { return }
             if entry.lookups <= count {
                 t.byID[id] = nil
+                HeapTrimmer.shared.note()
                 let key = BackingID(dev: entry.node.backingDev, ino: entry.node.backingIno)
                 if t.byBacking[key] == id { t.byBacking[key] = nil }
             } else {

@@ -36,6 +36,10 @@ int kbfs_peercred(int fd, unsigned int *uid, unsigned int *gid, int *pid);
 int kbfs_set_nondumpable(void);
 /* mallopt(M_ARENA_MAX, n): fewer malloc arenas for many threads. */
 int kbfs_limit_malloc_arenas(int n);
+/* Fixed mmap and trim thresholds (stops glibc raising the mmap threshold after big frees). */
+int kbfs_fix_malloc_thresholds(int mmap_threshold, int trim_threshold);
+/* malloc_trim(0): returns free heap pages to the kernel. */
+int kbfs_malloc_trim(void);
 /* Raises the soft open-files limit to the hard one; returns it, or -1. */
 long kbfs_raise_nofile(void);
 #endif
