@@ -3,10 +3,10 @@
 # then measures lock latency and daemon RSS with FILES open class A files.
 #   scripts/bench.sh [compare.sh options]        e.g. --tree full --rounds 3
 #   FILES=10000 scripts/bench.sh --tree quick --rounds 1
-# Needs root. FILES needs 2 descriptors per file in the daemon plus one in the tool.
+# Needs root. FILES needs a descriptor per file in the daemon and one in the tool.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-FILES=${FILES:-9000}
+FILES=${FILES:-10000}
 swift build -c release
 BIN=$(swift build -c release --show-bin-path)
 bash ../shared/bench/compare.sh --keybagfs "$BIN" "$@"
@@ -23,4 +23,7 @@ echo "daemon RSS after unlock: $(awk '/VmRSS/{print $2, $3}' /proc/$pid/status)"
 for round in 1 2 3; do
   echo bench-pass | "$BIN/keybagfs-bench" lock-latency "$W/mnt" "$W/s.sock" "$FILES" | grep -v "^unlock: type"
   rm -rf "$W"/mnt/lock-latency-*
+  sleep 1.5   # the heap trimmer runs once a second after files are freed
+  echo "daemon RSS after the files are closed and removed: $(awk '/VmRSS/{print $2, $3}' /proc/$pid/status)"
 done
+echo "# memory over time: scripts/soak.sh (1 hour); profiles: scripts/profile.sh"

@@ -62,6 +62,18 @@ enum Bench {
         let tU = best(3) { for _ in 0..<n { _ = try! FileContentKey(key: try! h.unwrap(using: .symmetric(classKey)), cipher: .aes256gcm, fileID: h.fileID) } }
         print(String(format: "header create class C %.1f µs, class B (X25519) %.1f µs; unwrap + AES state %.1f µs",
                      tC / Double(n) * 1e6, tB / Double(n / 10) * 1e6, tU / Double(n) * 1e6))
+
+        // Names: a typical 20-byte source file name and a 200-byte one (hashed long-name path).
+        let names = try! NameCipher(volumeKey: SecureKey(random: 32))
+        let iv = Sodium.randomArray(16)
+        for length in [20, 200] {
+            let name = Array(String(repeating: "n", count: length - 2).utf8) + Array(".c".utf8)
+            let stored = try! names.encrypt(name, dirIV: iv)
+            let tE = best(3) { for _ in 0..<n { _ = try! names.encrypt(name, dirIV: iv) } }
+            let tD = best(3) { for _ in 0..<n { _ = try! names.decrypt(stored, dirIV: iv) } }
+            print(String(format: "name of %d bytes: encrypt %.2f µs, decrypt %.2f µs (stored as %d characters)",
+                         length, tE / Double(n) * 1e6, tD / Double(n) * 1e6, stored.utf8.count))
+        }
     }
 
     /// One request on the control socket, with its round-trip time in ms.

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Memory soak: tar -x and rm -rf of a kernel tree in a loop on one mount for SECONDS
+# (default 3600), printing the daemon's RSS after every extract and every removal, then
+# the first, last and highest values. A leak shows as RSS creeping up across iterations.
+#   SECONDS_TOTAL=3600 scripts/soak.sh [TAR]   (default TAR: ten top folders of linux-source-6.1, ~15k entries)
+# Needs root and a release build (uses the binaries in BIN, default the release folder).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TOTAL=${SECONDS_TOTAL:-3600}
+BIN=${BIN:-$(swift build -c release --show-bin-path)}
+W=$(mktemp -d /dev/shm/kbsoak.XXXXXX)
+trap 'cd /; fusermount3 -u "$W/m" 2>/dev/null || true; rm -rf "$W"' EXIT
+TAR=${1:-}
+if [[ -z $TAR ]]; then
+  TAR=$W/tree.tar
+  parts=(fs net kernel include sound lib mm crypto security block)
+  xz -dc /usr/src/linux-source-6.1.tar.xz | tar -C "$W" -xf - "${parts[@]/#/linux-source-6.1/}"
+  tar -C "$W" -cf "$TAR" linux-source-6.1 && rm -rf "$W/linux-source-6.1"
+fi
+mkdir -p "$W/s" "$W/m"
+echo pw | "$BIN/keybagfs" init "$W/s" --passcode-stdin --device-key "$W/dk" --kdf interactive >/dev/null
+"$BIN/keybagfs" mount "$W/s" "$W/m" --device-key "$W/dk" --socket "$W/sock" --grace 0 >/dev/null
+echo pw | "$BIN/keybagctl" --socket "$W/sock" unlock --passcode-stdin >/dev/null
+pid=$("$BIN/keybagctl" --socket "$W/sock" status --json | sed -E 's/.*"pid":([0-9]+).*/\1/')
+rss() { awk '/VmRSS/{print $2}' "/proc/$pid/status"; }
+echo "# $(date -u +%FT%TZ) soak ${TOTAL}s, tree $(tar -tf "$TAR" | wc -l) entries; RSS in KiB"
+echo "iteration seconds rss_after_untar rss_after_rm"
+start=$(date +%s) i=0 first="" max=0
+cd "$W/m"
+while (( $(date +%s) - start < TOTAL )); do
+  i=$((i + 1))
+  tar -xf "$TAR"; a=$(rss)
+  rm -rf linux-source-6.1; b=$(rss)
+  [[ -n $first ]] || first=$b
+  (( a > max )) && max=$a; (( b > max )) && max=$b
+  echo "$i $(( $(date +%s) - start )) $a $b"
+done
+cd /
+[[ -z $(ls -A "$W/m") ]] || { echo "soak: the mount is not empty after rm -rf" >&2; exit 1; }
+echo "# iterations $i; RSS after rm: first $first KiB, last $b KiB; highest $max KiB"
