@@ -9,17 +9,11 @@ command -v perf >/dev/null || { echo "perf is missing (apt-get install linux-per
 BIN=$(swift build -c release --show-bin-path)
 W=$(mktemp -d /dev/shm/kbprof.XXXXXX)
 trap 'cd /; fusermount3 -u "$W/m" 2>/dev/null || true; rm -rf "$W"' EXIT
+. scripts/bench-lib.sh
 TAR=${1:-}
-if [[ -z $TAR ]]; then
-  TAR=$W/tree.tar
-  xz -dc /usr/src/linux-source-6.1.tar.xz | tar -C "$W" -xf - linux-source-6.1/fs
-  tar -C "$W" -cf "$TAR" linux-source-6.1 && rm -rf "$W/linux-source-6.1"
-fi
-mkdir -p "$W/s" "$W/m"
-echo pw | "$BIN/keybagfs" init "$W/s" --passcode-stdin --device-key "$W/dk" --kdf interactive >/dev/null
-"$BIN/keybagfs" mount "$W/s" "$W/m" --device-key "$W/dk" --socket "$W/sock" --grace 0 >/dev/null
-echo pw | "$BIN/keybagctl" --socket "$W/sock" unlock --passcode-stdin >/dev/null
-pid=$("$BIN/keybagctl" --socket "$W/sock" status --json | sed -E 's/.*"pid":([0-9]+).*/\1/')
+if [[ -z $TAR ]]; then TAR=$W/tree.tar; kb_tree_tar "$TAR" fs; fi
+kb_scratch_mount "$W" "$BIN"; pid=$KB_PID
+conn=$(mountpoint -d "$W/m" | cut -d: -f2)   # the FUSE connection id, to leave other mounts' requests out
 
 phase() { # name command...
   local name=$1; shift; set +o pipefail   # head closes the report pipes early
@@ -29,11 +23,11 @@ phase() { # name command...
   (cd "$W/m" && "$@" >/dev/null)
   kill -INT $p $q; wait $p $q 2>/dev/null || true
   echo "== $name: FUSE requests"
-  perf script -i "$W/$name.ops" 2>/dev/null | grep -oE "\(FUSE_[A-Z_]+\)" | sort | uniq -c | sort -rn | head -8
+  perf script -i "$W/$name.ops" 2>/dev/null | grep "connection $conn " | grep -oE "\(FUSE_[A-Z_]+\)" | sort | uniq -c | sort -rn | head -8
   echo "== $name: daemon CPU by library"
-  perf report -i "$W/$name.perf" --no-children --sort dso -g none 2>/dev/null | grep -E "^ +[0-9]" | head -8
+  perf report -i "$W/$name.perf" --no-children --sort dso -g none 2>&1 | grep -E "^ +[0-9]" | head -8
   echo "== $name: top symbols (self)"
-  perf report -i "$W/$name.perf" --no-children --sort sym -g none 2>/dev/null | grep -E "^ +[0-9]" | head -25 | cut -c1-150
+  perf report -i "$W/$name.perf" --no-children --sort sym -g none 2>&1 | grep -E "^ +[0-9]" | head -25 | cut -c1-150
 }
 phase write dd if=/dev/zero of=zero bs=131072 count=2000 conv=fsync
 rm -f "$W/m/zero"

@@ -10,18 +10,10 @@ TOTAL=${SECONDS_TOTAL:-3600}
 BIN=${BIN:-$(swift build -c release --show-bin-path)}
 W=$(mktemp -d /dev/shm/kbsoak.XXXXXX)
 trap 'cd /; fusermount3 -u "$W/m" 2>/dev/null || true; rm -rf "$W"' EXIT
+. scripts/bench-lib.sh
 TAR=${1:-}
-if [[ -z $TAR ]]; then
-  TAR=$W/tree.tar
-  parts=(fs net kernel include sound lib mm crypto security block)
-  xz -dc /usr/src/linux-source-6.1.tar.xz | tar -C "$W" -xf - "${parts[@]/#/linux-source-6.1/}"
-  tar -C "$W" -cf "$TAR" linux-source-6.1 && rm -rf "$W/linux-source-6.1"
-fi
-mkdir -p "$W/s" "$W/m"
-echo pw | "$BIN/keybagfs" init "$W/s" --passcode-stdin --device-key "$W/dk" --kdf interactive >/dev/null
-"$BIN/keybagfs" mount "$W/s" "$W/m" --device-key "$W/dk" --socket "$W/sock" --grace 0 >/dev/null
-echo pw | "$BIN/keybagctl" --socket "$W/sock" unlock --passcode-stdin >/dev/null
-pid=$("$BIN/keybagctl" --socket "$W/sock" status --json | sed -E 's/.*"pid":([0-9]+).*/\1/')
+if [[ -z $TAR ]]; then TAR=$W/tree.tar; kb_tree_tar "$TAR" fs net kernel include sound lib mm crypto security block; fi
+kb_scratch_mount "$W" "$BIN"; pid=$KB_PID
 rss() { awk '/VmRSS/{print $2}' "/proc/$pid/status"; }
 echo "# $(date -u +%FT%TZ) soak ${TOTAL}s, tree $(tar -tf "$TAR" | wc -l) entries; RSS in KiB"
 echo "iteration seconds rss_after_untar rss_after_rm"
