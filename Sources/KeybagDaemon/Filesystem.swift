@@ -145,6 +145,25 @@ final class Filesystem: Sendable {
     /// getattr.
     func getattr(_ id: UInt64) throws -> stat { try node(id).withPathFD { try attributes(fd: $0) } }
 
+    /// access(2). The kernel asks only on mounts without `default_permissions` (root's
+    /// private mount): the mode bits decide as the kernel would, root may read and write
+    /// anything and execute anything with an x bit (and search any directory).
+    func access(_ id: UInt64, mask: Int32, caller: Caller, groups: [gid_t]) throws {
+        let st = try getattr(id)
+        let want = mode_t(mask) & 0o7
+        guard want != 0 else { return }
+        let isDir = (st.st_mode & S_IFMT) == S_IFDIR
+        if caller.uid == 0 {
+            if want & mode_t(X_OK) != 0 && !isDir && st.st_mode & 0o111 == 0 { throw FSError(EACCES) }
+            return
+        }
+        let bits: mode_t
+        if caller.uid == st.st_uid { bits = (st.st_mode >> 6) & 0o7 }
+        else if caller.gid == st.st_gid || groups.contains(st.st_gid) { bits = (st.st_mode >> 3) & 0o7 }
+        else { bits = st.st_mode & 0o7 }
+        if want & ~bits != 0 { throw FSError(EACCES) }
+    }
+
     /// setattr: mode, owner, size, times; returns the new attributes.
     func setattr(_ id: UInt64, handle: FileHandle?, mode: mode_t?, uid: uid_t?, gid: gid_t?, size: Int?,
                  atime: timespec?, mtime: timespec?) throws -> stat {

@@ -28,6 +28,13 @@ enum FuseBridge {
         return .init(uid: c.uid, gid: c.gid)
     }
 
+    /// The caller's supplementary groups (read from /proc by libfuse; empty if unknown).
+    static func groups(_ req: fuse_req_t?) -> [gid_t] {
+        var list = [gid_t](repeating: 0, count: 64)
+        let n = fuse_req_getgroups(req, Int32(list.count), &list)
+        return n > 0 ? Array(list[0..<min(Int(n), list.count)]) : []
+    }
+
     /// Replies an errno.
     static func err(_ req: fuse_req_t?, _ e: Int32) { fuse_reply_err(req, e) }
 
@@ -139,6 +146,10 @@ enum FuseBridge {
         }
         ops.getattr = { req, ino, _ in
             do { var st = try FuseBridge.context(req).fs.getattr(ino); fuse_reply_attr(req, &st, FuseBridge.context(req).cacheTimeout) }
+            catch { FuseBridge.fail(req, error) }
+        }
+        ops.access = { req, ino, mask in
+            do { try FuseBridge.context(req).fs.access(ino, mask: mask, caller: FuseBridge.caller(req), groups: FuseBridge.groups(req)); fuse_reply_err(req, 0) }
             catch { FuseBridge.fail(req, error) }
         }
         ops.setattr = { req, ino, attr, toSet, fi in

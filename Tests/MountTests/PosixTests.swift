@@ -41,11 +41,45 @@ final class PosixTests: XCTestCase {
         XCTAssertEqual(try readFile(m.path("y")).get(), bytes("X"))
     }
 
+    /// Super-block options of the mount at `path` from /proc/self/mountinfo.
+    func superOptions(_ path: String) -> String {
+        let info = (try? String(contentsOfFile: "/proc/self/mountinfo", encoding: .utf8)) ?? ""
+        for line in info.split(separator: "\n") where line.split(separator: " ").count > 4 && line.split(separator: " ")[4] == path {
+            return String(line.split(separator: " ").last ?? "")
+        }
+        return ""
+    }
+
+    /// Root's private mount goes without kernel permission checks (root passes them anyway);
+    /// access(2) must still answer as it would with them.
+    func testRootPrivateMountAnswersAccessLikeTheKernel() throws {
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        XCTAssertFalse(superOptions(m.mnt).contains("default_permissions"), superOptions(m.mnt))
+        XCTAssertEqual(writeFile(m.path("plain.txt"), bytes("data")), 0)
+        XCTAssertEqual(chmod(m.path("plain.txt"), 0o644), 0)
+        XCTAssertEqual(writeFile(m.path("tool.sh"), bytes("#!/bin/sh\nexit 0\n")), 0)
+        XCTAssertEqual(chmod(m.path("tool.sh"), 0o744), 0)
+        XCTAssertEqual(writeFile(m.path("locked.txt"), bytes("secret")), 0)
+        XCTAssertEqual(chmod(m.path("locked.txt"), 0o000), 0)
+        XCTAssertEqual(mkdir(m.path("closed"), 0o000), 0)
+        XCTAssertEqual(Glibc.access(m.path("plain.txt"), X_OK), -1, "no x bit: not executable, even for root")
+        XCTAssertEqual(errno, EACCES)
+        XCTAssertEqual(Glibc.access(m.path("tool.sh"), X_OK), 0)
+        XCTAssertEqual(Glibc.access(m.path("locked.txt"), R_OK | W_OK), 0, "root reads and writes mode 000")
+        XCTAssertEqual(Glibc.access(m.path("closed"), R_OK | X_OK), 0, "root searches mode 000 directories")
+        XCTAssertEqual(try readFile(m.path("locked.txt")).get(), bytes("secret"))
+        XCTAssertEqual(MountFixture.run(m.path("tool.sh"), []).code, 0, "executes")
+        XCTAssertNotEqual(MountFixture.run(m.path("plain.txt"), []).code, 0, "does not execute")
+    }
+
     func testSeveralUsersOwnershipAndKernelPermissions() throws {
         let m = try MountFixture(mount: false)
         addTeardownBlock { m.close() }
         try m.mount(extra: ["-o", "allow_other"])
         m.unlock()
+        XCTAssertTrue(superOptions(m.mnt).contains("default_permissions"), superOptions(m.mnt))
         XCTAssertEqual(mkdir(m.path("shared"), 0o1777), 0)
         XCTAssertEqual(chmod(m.path("shared"), 0o1777), 0)
         var r = asUser(65534, "echo mine > \(m.path("shared/nobody.txt")) && mkdir \(m.path("shared/nobody.d"))")
