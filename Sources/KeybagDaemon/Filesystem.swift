@@ -46,8 +46,8 @@ final class Filesystem: Sendable {
     let targetsFD: Int32
     /// The store's folder of sealed user xattrs.
     let xattrsFD: Int32
-    /// Serialises read-modify-write of stored xattr sets.
-    let xattrUpdates = Mutex(0)
+    /// How many xattr sets are stored; held while a set is read, changed and written.
+    let xattrSets: Mutex<Int>
     /// Bumped whenever a directory's class or the tree's shape changes; cached
     /// inherited classes of an older generation are recomputed.
     let classGeneration = Atomic<UInt64>(1)
@@ -70,6 +70,20 @@ final class Filesystem: Sendable {
         self.content = EncryptedContent(layout: BlockLayout(cipher: cipher))
         self.defaultClass = defaultClass
         self.chownToCaller = geteuid() == 0
+        xattrSets = Mutex(Self.countStoredSets(xattrsFD))
+    }
+
+    /// Stored xattr sets in the store's folder (temporary files not counted).
+    private static func countStoredSets(_ dirFD: Int32) -> Int {
+        let fd = openat(dirFD, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+        guard fd >= 0, let dir = fdopendir(fd) else { if fd >= 0 { close(fd) }; return 0 }
+        defer { closedir(dir) }
+        var count = 0
+        while let ent = readdir(dir) {
+            let first = withUnsafeBytes(of: ent.pointee.d_name) { $0[0] }
+            if first != UInt8(ascii: ".") { count += 1 }
+        }
+        return count
     }
 
     /// Caller identity of a request.

@@ -299,6 +299,8 @@ enum FuseBridge {
             } catch { FuseBridge.fail(req, error) }
         }
         ops.getxattr = { req, ino, name, size in
+            // Only user.* exists; the kernel asks for security.capability before every write.
+            guard let name, strncmp(name, "user.", 5) == 0 else { return FuseBridge.err(req, ENODATA) }
             let n = FuseBridge.str(name)
             let fs = FuseBridge.context(req).fs
             do {

@@ -242,7 +242,9 @@ extension Filesystem {
         let e = try backingName(p, name)
         var st = stat()
         var longTarget: String?
-        if fstatat(p.fd, e.name, &st, AT_SYMLINK_NOFOLLOW) == 0, (st.st_mode & S_IFMT) == S_IFLNK, st.st_nlink == 1 {
+        let statted = fstatat(p.fd, e.name, &st, AT_SYMLINK_NOFOLLOW) == 0
+        let xattrID = statted ? xattrIDOfLastLink(dirFD: p.fd, name: e.name, st: st) : nil
+        if statted, (st.st_mode & S_IFMT) == S_IFLNK, st.st_nlink == 1 {
             var buf = [UInt8](repeating: 0, count: 256)
             let len = readlinkat(p.fd, e.name, &buf, buf.count)
             if len > 0 {
@@ -253,6 +255,7 @@ extension Filesystem {
         try check(unlinkat(p.fd, e.name, 0))
         removeSideFile(p, e)
         if let longTarget { unlinkat(targetsFD, longTarget, 0) }
+        if let xattrID { dropXattrs(xattrID) }
     }
 
     /// rmdir: a directory holding only the store's own files counts as empty.
@@ -274,6 +277,7 @@ extension Filesystem {
             throw FSError(e2)
         }
         removeSideFile(p, e)
+        if let saved, xattrSets.withLock({ $0 }) > 0 { dropXattrs(Base64URL.encode(saved.iv)) }
     }
 
     /// rename (flags: RENAME_NOREPLACE, RENAME_EXCHANGE): the name is re-encrypted for the
@@ -283,6 +287,7 @@ extension Filesystem {
         let src = try backingName(p, name)
         let dst = try backingName(np, newName)
         let created = try ensureSideFile(np, dst)
+        let replacedXattrs = flags == 0 ? xattrIDOfReplaced(p, src.name, np, dst.name) : nil
         var rc = kbfs_renameat2(p.fd, src.name, np.fd, dst.name, flags)
         if rc != 0 && (errno == ENOTEMPTY || errno == EEXIST) && flags == 0 {
             // The target is a directory; one holding only the store's own files is empty.
@@ -293,9 +298,20 @@ extension Filesystem {
             if created { removeSideFile(np, dst) }
             throw FSError(e)
         }
+        if let replacedXattrs { dropXattrs(replacedXattrs) }
         classGeneration.add(1, ordering: .relaxed)   // a moved directory may inherit differently
         let same = p.id == np.id && src.name == dst.name
         if flags & kbfs_RENAME_EXCHANGE == 0 && !same { removeSideFile(p, src) }
+    }
+
+    /// The xattr id of a regular file that renaming `from` over `to` would delete (nil when
+    /// the target is absent, another link of the source, or keeps other links).
+    private func xattrIDOfReplaced(_ p: Node, _ from: String, _ np: Node, _ to: String) -> String? {
+        guard xattrSets.withLock({ $0 }) > 0 else { return nil }
+        var a = stat(), b = stat()
+        guard fstatat(np.fd, to, &b, AT_SYMLINK_NOFOLLOW) == 0, fstatat(p.fd, from, &a, AT_SYMLINK_NOFOLLOW) == 0,
+              a.st_ino != b.st_ino || a.st_dev != b.st_dev else { return nil }
+        return xattrIDOfLastLink(dirFD: np.fd, name: to, st: b)
     }
 
     /// Retries a rename whose target directory holds only the store's own files, after
@@ -313,6 +329,8 @@ extension Filesystem {
             let e = errno
             if let saved { _ = try? createFileIfAbsent(dirFD: dfd, DirectoryMeta.fileName, try saved.encode(names)) }
             errno = e
+        } else if let saved, xattrSets.withLock({ $0 }) > 0 {
+            dropXattrs(Base64URL.encode(saved.iv))   // the replaced directory's set
         }
         return rc
     }

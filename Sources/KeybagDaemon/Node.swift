@@ -123,6 +123,11 @@ final class NodeTable: Sendable {
         return tables.withLock { $0.byID[id]?.node }
     }
 
+    /// The node of a backing object, if the kernel knows it (no lookup is counted).
+    func node(dev: UInt64, ino: UInt64) -> Node? {
+        tables.withLock { t in t.byBacking[BackingID(dev: dev, ino: ino)].flatMap { t.byID[$0]?.node } }
+    }
+
     /// Registers a lookup of the backing object open as `fd` (stat `st`, an `O_PATH`
     /// descriptor this call takes over): returns the existing node or a new one, and counts
     /// one lookup. A new non-directory keeps a file handle and the descriptor is closed.

@@ -185,4 +185,45 @@ final class UserXattrTests: XCTestCase {
             }
         }
     }
+
+    /// Sets of deleted objects do not stay behind in the store; an open file keeps its set.
+    func testXattrsGoWithTheirObject() throws {
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        let stored = { (try? FileManager.default.contentsOfDirectory(atPath: m.store + "/xattrs"))?.filter { !$0.hasPrefix(".") }.count ?? -1 }
+        XCTAssertEqual(stored(), 0)
+        for name in ["unlinked", "linked", "replaced", "mover", "open"] {
+            XCTAssertEqual(writeFile(m.path(name), bytes(name)), 0)
+            XCTAssertEqual(setXattr(m.path(name), "v-" + name, "user.tag"), 0)
+        }
+        XCTAssertEqual(mkdir(m.path("dir"), 0o755), 0)
+        XCTAssertEqual(setXattr(m.path("dir"), "v-dir", "user.tag"), 0)
+        XCTAssertEqual(stored(), 6)
+        XCTAssertEqual(unlink(m.path("unlinked")), 0)
+        XCTAssertEqual(stored(), 5, "unlink of the last link drops the set")
+        XCTAssertEqual(link(m.path("linked"), m.path("linked2")), 0)
+        XCTAssertEqual(unlink(m.path("linked")), 0)
+        XCTAssertEqual(try getXattr(m.path("linked2"), "user.tag").get(), "v-linked", "another link keeps it")
+        XCTAssertEqual(rename(m.path("mover"), m.path("replaced")), 0)
+        XCTAssertEqual(try getXattr(m.path("replaced"), "user.tag").get(), "v-mover")
+        XCTAssertEqual(stored(), 4, "rename over a file drops the replaced file's set")
+        XCTAssertEqual(rmdir(m.path("dir")), 0)
+        XCTAssertEqual(stored(), 3, "rmdir drops the directory's set")
+        let fd = open(m.path("open"), O_RDONLY)
+        XCTAssertGreaterThanOrEqual(fd, 0)
+        XCTAssertEqual(unlink(m.path("open")), 0)
+        var buf = [UInt8](repeating: 0, count: 64)
+        XCTAssertEqual(fgetxattr(fd, "user.tag", &buf, buf.count), 6, "an open, unlinked file still has its set")
+        close(fd)
+        XCTAssertEqual(unlink(m.path("linked2")), 0)
+        XCTAssertEqual(unlink(m.path("replaced")), 0)
+        XCTAssertEqual(stored(), 1, "only the set of the file that was open at its unlink is left")
+        try m.restart()
+        m.unlock()
+        XCTAssertEqual(writeFile(m.path("later"), bytes("x")), 0)
+        XCTAssertEqual(setXattr(m.path("later"), "v", "user.tag"), 0)
+        XCTAssertEqual(unlink(m.path("later")), 0)
+        XCTAssertEqual(stored(), 1, "counted across a restart")
+    }
 }
