@@ -317,14 +317,20 @@ final class Filesystem: Sendable {
     /// The last close of a handle: class B file keys die with the last handle once locked.
     func release(_ h: FileHandle) {
         HeapTrimmer.shared.note()
-        h.node.io.write { st in
+        let lastClose = h.node.io.write { st -> (Bool, FileHeader?) in
             st.openCount -= 1
             if st.openCount == 0, st.header?.protectionClass == .completeUnlessOpen, !keyring.canOpen(.completeUnlessOpen) {
                 st.key?.wipe()
                 st.key = nil
             }
+            return (st.openCount == 0, st.header)
         }
         openFiles.subtract(1, ordering: .relaxed)
+        // The last close of a file unlinked while open takes its xattr set with it.
+        if lastClose.0, let header = lastClose.1, xattrSets.withLock({ $0 }) > 0 {
+            var st = stat()
+            if fstat(h.fd, &st) == 0 && st.st_nlink == 0 { dropXattrs(Base64URL.encode(header.fileID)) }
+        }
     }
 
     /// Reads through a handle and replies while still holding the inode's lock, so a lock

@@ -287,3 +287,13 @@ struct SeededBytes {
     mutating func bytes(_ n: Int) -> [UInt8] { (0..<n).map { _ in UInt8(truncatingIfNeeded: next()) } }
     mutating func int(_ range: Range<Int>) -> Int { range.lowerBound + Int(next() % UInt64(range.count)) }
 }
+
+/// Polls `condition` every 20 ms for up to `seconds`; true once it holds.
+func waitUntil(_ seconds: Double = 5, _ condition: () -> Bool) -> Bool {
+    let deadline = Date().addingTimeInterval(seconds)
+    while !condition() {
+        if Date() >= deadline { return false }
+        usleep(20_000)
+    }
+    return true
+}
