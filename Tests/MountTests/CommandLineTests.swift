@@ -29,8 +29,7 @@ final class CommandLineTests: XCTestCase {
         XCTAssertFalse(again.stderr.isEmpty)
         // Unmounting ends the daemon.
         XCTAssertEqual(MountFixture.run("/bin/fusermount3", ["-u", m.mnt]).code, 0)
-        let deadline = Date().addingTimeInterval(10)
-        while kill(pid_t(pid), 0) == 0 && Date() < deadline { usleep(20_000) }
+        _ = waitUntil(10) { kill(pid_t(pid), 0) != 0 }
         XCTAssertNotEqual(kill(pid_t(pid), 0), 0, "daemon exited after unmount")
         XCTAssertFalse(FileManager.default.fileExists(atPath: expectedSocket.replacingOccurrences(of: "kbfs-test", with: "kbfs\\x2dtest")), "socket removed")
         if kill(pid_t(pid), 0) == 0 { kill(pid_t(pid), SIGKILL) }
@@ -94,8 +93,7 @@ final class CommandLineTests: XCTestCase {
         XCTAssertEqual(writeFile(m.path("f"), bytes("x")), 0)
         let pid = m.status()["pid"] as? Int ?? 0
         XCTAssertEqual(MountFixture.run("/bin/fusermount3", ["-u", m.mnt]).code, 0)
-        let deadline = Date().addingTimeInterval(10)
-        while pid > 0 && kill(pid_t(pid), 0) == 0 && Date() < deadline { usleep(20_000) }
+        _ = waitUntil(10) { pid <= 0 || kill(pid_t(pid), 0) != 0 }
         if pid > 0 && kill(pid_t(pid), 0) == 0 { kill(pid_t(pid), SIGKILL) }
     }
 }
