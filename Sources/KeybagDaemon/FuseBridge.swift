@@ -244,7 +244,10 @@ enum FuseBridge {
                 fuse_reply_write(req, size)
             } catch { FuseBridge.fail(req, error) }
         }
-        ops.flush = { req, _, _ in _ = fuse_reply_err(req, 0) }
+        // No flush: writes reach the store before they are acknowledged and locks are the
+        // kernel's, so close() has nothing to wait for. Without the operation the kernel
+        // stops sending FLUSH after the first ENOSYS (it still writes back mmap pages).
+        ops.flush = nil
         ops.fallocate = { req, _, mode, off, length, fi in
             guard let h = FuseBridge.handle(fi) else { return FuseBridge.err(req, EBADF) }
             do { try FuseBridge.context(req).fs.fallocate(h, mode: mode, offset: Int(off), length: Int(length)); FuseBridge.err(req, 0) }
