@@ -302,8 +302,10 @@ enum FuseBridge {
             } catch { FuseBridge.fail(req, error) }
         }
         ops.getxattr = { req, ino, name, size in
-            // Only user.* exists; the kernel asks for security.capability before every write.
-            guard let name, strncmp(name, "user.", 5) == 0 else { return FuseBridge.err(req, ENODATA) }
+            // Only the user.* namespace exists (the kernel asks for security.capability before
+            // every write). EOPNOTSUPP, not ENODATA, for the others: ls -l then stops asking
+            // for SELinux labels and ACLs of every further file on this filesystem.
+            guard let name, strncmp(name, "user.", 5) == 0 else { return FuseBridge.err(req, EOPNOTSUPP) }
             let n = FuseBridge.str(name)
             let fs = FuseBridge.context(req).fs
             do {

@@ -76,7 +76,7 @@ extension Filesystem {
 
     /// getxattr of a stored user xattr.
     func getXattr(_ id: UInt64, name: String) throws -> [UInt8] {
-        guard name.hasPrefix("user.") else { throw FSError(ENODATA) }
+        guard name.hasPrefix("user.") else { throw FSError(EOPNOTSUPP) }
         let n = try node(id)
         guard n.isRegular || n.isDirectory else { throw FSError(ENODATA) }
         guard let v = try loadXattrs(try xattrID(n)).values[name] else { throw FSError(ENODATA) }
@@ -101,7 +101,7 @@ extension Filesystem {
 
     /// removexattr of a stored user xattr.
     func removeXattr(_ id: UInt64, name: String) throws {
-        guard name.hasPrefix("user.") else { throw FSError(ENODATA) }
+        guard name.hasPrefix("user.") else { throw FSError(EOPNOTSUPP) }
         let n = try node(id)
         guard n.isRegular || n.isDirectory else { throw FSError(ENODATA) }
         let key = try xattrID(n)

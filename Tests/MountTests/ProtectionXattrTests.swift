@@ -164,6 +164,9 @@ final class UserXattrTests: XCTestCase {
             XCTAssertEqual(removexattr(p, "user.empty"), 0)
             XCTAssertEqual(removexattr(p, "user.empty") == 0 ? 0 : errno, ENODATA)
             XCTAssertEqual(setXattr(p, "v", "trusted.x") == 0 ? 0 : 1, 1, "other namespaces are not stored")
+            // Unsupported namespaces say so (ls -l then stops asking for labels and ACLs).
+            XCTAssertEqual(errnoOf(getXattr(p, "security.selinux")), EOPNOTSUPP)
+            XCTAssertEqual(errnoOf(getXattr(p, "system.posix_acl_access")), EOPNOTSUPP)
         }
         // Values follow the file through rename and hard link, and survive a remount.
         XCTAssertEqual(rename(m.path("f"), m.path("g")), 0)
