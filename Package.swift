@@ -36,7 +36,7 @@ let package = Package(
             .product(name: "ArgumentParser", package: "swift-argument-parser"),
         ]),
         // Micro-benchmarks and lock latency; built, not run, in CI.
-        .executableTarget(name: "keybagfs-bench", dependencies: ["KeybagCore", "CSystem"]),
+        .executableTarget(name: "keybagfs-bench", dependencies: ["KeybagCore", "CSystem", "CSodium"]),
         .testTarget(name: "KeybagCoreTests", dependencies: ["KeybagCore"]),
         .testTarget(name: "MountTests", dependencies: ["KeybagCore", "CFuse", "CSystem", "keybagfs", "keybagctl"]),
     ],

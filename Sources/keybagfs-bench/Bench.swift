@@ -1,3 +1,4 @@
+import CSodium
 import CSystem
 import Foundation
 import Glibc
@@ -62,6 +63,15 @@ enum Bench {
         let tU = best(3) { for _ in 0..<n { _ = try! FileContentKey(key: try! h.unwrap(using: .symmetric(classKey)), cipher: .aes256gcm, fileID: h.fileID) } }
         print(String(format: "header create class C %.1f µs, class B (X25519) %.1f µs; unwrap + AES state %.1f µs",
                      tC / Double(n) * 1e6, tB / Double(n / 10) * 1e6, tU / Double(n) * 1e6))
+
+        // The unlock KDF alone (Argon2id, `--kdf interactive`), to split unlock latency.
+        let salt = Sodium.randomArray(Int(crypto_pwhash_SALTBYTES))
+        var stretched = [UInt8](repeating: 0, count: 32)
+        let tK = best(3) {
+            _ = crypto_pwhash(&stretched, 32, "benchmark passcode", 18, salt,
+                              KDFStrength.interactive.opsLimit, Int(KDFStrength.interactive.memLimit), crypto_pwhash_ALG_ARGON2ID13)
+        }
+        print(String(format: "Argon2id interactive (unlock KDF) %.1f ms", tK * 1e3))
 
         // Names: a typical 20-byte source file name and a 200-byte one (hashed long-name path).
         let names = try! NameCipher(volumeKey: SecureKey(random: 32))
