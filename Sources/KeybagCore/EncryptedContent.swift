@@ -52,30 +52,28 @@ public struct EncryptedContent: Sendable {
         let cEnd = layout.cipherOffset(ofBlock: last) + min(Self.B, size - last * Self.B) + layout.overhead
         return try ScratchBuffers.shared.withBlock(cEnd - cStart) { cbuf, plain in
             let got = try Self.preadFull(fd, cbuf, offset: cStart)
-            do {
-                var written = 0
-                for b in first...last {
-                    let bStart = b * Self.B
-                    let bLen = min(Self.B, size - bStart)
-                    let rel = (b - first) * layout.cipherBlockSize
-                    guard rel + bLen + layout.overhead <= got else { break }   // truncated underneath us
-                    let sealed = UnsafeRawBufferPointer(rebasing: cbuf[rel..<(rel + bLen + layout.overhead)])
-                    let lo = max(offset, bStart) - bStart
-                    if lo == 0 && end - bStart >= bLen {
-                        // The whole block is wanted: decrypt straight into the reply.
-                        let n = try key.open(sealed, block: UInt64(b), into: UnsafeMutableRawBufferPointer(rebasing: out[written..<(written + bLen)]))
-                        written += n
-                        if n < bLen { break }
-                        continue
-                    }
-                    let n = try key.open(sealed, block: UInt64(b), into: plain)
-                    let hi = min(end, bStart + n) - bStart
-                    guard hi > lo else { break }
-                    (out.baseAddress! + written).copyMemory(from: plain.baseAddress! + lo, byteCount: hi - lo)
-                    written += hi - lo
+            var written = 0
+            for b in first...last {
+                let bStart = b * Self.B
+                let bLen = min(Self.B, size - bStart)
+                let rel = (b - first) * layout.cipherBlockSize
+                guard rel + bLen + layout.overhead <= got else { break }   // truncated underneath us
+                let sealed = UnsafeRawBufferPointer(rebasing: cbuf[rel..<(rel + bLen + layout.overhead)])
+                let lo = max(offset, bStart) - bStart
+                if lo == 0 && end - bStart >= bLen {
+                    // The whole block is wanted: decrypt straight into the reply.
+                    let n = try key.open(sealed, block: UInt64(b), into: UnsafeMutableRawBufferPointer(rebasing: out[written..<(written + bLen)]))
+                    written += n
+                    if n < bLen { break }
+                    continue
                 }
-                return written
+                let n = try key.open(sealed, block: UInt64(b), into: plain)
+                let hi = min(end, bStart + n) - bStart
+                guard hi > lo else { break }
+                (out.baseAddress! + written).copyMemory(from: plain.baseAddress! + lo, byteCount: hi - lo)
+                written += hi - lo
             }
+            return written
         }
     }
 
@@ -92,26 +90,24 @@ public struct EncryptedContent: Sendable {
         }
         let effSize = (size % Self.B != 0 && first > size / Self.B) ? (size / Self.B + 1) * Self.B : size
         try ScratchBuffers.shared.withBlock((last - first + 1) * layout.cipherBlockSize) { out, plain in
-        do {
-        var outLen = 0
-        for b in first...last {
-            let bStart = b * Self.B
-            let lo = max(offset, bStart) - bStart
-            let hi = min(end, bStart + Self.B) - bStart
-            let existing = max(0, min(Self.B, effSize - bStart))
-            let newLen = max(existing, hi)
-            if existing > 0 && (lo > 0 || hi < existing) {
-                let n = try readBlock(fd: fd, key: key, block: b, length: existing, into: plain)
-                guard n == existing else { throw KeybagError.corrupt("block \(b) short") }
+            var outLen = 0
+            for b in first...last {
+                let bStart = b * Self.B
+                let lo = max(offset, bStart) - bStart
+                let hi = min(end, bStart + Self.B) - bStart
+                let existing = max(0, min(Self.B, effSize - bStart))
+                let newLen = max(existing, hi)
+                if existing > 0 && (lo > 0 || hi < existing) {
+                    let n = try readBlock(fd: fd, key: key, block: b, length: existing, into: plain)
+                    guard n == existing else { throw KeybagError.corrupt("block \(b) short") }
+                }
+                if lo > existing { memset(plain.baseAddress! + existing, 0, lo - existing) }
+                (plain.baseAddress! + lo).copyMemory(from: data.baseAddress! + (bStart + lo - offset), byteCount: hi - lo)
+                let dst = UnsafeMutableRawBufferPointer(rebasing: out[outLen..<(outLen + newLen + layout.overhead)])
+                try key.seal(UnsafeRawBufferPointer(rebasing: plain[0..<newLen]), block: UInt64(b), into: dst)
+                outLen += newLen + layout.overhead
             }
-            if lo > existing { memset(plain.baseAddress! + existing, 0, lo - existing) }
-            (plain.baseAddress! + lo).copyMemory(from: data.baseAddress! + (bStart + lo - offset), byteCount: hi - lo)
-            let dst = UnsafeMutableRawBufferPointer(rebasing: out[outLen..<(outLen + newLen + layout.overhead)])
-            try key.seal(UnsafeRawBufferPointer(rebasing: plain[0..<newLen]), block: UInt64(b), into: dst)
-            outLen += newLen + layout.overhead
-        }
-        try Self.pwriteFull(fd, UnsafeRawBufferPointer(rebasing: out[0..<outLen]), offset: layout.cipherOffset(ofBlock: first))
-        }
+            try Self.pwriteFull(fd, UnsafeRawBufferPointer(rebasing: out[0..<outLen]), offset: layout.cipherOffset(ofBlock: first))
         }
     }
 
@@ -122,14 +118,12 @@ public struct EncryptedContent: Sendable {
             let b = newSize / Self.B
             let keep = newSize % Self.B
             if keep != 0 {
-                let plain = UnsafeMutableRawBufferPointer.allocate(byteCount: Self.B, alignment: 16)
-                defer { plain.deallocate() }
-                _ = try readBlock(fd: fd, key: key, block: b, length: min(Self.B, size - b * Self.B), into: plain)
-                let sealed = UnsafeMutableRawBufferPointer.allocate(byteCount: keep + layout.overhead, alignment: 16)
-                defer { sealed.deallocate() }
-                try key.seal(UnsafeRawBufferPointer(rebasing: plain[0..<keep]), block: UInt64(b), into: sealed)
-                guard ftruncate(fd, off_t(layout.cipherOffset(ofBlock: b))) == 0 else { throw KeybagError.system("ftruncate", errno) }
-                try Self.pwriteFull(fd, UnsafeRawBufferPointer(sealed), offset: layout.cipherOffset(ofBlock: b))
+                try ScratchBuffers.shared.withBlock(keep + layout.overhead) { sealed, plain in
+                    _ = try readBlock(fd: fd, key: key, block: b, length: min(Self.B, size - b * Self.B), into: plain)
+                    try key.seal(UnsafeRawBufferPointer(rebasing: plain[0..<keep]), block: UInt64(b), into: sealed)
+                    guard ftruncate(fd, off_t(layout.cipherOffset(ofBlock: b))) == 0 else { throw KeybagError.system("ftruncate", errno) }
+                    try Self.pwriteFull(fd, UnsafeRawBufferPointer(sealed), offset: layout.cipherOffset(ofBlock: b))
+                }
             }
             guard ftruncate(fd, off_t(layout.backingSize(plainSize: newSize))) == 0 else { throw KeybagError.system("ftruncate", errno) }
         } else if newSize > size {
@@ -167,24 +161,23 @@ public struct EncryptedContent: Sendable {
 
     /// Decrypts block `block` of `length` plaintext bytes into `plain`.
     private func readBlock(fd: Int32, key: FileContentKey, block: Int, length: Int, into plain: UnsafeMutableRawBufferPointer) throws -> Int {
-        let sealed = UnsafeMutableRawBufferPointer.allocate(byteCount: length + layout.overhead, alignment: 16)
-        defer { sealed.deallocate() }
-        let got = try Self.preadFull(fd, sealed, offset: layout.cipherOffset(ofBlock: block))
-        guard got == sealed.count else { throw KeybagError.corrupt("block \(block) truncated") }
-        return try key.open(UnsafeRawBufferPointer(sealed), block: UInt64(block), into: plain)
+        try ScratchBuffers.shared.with(length + layout.overhead) { buffer in
+            let sealed = UnsafeMutableRawBufferPointer(rebasing: buffer[0..<(length + layout.overhead)])
+            let got = try Self.preadFull(fd, sealed, offset: layout.cipherOffset(ofBlock: block))
+            guard got == sealed.count else { throw KeybagError.corrupt("block \(block) truncated") }
+            return try key.open(UnsafeRawBufferPointer(sealed), block: UInt64(block), into: plain)
+        }
     }
 
     /// Re-seals a block zero-extended from `oldLength` to `newLength` plaintext bytes.
     private func resealBlock(fd: Int32, key: FileContentKey, block: Int, oldLength: Int, newLength: Int) throws {
-        let plain = UnsafeMutableRawBufferPointer.allocate(byteCount: Self.B, alignment: 16)
-        defer { plain.deallocate() }
-        let n = try readBlock(fd: fd, key: key, block: block, length: oldLength, into: plain)
-        guard n == oldLength else { throw KeybagError.corrupt("block \(block) short") }
-        memset(plain.baseAddress! + oldLength, 0, newLength - oldLength)
-        let sealed = UnsafeMutableRawBufferPointer.allocate(byteCount: newLength + layout.overhead, alignment: 16)
-        defer { sealed.deallocate() }
-        try key.seal(UnsafeRawBufferPointer(rebasing: plain[0..<newLength]), block: UInt64(block), into: sealed)
-        try Self.pwriteFull(fd, UnsafeRawBufferPointer(sealed), offset: layout.cipherOffset(ofBlock: block))
+        try ScratchBuffers.shared.withBlock(newLength + layout.overhead) { sealed, plain in
+            let n = try readBlock(fd: fd, key: key, block: block, length: oldLength, into: plain)
+            guard n == oldLength else { throw KeybagError.corrupt("block \(block) short") }
+            memset(plain.baseAddress! + oldLength, 0, newLength - oldLength)
+            try key.seal(UnsafeRawBufferPointer(rebasing: plain[0..<newLength]), block: UInt64(block), into: sealed)
+            try Self.pwriteFull(fd, UnsafeRawBufferPointer(sealed), offset: layout.cipherOffset(ofBlock: block))
+        }
     }
 
     /// pread until `buf` is full or EOF; returns bytes read.
@@ -220,8 +213,8 @@ public final class ScratchBuffers: Sendable {
     private let free = Mutex<[UInt]>([])
 
     /// Runs `body` with a buffer of `count` bytes and a separate block-sized buffer, both
-    /// from one pooled buffer (a heap block per request would fragment the heap between
-    /// long-lived inode objects).
+    /// from one pooled buffer. Every block buffer of the data path comes from here: a heap
+    /// block per request fragments the heap between long-lived inode objects.
     public func withBlock<R>(_ count: Int, _ body: (UnsafeMutableRawBufferPointer, UnsafeMutableRawBufferPointer) throws -> R) rethrows -> R {
         let split = (count + 63) & ~63
         let block = BlockLayout.plainBlockSize

@@ -46,8 +46,10 @@ final class Filesystem: Sendable {
     let targetsFD: Int32
     /// The store's folder of sealed user xattrs.
     let xattrsFD: Int32
-    /// How many xattr sets are stored; held while a set is read, changed and written.
-    let xattrSets: Mutex<Int>
+    /// Serialises read-modify-write of stored xattr sets.
+    let xattrUpdates = Mutex(())
+    /// How many xattr sets are stored (while none are, removals skip looking for one).
+    let storedXattrSets: Atomic<Int>
     /// Bumped whenever a directory's class or the tree's shape changes; cached
     /// inherited classes of an older generation are recomputed.
     let classGeneration = Atomic<UInt64>(1)
@@ -70,7 +72,7 @@ final class Filesystem: Sendable {
         self.content = EncryptedContent(layout: BlockLayout(cipher: cipher))
         self.defaultClass = defaultClass
         self.chownToCaller = geteuid() == 0
-        xattrSets = Mutex(Self.countStoredSets(xattrsFD))
+        storedXattrSets = Atomic(Self.countStoredSets(xattrsFD))
     }
 
     /// Stored xattr sets in the store's folder (temporary files not counted).
@@ -327,7 +329,7 @@ final class Filesystem: Sendable {
         }
         openFiles.subtract(1, ordering: .relaxed)
         // The last close of a file unlinked while open takes its xattr set with it.
-        if lastClose.0, let header = lastClose.1, xattrSets.withLock({ $0 }) > 0 {
+        if lastClose.0, let header = lastClose.1, hasStoredXattrs {
             var st = stat()
             if fstat(h.fd, &st) == 0 && st.st_nlink == 0 { dropXattrs(Base64URL.encode(header.fileID)) }
         }

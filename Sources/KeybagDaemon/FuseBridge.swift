@@ -149,7 +149,8 @@ enum FuseBridge {
             catch { FuseBridge.fail(req, error) }
         }
         ops.access = { req, ino, mask in
-            do { try FuseBridge.context(req).fs.access(ino, mask: mask, caller: FuseBridge.caller(req), groups: FuseBridge.groups(req)); fuse_reply_err(req, 0) }
+            let caller = FuseBridge.caller(req)   // groups come from /proc: only read when they can matter
+            do { try FuseBridge.context(req).fs.access(ino, mask: mask, caller: caller, groups: caller.uid == 0 ? [] : FuseBridge.groups(req)); fuse_reply_err(req, 0) }
             catch { FuseBridge.fail(req, error) }
         }
         ops.setattr = { req, ino, attr, toSet, fi in

@@ -29,14 +29,14 @@ public enum MountDaemon {
     /// Seconds the kernel may cache entries and attributes. Every change goes through
     /// this daemon, which replies new attributes and lets the kernel drop what it changed,
     /// so the cache can be long; editing the store behind a live mount is not supported.
+    static let cacheTimeout = 30.0
+
     /// Whether the kernel must check modes (`default_permissions`): always, unless the mount
     /// is root's alone (no allow_other / allow_root), where every caller is root and the
     /// checks would pass anyway but cost a GETATTR of the directory after each change in it.
     static func needsKernelPermissionChecks(euid: uid_t, options: [String]) -> Bool {
         euid != 0 || options.contains { $0 == "allow_other" || $0 == "allow_root" || $0 == "default_permissions" }
     }
-
-    static let cacheTimeout = 30.0
 
     /// Writes a line to stderr.
     static func log(_ s: String) { Foundation.FileHandle.standardError.write(Data(("keybagfs: " + s + "\n").utf8)) }

@@ -277,7 +277,7 @@ extension Filesystem {
             throw FSError(e2)
         }
         removeSideFile(p, e)
-        if let saved, xattrSets.withLock({ $0 }) > 0 { dropXattrs(Base64URL.encode(saved.iv)) }
+        dropXattrs(ofDirectory: saved)
     }
 
     /// rename (flags: RENAME_NOREPLACE, RENAME_EXCHANGE): the name is re-encrypted for the
@@ -307,7 +307,7 @@ extension Filesystem {
     /// The xattr id of a regular file that renaming `from` over `to` would delete (nil when
     /// the target is absent, another link of the source, or keeps other links).
     private func xattrIDOfReplaced(_ p: Node, _ from: String, _ np: Node, _ to: String) -> String? {
-        guard xattrSets.withLock({ $0 }) > 0 else { return nil }
+        guard hasStoredXattrs else { return nil }
         var a = stat(), b = stat()
         guard fstatat(np.fd, to, &b, AT_SYMLINK_NOFOLLOW) == 0, fstatat(p.fd, from, &a, AT_SYMLINK_NOFOLLOW) == 0,
               a.st_ino != b.st_ino || a.st_dev != b.st_dev else { return nil }
@@ -329,8 +329,8 @@ extension Filesystem {
             let e = errno
             if let saved { _ = try? createFileIfAbsent(dirFD: dfd, DirectoryMeta.fileName, try saved.encode(names)) }
             errno = e
-        } else if let saved, xattrSets.withLock({ $0 }) > 0 {
-            dropXattrs(Base64URL.encode(saved.iv))   // the replaced directory's set
+        } else {
+            dropXattrs(ofDirectory: saved)   // the replaced directory's set
         }
         return rc
     }

@@ -37,32 +37,41 @@ extension Filesystem {
         return try XattrSet.decode(try names.open(Array(buf[0..<n]), purpose: "keybagfs-xattr-v1|" + id))
     }
 
-    /// Replaces the stored set atomically (removes it when empty); `stored` is the count of
-    /// sets, `existed` whether this one was stored before.
-    func saveXattrs(_ id: String, _ set: XattrSet, existed: Bool, stored: inout Int) throws {
+    /// Whether any xattr set is stored (removals look for one only then).
+    var hasStoredXattrs: Bool { storedXattrSets.load(ordering: .relaxed) > 0 }
+
+    /// Replaces the stored set atomically (removes it when empty); `existed`: whether this
+    /// one was stored before. Called under `xattrUpdates`.
+    func saveXattrs(_ id: String, _ set: XattrSet, existed: Bool) throws {
         if set.values.isEmpty {
-            if unlinkat(xattrsFD, id, 0) == 0 { stored -= 1 } else if errno != ENOENT { throw FSError(errno) }
+            if unlinkat(xattrsFD, id, 0) == 0 { storedXattrSets.subtract(1, ordering: .relaxed) }
+            else if errno != ENOENT { throw FSError(errno) }
             return
         }
         let encoded = set.encode()
         guard encoded.count <= Self.maxXattrBytes else { throw FSError(ENOSPC) }
         // Atomic by rename; not synced (like xattrs on ext4, durable at the next sync).
         try replaceFile(dirFD: xattrsFD, id, try names.seal(encoded, purpose: "keybagfs-xattr-v1|" + id), durable: false)
-        if !existed { stored += 1 }
+        if !existed { storedXattrSets.add(1, ordering: .relaxed) }
     }
 
     /// Deletes the xattr set stored under `id`, if any (its object is gone).
     func dropXattrs(_ id: String) {
-        xattrSets.withLock { stored in
-            if unlinkat(xattrsFD, id, 0) == 0 { stored -= 1 }
+        xattrUpdates.withLock { _ in
+            if unlinkat(xattrsFD, id, 0) == 0 { storedXattrSets.subtract(1, ordering: .relaxed) }
         }
+    }
+
+    /// Deletes the xattr set of a removed directory (known by its metadata), if any.
+    func dropXattrs(ofDirectory meta: DirectoryMeta?) {
+        if let meta, hasStoredXattrs { dropXattrs(Base64URL.encode(meta.iv)) }
     }
 
     /// The xattr id of the regular file `name` in `dirFD` (stat `st`) when removing that name
     /// removes the file and a set may be stored for it; nil otherwise. A file still open
     /// keeps its set (its descriptors may still read it).
     func xattrIDOfLastLink(dirFD: Int32, name: String, st: stat) -> String? {
-        guard (st.st_mode & S_IFMT) == S_IFREG, st.st_nlink == 1, xattrSets.withLock({ $0 }) > 0 else { return nil }
+        guard (st.st_mode & S_IFMT) == S_IFREG, st.st_nlink == 1, hasStoredXattrs else { return nil }
         if let n = table.node(dev: UInt64(st.st_dev), ino: UInt64(st.st_ino)) {
             let (open, header) = n.io.read { ($0.openCount, $0.header) }
             if open > 0 { return nil }
@@ -88,14 +97,14 @@ extension Filesystem {
         guard name.hasPrefix("user."), name.utf8.count > 5, name.utf8.count <= 255 else { throw FSError(name.hasPrefix("user.") ? ERANGE : EOPNOTSUPP) }
         let n = try node(id)
         let key = try xattrID(n)
-        try xattrSets.withLock { stored in
+        try xattrUpdates.withLock { _ in
             var set = try loadXattrs(key)
             let existed = !set.values.isEmpty
             let exists = set.values[name] != nil
             if flags & kbfs_XATTR_CREATE != 0 && exists { throw FSError(EEXIST) }
             if flags & kbfs_XATTR_REPLACE != 0 && !exists { throw FSError(ENODATA) }
             set.values[name] = value
-            try saveXattrs(key, set, existed: existed, stored: &stored)
+            try saveXattrs(key, set, existed: existed)
         }
     }
 
@@ -105,10 +114,10 @@ extension Filesystem {
         let n = try node(id)
         guard n.isRegular || n.isDirectory else { throw FSError(ENODATA) }
         let key = try xattrID(n)
-        try xattrSets.withLock { stored in
+        try xattrUpdates.withLock { _ in
             var set = try loadXattrs(key)
             guard set.values.removeValue(forKey: name) != nil else { throw FSError(ENODATA) }
-            try saveXattrs(key, set, existed: true, stored: &stored)
+            try saveXattrs(key, set, existed: true)
         }
     }
 
