@@ -112,6 +112,28 @@ final class ContentTests: XCTestCase {
         XCTAssertEqual(st.st_nlink, 2)
     }
 
+    /// Writes through a shared mapping reach the store by close (the daemon has no FLUSH;
+    /// the kernel writes the pages back before closing): they survive a remount.
+    func testSharedMappingWritesSurviveCloseAndRemount() throws {
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        XCTAssertEqual(writeFile(m.path("mapped"), [UInt8](repeating: 0, count: 10_000)), 0)
+        let fd = sysOpen(m.path("mapped"), O_RDWR)
+        XCTAssertGreaterThanOrEqual(fd, 0)
+        let p = mmap(nil, 10_000, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+        XCTAssertNotEqual(p, MAP_FAILED)
+        let stamp = bytes("mapped-write")
+        stamp.withUnsafeBytes { (p! + 5000).copyMemory(from: $0.baseAddress!, byteCount: stamp.count) }
+        XCTAssertEqual(munmap(p, 10_000), 0)
+        XCTAssertEqual(close(fd), 0)
+        try m.restart()
+        m.unlock()
+        let back = try readFile(m.path("mapped")).get()
+        XCTAssertEqual(back.count, 10_000)
+        XCTAssertEqual(Array(back[5000..<(5000 + stamp.count)]), stamp)
+    }
+
     func testStoreRevealsNoKnownPlaintext() throws {
         let m = try MountFixture()
         addTeardownBlock { m.close() }
