@@ -20,11 +20,21 @@ public struct EncryptedContent: Sendable {
     }
 
     /// Reads the header of the backing file.
-    public static func readHeader(fd: Int32) throws -> FileHeader {
+    public static func readHeader(fd: Int32) throws -> FileHeader { try readHeaderSlots(fd: fd).current }
+
+    /// Reads the header and the index of a superseded slot an interrupted class change left.
+    public static func readHeaderSlots(fd: Int32) throws -> (current: FileHeader, superseded: Int?) {
         var buf = [UInt8](repeating: 0, count: FileHeader.size)
         let n = try buf.withUnsafeMutableBytes { try preadFull(fd, $0, offset: 0) }
         guard n == FileHeader.size else { throw KeybagError.corrupt("file header truncated") }
-        return try FileHeader.parse(buf)
+        return try FileHeader.parseSlots(buf)
+    }
+
+    /// Erases a header slot (the older class's wrap) and makes that durable.
+    public static func eraseHeaderSlot(fd: Int32, index: Int) throws {
+        let zeros = [UInt8](repeating: 0, count: FileHeader.slotSize)
+        try zeros.withUnsafeBytes { try pwriteFull(fd, $0, offset: index * FileHeader.slotSize) }
+        guard fdatasync(fd) == 0 else { throw KeybagError.system("fdatasync", errno) }
     }
 
     /// Writes a new file's header (its slot and an empty other slot).

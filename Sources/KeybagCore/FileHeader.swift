@@ -1,9 +1,10 @@
 import CSodium
 
-/// The per-file header at the start of every backing file: two 160-byte slots, each
-/// holding the file id, class and the file key wrapped by its class key. A class change
-/// writes the inactive slot with a higher generation, so a crash at any instant leaves
-/// either the old or the new slot valid (each slot carries a BLAKE2b checksum).
+/// The per-file header at the start of every backing file: two 160-byte slots, one
+/// holding the file id, class and the file key wrapped by its class key, the other erased.
+/// A class change writes the erased slot with a higher generation and makes it durable,
+/// then erases the old slot and makes that durable: killed at any instant, the file has
+/// the old or the new class, and once the change is done no older wrap remains.
 public struct FileHeader: Sendable, Equatable {
     /// Bytes of one slot.
     public static let slotSize = 160
@@ -123,16 +124,31 @@ public struct FileHeader: Sendable, Equatable {
                           ephemeralPublic: Array(s[28..<60]), wrappedKey: Array(s[60..<132]), slot: index)
     }
 
-    /// Parses the two-slot header; the valid slot with the higher generation wins.
-    public static func parse(_ bytes: [UInt8]) throws -> FileHeader {
+    /// Parses the two-slot header. Each slot is either erased (all zero) or a valid header;
+    /// a slot that is neither makes the header corrupt, so a damaged newest slot can never
+    /// fall back to an older class's wrap. Two valid slots mean a class change was cut off
+    /// before it erased the older one: the newer wins and `superseded` names the slot to erase.
+    public static func parseSlots(_ bytes: [UInt8]) throws -> (current: FileHeader, superseded: Int?) {
         guard bytes.count >= size else { throw KeybagError.corrupt("file header truncated") }
-        let a = parseSlot(bytes[0..<slotSize], index: 0)
-        let b = parseSlot(bytes[slotSize..<size], index: 1)
-        switch (a, b) {
-        case let (x?, y?): return x.generation >= y.generation ? x : y
-        case let (x?, nil): return x
-        case let (nil, y?): return y
-        case (nil, nil): throw KeybagError.corrupt("no valid file header slot")
+        var valid: [FileHeader] = []
+        for i in 0..<2 {
+            let raw = bytes[(i * slotSize)..<((i + 1) * slotSize)]
+            if raw.allSatisfy({ $0 == 0 }) { continue }
+            guard let h = parseSlot(raw, index: i) else { throw KeybagError.corrupt("file header slot \(i) is damaged") }
+            valid.append(h)
+        }
+        switch valid.count {
+        case 0:
+            throw KeybagError.corrupt("no file header")
+        case 1:
+            return (valid[0], nil)
+        default:
+            let (x, y) = (valid[0], valid[1])
+            guard x.generation != y.generation, x.fileID == y.fileID else { throw KeybagError.corrupt("file header slots disagree") }
+            return x.generation > y.generation ? (x, y.slot) : (y, x.slot)
         }
     }
+
+    /// Parses the two-slot header (see `parseSlots`).
+    public static func parse(_ bytes: [UInt8]) throws -> FileHeader { try parseSlots(bytes).current }
 }

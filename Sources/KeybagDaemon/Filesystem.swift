@@ -297,6 +297,7 @@ final class Filesystem: Sendable {
             let header = try FileHeader.create(fileKey: raw, class: cls, cipher: cipher, using: wrapKey)
             try EncryptedContent.writeNewHeader(fd: bfd, header)
             let key = try FileContentKey(key: raw, cipher: cipher, fileID: header.fileID)
+            Failpoint.createBeforeKeyJoinsInode.hit()
             let pathFD = try check(openat(p.fd, entry.name, kbfs_O_PATH | O_NOFOLLOW | O_CLOEXEC))
             var st = stat()
             try check(fstat(pathFD, &st))
@@ -434,6 +435,7 @@ final class Filesystem: Sendable {
             guard let wk = keyring.wrappingKey(for: cls) else { throw FSError(EACCES) }
             let next = try h.rewrapped(fileKey: key.key, to: cls, using: wk)
             try EncryptedContent.writeHeaderSlot(fd: fd, next)
+            Failpoint.classChangeBetweenSlots.hit()
             st.header = next
         }
     }

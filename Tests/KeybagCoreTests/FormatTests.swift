@@ -127,26 +127,37 @@ final class FormatTests: TempDirTestCase {
         }
     }
 
-    func testTornClassChangeFallsBackToTheOldSlot() throws {
+    func testHeaderSlotsNeverFallBackToAnOlderClass() throws {
         let a = SecureKey(random: 32), d = SecureKey(random: 32)
         let raw = SecureKey(random: 32)
-        let h1 = try FileHeader.create(fileKey: raw, class: .complete, cipher: .aes256gcm, using: .symmetric(a))
-        let h2 = try h1.rewrapped(fileKey: raw, to: .none, using: .symmetric(d))
+        let empty = [UInt8](repeating: 0, count: FileHeader.slotSize)
+        let h1 = try FileHeader.create(fileKey: raw, class: .none, cipher: .aes256gcm, using: .symmetric(d))
+        let h2 = try h1.rewrapped(fileKey: raw, to: .complete, using: .symmetric(a))
         XCTAssertEqual(h2.slot, 1)
         XCTAssertEqual(h2.generation, 2)
-        let full = h1.encodeSlot() + h2.encodeSlot()
-        XCTAssertEqual(try FileHeader.parse(full).protectionClass, .none, "newer slot wins")
-        // Torn write of the new slot: any prefix of it.
-        for cut in [1, 10, 60, 100, 131, 147] {
-            let torn = h1.encodeSlot() + Array(h2.encodeSlot()[0..<cut]) + [UInt8](repeating: 0, count: 160 - cut)
-            let p = try FileHeader.parse(torn)
-            XCTAssertEqual(p.protectionClass, .complete, "cut \(cut)")
-            XCTAssertNoThrow(try p.unwrap(using: .symmetric(a)))
+        // A finished change: the new slot and an erased one.
+        XCTAssertEqual(try FileHeader.parseSlots(empty + h2.encodeSlot()).current.protectionClass, .complete)
+        XCTAssertNil(try FileHeader.parseSlots(empty + h2.encodeSlot()).superseded)
+        // Cut off between the two writes: the newer wins, the older is named for erasure.
+        let both = try FileHeader.parseSlots(h1.encodeSlot() + h2.encodeSlot())
+        XCTAssertEqual(both.current.protectionClass, .complete)
+        XCTAssertEqual(both.superseded, 0)
+        // A damaged newest slot is corrupt: never the class D wrap beside it.
+        for cut in [1, 10, 60, 100, 131, 140, 147] {
+            var bad = h2.encodeSlot()
+            bad[cut] ^= 0x01
+            XCTAssertThrowsError(try FileHeader.parse(h1.encodeSlot() + bad), "byte \(cut)") {
+                guard case KeybagError.corrupt = $0 else { return XCTFail("\($0)") }
+            }
+            let torn = Array(h2.encodeSlot()[0..<cut]) + [UInt8](repeating: 0, count: FileHeader.slotSize - cut)
+            XCTAssertThrowsError(try FileHeader.parse(h1.encodeSlot() + torn), "torn at \(cut)")
         }
+        XCTAssertThrowsError(try FileHeader.parse(empty + empty), "no slot at all")
+        XCTAssertThrowsError(try FileHeader.parse(h2.encodeSlot() + h2.encodeSlot()), "two slots of one generation")
         // The next change goes to slot 0 again, above generation 2.
-        let h3 = try h2.rewrapped(fileKey: raw, to: .complete, using: .symmetric(a))
+        let h3 = try h2.rewrapped(fileKey: raw, to: .none, using: .symmetric(d))
         XCTAssertEqual(h3.slot, 0)
-        XCTAssertEqual(try FileHeader.parse(h3.encodeSlot() + h2.encodeSlot()).protectionClass, .complete)
+        XCTAssertEqual(try FileHeader.parse(h3.encodeSlot() + empty).protectionClass, ProtectionClass.none)
     }
 
     func testWipedKeyRefusesUse() throws {

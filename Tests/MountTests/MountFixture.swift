@@ -82,8 +82,9 @@ final class MountFixture {
     }
 
     /// Starts the daemon (`--foreground`) and waits until the mount is live.
-    func mount(extra: [String] = [], launcher: [String] = []) throws {
+    func mount(extra: [String] = [], launcher: [String] = [], environment: [String: String] = [:]) throws {
         let p = Process()
+        if !environment.isEmpty { p.environment = ProcessInfo.processInfo.environment.merging(environment) { $1 } }
         var args = ["mount", store, mnt, "--foreground", "--socket", socket, "--device-key", deviceKey, "--grace", String(grace)]
         if let defaultClass { args += ["--default-class", defaultClass] }
         if let first = launcher.first {

@@ -1,0 +1,37 @@
+import Glibc
+
+/// Named pauses at the daemon's race windows, for tests only: `KEYBAGFS_TEST_FAILPOINTS`
+/// lists `name=sleep:MILLISECONDS` or `name=stop` (the daemon stops itself with SIGSTOP,
+/// so a test can SIGKILL it at exactly that instant). Unset in production: every hit
+/// is one dictionary lookup in an empty table.
+enum Failpoint: String, Sendable {
+    /// In create, after the header is sealed and before the file key joins its inode.
+    case createBeforeKeyJoinsInode = "create-before-key-joins-inode"
+    /// In a class change, after the new header slot is durable and before the old one is erased.
+    case classChangeBetweenSlots = "class-change-between-slots"
+
+    /// What a failpoint does when reached.
+    enum Action: Sendable, Equatable { case sleep(UInt32), stop }
+
+    /// The actions configured for this process.
+    static let actions: [String: Action] = {
+        guard let raw = getenv("KEYBAGFS_TEST_FAILPOINTS") else { return [:] }
+        var table: [String: Action] = [:]
+        for item in String(cString: raw).split(separator: ",") {
+            let parts = item.split(separator: "=", maxSplits: 1).map(String.init)
+            guard parts.count == 2 else { continue }
+            if parts[1] == "stop" { table[parts[0]] = .stop }
+            else if parts[1].hasPrefix("sleep:"), let ms = UInt32(parts[1].dropFirst(6)) { table[parts[0]] = .sleep(ms) }
+        }
+        return table
+    }()
+
+    /// Performs the configured action, if any.
+    func hit() {
+        guard !Self.actions.isEmpty, let action = Self.actions[rawValue] else { return }
+        switch action {
+        case .sleep(let ms): usleep(ms * 1000)
+        case .stop: raise(SIGSTOP)
+        }
+    }
+}

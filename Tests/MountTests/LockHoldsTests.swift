@@ -1,0 +1,331 @@
+import Foundation
+import Synchronization
+import Glibc
+import KeybagCore
+import XCTest
+
+/// The lock as an attacker tries it: class changes, creates and writes racing a lock,
+/// dirty mappings at the lock, a header with a damaged newest slot, and the daemon's
+/// memory after a lock.
+final class LockHoldsTests: XCTestCase {
+    /// A mount with one directory per class given (its default class), unlocked.
+    func unlockedMount(_ dirs: [String: String] = [:], environment: [String: String] = [:]) throws -> MountFixture {
+        let m = try MountFixture(mount: false)
+        addTeardownBlock { m.close() }
+        try m.mount(environment: environment)
+        m.unlock()
+        for (dir, cls) in dirs {
+            XCTAssertEqual(mkdir(m.path(dir), 0o755), 0)
+            XCTAssertEqual(setXattr(m.path(dir), cls), 0)
+        }
+        return m
+    }
+
+    /// The daemon's pid.
+    func daemonPID(_ m: MountFixture) throws -> pid_t { pid_t(try XCTUnwrap(m.daemon?.processIdentifier)) }
+
+    /// The one-letter process state in /proc/PID/stat ("T" when stopped).
+    func processState(_ pid: pid_t) -> String {
+        guard let s = try? String(contentsOfFile: "/proc/\(pid)/stat", encoding: .utf8), let close = s.lastIndex(of: ")") else { return "?" }
+        return String(s[s.index(close, offsetBy: 2)])
+    }
+
+    // Item 3: a class change needs the current class's key, not a key cached for a handle.
+    func testClassBDowngradeWhileLockedIsRefusedDespiteAnOpenHandle() throws {
+        let m = try unlockedMount(["b": "completeUnlessOpen"])
+        XCTAssertEqual(writeFile(m.path("b/f"), bytes("class B secret")), 0)
+        let held = sysOpen(m.path("b/f"), O_RDONLY)   // someone else's handle keeps the file key
+        XCTAssertGreaterThanOrEqual(held, 0)
+        defer { close(held) }
+        m.lock(grace: 0)
+        XCTAssertEqual(m.state, "locked")
+        XCTAssertEqual(setXattr(m.path("b/f"), "none"), EACCES, "a downgrade needs the class B private key")
+        XCTAssertEqual(setXattr(m.path("b/f"), "completeUntilFirstUserAuthentication"), EACCES)
+        XCTAssertEqual(try getXattr(m.path("b/f")).get(), "completeUnlessOpen")
+        XCTAssertEqual(sysOpen(m.path("b/f"), O_RDONLY), -EACCES)
+        try m.restart()
+        XCTAssertEqual(try getXattr(m.path("b/f")).get(), "completeUnlessOpen")
+        XCTAssertEqual(sysOpen(m.path("b/f"), O_RDONLY), -EACCES, "still sealed for class B after a restart")
+    }
+
+    // Item 4: a create that took the class A key before a lock must not keep it after.
+    func testCreateRacingALockKeepsNoClassAKey() throws {
+        let m = try unlockedMount(["a": "complete"], environment: ["KEYBAGFS_TEST_FAILPOINTS": "create-before-key-joins-inode=sleep:600"])
+        let result = Mutex<(fd: Int32, err: Int32)>((-1, 0))
+        let done = DispatchSemaphore(value: 0)
+        let path = m.path("a/racer")
+        Thread.detachNewThread {
+            let fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0o644)
+            let e = errno
+            result.withLock { $0 = (fd, fd < 0 ? e : 0) }
+            done.signal()
+        }
+        usleep(150_000)   // the create is now inside the daemon, holding the class key
+        m.lock(grace: 0)
+        XCTAssertEqual(m.state, "locked")
+        done.wait()
+        let (fd, err) = result.withLock { $0 }
+        if fd >= 0 {
+            defer { close(fd) }
+            XCTAssertEqual(errnoOf(sysPwrite(fd, bytes("after the lock"), 0)), EACCES, "the creator's handle still writes class A after `locked`")
+            XCTAssertEqual(errnoOf(sysPread(fd, 10, 0)), EACCES, "the creator's handle still reads class A after `locked`")
+        } else {
+            XCTAssertEqual(err, EACCES, "a create that lost the race answers EACCES")
+            var st = stat()
+            XCTAssertEqual(lstat(path, &st), -1, "and leaves no file behind")
+        }
+    }
+
+    // Item 7: a refused write must never become readable through another descriptor.
+    func testRefusedWritesAreNeverReadBackWhileLocked() throws {
+        let m = try unlockedMount(["a": "complete"])
+        let original = [UInt8](repeating: 0x41, count: 16 * 4096)
+        XCTAssertEqual(writeFile(m.path("a/f"), original), 0)
+        let writer = sysOpen(m.path("a/f"), O_RDWR), reader = sysOpen(m.path("a/f"), O_RDONLY)
+        XCTAssertGreaterThanOrEqual(writer, 0); XCTAssertGreaterThanOrEqual(reader, 0)
+        defer { close(writer); close(reader) }
+        XCTAssertEqual(try sysPread(reader, 4096, 0).get(), Array(original[0..<4096]))
+        m.lock(grace: 0)
+        let stop = Atomic<Bool>(false)
+        let writes = Atomic<Int>(0), writesAccepted = Atomic<Int>(0)
+        let finished = DispatchSemaphore(value: 0)
+        Thread.detachNewThread {
+            let page = [UInt8](repeating: 0x5A, count: 4096)
+            while !stop.load(ordering: .relaxed) {
+                if pwrite(writer, page, 4096, 0) >= 0 { writesAccepted.add(1, ordering: .relaxed) }
+                writes.add(1, ordering: .relaxed)
+            }
+            finished.signal()
+        }
+        var reads = 0, leaked = 0, otherErrors = 0
+        let deadline = Date().addingTimeInterval(2)
+        var buf = [UInt8](repeating: 0, count: 4096)
+        while Date() < deadline {
+            let n = pread(reader, &buf, 4096, 0)
+            if n >= 0 { leaked += 1 } else if errno != EACCES { otherErrors += 1 }
+            reads += 1
+        }
+        stop.store(true, ordering: .relaxed)
+        finished.wait()
+        print("refused-write race: \(writes.load(ordering: .relaxed)) writes, \(reads) reads, \(leaked) reads returned data")
+        XCTAssertGreaterThan(writes.load(ordering: .relaxed), 100)
+        XCTAssertEqual(writesAccepted.load(ordering: .relaxed), 0, "class A writes while locked")
+        XCTAssertEqual(leaked, 0, "reads that returned data while locked")
+        XCTAssertEqual(otherErrors, 0)
+        m.unlock()
+        XCTAssertEqual(try sysPread(reader, original.count, 0).get(), original, "the store and what readers see agree after unlock")
+    }
+
+    // Item 2: dirty pages of a shared mapping are written back by the lock, not dropped.
+    func testDirtySharedMappingOfClassAFileSurvivesALock() throws {
+        let m = try unlockedMount(["a": "complete"])
+        for round in 0..<3 {
+            let name = "a/mapped\(round)"
+            XCTAssertEqual(writeFile(m.path(name), [UInt8](repeating: 0x41, count: 4 * 4096)), 0)
+            let script = """
+            import mmap, os, sys, time
+            fd = os.open(sys.argv[1], os.O_RDWR)
+            mm = mmap.mmap(fd, 4 * 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mm[:] = b'B' * (4 * 4096)
+            print('dirty', flush=True)
+            while not os.path.exists(sys.argv[2]): time.sleep(0.01)
+            os._exit(0)
+            """
+            let p = Process()
+            p.executableURL = URL(fileURLWithPath: "/usr/bin/env")
+            p.arguments = ["python3", "-c", script, m.path(name), m.root + "/go\(round)"]
+            let out = Pipe()
+            p.standardOutput = out
+            try p.run()
+            var seen = Data()
+            while !String(decoding: seen, as: UTF8.self).contains("dirty") {
+                let d = out.fileHandleForReading.availableData
+                if d.isEmpty { break }
+                seen += d
+            }
+            m.lock(grace: 0)
+            XCTAssertEqual(m.state, "locked")
+            _ = FileManager.default.createFile(atPath: m.root + "/go\(round)", contents: nil)
+            p.waitUntilExit()
+            m.unlock()
+            XCTAssertEqual(try readFile(m.path(name)).get(), [UInt8](repeating: 0x42, count: 4 * 4096), "round \(round): bytes written through the mapping before the lock")
+        }
+    }
+
+    // Item 1: a class change leaves no older wrap behind, and a bad newest slot is EIO.
+    func testClassChangeKilledBetweenSlotWritesNeverFallsBack() throws {
+        let m = try unlockedMount(["d": "none"], environment: ["KEYBAGFS_TEST_FAILPOINTS": "class-change-between-slots=stop"])
+        let data = Array("was class D, is now complete".utf8)
+        XCTAssertEqual(writeFile(m.path("d/f"), data), 0)
+        let backing = m.backing("d/f")
+        let pid = try daemonPID(m)
+        // The change to `complete` stops the daemon once the new slot is durable; kill it there.
+        let setter = Process()
+        setter.executableURL = URL(fileURLWithPath: "/usr/bin/setfattr")
+        setter.arguments = ["-n", "user.protection", "-v", "complete", m.path("d/f")]
+        setter.standardError = Foundation.FileHandle.nullDevice
+        try setter.run()
+        XCTAssertTrue(waitUntil(10) { self.processState(pid) == "T" }, "the daemon reached the failpoint")
+        kill(pid, SIGKILL)
+        m.daemon?.waitUntilExit()
+        setter.waitUntilExit()
+        m.unmount()
+        var header = Array(try Data(contentsOf: URL(fileURLWithPath: backing)).prefix(FileHeader.size))
+        let parsed = try FileHeader.parseSlots(header)
+        XCTAssertEqual(parsed.current.protectionClass, .complete, "the new slot is durable")
+        let staleSlot = try XCTUnwrap(parsed.superseded, "killed before the old slot was erased")
+
+        // A damaged newest slot is EIO, never the older class's wrap.
+        let newest = parsed.current.slotOffset
+        header[newest + 140] ^= 0x01
+        try writeBytes(backing, header, at: 0)
+        try m.mount()
+        XCTAssertEqual(sysOpen(m.path("d/f"), O_RDONLY), -EIO, "no fallback to the class D wrap")
+        m.unmount()
+        header[newest + 140] ^= 0x01
+        try writeBytes(backing, header, at: 0)
+
+        // Intact: the file is class A (sealed before the first unlock), and the first look
+        // at its header finishes the interrupted change by erasing the old slot.
+        try m.mount()
+        XCTAssertEqual(try getXattr(m.path("d/f")).get(), "complete")
+        XCTAssertEqual(sysOpen(m.path("d/f"), O_RDONLY), -EACCES)
+        let after = Array(try Data(contentsOf: URL(fileURLWithPath: backing)).prefix(FileHeader.size))
+        let old = staleSlot * FileHeader.slotSize
+        XCTAssertEqual(Array(after[old..<(old + FileHeader.slotSize)]), [UInt8](repeating: 0, count: FileHeader.slotSize), "the class D wrap is gone")
+        m.unlock()
+        XCTAssertEqual(try readFile(m.path("d/f")).get(), data)
+
+        // A change that completes leaves one valid slot and an erased one.
+        XCTAssertEqual(setXattr(m.path("d/f"), "none"), 0)
+        let done = Array(try Data(contentsOf: URL(fileURLWithPath: backing)).prefix(FileHeader.size))
+        let final = try FileHeader.parseSlots(done)
+        XCTAssertEqual(final.current.protectionClass, ProtectionClass.none)
+        XCTAssertNil(final.superseded)
+        let other = (1 - final.current.slot) * FileHeader.slotSize
+        XCTAssertEqual(Array(done[other..<(other + FileHeader.slotSize)]), [UInt8](repeating: 0, count: FileHeader.slotSize), "the class A wrap is gone")
+    }
+
+    // Item 6: after a lock, the daemon's memory holds no class A plaintext and no passcode.
+    func testNoClassAPlaintextOrPasscodeInDaemonMemoryAfterALock() throws {
+        let m = try unlockedMount(["a": "complete"])
+        var rng = SeededBytes(seed: 4242)
+        let read = rng.bytes(192 * 1024), held = rng.bytes(64 * 1024 + 123)
+        XCTAssertEqual(writeFile(m.path("a/read"), read), 0)
+        XCTAssertEqual(try readFile(m.path("a/read")).get(), read)
+        // A descriptor that stays open across the lock, written and read through.
+        let fd = sysOpen(m.path("a/held"), O_RDWR | O_CREAT)
+        XCTAssertGreaterThanOrEqual(fd, 0)
+        defer { close(fd) }
+        XCTAssertEqual(try sysPwrite(fd, held, 0).get(), held.count)
+        XCTAssertEqual(try sysPread(fd, held.count, 0).get(), held)
+        m.lock(grace: 0)
+        XCTAssertEqual(m.state, "locked")
+        let scan = try MemoryScan(pid: try daemonPID(m), secrets: [read, held])
+        print("memory scan: \(scan.bytesScanned) bytes in \(scan.regions) regions")
+        XCTAssertGreaterThan(scan.bytesScanned, 1 << 20)
+        XCTAssertEqual(scan.plaintextHits, [], "32-byte pieces of class A plaintext (file offset, address)")
+        XCTAssertEqual(scan.count(of: Array(m.passcode.utf8)), 0, "copies of the passcode")
+    }
+
+    /// Overwrites bytes of a file at an offset.
+    func writeBytes(_ path: String, _ b: [UInt8], at offset: Int) throws {
+        let fd = open(path, O_WRONLY | O_CLOEXEC)
+        guard fd >= 0 else { throw Errno(errno) }
+        defer { close(fd) }
+        guard pwrite(fd, b, b.count, off_t(offset)) == b.count, fsync(fd) == 0 else { throw Errno(errno) }
+    }
+}
+
+/// A scan of another process's writable and anonymous memory (`/proc/PID/maps` and
+/// `/proc/PID/mem`, as root) for 32-byte pieces of known secrets.
+struct MemoryScan {
+    /// Bytes read, and regions that could be read.
+    private(set) var bytesScanned = 0
+    private(set) var regions = 0
+    /// Pieces found: (offset of the piece in its secret, address).
+    private(set) var plaintextHits: [String] = []
+    private let pid: pid_t
+    private let memFD: Int32
+
+    /// Scans `pid` for every 32-byte piece (at 32-byte offsets) of each secret.
+    init(pid: pid_t, secrets: [[UInt8]]) throws {
+        self.pid = pid
+        memFD = open("/proc/\(pid)/mem", O_RDONLY | O_CLOEXEC)
+        guard memFD >= 0 else { throw Errno(errno) }
+        var pieces: [UInt64: [(Int, Int)]] = [:]
+        var filter = [UInt64](repeating: 0, count: 1 << 14)   // 2^20 bits keyed by a hash of the first 8 bytes
+        for (si, s) in secrets.enumerated() {
+            for off in stride(from: 0, through: s.count - 32, by: 32) {
+                let w = s.withUnsafeBytes { $0.loadUnaligned(fromByteOffset: off, as: UInt64.self) }
+                pieces[w, default: []].append((si, off))
+                let h = Int((w &* 0x9E37_79B9_7F4A_7C15) >> 44)
+                filter[h >> 6] |= 1 << UInt64(h & 63)
+            }
+        }
+        for (start, end) in Self.regions(pid) {
+            var addr = start
+            var regionRead = false
+            while addr < end {
+                let len = min(4 << 20, end - addr)
+                var buf = [UInt8](repeating: 0, count: len)
+                let n = pread(memFD, &buf, len, off_t(addr))
+                if n <= 0 { addr += 4096; continue }
+                regionRead = true
+                bytesScanned += n
+                buf.withUnsafeBytes { b in
+                    guard n >= 32 else { return }
+                    for j in 0...(n - 32) {
+                        let w = b.loadUnaligned(fromByteOffset: j, as: UInt64.self)
+                        let h = Int((w &* 0x9E37_79B9_7F4A_7C15) >> 44)
+                        guard filter[h >> 6] & (1 << UInt64(h & 63)) != 0, let cands = pieces[w] else { continue }
+                        for (si, off) in cands where memcmp(b.baseAddress! + j, secrets[si].withUnsafeBytes { $0.baseAddress! + off }, 32) == 0 {
+                            plaintextHits.append("secret \(si) offset \(off) at 0x\(String(addr + j, radix: 16))")
+                        }
+                    }
+                }
+                addr += max(n - 31, 1)
+            }
+            if regionRead { regions += 1 }
+        }
+    }
+
+    /// How many times `needle` occurs in the scanned memory.
+    func count(of needle: [UInt8]) -> Int {
+        var found = 0
+        for (start, end) in Self.regions(pid) {
+            var addr = start
+            while addr < end {
+                let len = min(4 << 20, end - addr)
+                var buf = [UInt8](repeating: 0, count: len)
+                let n = pread(memFD, &buf, len, off_t(addr))
+                if n <= 0 { addr += 4096; continue }
+                buf.withUnsafeBytes { b in
+                    var j = 0
+                    while j + needle.count <= n, let hit = memchr(b.baseAddress! + j, Int32(needle[0]), n - j) {
+                        let at = UnsafeRawPointer(hit) - b.baseAddress!
+                        if at + needle.count <= n && memcmp(hit, needle, needle.count) == 0 { found += 1 }
+                        j = at + 1
+                    }
+                }
+                addr += max(n - needle.count + 1, 1)
+            }
+        }
+        return found
+    }
+
+    /// Address ranges that can hold data written at run time: writable or anonymous mappings.
+    static func regions(_ pid: pid_t) -> [(Int, Int)] {
+        guard let maps = try? String(contentsOfFile: "/proc/\(pid)/maps", encoding: .utf8) else { return [] }
+        return maps.split(separator: "\n").compactMap { line in
+            let f = line.split(separator: " ", omittingEmptySubsequences: true)
+            guard f.count >= 5 else { return nil }
+            let name = f.count >= 6 ? String(f[5]) : ""
+            if name == "[vvar]" || name == "[vsyscall]" || name == "[vvar_vclock]" { return nil }
+            guard f[1].contains("w") || name.isEmpty || name.hasPrefix("[") else { return nil }
+            let r = f[0].split(separator: "-")
+            guard r.count == 2, let a = Int(r[0], radix: 16), let b = Int(r[1], radix: 16) else { return nil }
+            return (a, b)
+        }
+    }
+}
