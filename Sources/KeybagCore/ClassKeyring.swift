@@ -1,8 +1,42 @@
 import Synchronization
 
+/// What the lock state allows right now: which classes may open existing files and create
+/// new ones, whether a lock is evicting, and the lock epoch, which changes whenever a lock
+/// begins evicting. One consistent snapshot, read without taking a lock.
+public struct KeyAccess: Sendable, Equatable {
+    /// Bumped by every `beginEviction`; a class A key loaded in another epoch is stale.
+    public let epoch: UInt64
+    /// Between `beginEviction` and `finishEviction`: class A and B keys are still in memory
+    /// (dirty pages are being written back) but nothing may open, read or create with them.
+    public let evicting: Bool
+    let openMask: UInt8
+    let createMask: UInt8
+
+    /// Packs the snapshot into one word (masks in the low byte, evicting in bit 8, epoch above).
+    var word: UInt64 { epoch << 16 | (evicting ? 1 << 8 : 0) | UInt64(createMask) << 4 | UInt64(openMask) }
+
+    init(epoch: UInt64, evicting: Bool, openMask: UInt8, createMask: UInt8) {
+        self.epoch = epoch; self.evicting = evicting; self.openMask = openMask; self.createMask = createMask
+    }
+
+    init(word w: UInt64) {
+        self.init(epoch: w >> 16, evicting: w & (1 << 8) != 0, openMask: UInt8(w & 0xF), createMask: UInt8((w >> 4) & 0xF))
+    }
+
+    /// The mask bit of a class.
+    static func bit(_ c: ProtectionClass) -> UInt8 { 1 << (c.rawValue - 1) }
+
+    /// Whether existing files of `c` may be opened (and read) now.
+    public func canOpen(_ c: ProtectionClass) -> Bool { openMask & Self.bit(c) != 0 }
+    /// Whether new files of `c` may be created now.
+    public func canCreate(_ c: ProtectionClass) -> Bool { createMask & Self.bit(c) != 0 }
+}
+
 /// The class keys in memory, by class. Class D lives from mount to exit; C from the first
 /// unlock to exit; A and the class B private key from unlock to lock. The class B public
-/// key stays after the first unlock so class B files can be created while locked.
+/// key stays after the first unlock so class B files can be created while locked. A lock
+/// evicts in two steps (`beginEviction`, `finishEviction`) so dirty pages can still be
+/// written back with keys that nothing may read with any more.
 public final class ClassKeyring: Sendable {
     private struct Keys {
         var a: SecureKey?
@@ -10,18 +44,49 @@ public final class ClassKeyring: Sendable {
         var bPublic: [UInt8]?
         var c: SecureKey?
         var d: SecureKey?
+        var epoch: UInt64 = 1
+        var evicting = false
+
+        /// The snapshot these keys allow.
+        var access: KeyAccess {
+            var open: UInt8 = 0, create: UInt8 = 0
+            if d != nil { open |= KeyAccess.bit(.none); create |= KeyAccess.bit(.none) }
+            if c != nil { open |= KeyAccess.bit(.completeUntilFirstUserAuthentication); create |= KeyAccess.bit(.completeUntilFirstUserAuthentication) }
+            if bPublic != nil { create |= KeyAccess.bit(.completeUnlessOpen) }
+            if !evicting {
+                if bSecret != nil && bPublic != nil { open |= KeyAccess.bit(.completeUnlessOpen) }
+                if a != nil { open |= KeyAccess.bit(.complete); create |= KeyAccess.bit(.complete) }
+            }
+            return KeyAccess(epoch: epoch, evicting: evicting, openMask: open, createMask: create)
+        }
     }
     private let keys: Mutex<Keys>
+    /// `keys.access` as one word, stored under `keys`' lock and read without it.
+    private let published: Atomic<UInt64>
 
     /// A keyring holding only class D (state `beforeFirstUnlock`).
     public init(classD: SecureKey) {
-        keys = Mutex(Keys(d: classD))
+        let k = Keys(d: classD)
+        keys = Mutex(k)
+        published = Atomic(k.access.word)
+    }
+
+    /// What the keys allow right now.
+    public var access: KeyAccess { KeyAccess(word: published.load(ordering: .acquiring)) }
+
+    /// Runs `body` on the keys and publishes the access it leaves.
+    private func update<R>(_ body: (inout Keys) -> R) -> R {
+        keys.withLock { k in
+            let r = body(&k)
+            published.store(k.access.word, ordering: .releasing)
+            return r
+        }
     }
 
     /// Installs the keys of a successful unlock; keys already present are kept and the
     /// duplicates wiped.
     public func install(_ unlocked: UnlockedClassKeys) {
-        keys.withLock { k in
+        update { k in
             if k.a == nil { k.a = unlocked.classA } else { unlocked.classA.wipe() }
             if k.bSecret == nil { k.bSecret = unlocked.classBSecret } else { unlocked.classBSecret.wipe() }
             if k.c == nil { k.c = unlocked.classC } else { unlocked.classC.wipe() }
@@ -29,37 +94,60 @@ public final class ClassKeyring: Sendable {
         }
     }
 
-    /// Lock: zeroes and drops the class A key and the class B private key.
-    public func evictForLock() {
-        keys.withLock { k in
+    /// Lock, step 1: a new epoch; class A and B can no longer be opened, read or (A) created,
+    /// while their keys stay in memory for writing back dirty pages.
+    public func beginEviction() {
+        update { k in
+            k.epoch &+= 1
+            k.evicting = true
+        }
+    }
+
+    /// Lock, step 2: zeroes and drops the class A key and the class B private key.
+    public func finishEviction() {
+        update { k in
             k.a?.wipe(); k.a = nil
             k.bSecret?.wipe(); k.bSecret = nil
+            k.evicting = false
         }
+    }
+
+    /// Both steps of a lock at once (no page cache to write back in between).
+    public func evictForLock() {
+        beginEviction()
+        finishEviction()
     }
 
     /// Daemon exit: zeroes everything.
     public func wipeAll() {
-        keys.withLock { k in
+        update { k in
             for key in [k.a, k.bSecret, k.c, k.d] { key?.wipe() }
+            let epoch = k.epoch &+ 1
             k = Keys()
+            k.epoch = epoch
         }
     }
 
-    /// The key that can wrap a new file key for `cls` (public key suffices for class B); nil when evicted.
-    public func wrappingKey(for cls: ProtectionClass) -> FileHeader.ClassKey? {
+    /// The key that can wrap a new file key for `cls` (public key suffices for class B), with
+    /// the epoch it was taken in; nil when the class cannot create now.
+    public func wrappingKey(for cls: ProtectionClass) -> (key: FileHeader.ClassKey, epoch: UInt64)? {
         keys.withLock { k in
+            guard k.access.canCreate(cls) else { return nil }
+            let key: FileHeader.ClassKey?
             switch cls {
-            case .complete: return k.a.map { .symmetric($0) }
-            case .completeUnlessOpen: return k.bPublic.map { .classBPublic($0) }
-            case .completeUntilFirstUserAuthentication: return k.c.map { .symmetric($0) }
-            case .none: return k.d.map { .symmetric($0) }
+            case .complete: key = k.a.map { .symmetric($0) }
+            case .completeUnlessOpen: key = k.bPublic.map { .classBPublic($0) }
+            case .completeUntilFirstUserAuthentication: key = k.c.map { .symmetric($0) }
+            case .none: key = k.d.map { .symmetric($0) }
             }
+            return key.map { ($0, k.epoch) }
         }
     }
 
-    /// The key that can unwrap an existing file key of `cls`; nil when evicted.
+    /// The key that can unwrap an existing file key of `cls`; nil when the class cannot open now.
     public func unwrappingKey(for cls: ProtectionClass) -> FileHeader.ClassKey? {
         keys.withLock { k in
+            guard k.access.canOpen(cls) else { return nil }
             switch cls {
             case .complete: return k.a.map { .symmetric($0) }
             case .completeUnlessOpen:
@@ -72,8 +160,8 @@ public final class ClassKeyring: Sendable {
     }
 
     /// Whether existing files of `cls` may be opened now.
-    public func canOpen(_ cls: ProtectionClass) -> Bool { unwrappingKey(for: cls) != nil }
+    public func canOpen(_ cls: ProtectionClass) -> Bool { access.canOpen(cls) }
 
     /// Whether new files of `cls` may be created now.
-    public func canCreate(_ cls: ProtectionClass) -> Bool { wrappingKey(for: cls) != nil }
+    public func canCreate(_ cls: ProtectionClass) -> Bool { access.canCreate(cls) }
 }

@@ -1,3 +1,4 @@
+import CSodium
 import Glibc
 import Synchronization
 
@@ -229,7 +230,9 @@ public final class ScratchBuffers: Sendable {
         let split = (count + 63) & ~63
         let block = BlockLayout.plainBlockSize
         return try with(split + block) { b in
-            try body(UnsafeMutableRawBufferPointer(rebasing: b[0..<count]), UnsafeMutableRawBufferPointer(rebasing: b[split..<(split + block)]))
+            let plain = UnsafeMutableRawBufferPointer(rebasing: b[split..<(split + block)])
+            defer { sodium_memzero(plain.baseAddress!, block) }   // partial-block plaintext never outlives the request
+            return try body(UnsafeMutableRawBufferPointer(rebasing: b[0..<count]), plain)
         }
     }
 

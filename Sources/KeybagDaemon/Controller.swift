@@ -133,24 +133,48 @@ final class Controller: Sendable {
         }
     }
 
-    /// Evicts class A and B keys, drops their page cache, then reports `locked`.
-    /// Called with the transition lock held.
+    /// Evicts class A and B keys in phases, then reports `locked`:
+    /// 1. a new lock epoch: class A/B can no longer be opened, read or (A) created, while
+    ///    writes are still sealed with the keys in memory;
+    /// 2. every inode that may cache class A/B pages is invalidated: the kernel first writes
+    ///    dirty mmap pages back through the daemon, which still has their keys;
+    /// 3. the class keys, then the file keys (under each inode's lock) are zeroed;
+    /// 4. the same inodes are invalidated again, for anything cached in between.
+    /// Called with the transition lock held, from a thread that is not a FUSE worker; no
+    /// lock a request handler needs is held while the kernel is notified.
     private func evict(ticket: UInt64) {
         guard machine.withLock({ $0.shouldEvict(ticket: ticket) }) else { return }
-        keyring.evictForLock()
-        let ids = fs.evictFileKeys()
-        let se = OpaquePointer(bitPattern: session.load(ordering: .acquiring))
-        if let se {
-            for id in ids { _ = fuse_lowlevel_notify_inval_inode(se, id, 0, 0) }
-        }
+        keyring.beginEviction()
+        let cached = fs.inodesHoldingProtectedPages()
+        invalidatePageCache(cached, pass: "write-back")
+        keyring.finishEviction()
+        let evicted = fs.evictFileKeys()
+        invalidatePageCache(evicted, pass: "after eviction")
         let evs = machine.withLock { $0.evicted(ticket: ticket) }
         for e in evs { events.publish(e, state: .locked) }
+    }
+
+    /// Asks the kernel to write back and drop the cached pages of `ids`; failures other
+    /// than "the kernel no longer knows this inode" are logged.
+    private func invalidatePageCache(_ ids: [UInt64], pass: String) {
+        guard let se = OpaquePointer(bitPattern: session.load(ordering: .acquiring)) else { return }
+        var failed = 0, firstError: Int32 = 0
+        for id in ids {
+            let rc = fuse_lowlevel_notify_inval_inode(se, id, 0, 0)
+            if rc != 0 && rc != -ENOENT {
+                failed += 1
+                if firstError == 0 { firstError = -rc }
+            }
+        }
+        if failed > 0 {
+            MountDaemon.log("lock (\(pass)): page cache of \(failed) of \(ids.count) inodes not dropped: \(String(cString: strerror(firstError)))")
+        }
     }
 
     /// Daemon exit: every key zeroed.
     func shutdown() {
         transitions.withLock { _ in keyring.wipeAll() }
-        for n in fs.table.regularFiles() { n.io.write { $0.key?.wipe(); $0.key = nil } }
+        fs.wipeFileKeys()
         deviceKey.wipe()
         fs.names.wipe()
     }

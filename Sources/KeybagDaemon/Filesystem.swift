@@ -1,4 +1,5 @@
 import CFuse
+import CSodium
 import CSystem
 import Glibc
 import KeybagCore
@@ -212,40 +213,48 @@ final class Filesystem: Sendable {
 
     // MARK: classes and keys
 
-    /// The header of a regular file, read once and cached.
-    private func header(_ state: inout FileKeyState, node: Node) throws -> FileHeader {
-        if let h = state.header { return h }
+    /// Reads a regular file's header. A header left with two valid slots by a class change
+    /// that was cut off gets the older slot (another class's wrap) erased now.
+    func readHeader(_ node: Node) throws -> FileHeader {
         let fd = try check(node.open(O_RDONLY))
         defer { close(fd) }
-        let h = try EncryptedContent.readHeader(fd: fd)
-        state.header = h
+        let (h, superseded) = try EncryptedContent.readHeaderSlots(fd: fd)
+        if let superseded {
+            let wfd = node.open(O_RDWR)
+            if wfd >= 0 {
+                defer { close(wfd) }
+                do { try EncryptedContent.eraseHeaderSlot(fd: wfd, index: superseded) } catch {
+                    MountDaemon.log("could not erase the superseded header slot of inode \(node.backingIno): \(error)")
+                }
+            } else {
+                MountDaemon.log("could not erase the superseded header slot of inode \(node.backingIno): \(String(cString: strerror(errno)))")
+            }
+        }
         return h
     }
 
-    /// The file key for content access now, loading it from the header when the class key
-    /// is present. Class A answers EACCES whenever its class key is gone.
-    private func contentKey(_ state: inout FileKeyState, node: Node) throws -> FileContentKey {
-        let h = try header(&state, node: node)
-        if h.protectionClass == .complete && !keyring.canOpen(.complete) { throw FSError(EACCES) }
-        if let k = state.key, !k.isWiped { return k }
-        guard let ck = keyring.unwrappingKey(for: h.protectionClass) else { throw FSError(EACCES) }
-        let raw = try h.unwrap(using: ck)
-        let k = try FileContentKey(key: raw, cipher: cipher, fileID: h.fileID)
-        state.key = k
-        return k
-    }
-
-    /// Runs `body` with the file key, holding the inode's lock shared (reads) or alone
-    /// (writes). A key wiped by a lock makes `body` throw `keyUnavailable` (EACCES).
-    private func withContentKey<R>(_ node: Node, exclusive: Bool, _ body: (FileContentKey) throws -> R) throws -> R {
-        if !exclusive {
+    /// Runs `body` with the file key for `use` and the file's class, holding the inode's lock
+    /// shared when the key is ready (reads) or alone when it must be loaded or the use writes.
+    /// Whether the key may be used is `FileKeyLife`'s decision alone.
+    private func withContentKey<R>(_ node: Node, _ use: FileKeyLife.Use, _ body: (FileContentKey, ProtectionClass) throws -> R) throws -> R {
+        if use == .read {
+            let access = keyring.access
             let done: R?? = try node.io.read { st in
-                guard let k = st.key, !k.isWiped else { return .none }
-                return .some(try body(k))
+                guard let k = st.readyKey(for: .read, access), let cls = st.protectionClass else { return .none }
+                return .some(try body(k, cls))
             }
             if case .some(let r) = done, let r { return r }
         }
-        return try node.io.write { st in try body(try contentKey(&st, node: node)) }
+        return try node.io.write { st in
+            let h = try st.header { try readHeader(node) }
+            return try body(try st.key(for: use, keyring: keyring, cipher: cipher), h.protectionClass)
+        }
+    }
+
+    /// Zeroes a buffer that carried plaintext of class A, so it cannot outlive its request.
+    static func wipe(_ b: UnsafeRawBufferPointer, class cls: ProtectionClass?) {
+        guard cls == nil || cls == .complete, let base = b.baseAddress, b.count > 0 else { return }
+        sodium_memzero(UnsafeMutableRawPointer(mutating: base), b.count)
     }
 
     // MARK: files
@@ -256,28 +265,35 @@ final class Filesystem: Sendable {
         guard n.isRegular else { throw FSError(n.isDirectory ? EISDIR : EINVAL) }
         let writable = (flags & O_ACCMODE) != O_RDONLY
         let fd = try check(n.open(writable ? O_RDWR : O_RDONLY))
+        let cls: ProtectionClass
         do {
-            try n.io.write { st in
-                let h = try header(&st, node: n)
-                guard keyring.canOpen(h.protectionClass) else { throw FSError(EACCES) }
-                let key = try contentKey(&st, node: n)
-                if flags & O_TRUNC != 0 && writable { try content.truncate(fd: fd, key: key, to: 0) }
-                st.openCount += 1
+            cls = try n.io.write { st in
+                let h = try st.header { try readHeader(n) }
+                let key = try st.open(keyring: keyring, cipher: cipher)
+                if flags & O_TRUNC != 0 && writable {
+                    do { try content.truncate(fd: fd, key: key, to: 0) } catch { _ = st.release(keyring: keyring); throw error }
+                }
+                return h.protectionClass
             }
         } catch {
             close(fd)
             throw FSError(error)
         }
         openFiles.add(1, ordering: .relaxed)
-        return FileHandle(node: n, fd: fd, writable: writable)
+        return FileHandle(node: n, fd: fd, writable: writable, directIO: usesDirectIO(cls))
     }
+
+    /// Whether handles of `cls` bypass the kernel's page cache: class A, where the kernel
+    /// lets mappings use direct-I/O handles (else class A keeps cached I/O, and a refused
+    /// write can be seen by another reader of the file while the daemon answers it).
+    func usesDirectIO(_ cls: ProtectionClass) -> Bool { cls == .complete && FuseChannel.directIOMappable }
 
     /// Creates a regular file with the inherited class (EACCES when that class cannot create now).
     func create(parent: UInt64, name: String, mode: mode_t, flags: Int32, caller: Caller) throws -> (Node, stat, FileHandle) {
         try Self.checkName(name)
         let p = try node(parent)
         let cls = try inheritedClass(p)
-        guard let wrapKey = keyring.wrappingKey(for: cls) else { throw FSError(EACCES) }
+        guard let (wrapKey, epoch) = keyring.wrappingKey(for: cls) else { throw FSError(EACCES) }
         let entry = try backingName(p, name)
         let sideCreated = try ensureSideFile(p, entry)
         let bfd = openat(p.fd, entry.name, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode & 0o7777)
@@ -302,13 +318,14 @@ final class Filesystem: Sendable {
             var st = stat()
             try check(fstat(pathFD, &st))
             let n = table.remember(fd: pathFD, stat: st)
-            n.io.write { s in
-                s.header = header
-                s.key = key
-                s.openCount += 1
+            do {
+                try n.io.write { s in try s.adoptCreated(header: header, key: key, epoch: epoch, keyring: keyring) }
+            } catch {
+                table.forget(n.id, count: 1)   // the kernel never learns of this node
+                throw error
             }
             openFiles.add(1, ordering: .relaxed)
-            return (n, plaintextAttributes(st), FileHandle(node: n, fd: bfd, writable: true))
+            return (n, plaintextAttributes(st), FileHandle(node: n, fd: bfd, writable: true, directIO: usesDirectIO(cls)))
         } catch {
             unlinkat(p.fd, entry.name, 0)
             if sideCreated { removeSideFile(p, entry) }
@@ -320,17 +337,10 @@ final class Filesystem: Sendable {
     /// The last close of a handle: class B file keys die with the last handle once locked.
     func release(_ h: FileHandle) {
         HeapTrimmer.shared.note()
-        let lastClose = h.node.io.write { st -> (Bool, FileHeader?) in
-            st.openCount -= 1
-            if st.openCount == 0, st.header?.protectionClass == .completeUnlessOpen, !keyring.canOpen(.completeUnlessOpen) {
-                st.key?.wipe()
-                st.key = nil
-            }
-            return (st.openCount == 0, st.header)
-        }
+        let (lastClose, header) = h.node.io.write { st in (st.release(keyring: keyring), st.header) }
         openFiles.subtract(1, ordering: .relaxed)
         // The last close of a file unlinked while open takes its xattr set with it.
-        if lastClose.0, let header = lastClose.1, hasStoredXattrs {
+        if lastClose, let header, hasStoredXattrs {
             var st = stat()
             if fstat(h.fd, &st) == 0 && st.st_nlink == 0 { dropXattrs(Base64URL.encode(header.fileID)) }
         }
@@ -338,19 +348,30 @@ final class Filesystem: Sendable {
 
     /// Reads through a handle and replies while still holding the inode's lock, so a lock
     /// (which takes it alone before dropping the page cache) cannot be overtaken by a reply.
+    /// A reply buffer that carried class A plaintext is zeroed once sent.
     func read(_ h: FileHandle, offset: Int, into buf: UnsafeMutableRawBufferPointer, reply: (Int) -> Void) throws {
         guard offset >= 0 else { throw FSError(EINVAL) }
         if offset >= Self.maxFileSize { return reply(0) }
-        try withContentKey(h.node, exclusive: false) { key in
-            reply(try content.read(fd: h.fd, key: key, offset: offset, into: buf))
+        try withContentKey(h.node, .read) { key, cls in
+            let n: Int
+            do { n = try content.read(fd: h.fd, key: key, offset: offset, into: buf) } catch {
+                Self.wipe(UnsafeRawBufferPointer(buf), class: cls)
+                throw error
+            }
+            reply(n)
+            Self.wipe(UnsafeRawBufferPointer(rebasing: buf[0..<n]), class: cls)
         }
     }
 
-    /// Writes through a handle.
+    /// Writes through a handle. The request's plaintext (in the FUSE receive buffer) is
+    /// zeroed afterwards for class A, whether the write was accepted or refused.
     func write(_ h: FileHandle, offset: Int, data: UnsafeRawBufferPointer) throws {
         guard offset >= 0 else { throw FSError(EINVAL) }
         guard offset <= Self.maxFileSize - data.count else { throw FSError(EFBIG) }
-        try withContentKey(h.node, exclusive: true) { key in
+        var cls: ProtectionClass? = nil
+        defer { Self.wipe(data, class: cls) }
+        try withContentKey(h.node, .write) { key, c in
+            cls = c
             try content.write(fd: h.fd, key: key, offset: offset, data: data)
         }
     }
@@ -362,7 +383,7 @@ final class Filesystem: Sendable {
         let fd: Int32
         if let handle, handle.writable { fd = handle.fd } else { fd = try check(n.open(O_RDWR)) }
         defer { if fd != handle?.fd { close(fd) } }
-        try withContentKey(n, exclusive: true) { key in
+        try withContentKey(n, .write) { key, _ in
             try content.truncate(fd: fd, key: key, to: size)
         }
     }
@@ -377,7 +398,7 @@ final class Filesystem: Sendable {
         if mode & punchHole != 0 && (mode & keepSize == 0 || mode & zeroRange != 0) { throw FSError(EOPNOTSUPP) }
         guard h.writable else { throw FSError(EBADF) }
         let layout = content.layout
-        try withContentKey(h.node, exclusive: true) { key in
+        try withContentKey(h.node, .write) { key, _ in
             let size = try content.plainSize(fd: h.fd)
             let end = offset + length
             if mode & (punchHole | zeroRange) != 0 {
@@ -416,12 +437,14 @@ final class Filesystem: Sendable {
             return c
         }
         guard n.isRegular else { throw FSError(ENODATA) }
-        if let c = n.io.read({ $0.header?.protectionClass }) { return c }
-        return try n.io.write { st in try header(&st, node: n).protectionClass }
+        if let c = n.io.read({ $0.protectionClass }) { return c }
+        return try n.io.write { st in try st.header { try readHeader(n) }.protectionClass }
     }
 
-    /// Changes a file's class by rewrapping its key into the other header slot; on a
-    /// directory, stores the default for new children.
+    /// Changes a file's class by rewrapping its key (the rules are `FileKeyLife`'s): the new
+    /// slot is written and made durable, then the old slot is erased and that made durable,
+    /// so no older class's wrap survives a finished change. On a directory, stores the
+    /// default for new children.
     func setProtection(of id: UInt64, to cls: ProtectionClass) throws {
         let n = try node(id)
         if n.isDirectory { return try setDirectoryClass(n, cls) }
@@ -429,14 +452,12 @@ final class Filesystem: Sendable {
         let fd = try check(n.open(O_RDWR))
         defer { close(fd) }
         try n.io.write { st in
-            let h = try header(&st, node: n)
-            guard h.protectionClass != cls else { return }
-            let key = try contentKey(&st, node: n)
-            guard let wk = keyring.wrappingKey(for: cls) else { throw FSError(EACCES) }
-            let next = try h.rewrapped(fileKey: key.key, to: cls, using: wk)
-            try EncryptedContent.writeHeaderSlot(fd: fd, next)
-            Failpoint.classChangeBetweenSlots.hit()
-            st.header = next
+            _ = try st.header { try readHeader(n) }
+            try st.changeClass(to: cls, keyring: keyring, cipher: cipher) { next in
+                try EncryptedContent.writeHeaderSlot(fd: fd, next)
+                Failpoint.classChangeBetweenSlots.hit()
+                try EncryptedContent.eraseHeaderSlot(fd: fd, index: 1 - next.slot)
+            }
         }
     }
 
@@ -450,27 +471,21 @@ final class Filesystem: Sendable {
 
     // MARK: lock
 
+    /// Lock, first pass (keys still present): the inodes whose page cache the kernel must
+    /// write back and drop before the keys go.
+    func inodesHoldingProtectedPages() -> [UInt64] {
+        table.regularFiles().compactMap { n in n.io.read { $0.holdsProtectedPages } ? n.id : nil }
+    }
+
     /// Lock, after the class keys are evicted: zeroes class A file keys and the keys of
     /// class B files with no open handle. Returns the nodes whose page cache must go.
     func evictFileKeys() -> [UInt64] {
-        var ids: [UInt64] = []
-        for n in table.regularFiles() {
-            let drop: Bool = n.io.write { st in
-                guard let h = st.header else { return false }
-                switch h.protectionClass {
-                case .complete:
-                    st.key?.wipe(); st.key = nil
-                    return true
-                case .completeUnlessOpen:
-                    if st.openCount == 0 { st.key?.wipe(); st.key = nil }
-                    return st.openCount == 0
-                default:
-                    return false
-                }
-            }
-            if drop { ids.append(n.id) }
-        }
-        return ids
+        table.regularFiles().compactMap { n in n.io.write { $0.evict() } ? n.id : nil }
+    }
+
+    /// Daemon exit: every file key zeroed.
+    func wipeFileKeys() {
+        for n in table.regularFiles() { n.io.write { $0.wipe() } }
     }
 
     /// statfs of the store's filesystem.

@@ -107,10 +107,11 @@ enum FuseBridge {
         return Unmanaged<FileHandle>.fromOpaque(UnsafeRawPointer(bitPattern: UInt(fi.pointee.fh))!).takeUnretainedValue()
     }
 
-    /// Stores a file handle in `fi` (no page cache kept across opens).
+    /// Stores a file handle in `fi` (no page cache kept across opens; direct I/O for class A).
     static func attach(_ h: FileHandle, to fi: UnsafeMutablePointer<fuse_file_info>) {
         fi.pointee.fh = UInt64(UInt(bitPattern: Unmanaged.passRetained(h).toOpaque()))
         fi.pointee.keep_cache = 0
+        fi.pointee.direct_io = h.directIO ? 1 : 0
     }
 
     /// A C string argument as a Swift string.

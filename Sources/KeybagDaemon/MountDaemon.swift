@@ -151,6 +151,7 @@ public enum MountDaemon {
             log(m); report(cfg, "ERR " + m)
             fuse_remove_signal_handlers(se); fuse_session_destroy(se); server.stop(); controller.shutdown(); return 1
         }
+        if !FuseChannel.install(se) { log("cannot install the FUSE I/O hooks; class A handles keep page-cache I/O") }
         controller.session.store(UInt(bitPattern: Int(bitPattern: UnsafeRawPointer(se))), ordering: .releasing)
         server.start()
         HeapTrimmer.shared.start()

@@ -3,17 +3,6 @@ import Glibc
 import KeybagCore
 import Synchronization
 
-/// Per-file key state of a backing inode: its header, its file key while loaded, and how
-/// many handles are open. Hard links share one `Node`, so they share one key.
-struct FileKeyState {
-    /// The parsed header, once read.
-    var header: FileHeader?
-    /// The file key, while loaded.
-    var key: FileContentKey?
-    /// Open handles on this inode.
-    var openCount = 0
-}
-
 /// One inode known to the kernel and how to reach its backing object: directories keep
 /// an `O_PATH` descriptor (they are the `dirfd` of every name operation); everything else
 /// keeps a file handle (`name_to_handle_at`) and is opened on demand, so the daemon does
@@ -33,8 +22,9 @@ final class Node: Sendable {
     let backingIno: UInt64
     /// File type bits (`S_IFMT` part of st_mode).
     let type: mode_t
-    /// Holds the key state: reads share it, writes, truncation and eviction take it alone.
-    let io: RWLocked<FileKeyState>
+    /// The file key's life (regular files): reads share the lock, writes, truncation,
+    /// class changes and eviction take it alone.
+    let io: RWLocked<FileKeyLife>
     /// Directories: the parsed `.kbfs-dir` (name IV, default class), once read.
     let dirMeta = Mutex<DirectoryMeta?>(nil)
     /// Directories: the inherited default class and the class generation it was computed in.
@@ -48,7 +38,7 @@ final class Node: Sendable {
         self.backingDev = dev
         self.backingIno = ino
         self.type = type
-        self.io = RWLocked(FileKeyState())
+        self.io = RWLocked(FileKeyLife())
     }
 
     deinit { if fd >= 0 { close(fd) } }
@@ -200,11 +190,15 @@ final class FileHandle: Sendable {
     let fd: Int32
     /// Whether the open allowed writing.
     let writable: Bool
+    /// Whether the kernel is told to bypass its page cache for this handle (class A: a
+    /// write the daemon refuses must never sit in the cache where another reader finds it).
+    let directIO: Bool
 
-    init(node: Node, fd: Int32, writable: Bool) {
+    init(node: Node, fd: Int32, writable: Bool, directIO: Bool = false) {
         self.node = node
         self.fd = fd
         self.writable = writable
+        self.directIO = directIO
     }
 
     deinit { close(fd) }

@@ -34,15 +34,17 @@ final class LockHoldsTests: XCTestCase {
     func testClassBDowngradeWhileLockedIsRefusedDespiteAnOpenHandle() throws {
         let m = try unlockedMount(["b": "completeUnlessOpen"])
         XCTAssertEqual(writeFile(m.path("b/f"), bytes("class B secret")), 0)
-        let held = sysOpen(m.path("b/f"), O_RDONLY)   // someone else's handle keeps the file key
+        var held = sysOpen(m.path("b/f"), O_RDONLY)   // someone else's handle keeps the file key
         XCTAssertGreaterThanOrEqual(held, 0)
-        defer { close(held) }
+        defer { if held >= 0 { close(held) } }
         m.lock(grace: 0)
         XCTAssertEqual(m.state, "locked")
         XCTAssertEqual(setXattr(m.path("b/f"), "none"), EACCES, "a downgrade needs the class B private key")
         XCTAssertEqual(setXattr(m.path("b/f"), "completeUntilFirstUserAuthentication"), EACCES)
         XCTAssertEqual(try getXattr(m.path("b/f")).get(), "completeUnlessOpen")
         XCTAssertEqual(sysOpen(m.path("b/f"), O_RDONLY), -EACCES)
+        XCTAssertEqual(try sysPread(held, 100, 0).get(), bytes("class B secret"), "the open handle keeps working")
+        close(held); held = -1
         try m.restart()
         XCTAssertEqual(try getXattr(m.path("b/f")).get(), "completeUnlessOpen")
         XCTAssertEqual(sysOpen(m.path("b/f"), O_RDONLY), -EACCES, "still sealed for class B after a restart")

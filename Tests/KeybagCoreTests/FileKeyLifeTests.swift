@@ -1,0 +1,154 @@
+@testable import KeybagCore
+import XCTest
+
+/// The rules of a file key's life across unlock, the two steps of a lock, handles, class
+/// changes and creates that race a lock — without FUSE.
+final class FileKeyLifeTests: XCTestCase {
+    let cipher = ContentCipher.preferred
+
+    /// A keyring after one unlock.
+    func unlockedKeyring() throws -> ClassKeyring {
+        let ring = ClassKeyring(classD: SecureKey(random: 32))
+        ring.install(try freshUnlock())
+        return ring
+    }
+
+    /// Class keys as an unlock delivers them (the same keys every time, as the keybag does).
+    private var stored: (a: SecureKey, b: SecureKey, c: SecureKey)?
+    func freshUnlock() throws -> UnlockedClassKeys {
+        if stored == nil { stored = (SecureKey(random: 32), SecureKey(random: 32), SecureKey(random: 32)) }
+        let s = stored!
+        func copy(_ k: SecureKey) throws -> SecureKey { try k.withBytes { b in SecureKey(count: 32) { $0.copyMemory(from: b) } } }
+        let b = try copy(s.b)
+        return UnlockedClassKeys(classA: try copy(s.a), classBSecret: b, classBPublic: try ClassBAgreement.publicKey(of: b), classC: try copy(s.c))
+    }
+
+    /// A file of `cls` as the daemon knows it right after loading its header.
+    func file(_ cls: ProtectionClass, _ ring: ClassKeyring) throws -> FileKeyLife {
+        let (wrap, _) = try XCTUnwrap(ring.wrappingKey(for: cls))
+        let h = try FileHeader.create(fileKey: SecureKey(random: 32), class: cls, cipher: cipher, using: wrap)
+        var life = FileKeyLife()
+        _ = try life.header { h }
+        return life
+    }
+
+    func assertUnavailable(_ body: @autoclosure () throws -> Any, _ msg: String, line: UInt = #line) {
+        XCTAssertThrowsError(try body(), msg, line: line) { XCTAssertEqual($0 as? KeybagError, .keyUnavailable, msg, line: line) }
+    }
+
+    func testClassAKeyServesWritesOnlyWhileEvictingAndIsWipedByTheLock() throws {
+        let ring = try unlockedKeyring()
+        var a = try file(.complete, ring)
+        let k = try a.open(keyring: ring, cipher: cipher)
+        XCTAssertNotNil(a.readyKey(for: .read, ring.access))
+        ring.beginEviction()
+        XCTAssertNil(a.readyKey(for: .read, ring.access), "no plaintext served once a lock evicts")
+        XCTAssertTrue(a.readyKey(for: .write, ring.access) === k, "dirty pages are still sealed")
+        assertUnavailable(try a.key(for: .read, keyring: ring, cipher: cipher), "read while evicting")
+        XCTAssertTrue(a.holdsProtectedPages)
+        ring.finishEviction()
+        XCTAssertTrue(a.evict(), "class A pages go even with a handle open")
+        XCTAssertTrue(k.isWiped)
+        assertUnavailable(try a.key(for: .write, keyring: ring, cipher: cipher), "write when locked")
+        assertUnavailable(try a.key(for: .read, keyring: ring, cipher: cipher), "read when locked")
+        ring.install(try freshUnlock())
+        XCTAssertFalse(try a.key(for: .read, keyring: ring, cipher: cipher).isWiped, "reloaded from the header after unlock")
+    }
+
+    func testAClassAKeyThatMissedAnEvictionIsStaleAfterward() throws {
+        let ring = try unlockedKeyring()
+        var a = try file(.complete, ring)
+        let old = try a.open(keyring: ring, cipher: cipher)
+        ring.evictForLock()            // this inode was not visited (the race of a create)
+        XCTAssertNil(a.readyKey(for: .write, ring.access))
+        ring.install(try freshUnlock())
+        XCTAssertNil(a.readyKey(for: .read, ring.access), "a key from an earlier epoch is never used")
+        let fresh = try a.key(for: .read, keyring: ring, cipher: cipher)
+        XCTAssertTrue(old.isWiped, "the stale key is wiped when replaced")
+        XCTAssertFalse(fresh === old)
+    }
+
+    func testCreateOvertakenByALockIsRefused() throws {
+        let ring = try unlockedKeyring()
+        let (wrap, epoch) = try XCTUnwrap(ring.wrappingKey(for: .complete))
+        let raw = SecureKey(random: 32)
+        let h = try FileHeader.create(fileKey: raw, class: .complete, cipher: cipher, using: wrap)
+        let key = try FileContentKey(key: raw, cipher: cipher, fileID: h.fileID)
+        ring.evictForLock()
+        ring.install(try freshUnlock())   // even unlocked again: the create spanned a lock
+        var a = FileKeyLife()
+        assertUnavailable(try a.adoptCreated(header: h, key: key, epoch: epoch, keyring: ring), "create across a lock")
+        XCTAssertTrue(key.isWiped)
+        XCTAssertEqual(a.openCount, 0)
+        // In the same epoch it is adopted with its first handle.
+        let (w2, e2) = try XCTUnwrap(ring.wrappingKey(for: .complete))
+        let raw2 = SecureKey(random: 32)
+        let h2 = try FileHeader.create(fileKey: raw2, class: .complete, cipher: cipher, using: w2)
+        try a.adoptCreated(header: h2, key: try FileContentKey(key: raw2, cipher: cipher, fileID: h2.fileID), epoch: e2, keyring: ring)
+        XCTAssertEqual(a.openCount, 1)
+        // Class B is created while locked with the public key alone, across epochs too.
+        ring.evictForLock()
+        let (wb, eb) = try XCTUnwrap(ring.wrappingKey(for: .completeUnlessOpen))
+        XCTAssertNil(ring.wrappingKey(for: .complete))
+        let rawB = SecureKey(random: 32)
+        let hb = try FileHeader.create(fileKey: rawB, class: .completeUnlessOpen, cipher: cipher, using: wb)
+        var b = FileKeyLife()
+        try b.adoptCreated(header: hb, key: try FileContentKey(key: rawB, cipher: cipher, fileID: hb.fileID), epoch: eb, keyring: ring)
+    }
+
+    func testClassBKeyLivesWithItsHandlesAndItsClassCannotBeChangedWhileLocked() throws {
+        let ring = try unlockedKeyring()
+        var b = try file(.completeUnlessOpen, ring)
+        let k = try b.open(keyring: ring, cipher: cipher)
+        ring.evictForLock()
+        XCTAssertFalse(b.evict(), "a handle is open: pages and key stay")
+        XCTAssertTrue(b.readyKey(for: .read, ring.access) === k)
+        for target in [ProtectionClass.none, .completeUntilFirstUserAuthentication, .complete] {
+            assertUnavailable(try b.changeClass(to: target, keyring: ring, cipher: cipher) { _ in XCTFail("persisted") }, "B -> \(target) while locked")
+        }
+        XCTAssertEqual(b.protectionClass, .completeUnlessOpen)
+        XCTAssertTrue(b.release(keyring: ring))
+        XCTAssertTrue(k.isWiped, "the last close while locked wipes the key")
+        assertUnavailable(try b.open(keyring: ring, cipher: cipher), "reopen while locked")
+        ring.install(try freshUnlock())
+        _ = try b.open(keyring: ring, cipher: cipher)
+    }
+
+    func testClassChangesNeedTheCurrentClassOpenableAndTheTargetCreatable() throws {
+        let ring = try unlockedKeyring()
+        var c = try file(.completeUntilFirstUserAuthentication, ring)
+        var persisted: [FileHeader] = []
+        try c.changeClass(to: .none, keyring: ring, cipher: cipher) { persisted.append($0) }
+        XCTAssertEqual(c.protectionClass, ProtectionClass.none)
+        ring.beginEviction()
+        assertUnavailable(try c.changeClass(to: .complete, keyring: ring, cipher: cipher) { _ in }, "to A while evicting")
+        ring.finishEviction()
+        assertUnavailable(try c.changeClass(to: .complete, keyring: ring, cipher: cipher) { _ in }, "to A while locked")
+        try c.changeClass(to: .completeUnlessOpen, keyring: ring, cipher: cipher) { persisted.append($0) }
+        XCTAssertEqual(persisted.map(\.protectionClass), [ProtectionClass.none, .completeUnlessOpen])
+        XCTAssertEqual(persisted.map(\.generation), [2, 3])
+        // A failed persist changes nothing.
+        ring.install(try freshUnlock())
+        XCTAssertThrowsError(try c.changeClass(to: .complete, keyring: ring, cipher: cipher) { _ in throw KeybagError.system("pwrite", ENOSPC) })
+        XCTAssertEqual(c.protectionClass, .completeUnlessOpen)
+    }
+
+    func testKeyringPublishesWhatEachStepAllows() throws {
+        let ring = ClassKeyring(classD: SecureKey(random: 32))
+        XCTAssertEqual(ProtectionClass.allCases.filter { ring.access.canOpen($0) }, [.none])
+        ring.install(try freshUnlock())
+        let e0 = ring.access.epoch
+        XCTAssertTrue(ProtectionClass.allCases.allSatisfy { ring.access.canOpen($0) && ring.access.canCreate($0) })
+        ring.beginEviction()
+        XCTAssertEqual(ring.access.epoch, e0 + 1)
+        XCTAssertTrue(ring.access.evicting)
+        XCTAssertFalse(ring.access.canOpen(.complete)); XCTAssertFalse(ring.access.canCreate(.complete))
+        XCTAssertFalse(ring.access.canOpen(.completeUnlessOpen)); XCTAssertTrue(ring.access.canCreate(.completeUnlessOpen))
+        XCTAssertNil(ring.unwrappingKey(for: .complete))
+        XCTAssertNil(ring.wrappingKey(for: .complete))
+        ring.finishEviction()
+        XCTAssertFalse(ring.access.evicting)
+        XCTAssertTrue(ring.access.canOpen(.completeUntilFirstUserAuthentication))
+        XCTAssertFalse(ring.access.canOpen(.complete))
+    }
+}
