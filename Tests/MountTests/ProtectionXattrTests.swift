@@ -96,43 +96,6 @@ final class ProtectionXattrTests: XCTestCase {
         XCTAssertEqual(try getXattr(m.path("f")).get(), "complete")
         XCTAssertEqual(try readFile(m.path("f")).get(), data)
     }
-
-    func testClassChangeIsCrashSafe() throws {
-        // The daemon is killed with SIGKILL while a loop changes the class of a file;
-        // after each kill the file must read back intact in one of the two classes.
-        let m = try MountFixture()
-        addTeardownBlock { m.close() }
-        m.unlock()
-        var rng = SeededBytes(seed: 99)
-        let data = rng.bytes(20_000)
-        XCTAssertEqual(writeFile(m.path("f"), data), 0)
-        for round in 0..<5 {
-            let stop = m.root + "/stop"
-            let script = """
-            import os, sys
-            classes = ['complete', 'none', 'completeUnlessOpen', 'completeUntilFirstUserAuthentication']
-            i = 0
-            while not os.path.exists(sys.argv[2]):
-                try: os.setxattr(sys.argv[1], 'user.protection', classes[i % 4].encode())
-                except OSError: break
-                i += 1
-            """
-            let p = Process()
-            p.executableURL = URL(fileURLWithPath: "/usr/bin/env")
-            p.arguments = ["python3", "-c", script, m.path("f"), stop]
-            try p.run()
-            usleep(UInt32(100_000 + 37_000 * round))
-            if let d = m.daemon { kill(d.processIdentifier, SIGKILL); d.waitUntilExit() }
-            _ = FileManager.default.createFile(atPath: stop, contents: nil)
-            p.waitUntilExit()
-            try? FileManager.default.removeItem(atPath: stop)
-            m.unmount()
-            try m.mount()
-            m.unlock()
-            XCTAssertEqual(try readFile(m.path("f")).get(), data, "round \(round)")
-            XCTAssertNotNil(try? getXattr(m.path("f")).get())
-        }
-    }
 }
 
 /// Other user.* xattrs: stored encrypted, with ext4's semantics.
