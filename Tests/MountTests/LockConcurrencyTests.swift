@@ -46,6 +46,8 @@ final class ConcurrencyRun: Sendable {
     let stop = Atomic<Bool>(false)
     let serial = Atomic<Int>(0)
     let threadsDone = Atomic<Int>(0)
+    /// Odd from the moment a lock was confirmed until just before the unlock is sent.
+    let lockPhase = Atomic<Int>(0)
     let beats = Mutex<[Int]>([])
     let problems = Mutex<[String]>([])
     let counters = Mutex<[String: Int]>([:])
@@ -56,6 +58,16 @@ final class ConcurrencyRun: Sendable {
     func count(_ k: String) { counters.withLock { $0[k, default: 0] += 1 } }
     /// A worker made progress.
     func beat(_ i: Int) { beats.withLock { $0[i] += 1 } }
+
+    /// The lock phase now.
+    var phase: Int { lockPhase.load(ordering: .acquiring) }
+
+    /// Records a success of `what` on class `cls` that began in phase `p0` if the device was
+    /// locked the whole time: class A content, and new opens of class B, must be refused then.
+    func checkLocked(_ p0: Int, _ cls: String, _ what: String, newOpen: Bool) {
+        guard p0 % 2 == 1, phase == p0 else { return }
+        if cls == "complete" || (cls == "completeUnlessOpen" && newOpen) { problem("\(what) of class \(cls) succeeded while locked") }
+    }
 
     /// An errno a class allows for content access: EACCES for A, and for B unless through a
     /// handle opened before the lock; none for C and D.
@@ -123,16 +135,18 @@ final class LockConcurrencyTests: XCTestCase {
 
         // Lock with grace 0, wait 50 ms, unlock, wait 50 ms.
         spawn(0) {
-            if Self.control(socket, #"{"op":"lock","grace":0}"#) { run.count("locks") } else { run.problem("lock refused") }
+            if Self.control(socket, #"{"op":"lock","grace":0}"#) { run.count("locks"); run.lockPhase.add(1, ordering: .releasing) } else { run.problem("lock refused") }
             usleep(50_000)
+            if run.phase % 2 == 1 { run.lockPhase.add(1, ordering: .releasing) }
             if Self.control(socket, #"{"op":"unlock","passcode":"\#(passcode)"}"#) { run.count("unlocks") } else { run.problem("unlock refused") }
             usleep(50_000)
         }
         // Readers: held descriptors and fresh opens, every class.
         spawn(1) {
-            let f = snapshot.randomElement()!
+            let f = Bool.random() ? snapshot.filter { $0.cls == "complete" }.randomElement()! : snapshot.randomElement()!
             let lo = f.state.withLock { $0.committed }
             let useHeld = Bool.random()
+            let p0 = run.phase
             let fd = useHeld ? heldFDs[f.path]! : sysOpen(f.path, O_RDONLY)
             if fd < 0 {
                 if !ConcurrencyRun.allowed(-fd, f.cls) { run.problem("open \(f.path): errno \(-fd)") }
@@ -142,6 +156,7 @@ final class LockConcurrencyTests: XCTestCase {
             switch sysPread(fd, ModelFile.size, 0) {
             case .success(let b):
                 if let v = f.violation(b, since: lo) { run.problem(v) }
+                run.checkLocked(p0, f.cls, "read", newOpen: !useHeld)
                 run.count("reads")
             case .failure(let e):
                 if !ConcurrencyRun.allowed(e.rawValue, f.cls, heldB: useHeld) { run.problem("read \(f.path) (held: \(useHeld)): errno \(e.rawValue)") }
@@ -150,8 +165,9 @@ final class LockConcurrencyTests: XCTestCase {
         }
         // Writers: whole new versions through held descriptors and fresh opens.
         spawn(2) {
-            let f = snapshot.randomElement()!
+            let f = Bool.random() ? snapshot.filter { $0.cls == "complete" }.randomElement()! : snapshot.randomElement()!
             let useHeld = Bool.random()
+            let p0 = run.phase
             let fd = useHeld ? heldFDs[f.path]! : sysOpen(f.path, O_WRONLY)
             if fd < 0 {
                 if !ConcurrencyRun.allowed(-fd, f.cls) { run.problem("open for write \(f.path): errno \(-fd)") }
@@ -164,7 +180,10 @@ final class LockConcurrencyTests: XCTestCase {
                 if case .success(let n) = r, n == ModelFile.size { s.committed = max(s.committed, v) } else { s.refused.insert(v) }
             }
             switch r {
-            case .success(let n): if n != ModelFile.size { run.problem("short write \(n)") }; run.count("writes")
+            case .success(let n):
+                if n != ModelFile.size { run.problem("short write \(n)") }
+                run.checkLocked(p0, f.cls, "write", newOpen: !useHeld)
+                run.count("writes")
             case .failure(let e):
                 if !ConcurrencyRun.allowed(e.rawValue, f.cls, heldB: useHeld) { run.problem("write \(f.path) (held: \(useHeld)): errno \(e.rawValue)") }
                 run.count("refusedWrites")
@@ -175,6 +194,7 @@ final class LockConcurrencyTests: XCTestCase {
             let c = ["none", "completeUntilFirstUserAuthentication", "completeUnlessOpen", "complete"].randomElement()!
             let path = (mnt + "/\(c)/new\(run.serial.add(1, ordering: .relaxed).newValue % 40)")
             unlink(path)
+            let p0 = run.phase
             let fd = sysOpen(path, O_RDWR | O_CREAT | O_EXCL)
             if fd < 0 {
                 if !ConcurrencyRun.allowed(-fd, c) { run.problem("create \(path): errno \(-fd)") }
@@ -187,7 +207,9 @@ final class LockConcurrencyTests: XCTestCase {
             case .failure(let e): if !ConcurrencyRun.allowed(e.rawValue, c, heldB: true) { run.problem("write new \(path): errno \(e.rawValue)") }; return
             }
             switch sysPread(fd, 200, 0) {
-            case .success(let b): if b != payload { run.problem("\(path) read back \(b.count) bytes that differ") }
+            case .success(let b):
+                if b != payload { run.problem("\(path) read back \(b.count) bytes that differ") }
+                run.checkLocked(p0, c, "create and read", newOpen: false)
             case .failure(let e): if !ConcurrencyRun.allowed(e.rawValue, c, heldB: true) { run.problem("read new \(path): errno \(e.rawValue)") }
             }
         }
