@@ -18,6 +18,26 @@ failed=$(grep -cE "^Test Case .* failed \(" "$log" || true)
 rm -f "$log"
 [[ $failed -eq 0 ]] || status=1
 [[ $passed -gt 0 ]] || { echo "FAIL: no test ran" >&2; status=1; }
+# The lock and I/O tests again with ThreadSanitizer (test process and daemon); any race
+# report fails the run. The memory scan is skipped there: it cannot walk TSan's shadow.
+tsan_logs=$(mktemp -d)
+tsan_out=$(mktemp)
+if swift build --build-tests --sanitize=thread --scratch-path .build-tsan >"$tsan_out" 2>&1 &&
+   TSAN_OPTIONS="log_path=$tsan_logs/tsan" swift test --skip-build --sanitize=thread --scratch-path .build-tsan \
+     --disable-swift-testing --filter 'LockHoldsTests|LockConcurrencyTests|ClassMatrixTests|FileKeyLifeTests' \
+     --skip testNoClassAPlaintextOrPasscode >>"$tsan_out" 2>&1; then
+  tsan_passed=$(grep -cE "^Test Case .* passed \(" "$tsan_out" || true)
+  echo "# ThreadSanitizer: $tsan_passed tests passed" >&2
+else
+  echo "FAIL: the ThreadSanitizer run failed:" >&2; grep -E "error|failed" "$tsan_out" | head -20 >&2; status=1
+fi
+races=$(cat "$tsan_logs"/tsan.* "$tsan_out" 2>/dev/null | grep -c "WARNING: ThreadSanitizer" || true)
+if [[ $races -ne 0 ]]; then
+  echo "FAIL: ThreadSanitizer reported $races races:" >&2
+  cat "$tsan_logs"/tsan.* 2>/dev/null | grep -A12 "WARNING: ThreadSanitizer" | head -60 >&2
+  status=1
+fi
+rm -rf "$tsan_logs" "$tsan_out"
 # No test may leave a mount behind.
 left=$(grep ' fuse.keybagfs ' /proc/mounts | awk '{print $2}' | grep '/kbfs-test\.' || true)
 if [[ -n $left ]]; then

@@ -60,14 +60,14 @@ public final class ClassKeyring: Sendable {
             return KeyAccess(epoch: epoch, evicting: evicting, openMask: open, createMask: create)
         }
     }
-    private let keys: Mutex<Keys>
+    private let keys: Locked<Keys>
     /// `keys.access` as one word, stored under `keys`' lock and read without it.
     private let published: Atomic<UInt64>
 
     /// A keyring holding only class D (state `beforeFirstUnlock`).
     public init(classD: SecureKey) {
         let k = Keys(d: classD)
-        keys = Mutex(k)
+        keys = Locked(k)
         published = Atomic(k.access.word)
     }
 

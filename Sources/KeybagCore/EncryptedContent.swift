@@ -221,7 +221,7 @@ public final class ScratchBuffers: Sendable {
     public static let shared = ScratchBuffers()
     /// Size of every pooled buffer: a 1 MiB request plus block overhead.
     public static let pooledSize = (1 << 20) + 64 * 1024
-    private let free = Mutex<[UInt]>([])
+    private let free = Locked<[UInt]>([])
 
     /// Runs `body` with a buffer of `count` bytes and a separate block-sized buffer, both
     /// from one pooled buffer. Every block buffer of the data path comes from here: a heap

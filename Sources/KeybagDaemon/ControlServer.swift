@@ -8,7 +8,7 @@ import Synchronization
 /// One client connection of the control socket; writes are serialised.
 final class Connection: Sendable {
     let fd: Int32
-    private let writeLock = Mutex(0)
+    private let writeLock = Locked(0)
     init(fd: Int32) { self.fd = fd }
 
     /// Sends one line; non-blocking sends give up instead of waiting on a full buffer.

@@ -9,9 +9,9 @@ import Synchronization
 /// status against the keybag, the keyring and the filesystem, and publishes events.
 /// Transitions are serialised by one lock that no FUSE request handler ever takes.
 final class Controller: Sendable {
-    private let machine = Mutex(LockStateMachine())
-    private let transitions = Mutex(0)
-    private let keybag: Mutex<Keybag>
+    private let machine = Locked(LockStateMachine())
+    private let transitions = Locked(0)
+    private let keybag: Locked<Keybag>
     private let deviceKey: SecureKey
     let keyring: ClassKeyring
     let fs: Filesystem
@@ -24,7 +24,7 @@ final class Controller: Sendable {
     let mountpoint: String
 
     init(keybag: Keybag, deviceKey: SecureKey, keyring: ClassKeyring, fs: Filesystem, grace: Double, mountpoint: String) {
-        self.keybag = Mutex(keybag)
+        self.keybag = Locked(keybag)
         self.deviceKey = deviceKey
         self.keyring = keyring
         self.fs = fs
@@ -183,7 +183,7 @@ final class Controller: Sendable {
 /// Subscribers of events: each gets one JSON line per event, written without blocking;
 /// a subscriber whose socket buffer is full is dropped rather than stalling anyone.
 final class EventHub: Sendable {
-    private let subscribers = Mutex<[Int32: Connection]>([:])
+    private let subscribers = Locked<[Int32: Connection]>([:])
 
     /// Adds a subscribed connection.
     func add(_ c: Connection) { subscribers.withLock { $0[c.fd] = c } }

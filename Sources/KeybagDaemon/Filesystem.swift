@@ -48,7 +48,7 @@ final class Filesystem: Sendable {
     /// The store's folder of sealed user xattrs.
     let xattrsFD: Int32
     /// Serialises read-modify-write of stored xattr sets.
-    let xattrUpdates = Mutex(())
+    let xattrUpdates = Locked(())
     /// How many xattr sets are stored (while none are, removals skip looking for one).
     let storedXattrSets: Atomic<Int>
     /// Bumped whenever a directory's class or the tree's shape changes; cached

@@ -26,9 +26,9 @@ final class Node: Sendable {
     /// class changes and eviction take it alone.
     let io: RWLocked<FileKeyLife>
     /// Directories: the parsed `.kbfs-dir` (name IV, default class), once read.
-    let dirMeta = Mutex<DirectoryMeta?>(nil)
+    let dirMeta = Locked<DirectoryMeta?>(nil)
     /// Directories: the inherited default class and the class generation it was computed in.
-    let inherited = Mutex<(generation: UInt64, cls: ProtectionClass)?>(nil)
+    let inherited = Locked<(generation: UInt64, cls: ProtectionClass)?>(nil)
 
     init(id: UInt64, fd: Int32, handle: [UInt8]? = nil, mountFD: Int32 = -1, dev: UInt64, ino: UInt64, type: mode_t) {
         self.id = id
@@ -78,7 +78,7 @@ final class NodeTable: Sendable {
         var nextID: UInt64 = 2
     }
     private struct BackingID: Hashable { let dev: UInt64; let ino: UInt64 }
-    private let tables = Mutex(Tables())
+    private let tables = Locked(Tables())
 
     /// The root node (FUSE id 1); never forgotten.
     let root: Node

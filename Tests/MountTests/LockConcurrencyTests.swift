@@ -11,12 +11,12 @@ final class ModelFile: Sendable {
     let path: String
     let cls: String
     static let size = 16 * 1024
-    let state: Mutex<State>
+    let state: Locked<State>
 
     init(path: String, cls: String, version: UInt32) {
         self.path = path
         self.cls = cls
-        state = Mutex(State(committed: version, started: version))
+        state = Locked(State(committed: version, started: version))
     }
 
     /// The content of a version.
@@ -48,9 +48,9 @@ final class ConcurrencyRun: Sendable {
     let threadsDone = Atomic<Int>(0)
     /// Odd from the moment a lock was confirmed until just before the unlock is sent.
     let lockPhase = Atomic<Int>(0)
-    let beats = Mutex<[Int]>([])
-    let problems = Mutex<[String]>([])
-    let counters = Mutex<[String: Int]>([:])
+    let beats = Locked<[Int]>([])
+    let problems = Locked<[String]>([])
+    let counters = Locked<[String: Int]>([:])
 
     /// Records a broken rule (the first 50).
     func problem(_ s: String) { problems.withLock { if $0.count < 50 { $0.append(s) } } }
