@@ -83,8 +83,7 @@ final class Filesystem: Sendable {
         defer { closedir(dir) }
         var count = 0
         while let ent = readdir(dir) {
-            let first = withUnsafeBytes(of: ent.pointee.d_name) { $0[0] }
-            if first != UInt8(ascii: ".") { count += 1 }
+            if Self.entryName(ent).pointee != CChar(UInt8(ascii: ".")) { count += 1 }
         }
         return count
     }

@@ -346,6 +346,12 @@ extension Filesystem {
 
     // MARK: directories
 
+    /// The name of a `readdir` entry, read in place: glibc's records are only as long as
+    /// their name, so copying the 256-byte `d_name` field reads past the last record.
+    static func entryName(_ ent: UnsafeMutablePointer<dirent>) -> UnsafePointer<CChar> {
+        (UnsafeRawPointer(ent) + MemoryLayout<dirent>.offset(of: \dirent.d_name)!).assumingMemoryBound(to: CChar.self)
+    }
+
     /// Raw entries of a directory (without . and ..).
     func backingEntries(dirFD: Int32) throws -> [(name: String, ino: UInt64, type: UInt8)] {
         let dup2fd = try check(dup(dirFD))
@@ -354,9 +360,7 @@ extension Filesystem {
         rewinddir(dir)
         var out: [(String, UInt64, UInt8)] = []
         while let ent = readdir(dir) {
-            let name = withUnsafeBytes(of: ent.pointee.d_name) { raw in
-                String(cString: raw.baseAddress!.assumingMemoryBound(to: CChar.self))
-            }
+            let name = String(cString: Self.entryName(ent))
             if name == "." || name == ".." { continue }
             out.append((name, UInt64(ent.pointee.d_ino), ent.pointee.d_type))
         }
