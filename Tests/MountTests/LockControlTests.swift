@@ -82,13 +82,25 @@ final class LockControlTests: XCTestCase {
             XCTAssertNotNil(ISO8601DateFormatter().date(from: time.replacingOccurrences(of: #"\.\d+"#, with: "", options: .regularExpression)), time)
         }
 
-        // Unlock during `locking` cancels the lock: still unlocked well after the grace period.
+        // Unlock during `locking` cancels the lock. The events prove the unlock really came
+        // during the grace period (no `didBecomeUnavailable` between `will` and `available`),
+        // so a slow KDF cannot turn this into a test of something else; then the timer's own
+        // deadline passes without an eviction.
         m.unlock()
-        XCTAssertEqual(m.ctl(["lock", "--grace", "1"]).code, 0)
+        watch.wait(for: 4)
+        let before = watch.events.count
+        let grace = 3.0
+        let sent = Date()
+        XCTAssertEqual(m.ctl(["lock", "--grace", String(grace)]).code, 0)
         XCTAssertEqual(m.state, "locking")
         m.unlock()
-        XCTAssertEqual(m.state, "unlocked")
-        usleep(1_600_000)
+        watch.wait(for: before + 2)
+        XCTAssertEqual(Array(watch.events.dropFirst(before)), ["protectedDataWillBecomeUnavailable", "protectedDataDidBecomeAvailable"],
+                       "the unlock must land inside the grace period and cancel the lock")
+        XCTAssertLessThan(Date().timeIntervalSince(sent), grace, "the unlock took longer than the grace period")
+        let deadline = sent.addingTimeInterval(grace + 0.5)
+        while Date() < deadline { usleep(50_000) }
+        XCTAssertEqual(watch.events.count, before + 2, "the cancelled lock fired: \(watch.events)")
         XCTAssertEqual(m.state, "unlocked", "the cancelled lock must not fire")
         XCTAssertEqual(try readFile(m.path("a/f")).get(), bytes("secret"))
 
