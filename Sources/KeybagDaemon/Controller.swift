@@ -41,7 +41,8 @@ final class Controller: Sendable {
         let (failures, retry) = keybag.withLock { ($0.file.failedAttempts, $0.retryAfter(now: Date().timeIntervalSince1970)) }
         return ["ok": true, "state": st.rawValue, "protectedDataAvailable": st == .unlocked, "grace": defaultGrace,
                 "openFiles": fs.openFiles.load(ordering: .relaxed), "pid": Int(getpid()), "mountpoint": mountpoint,
-                "failedAttempts": failures, "retryAfter": Int(retry.rounded(.up))]
+                "failedAttempts": failures, "retryAfter": Self.seconds(retry),
+                "classADirectIO": FuseChannel.directIOMappable, "subscribers": events.count]
     }
 
     /// An error reply.
@@ -54,31 +55,40 @@ final class Controller: Sendable {
     /// Outcome of a passcode check.
     private enum Verification { case accepted(UnlockedClassKeys), refused([String: Any]) }
 
-    /// Checks the throttle, then the passcode, counting failures in the keybag.
+    /// Checks the throttle, then the passcode, counting failures in the keybag. The KDF
+    /// runs on a copy of the keybag, so `status` (which reads it) never waits for a KDF;
+    /// unlock and passwd are serialised by the transition lock, so the copy stays current.
     private func verify(_ passcode: SecureKey) -> Verification {
-        keybag.withLock { kb in
-            let now = Date().timeIntervalSince1970
-            let wait = kb.retryAfter(now: now)
-            if wait > 0 {
-                let s = Int(wait.rounded(.up))
-                return .refused(Self.refusal("throttled", "too many failed attempts; retry in \(s) s", ["retryAfter": s]))
-            }
-            do {
-                let keys = try kb.unlock(passcode: passcode, deviceKey: deviceKey)
-                try? kb.recordSuccess()
-                return .accepted(keys)
-            } catch KeybagError.badPasscode {
+        let now = Date().timeIntervalSince1970
+        let snapshot = keybag.withLock { $0 }
+        let wait = snapshot.retryAfter(now: now)
+        if wait > 0 {
+            let s = Self.seconds(wait)
+            return .refused(Self.refusal("throttled", "too many failed attempts; retry in \(s) s", ["retryAfter": s]))
+        }
+        do {
+            let keys = try snapshot.unlock(passcode: passcode, deviceKey: deviceKey)
+            keybag.withLock { try? $0.recordSuccess() }
+            return .accepted(keys)
+        } catch KeybagError.badPasscode {
+            return keybag.withLock { kb in
                 do { try kb.recordFailure(now: now) } catch {
                     return .refused(Self.refusal("internal", "wrong passcode; the failure could not be recorded: \(error)"))
                 }
-                let retry = Int(kb.retryAfter(now: now).rounded(.up))
+                let retry = Self.seconds(kb.retryAfter(now: now))
                 var extra: [String: Any] = ["failedAttempts": kb.file.failedAttempts]
                 if retry > 0 { extra["retryAfter"] = retry }
                 return .refused(Self.refusal("badPasscode", retry > 0 ? "wrong passcode; retry in \(retry) s" : "wrong passcode", extra))
-            } catch {
-                return .refused(Self.refusal("internal", "\(error)"))
             }
+        } catch {
+            return .refused(Self.refusal("internal", "\(error)"))
         }
+    }
+
+    /// Whole seconds of a delay, rounded up; never traps (the keybag may hold anything).
+    static func seconds(_ d: Double) -> Int {
+        guard d.isFinite, d > 0 else { return 0 }
+        return Int(min(d.rounded(.up), 1e9))
     }
 
     /// unlock: installs the class keys, cancels a pending lock, sends `didBecomeAvailable`.
@@ -103,7 +113,9 @@ final class Controller: Sendable {
             case .accepted(let keys):
                 keys.wipe()
                 do {
-                    try keybag.withLock { try $0.changePasscode(old: old, new: new, deviceKey: deviceKey) }
+                    var next = keybag.withLock { $0 }
+                    try next.changePasscode(old: old, new: new, deviceKey: deviceKey)   // two KDFs, off the lock
+                    keybag.withLock { $0 = next }
                     return ["ok": true]
                 } catch {
                     return Self.refusal("internal", "passcode not changed: \(error)")
@@ -189,6 +201,9 @@ final class EventHub: Sendable {
     func add(_ c: Connection) { subscribers.withLock { $0[c.fd] = c } }
     /// Removes a connection.
     func remove(_ c: Connection) { subscribers.withLock { _ = $0.removeValue(forKey: c.fd) } }
+
+    /// How many connections are subscribed.
+    var count: Int { subscribers.withLock { $0.count } }
 
     /// Sends an event to every subscriber.
     func publish(_ event: ProtectionEvent, state: LockState) {

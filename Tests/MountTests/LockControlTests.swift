@@ -8,7 +8,9 @@ final class WatchCollector: @unchecked Sendable {   // lines guarded by `lock`
     private let lock = NSLock()
     private var lines: [String] = []
 
+    /// Starts `keybagctl watch --json` and returns once the daemon counts it as a subscriber.
     init(_ m: MountFixture) throws {
+        let before = m.status()["subscribers"] as? Int ?? 0
         process.executableURL = URL(fileURLWithPath: MountFixture.binDir + "/keybagctl")
         process.arguments = ["--socket", m.socket, "watch", "--json"]
         let pipe = Pipe()
@@ -28,7 +30,10 @@ final class WatchCollector: @unchecked Sendable {   // lines guarded by `lock`
                 }
             }
         }
-        usleep(300_000)   // let it subscribe
+        guard waitUntil(10, { (m.status()["subscribers"] as? Int ?? 0) > before }) else {
+            process.terminate()
+            throw NSError(domain: "keybagctl watch did not subscribe", code: 1)
+        }
     }
 
     /// Event names seen so far.

@@ -41,7 +41,7 @@ final class MountFixture {
     private var closed = false
 
     /// Creates a store (Argon2id interactive, for speed) and mounts it in the foreground.
-    init(passcode: String = "correct horse battery", grace: Double = 0, defaultClass: String? = nil, mount: Bool = true) throws {
+    init(passcode: String = "correct horse battery", grace: Double = 0, defaultClass: String? = nil, kdf: String = "interactive", mount: Bool = true) throws {
         guard FileManager.default.fileExists(atPath: "/dev/fuse") else { throw NSError(domain: "/dev/fuse is missing: the mount tests need FUSE (they fail rather than skip)", code: 1) }
         let template = "/tmp/kbfs-test.XXXXXX"
         var buf = Array(template.utf8CString)
@@ -56,7 +56,7 @@ final class MountFixture {
         self.grace = grace
         self.defaultClass = defaultClass
         try FileManager.default.createDirectory(atPath: mnt, withIntermediateDirectories: true)
-        let r = Self.run(Self.binDir + "/keybagfs", ["init", store, "--passcode-stdin", "--device-key", deviceKey, "--kdf", "interactive"],
+        let r = Self.run(Self.binDir + "/keybagfs", ["init", store, "--passcode-stdin", "--device-key", deviceKey, "--kdf", kdf],
                          stdin: passcode + "\n")
         guard r.code == 0 else { throw NSError(domain: "keybagfs init failed: \(r.stderr)", code: Int(r.code)) }
         if mount { try self.mount() }

@@ -1,0 +1,165 @@
+import Foundation
+import Glibc
+import KeybagCore
+import Synchronization
+import XCTest
+
+/// The control socket under pressure from other users and idle clients: root and the
+/// owner always get an answer, and `status` never waits for a KDF.
+final class ControlSocketTests: XCTestCase {
+    /// A python program, run as uid 65534, that opens `count` connections (sending `line`
+    /// on each unless it is empty), prints how many were accepted and refused, then holds
+    /// them until its stdin closes.
+    static let crowd = """
+    import os, resource, socket, sys
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    path, count, line = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    held, accepted, refused = [], 0, 0
+    for i in range(count):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+        s.settimeout(5)
+        if line:
+            s.sendall(line.encode() + b'\\n')
+            try: reply = s.recv(4096)
+            except OSError: reply = b''
+            if b'"ok":true' in reply: accepted += 1
+            else: refused += 1
+        held.append(s)
+    print('accepted %d refused %d' % (accepted, refused), flush=True)
+    sys.stdin.read()
+    """
+
+    /// Starts the crowd as uid 65534; returns the process, its stdin and its first line.
+    func startCrowd(_ m: MountFixture, count: Int, line: String) throws -> (Process, Pipe, String) {
+        let p = Process()
+        p.executableURL = URL(fileURLWithPath: "/usr/bin/setpriv")
+        p.arguments = ["--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c", Self.crowd, m.socket, String(count), line]
+        let out = Pipe(), inp = Pipe()
+        p.standardOutput = out
+        p.standardInput = inp
+        try p.run()
+        var seen = Data()
+        while !seen.contains(0x0A) {
+            let d = out.fileHandleForReading.availableData
+            if d.isEmpty { break }
+            seen += d
+        }
+        return (p, inp, String(decoding: seen, as: UTF8.self).trimmingCharacters(in: .whitespacesAndNewlines))
+    }
+
+    /// Seconds a closure takes.
+    func timed(_ body: () -> Void) -> Double {
+        let t0 = Date()
+        body()
+        return Date().timeIntervalSince(t0)
+    }
+
+    /// One request on a fresh connection; the reply line.
+    func request(_ m: MountFixture, _ line: String) -> String {
+        guard let fd = try? ControlClient.connect(path: m.socket) else { return "" }
+        defer { close(fd) }
+        try? ControlClient.sendLine(fd, line)
+        var buf: [UInt8] = []
+        return ControlClient.readLine(fd, buffer: &buf) ?? ""
+    }
+
+    func testAnotherUsersSubscribersCannotKeepTheOwnerFromLocking() throws {
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        let (crowd, stdin, summary) = try startCrowd(m, count: 200, line: #"{"op":"subscribe"}"#)
+        defer { try? stdin.fileHandleForWriting.close(); crowd.waitUntilExit() }
+        let parts = summary.split(separator: " ")
+        guard parts.count == 4, let accepted = Int(parts[1]) else { return XCTFail("crowd did not start: \(summary)") }
+        XCTAssertGreaterThan(accepted, 0, "other users may subscribe: \(summary)")
+        XCTAssertLessThanOrEqual(accepted, 8, "one uid gets a bounded share: \(summary)")
+        let lock = m.ctl(["lock", "--grace", "0"])
+        XCTAssertEqual(lock.code, 0, "the owner's lock: \(lock.stderr)")
+        XCTAssertEqual(m.state, "locked")
+        m.unlock()
+        XCTAssertEqual(m.state, "unlocked")
+    }
+
+    func testThousandsOfIdleConnectionsDoNotDelayRoot() throws {
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        let (crowd, stdin, summary) = try startCrowd(m, count: 2000, line: "")
+        defer { try? stdin.fileHandleForWriting.close(); crowd.waitUntilExit() }
+        XCTAssertTrue(summary.hasPrefix("accepted"), summary)
+        // Root's own idle connections too.
+        var mine: [Int32] = []
+        for _ in 0..<100 { if let fd = try? ControlClient.connect(path: m.socket) { mine.append(fd) } }
+        defer { mine.forEach { close($0) } }
+        var worst = 0.0
+        for _ in 0..<10 {
+            var reply = ""
+            worst = max(worst, timed { reply = request(m, #"{"op":"status"}"#) })
+            XCTAssertTrue(reply.contains("\"ok\":true"), reply)
+        }
+        var lockReply = ""
+        let lockTime = timed { lockReply = request(m, #"{"op":"lock","grace":0}"#) }
+        XCTAssertTrue(lockReply.contains("\"ok\":true"), lockReply)
+        print("2,000 idle connections of another user, 100 of root: status worst \(Int(worst * 1000)) ms, lock \(Int(lockTime * 1000)) ms")
+        XCTAssertLessThan(worst, 0.5)
+        XCTAssertLessThan(lockTime, 0.5)
+        m.unlock()
+        XCTAssertEqual(m.state, "unlocked")
+    }
+
+    func testStatusAnswersWhileAnUnlockRunsItsKDF() throws {
+        let m = try MountFixture(kdf: "moderate")
+        addTeardownBlock { m.close() }
+        let unlockDone = Atomic<Bool>(false)
+        let finished = DispatchSemaphore(value: 0)
+        let socket = m.socket, passcode = m.passcode
+        let started = Date()
+        Thread.detachNewThread {
+            _ = MountFixture.run(MountFixture.binDir + "/keybagctl", ["--socket", socket, "unlock", "--passcode-stdin"], stdin: passcode + "\n")
+            unlockDone.store(true, ordering: .releasing)
+            finished.signal()
+        }
+        // Wait until the daemon is inside the KDF: Argon2id "moderate" fills 256 MiB.
+        let pid = try XCTUnwrap(m.daemon?.processIdentifier)
+        func rssMiB() -> Int {
+            let s = (try? String(contentsOfFile: "/proc/\(pid)/status", encoding: .utf8)) ?? ""
+            let line = s.split(separator: "\n").first { $0.hasPrefix("VmRSS:") } ?? ""
+            return (Int(line.split(separator: " ", omittingEmptySubsequences: true).dropFirst().first ?? "") ?? 0) / 1024
+        }
+        XCTAssertTrue(waitUntil(10) { rssMiB() > 120 || unlockDone.load(ordering: .acquiring) }, "the KDF never started")
+        XCTAssertFalse(unlockDone.load(ordering: .acquiring), "the unlock ended before status could be asked during it")
+        var replies: [String] = []
+        let during = timed { replies.append(request(m, #"{"op":"status"}"#)) }
+        let statusEnded = Date().timeIntervalSince(started)
+        finished.wait()
+        let unlockEnded = Date().timeIntervalSince(started)
+        print("status during a moderate-KDF unlock: \(Int(during * 1000)) ms, answered at \(Int(statusEnded * 1000)) ms, unlock done at \(Int(unlockEnded * 1000)) ms")
+        XCTAssertTrue(replies[0].contains("\"ok\":true"), replies[0])
+        XCTAssertLessThan(statusEnded + 0.1, unlockEnded, "status waited for the unlock's KDF")
+        XCTAssertEqual(m.state, "unlocked")
+    }
+
+    func testGraceMustBeANumberAndRequestsMustBeFlatObjects() throws {
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        func code(_ line: String) -> String? {
+            let r = request(m, line)
+            return (try? JSONSerialization.jsonObject(with: Data(r.utf8)) as? [String: Any])?["error"] as? String
+        }
+        XCTAssertEqual(code(#"{"op":"lock","grace":true}"#), "badRequest", "true is not 1 second")
+        XCTAssertEqual(code(#"{"op":"lock","grace":[1]}"#), "badRequest")
+        XCTAssertEqual(code(#"{"op":"unlock","passcode":{"a":1}}"#), "badRequest")
+        XCTAssertEqual(code(#"{"op":"status"} trailing"#), "badRequest")
+        XCTAssertEqual(code(#"{"op":"status","op":"lock"}"#), "badRequest", "duplicate fields")
+        XCTAssertEqual(m.state, "unlocked", "nothing above locked")
+        XCTAssertTrue(request(m, #"{ "op" : "st\u0061tus" }"#).contains("\"ok\":true"), "escapes work")
+        // A passcode with escapes reaches the KDF decoded.
+        let p = try MountFixture(passcode: "p\"w\\ü")
+        addTeardownBlock { p.close() }
+        let r = request(p, #"{"op":"unlock","passcode":"p\"w\\\u00fc"}"#)
+        XCTAssertTrue(r.contains("\"ok\":true"), r)
+    }
+}
