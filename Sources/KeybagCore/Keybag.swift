@@ -47,6 +47,9 @@ public struct KeybagFile: Codable, Sendable, Equatable {
     public var failedAttempts: Int
     /// Unix time before which no unlock is attempted (escalating delay).
     public var lockoutUntil: Double
+    /// Format 2: keyed BLAKE2b of storeID, failedAttempts and lockoutUntil under a key
+    /// derived from the device key (base64), so the counter cannot be edited offline.
+    public var counterMAC: String?
 }
 
 /// Delay policy after failed unlocks: none for the first four, then 1, 5, 15, 15 minutes,
@@ -95,13 +98,56 @@ public struct Keybag: Sendable {
     public let storePath: String
     /// The parsed file.
     public private(set) var file: KeybagFile
+    /// The key that authenticates the failed-attempt counter (from the device key), once known.
+    private var counterKey: SecureKey?
+    /// Current keybag format: 2 (counter MAC; device-only slots wrapped with the v2 AD).
+    public static let currentFormat = 2
+    /// Most Argon2id passes and memory a keybag may ask for (hostile values would stall or kill the daemon).
+    public static let maxOpsLimit: UInt64 = 32
+    public static let maxMemLimit: UInt64 = 4 << 30
+    /// Most failures in a row a keybag may record.
+    public static let maxFailedAttempts = 1_000_000
+
+    init(storePath: String, file: KeybagFile, counterKey: SecureKey? = nil) {
+        self.storePath = storePath
+        self.file = file
+        self.counterKey = counterKey
+    }
 
     /// The store's content cipher.
     public var cipher: ContentCipher { ContentCipher(name: file.cipher) ?? .xchacha20poly1305 }
     /// Path of the keybag file.
     public var path: String { storePath + "/" + Keybag.fileName }
 
-    private static func ad(_ storeID: String, _ slot: String) -> [UInt8] { Array("keybagfs-keybag-v1|\(storeID)|\(slot)".utf8) }
+    /// Associated data of a wrapped slot. Format 2 wraps the device-only slots (`D`,
+    /// `volume`) under a v2 tag, so a format-2 keybag edited to claim format 1 (to drop the
+    /// counter MAC) no longer opens with the device key.
+    private static func ad(_ storeID: String, _ slot: String, format: Int = 1) -> [UInt8] {
+        let v = format >= 2 && (slot == "D" || slot == "volume") ? "v2" : "v1"
+        return Array("keybagfs-keybag-\(v)|\(storeID)|\(slot)".utf8)
+    }
+
+    /// The key for the counter MAC: crypto_kdf subkey 2 of the device key, context "kbfscnt1".
+    public static func counterKey(_ deviceKey: SecureKey) throws -> SecureKey {
+        try deviceKey.withBytes { dk in
+            SecureKey(count: 32) { out in
+                _ = crypto_kdf_derive_from_key(out.baseAddress!.assumingMemoryBound(to: UInt8.self), 32, 2, "kbfscnt1",
+                                               dk.baseAddress!.assumingMemoryBound(to: UInt8.self))
+            }
+        }
+    }
+
+    /// The MAC of the counter state of `f`.
+    static func counterMAC(_ f: KeybagFile, key: SecureKey) throws -> String {
+        var msg = Array("keybagfs-counter-v1|\(f.storeID)|".utf8)
+        withUnsafeBytes(of: Int64(f.failedAttempts).littleEndian) { msg += $0 }
+        withUnsafeBytes(of: f.lockoutUntil.bitPattern.littleEndian) { msg += $0 }
+        var mac = [UInt8](repeating: 0, count: 32)
+        try key.withBytes { k in
+            _ = crypto_generichash(&mac, 32, msg, UInt64(msg.count), k.baseAddress!.assumingMemoryBound(to: UInt8.self), k.count)
+        }
+        return Data(mac).base64EncodedString()
+    }
 
     /// The key that wraps device-only keys: crypto_kdf subkey 1, context "kbfsdev1".
     public static func deviceWrapKey(_ deviceKey: SecureKey) throws -> SecureKey {
@@ -140,10 +186,10 @@ public struct Keybag: Sendable {
 
     /// Creates a new keybag in `storePath` (which must be empty or absent) and returns it.
     public static func create(storePath: String, storeID: String, passcode: SecureKey, deviceKey: SecureKey, strength: KDFStrength,
-                              cipher: ContentCipher = .preferred) throws -> Keybag {
-        var file = KeybagFile(format: 1, storeID: storeID, cipher: cipher.name, kdfOpsLimit: strength.opsLimit,
+                              cipher: ContentCipher = .preferred, format: Int = Keybag.currentFormat) throws -> Keybag {
+        var file = KeybagFile(format: format, storeID: storeID, cipher: cipher.name, kdfOpsLimit: strength.opsLimit,
                               kdfMemLimit: strength.memLimit, kdfSalt: Data(Sodium.randomArray(Int(crypto_pwhash_SALTBYTES))).base64EncodedString(),
-                              wrapped: [:], classBPublic: "", failedAttempts: 0, lockoutUntil: 0)
+                              wrapped: [:], classBPublic: "", failedAttempts: 0, lockoutUntil: 0, counterMAC: nil)
         let kek = try passcodeKey(passcode: passcode, file: file, deviceKey: deviceKey)
         defer { kek.wipe() }
         let dwk = try deviceWrapKey(deviceKey)
@@ -153,10 +199,10 @@ public struct Keybag: Sendable {
         defer { [a, bs, c, d, vol].forEach { $0.wipe() } }
         let bp = try ClassBAgreement.publicKey(of: bs)
         for (slot, key, wrapper) in [("A", a, kek), ("B", bs, kek), ("C", c, kek), ("D", d, dwk), ("volume", vol, dwk)] {
-            file.wrapped[slot] = Data(try KeyWrap.wrap(key, with: wrapper, ad: ad(storeID, slot))).base64EncodedString()
+            file.wrapped[slot] = Data(try KeyWrap.wrap(key, with: wrapper, ad: ad(storeID, slot, format: format))).base64EncodedString()
         }
         file.classBPublic = Data(bp).base64EncodedString()
-        let kb = Keybag(storePath: storePath, file: file)
+        let kb = Keybag(storePath: storePath, file: file, counterKey: format >= 2 ? try counterKey(deviceKey) : nil)
         try kb.save()
         return kb
     }
@@ -168,9 +214,8 @@ public struct Keybag: Sendable {
             throw KeybagError.invalid("no keybag at \(p): not a keybagfs store (run `keybagfs init` first)")
         }
         do {
-            let file = try JSONDecoder().decode(KeybagFile.self, from: data)
-            guard file.format == 1 else { throw KeybagError.corrupt("unknown keybag format \(file.format)") }
-            guard ContentCipher(name: file.cipher) != nil else { throw KeybagError.corrupt("unknown cipher \(file.cipher)") }
+            var file = try JSONDecoder().decode(KeybagFile.self, from: data)
+            try validate(&file)
             return Keybag(storePath: storePath, file: file)
         } catch let e as KeybagError {
             throw e
@@ -179,8 +224,70 @@ public struct Keybag: Sendable {
         }
     }
 
+    /// Checks every field a hostile keybag could use against the daemon: each bad value is a
+    /// `corrupt` error naming the field, never a trap. A lockout further away than the
+    /// longest delay is cut to that delay.
+    static func validate(_ f: inout KeybagFile, now: Double = Date().timeIntervalSince1970) throws {
+        func bad(_ field: String, _ why: String) -> KeybagError { .corrupt("keybag field \(field): \(why)") }
+        guard f.format == 1 || f.format == 2 else { throw bad("format", "unknown format \(f.format)") }
+        guard f.storeID.utf8.count == 32, f.storeID.utf8.allSatisfy({ (0x30...0x39).contains($0) || (0x61...0x66).contains($0) }) else {
+            throw bad("storeID", "not 32 lowercase hex digits")
+        }
+        guard ContentCipher(name: f.cipher) != nil else { throw bad("cipher", "unknown cipher") }
+        guard f.kdfOpsLimit >= UInt64(crypto_pwhash_opslimit_min()), f.kdfOpsLimit <= maxOpsLimit else { throw bad("kdfOpsLimit", "out of range") }
+        guard f.kdfMemLimit >= UInt64(crypto_pwhash_memlimit_min()), f.kdfMemLimit <= maxMemLimit else { throw bad("kdfMemLimit", "out of range") }
+        guard let salt = Data(base64Encoded: f.kdfSalt), salt.count == Int(crypto_pwhash_SALTBYTES) else { throw bad("kdfSalt", "not a salt") }
+        for slot in ["A", "B", "C", "D", "volume"] {
+            guard let w = f.wrapped[slot].flatMap({ Data(base64Encoded: $0) }), w.count == 32 + KeyWrap.overhead else { throw bad("wrapped.\(slot)", "missing or not a wrapped key") }
+        }
+        guard let pk = Data(base64Encoded: f.classBPublic), pk.count == 32 else { throw bad("classBPublic", "not a public key") }
+        guard f.failedAttempts >= 0, f.failedAttempts <= maxFailedAttempts else { throw bad("failedAttempts", "out of range") }
+        guard f.lockoutUntil.isFinite, f.lockoutUntil >= 0 else { throw bad("lockoutUntil", "not a time") }
+        f.lockoutUntil = min(f.lockoutUntil, now + UnlockThrottle.delay(afterFailures: Int.max))
+        if let mac = f.counterMAC { guard let m = Data(base64Encoded: mac), m.count == 32 else { throw bad("counterMAC", "not a MAC") } }
+    }
+
+    /// What `authenticate` found.
+    public enum CounterCheck: Equatable, Sendable { case authentic, upgraded, tampered }
+
+    /// Binds the keybag to the device key (daemon start). A format-1 keybag is upgraded to
+    /// format 2 (device-only slots rewrapped, counter MAC written). In format 2 a missing or
+    /// wrong counter MAC means the counter was edited offline: it is set to the longest
+    /// lockout from now and saved, so editing it can only ever cost the editor time.
+    public mutating func authenticate(deviceKey: SecureKey, now: Double = Date().timeIntervalSince1970) throws -> CounterCheck {
+        let key = try Keybag.counterKey(deviceKey)
+        counterKey = key
+        if file.format == 1 {
+            let dwk = try Keybag.deviceWrapKey(deviceKey)
+            defer { dwk.wipe() }
+            var next = file
+            for slot in ["D", "volume"] {
+                let k = try unwrapDeviceKeySlot(slot, deviceKey: deviceKey)
+                defer { k.wipe() }
+                next.wrapped[slot] = Data(try KeyWrap.wrap(k, with: dwk, ad: Keybag.ad(file.storeID, slot, format: 2))).base64EncodedString()
+            }
+            next.format = 2
+            file = next
+            try save()
+            return .upgraded
+        }
+        let expected = try Keybag.counterMAC(file, key: key)
+        if let mac = file.counterMAC, sodium_memcmp(Array(mac.utf8), Array(expected.utf8), expected.utf8.count) == 0, mac.utf8.count == expected.utf8.count {
+            return .authentic
+        }
+        file.failedAttempts = max(file.failedAttempts, 9)
+        file.lockoutUntil = now + UnlockThrottle.delay(afterFailures: file.failedAttempts)
+        try save()
+        return .tampered
+    }
+
     /// Writes the keybag atomically: temp file, fsync, rename, fsync of the folder.
     public func save() throws {
+        var file = self.file
+        if file.format >= 2 {
+            guard let counterKey else { throw KeybagError.invalid("keybag not bound to its device key; cannot authenticate the counter") }
+            file.counterMAC = try Keybag.counterMAC(file, key: counterKey)
+        }
         let enc = JSONEncoder()
         enc.outputFormatting = [.prettyPrinted, .sortedKeys]
         let data = try enc.encode(file)
@@ -213,7 +320,7 @@ public struct Keybag: Sendable {
     public func unwrapDeviceKeySlot(_ slot: String, deviceKey: SecureKey) throws -> SecureKey {
         let dwk = try Keybag.deviceWrapKey(deviceKey)
         defer { dwk.wipe() }
-        do { return try KeyWrap.unwrap(try blob(slot), with: dwk, ad: Keybag.ad(file.storeID, slot)) } catch KeybagError.corrupt {
+        do { return try KeyWrap.unwrap(try blob(slot), with: dwk, ad: Keybag.ad(file.storeID, slot, format: file.format)) } catch KeybagError.corrupt {
             throw KeybagError.badDeviceKey
         }
     }

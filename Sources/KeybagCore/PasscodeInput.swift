@@ -1,3 +1,4 @@
+import CSodium
 import Glibc
 
 /// Reads passcodes without ever putting them on a command line: one line from stdin
@@ -64,6 +65,6 @@ public enum PasscodeInput {
     /// Whether two secrets are equal (constant time).
     public static func equal(_ a: SecureKey, _ b: SecureKey) -> Bool {
         guard a.count == b.count else { return false }
-        return (try? a.withBytes { x in try b.withBytes { y in memcmp(x.baseAddress!, y.baseAddress!, x.count) == 0 } }) ?? false
+        return (try? a.withBytes { x in try b.withBytes { y in sodium_memcmp(x.baseAddress!, y.baseAddress!, x.count) == 0 } }) ?? false
     }
 }

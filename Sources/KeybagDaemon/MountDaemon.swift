@@ -77,13 +77,30 @@ public enum MountDaemon {
         _ = kbfs_fix_malloc_thresholds(128 * 1024, 1 << 20)   // request buffers of exiting loop threads go back by munmap
         umask(0)
         Sodium.ensureInitialized()
+        // One daemon per store: the lock lives as long as this process.
+        let storeLock = open(cfg.store, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+        guard storeLock >= 0 else {
+            let m = "cannot open the store \(cfg.store): \(String(cString: strerror(errno)))"
+            log(m); report(cfg, "ERR " + m); return 1
+        }
+        guard flock(storeLock, LOCK_EX | LOCK_NB) == 0 else {
+            let m = errno == EWOULDBLOCK ? "the store \(cfg.store) is already mounted by another keybagfs daemon"
+                                         : "cannot lock the store \(cfg.store): \(String(cString: strerror(errno)))"
+            log(m); report(cfg, "ERR " + m); close(storeLock); return 1
+        }
         let deviceKey: SecureKey, keybag: Keybag, classD: SecureKey, names: NameCipher
         do {
-            keybag = try Keybag.load(storePath: cfg.store)
-            guard keybag.cipher.isAvailable else { throw KeybagError.invalid("this CPU cannot run the store's cipher \(keybag.cipher.name)") }
-            let dkPath = cfg.deviceKeyPath ?? DeviceKeyFile.defaultPath(storeID: keybag.file.storeID)
+            var kb = try Keybag.load(storePath: cfg.store)
+            guard kb.cipher.isAvailable else { throw KeybagError.invalid("this CPU cannot run the store's cipher \(kb.cipher.name)") }
+            let dkPath = cfg.deviceKeyPath ?? DeviceKeyFile.defaultPath(storeID: kb.file.storeID)
             deviceKey = try DeviceKeyFile.load(from: dkPath)
-            classD = try keybag.unwrapDeviceKeySlot("D", deviceKey: deviceKey)
+            classD = try kb.unwrapDeviceKeySlot("D", deviceKey: deviceKey)
+            switch try kb.authenticate(deviceKey: deviceKey) {
+            case .authentic: break
+            case .upgraded: log("keybag upgraded to format \(Keybag.currentFormat) (authenticated failed-attempt counter)")
+            case .tampered: log("the keybag's failed-attempt counter does not authenticate (edited offline?): unlock refused for \(Controller.seconds(kb.retryAfter(now: Date().timeIntervalSince1970))) s")
+            }
+            keybag = kb
             let volume = try keybag.unwrapDeviceKeySlot("volume", deviceKey: deviceKey)
             defer { volume.wipe() }
             names = try NameCipher(volumeKey: volume)

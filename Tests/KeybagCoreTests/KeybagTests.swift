@@ -31,7 +31,7 @@ final class KeybagTests: TempDirTestCase {
 
     func testFailuresPersistAndEscalate() throws {
         let dk = SecureKey(random: 32)
-        var kb = try Keybag.create(storePath: dir, storeID: "ff", passcode: secret("p"), deviceKey: dk, strength: .interactive)
+        var kb = try Keybag.create(storePath: dir, storeID: "ffeeddccbbaa99887766554433221100", passcode: secret("p"), deviceKey: dk, strength: .interactive)
         let now = 1_000_000.0
         for _ in 1...4 { try kb.recordFailure(now: now) }
         XCTAssertEqual(kb.retryAfter(now: now), 0)
@@ -156,5 +156,85 @@ final class NameCipherTests: XCTestCase {
         XCTAssertEqual(try DirectoryMeta.decode(enc, c), meta)
         enc[enc.count - 1] ^= 1
         XCTAssertThrowsError(try DirectoryMeta.decode(enc, c))
+    }
+}
+
+/// The keybag as an attacker with write access to the store edits it.
+final class KeybagTrustTests: TempDirTestCase {
+    let id = "0123456789abcdef0123456789abcdef"
+
+    func secret(_ s: String) -> SecureKey { let b = Array(s.utf8); return SecureKey(count: b.count) { $0.copyBytes(from: b) } }
+
+    /// Rewrites the keybag JSON through `edit`.
+    func editJSON(_ edit: (inout [String: Any]) -> Void) throws {
+        let url = URL(fileURLWithPath: dir + "/keybag")
+        var o = try XCTUnwrap(JSONSerialization.jsonObject(with: Data(contentsOf: url)) as? [String: Any])
+        edit(&o)
+        try JSONSerialization.data(withJSONObject: o).write(to: url)
+    }
+
+    func testEditedCounterDoesNotLiftALockout() throws {
+        let dk = SecureKey(random: 32)
+        var kb = try Keybag.create(storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive)
+        let now = Date().timeIntervalSince1970
+        for _ in 1...5 { try kb.recordFailure(now: now) }
+        var reloaded = try Keybag.load(storePath: dir)
+        XCTAssertEqual(try reloaded.authenticate(deviceKey: dk, now: now), .authentic)
+        XCTAssertEqual(reloaded.retryAfter(now: now), 60)
+        for edit in [{ (o: inout [String: Any]) in o["failedAttempts"] = 0; o["lockoutUntil"] = 0 },
+                     { (o: inout [String: Any]) in o["failedAttempts"] = 0; o["lockoutUntil"] = 0; o["counterMAC"] = nil }] {
+            try kb.save()
+            try editJSON(edit)
+            var edited = try Keybag.load(storePath: dir)
+            XCTAssertEqual(edited.retryAfter(now: now), 0, "the edit itself reads as no lockout")
+            XCTAssertEqual(try edited.authenticate(deviceKey: dk, now: now), .tampered)
+            XCTAssertGreaterThanOrEqual(edited.retryAfter(now: now), 3600, "an edited counter means the longest lockout")
+            XCTAssertGreaterThanOrEqual(try Keybag.load(storePath: dir).retryAfter(now: now), 3600, "and it is saved")
+        }
+        // Claiming the old format to drop the MAC: the device key no longer opens the store.
+        try kb.save()
+        try editJSON { o in o["format"] = 1; o["counterMAC"] = nil; o["failedAttempts"] = 0; o["lockoutUntil"] = 0 }
+        XCTAssertThrowsError(try Keybag.load(storePath: dir).unwrapDeviceKeySlot("D", deviceKey: dk)) { XCTAssertEqual($0 as? KeybagError, .badDeviceKey) }
+    }
+
+    func testFormatOneKeybagIsUpgradedAtFirstAuthentication() throws {
+        let dk = SecureKey(random: 32)
+        _ = try Keybag.create(storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive, format: 1)
+        var kb = try Keybag.load(storePath: dir)
+        XCTAssertEqual(kb.file.format, 1)
+        let d1 = try kb.unwrapDeviceKeySlot("D", deviceKey: dk)
+        XCTAssertEqual(try kb.authenticate(deviceKey: dk), .upgraded)
+        var again = try Keybag.load(storePath: dir)
+        XCTAssertEqual(again.file.format, 2)
+        XCTAssertNotNil(again.file.counterMAC)
+        XCTAssertEqual(try again.authenticate(deviceKey: dk), .authentic)
+        XCTAssertEqual(try again.unwrapDeviceKeySlot("D", deviceKey: dk).withBytes { Array($0) }, try d1.withBytes { Array($0) })
+        XCTAssertNoThrow(try again.unlock(passcode: secret("p"), deviceKey: dk))
+    }
+
+    func testHostileFieldsAreClearErrorsNotTraps() throws {
+        let dk = SecureKey(random: 32)
+        let kb = try Keybag.create(storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive)
+        let cases: [(String, Any)] = [("kdfMemLimit", UInt64(1) << 62), ("kdfMemLimit", 1), ("kdfOpsLimit", 0), ("kdfOpsLimit", 1 << 40),
+                                      ("storeID", "../../etc/passwd"), ("storeID", "0123456789ABCDEF0123456789ABCDEF"), ("failedAttempts", -1),
+                                      ("failedAttempts", 1 << 40), ("lockoutUntil", -5), ("kdfSalt", "c2hvcnQ="), ("classBPublic", ""), ("format", 7),
+                                      ("counterMAC", "bm90IGEgbWFj")]
+        for (field, value) in cases {
+            try kb.save()
+            try editJSON { $0[field] = value }
+            XCTAssertThrowsError(try Keybag.load(storePath: dir), "\(field) = \(value)") { e in
+                guard case KeybagError.corrupt(let m) = e else { return XCTFail("\(e)") }
+                XCTAssertTrue(m.contains(field), m)
+            }
+        }
+        try kb.save()
+        try editJSON { $0["lockoutUntil"] = 1e300 }
+        XCTAssertLessThanOrEqual(try Keybag.load(storePath: dir).retryAfter(now: Date().timeIntervalSince1970), 3600, "a lockout is cut to the longest delay")
+    }
+
+    func testPasscodeComparisonIsExact() {
+        XCTAssertTrue(PasscodeInput.equal(secret("same"), secret("same")))
+        XCTAssertFalse(PasscodeInput.equal(secret("same"), secret("samf")))
+        XCTAssertFalse(PasscodeInput.equal(secret("same"), secret("sam")))
     }
 }
