@@ -250,9 +250,10 @@ final class Filesystem: Sendable {
         }
     }
 
-    /// Zeroes a buffer that carried plaintext of class A, so it cannot outlive its request.
-    static func wipe(_ b: UnsafeRawBufferPointer, class cls: ProtectionClass?) {
-        guard cls == nil || cls == .complete, let base = b.baseAddress, b.count > 0 else { return }
+    /// Zeroes a buffer that carried plaintext, so it cannot outlive its request. Every class:
+    /// a file read or written as class C may be made `complete` before the next lock.
+    static func wipe(_ b: UnsafeRawBufferPointer) {
+        guard let base = b.baseAddress, b.count > 0 else { return }
         sodium_memzero(UnsafeMutableRawPointer(mutating: base), b.count)
     }
 
@@ -347,30 +348,28 @@ final class Filesystem: Sendable {
 
     /// Reads through a handle and replies while still holding the inode's lock, so a lock
     /// (which takes it alone before dropping the page cache) cannot be overtaken by a reply.
-    /// A reply buffer that carried class A plaintext is zeroed once sent.
+    /// The reply buffer is zeroed once sent.
     func read(_ h: FileHandle, offset: Int, into buf: UnsafeMutableRawBufferPointer, reply: (Int) -> Void) throws {
         guard offset >= 0 else { throw FSError(EINVAL) }
         if offset >= Self.maxFileSize { return reply(0) }
-        try withContentKey(h.node, .read) { key, cls in
+        try withContentKey(h.node, .read) { key, _ in
             let n: Int
             do { n = try content.read(fd: h.fd, key: key, offset: offset, into: buf) } catch {
-                Self.wipe(UnsafeRawBufferPointer(buf), class: cls)
+                Self.wipe(UnsafeRawBufferPointer(buf))
                 throw error
             }
             reply(n)
-            Self.wipe(UnsafeRawBufferPointer(rebasing: buf[0..<n]), class: cls)
+            Self.wipe(UnsafeRawBufferPointer(rebasing: buf[0..<n]))
         }
     }
 
     /// Writes through a handle. The request's plaintext (in the FUSE receive buffer) is
-    /// zeroed afterwards for class A, whether the write was accepted or refused.
+    /// zeroed afterwards, whether the write was accepted or refused.
     func write(_ h: FileHandle, offset: Int, data: UnsafeRawBufferPointer) throws {
         guard offset >= 0 else { throw FSError(EINVAL) }
         guard offset <= Self.maxFileSize - data.count else { throw FSError(EFBIG) }
-        var cls: ProtectionClass? = nil
-        defer { Self.wipe(data, class: cls) }
-        try withContentKey(h.node, .write) { key, c in
-            cls = c
+        defer { Self.wipe(data) }
+        try withContentKey(h.node, .write) { key, _ in
             try content.write(fd: h.fd, key: key, offset: offset, data: data)
         }
     }

@@ -221,9 +221,16 @@ final class LockHoldsTests: XCTestCase {
         defer { close(fd) }
         XCTAssertEqual(try sysPwrite(fd, held, 0).get(), held.count)
         XCTAssertEqual(try sysPread(fd, held.count, 0).get(), held)
+        // Written and read while class C, then made `complete`: buffers of that earlier
+        // traffic must not hold it either.
+        let changed = rng.bytes(64 * 1024), changedRead = rng.bytes(64 * 1024)
+        XCTAssertEqual(writeFile(m.path("was-c-written"), changed), 0)
+        XCTAssertEqual(writeFile(m.path("was-c-read"), changedRead), 0)
+        XCTAssertEqual(try readFile(m.path("was-c-read")).get(), changedRead)
+        for f in ["was-c-written", "was-c-read"] { XCTAssertEqual(setXattr(m.path(f), "complete"), 0) }
         m.lock(grace: 0)
         XCTAssertEqual(m.state, "locked")
-        let scan = try MemoryScan(pid: try daemonPID(m), secrets: [read, held])
+        let scan = try MemoryScan(pid: try daemonPID(m), secrets: [read, held, changed, changedRead])
         print("memory scan: \(scan.bytesScanned) bytes in \(scan.regions) regions")
         XCTAssertGreaterThan(scan.bytesScanned, 1 << 20)
         XCTAssertEqual(scan.plaintextHits, [], "32-byte pieces of class A plaintext (file offset, address)")
