@@ -228,13 +228,21 @@ final class LockHoldsTests: XCTestCase {
         XCTAssertEqual(writeFile(m.path("was-c-read"), changedRead), 0)
         XCTAssertEqual(try readFile(m.path("was-c-read")).get(), changedRead)
         for f in ["was-c-written", "was-c-read"] { XCTAssertEqual(setXattr(m.path(f), "complete"), 0) }
+        // Passcodes through every request that carries one: a wrong unlock, passwd, unlock.
+        let wrong = "not the passcode 4242", second = "second passcode 4242"
+        XCTAssertEqual(m.ctl(["unlock", "--passcode-stdin"], stdin: wrong + "\n").code, 1)
+        XCTAssertEqual(m.ctl(["passwd", "--passcode-stdin"], stdin: m.passcode + "\n" + second + "\n").code, 0)
+        XCTAssertEqual(m.ctl(["unlock", "--passcode-stdin"], stdin: second + "\n").code, 0)
         m.lock(grace: 0)
         XCTAssertEqual(m.state, "locked")
         let scan = try MemoryScan(pid: try daemonPID(m), secrets: [read, held, changed, changedRead])
         print("memory scan: \(scan.bytesScanned) bytes in \(scan.regions) regions")
         XCTAssertGreaterThan(scan.bytesScanned, 1 << 20)
         XCTAssertEqual(scan.plaintextHits, [], "32-byte pieces of class A plaintext (file offset, address)")
-        XCTAssertEqual(scan.count(of: Array(m.passcode.utf8)), 0, "copies of the passcode")
+        for p in [m.passcode, wrong, second] {
+            XCTAssertEqual(scan.count(of: Array(p.utf8)), 0, "copies of \(p)")
+            XCTAssertEqual(scan.count(of: p.utf8.flatMap { [$0, 0] }), 0, "UTF-16 copies of \(p)")
+        }
     }
 
     /// Overwrites bytes of a file at an offset.
