@@ -271,8 +271,9 @@ public struct Keybag: Sendable {
             try save()
             return .upgraded
         }
-        let expected = try Keybag.counterMAC(file, key: key)
-        if let mac = file.counterMAC, sodium_memcmp(Array(mac.utf8), Array(expected.utf8), expected.utf8.count) == 0, mac.utf8.count == expected.utf8.count {
+        let expected = [UInt8](Data(base64Encoded: try Keybag.counterMAC(file, key: key)) ?? Data())
+        if let stored = file.counterMAC.flatMap({ Data(base64Encoded: $0) }).map([UInt8].init),
+           stored.count == expected.count, sodium_memcmp(stored, expected, expected.count) == 0 {
             return .authentic
         }
         file.failedAttempts = max(file.failedAttempts, 9)

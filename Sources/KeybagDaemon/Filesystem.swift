@@ -232,21 +232,21 @@ final class Filesystem: Sendable {
         return h
     }
 
-    /// Runs `body` with the file key for `use` and the file's class, holding the inode's lock
-    /// shared when the key is ready (reads) or alone when it must be loaded or the use writes.
-    /// Whether the key may be used is `FileKeyLife`'s decision alone.
-    private func withContentKey<R>(_ node: Node, _ use: FileKeyLife.Use, _ body: (FileContentKey, ProtectionClass) throws -> R) throws -> R {
+    /// Runs `body` with the file key for `use`, holding the inode's lock shared when the key
+    /// is ready (reads) or alone when it must be loaded or the use writes. Whether the key
+    /// may be used is `FileKeyLife`'s decision alone.
+    private func withContentKey<R>(_ node: Node, _ use: FileKeyLife.Use, _ body: (FileContentKey) throws -> R) throws -> R {
         if use == .read {
             let access = keyring.access
             let done: R?? = try node.io.read { st in
-                guard let k = st.readyKey(for: .read, access), let cls = st.protectionClass else { return .none }
-                return .some(try body(k, cls))
+                guard let k = st.readyKey(for: .read, access) else { return .none }
+                return .some(try body(k))
             }
             if case .some(let r) = done, let r { return r }
         }
         return try node.io.write { st in
-            let h = try st.header { try readHeader(node) }
-            return try body(try st.key(for: use, keyring: keyring, cipher: cipher), h.protectionClass)
+            _ = try st.header { try readHeader(node) }
+            return try body(try st.key(for: use, keyring: keyring, cipher: cipher))
         }
     }
 
@@ -352,7 +352,7 @@ final class Filesystem: Sendable {
     func read(_ h: FileHandle, offset: Int, into buf: UnsafeMutableRawBufferPointer, reply: (Int) -> Void) throws {
         guard offset >= 0 else { throw FSError(EINVAL) }
         if offset >= Self.maxFileSize { return reply(0) }
-        try withContentKey(h.node, .read) { key, _ in
+        try withContentKey(h.node, .read) { key in
             let n: Int
             do { n = try content.read(fd: h.fd, key: key, offset: offset, into: buf) } catch {
                 Self.wipe(UnsafeRawBufferPointer(buf))
@@ -369,7 +369,7 @@ final class Filesystem: Sendable {
         guard offset >= 0 else { throw FSError(EINVAL) }
         guard offset <= Self.maxFileSize - data.count else { throw FSError(EFBIG) }
         defer { Self.wipe(data) }
-        try withContentKey(h.node, .write) { key, _ in
+        try withContentKey(h.node, .write) { key in
             try content.write(fd: h.fd, key: key, offset: offset, data: data)
         }
     }
@@ -381,7 +381,7 @@ final class Filesystem: Sendable {
         let fd: Int32
         if let handle, handle.writable { fd = handle.fd } else { fd = try check(n.open(O_RDWR)) }
         defer { if fd != handle?.fd { close(fd) } }
-        try withContentKey(n, .write) { key, _ in
+        try withContentKey(n, .write) { key in
             try content.truncate(fd: fd, key: key, to: size)
         }
     }
@@ -396,7 +396,7 @@ final class Filesystem: Sendable {
         if mode & punchHole != 0 && (mode & keepSize == 0 || mode & zeroRange != 0) { throw FSError(EOPNOTSUPP) }
         guard h.writable else { throw FSError(EBADF) }
         let layout = content.layout
-        try withContentKey(h.node, .write) { key, _ in
+        try withContentKey(h.node, .write) { key in
             let size = try content.plainSize(fd: h.fd)
             let end = offset + length
             if mode & (punchHole | zeroRange) != 0 {

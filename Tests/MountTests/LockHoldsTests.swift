@@ -239,6 +239,10 @@ final class LockHoldsTests: XCTestCase {
         print("memory scan: \(scan.bytesScanned) bytes in \(scan.regions) regions")
         XCTAssertGreaterThan(scan.bytesScanned, 1 << 20)
         XCTAssertEqual(scan.plaintextHits, [], "32-byte pieces of class A plaintext (file offset, address)")
+        // Positive control: the same scanner finds the secrets in this process, which holds them.
+        let control = try MemoryScan(pid: getpid(), secrets: [held])
+        XCTAssertFalse(control.plaintextHits.isEmpty, "the scanner finds plaintext where it is")
+        XCTAssertGreaterThan(control.count(of: Array(wrong.utf8)), 0, "the scanner finds a passcode where it is")
         for p in [m.passcode, wrong, second] {
             XCTAssertEqual(scan.count(of: Array(p.utf8)), 0, "copies of \(p)")
             XCTAssertEqual(scan.count(of: p.utf8.flatMap { [$0, 0] }), 0, "UTF-16 copies of \(p)")
@@ -280,52 +284,51 @@ struct MemoryScan {
                 filter[h >> 6] |= 1 << UInt64(h & 63)
             }
         }
+        var found: [String] = []
+        (bytesScanned, regions) = forEachChunk(overlap: 31) { b, addr in
+            guard b.count >= 32 else { return }
+            for j in 0...(b.count - 32) {
+                let w = b.loadUnaligned(fromByteOffset: j, as: UInt64.self)
+                let h = Int((w &* 0x9E37_79B9_7F4A_7C15) >> 44)
+                guard filter[h >> 6] & (1 << UInt64(h & 63)) != 0, let cands = pieces[w] else { continue }
+                for (si, off) in cands where memcmp(b.baseAddress! + j, secrets[si].withUnsafeBytes { $0.baseAddress! + off }, 32) == 0 {
+                    found.append("secret \(si) offset \(off) at 0x\(String(addr + j, radix: 16))")
+                }
+            }
+        }
+        plaintextHits = found
+    }
+
+    /// Reads every scanned region in 4 MiB chunks that overlap by `overlap` bytes and hands
+    /// each to `body` with its address; returns the bytes read and the regions that could be read.
+    func forEachChunk(overlap: Int, _ body: (UnsafeRawBufferPointer, Int) -> Void) -> (Int, Int) {
+        var total = 0, readable = 0
         for (start, end) in Self.regions(pid) {
-            var addr = start
-            var regionRead = false
+            var addr = start, regionRead = false
             while addr < end {
                 let len = min(4 << 20, end - addr)
                 var buf = [UInt8](repeating: 0, count: len)
                 let n = pread(memFD, &buf, len, off_t(addr))
                 if n <= 0 { addr += 4096; continue }
                 regionRead = true
-                bytesScanned += n
-                buf.withUnsafeBytes { b in
-                    guard n >= 32 else { return }
-                    for j in 0...(n - 32) {
-                        let w = b.loadUnaligned(fromByteOffset: j, as: UInt64.self)
-                        let h = Int((w &* 0x9E37_79B9_7F4A_7C15) >> 44)
-                        guard filter[h >> 6] & (1 << UInt64(h & 63)) != 0, let cands = pieces[w] else { continue }
-                        for (si, off) in cands where memcmp(b.baseAddress! + j, secrets[si].withUnsafeBytes { $0.baseAddress! + off }, 32) == 0 {
-                            plaintextHits.append("secret \(si) offset \(off) at 0x\(String(addr + j, radix: 16))")
-                        }
-                    }
-                }
-                addr += max(n - 31, 1)
+                total += n
+                buf.withUnsafeBytes { body(UnsafeRawBufferPointer(rebasing: $0[0..<n]), addr) }
+                addr += max(n - overlap, 1)
             }
-            if regionRead { regions += 1 }
+            if regionRead { readable += 1 }
         }
+        return (total, readable)
     }
 
     /// How many times `needle` occurs in the scanned memory.
     func count(of needle: [UInt8]) -> Int {
         var found = 0
-        for (start, end) in Self.regions(pid) {
-            var addr = start
-            while addr < end {
-                let len = min(4 << 20, end - addr)
-                var buf = [UInt8](repeating: 0, count: len)
-                let n = pread(memFD, &buf, len, off_t(addr))
-                if n <= 0 { addr += 4096; continue }
-                buf.withUnsafeBytes { b in
-                    var j = 0
-                    while j + needle.count <= n, let hit = memchr(b.baseAddress! + j, Int32(needle[0]), n - j) {
-                        let at = UnsafeRawPointer(hit) - b.baseAddress!
-                        if at + needle.count <= n && memcmp(hit, needle, needle.count) == 0 { found += 1 }
-                        j = at + 1
-                    }
-                }
-                addr += max(n - needle.count + 1, 1)
+        _ = forEachChunk(overlap: needle.count - 1) { b, _ in
+            var j = 0
+            while j + needle.count <= b.count, let hit = memchr(b.baseAddress! + j, Int32(needle[0]), b.count - j) {
+                let at = UnsafeRawPointer(hit) - b.baseAddress!
+                if at + needle.count <= b.count && memcmp(hit, needle, needle.count) == 0 { found += 1 }
+                j = at + 1
             }
         }
         return found
