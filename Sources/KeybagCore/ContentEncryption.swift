@@ -4,16 +4,15 @@ import Synchronization
 
 /// The AEAD that encrypts file contents, chosen once per store and recorded in the keybag.
 public enum ContentCipher: UInt8, Sendable, CaseIterable {
-    /// AES-256-GCM (libsodium, needs AES-NI): 12-byte random nonce per block.
+    /// AES-256-GCM (libsodium, needs AES-NI): 12-byte random nonce per block, so at most
+    /// 2^32 block writes per file key (NIST SP 800-38D); chosen only with `init --cipher`.
     case aes256gcm = 1
     /// XChaCha20-Poly1305-IETF: 24-byte random nonce per block; the portable fallback.
     case xchacha20poly1305 = 2
 
-    /// The cipher the running CPU supports best.
-    public static var preferred: ContentCipher {
-        Sodium.ensureInitialized()
-        return crypto_aead_aes256gcm_is_available() == 1 ? .aes256gcm : .xchacha20poly1305
-    }
+    /// The cipher of new stores: XChaCha20-Poly1305, whose 192-bit random nonces put no
+    /// practical limit on writes per file key (AES-GCM's 96-bit ones: 2^32 block writes).
+    public static let `default`: ContentCipher = .xchacha20poly1305
 
     /// Whether this machine can use the cipher.
     public var isAvailable: Bool {
@@ -92,11 +91,22 @@ public final class FileContentKey: Sendable {
     /// The file id as two words, for building associated data without allocating.
     private let idWords: (UInt64, UInt64)
 
+    /// Whether the last block is sealed as the last (header flag `sealsEnd`).
+    public let sealsEnd: Bool
+    /// Bit set in the associated data's block number of a file's last block.
+    static let lastBlockBit: UInt64 = 1 << 63
+
+    /// The key of the file described by `header`.
+    public convenience init(key: SecureKey, header: FileHeader) throws {
+        try self.init(key: key, cipher: header.cipher, fileID: header.fileID, sealsEnd: header.endIsSealed)
+    }
+
     /// Wraps a raw key; precomputes the AES state when needed.
-    public init(key: SecureKey, cipher: ContentCipher, fileID: [UInt8]) throws {
+    public init(key: SecureKey, cipher: ContentCipher, fileID: [UInt8], sealsEnd: Bool) throws {
         self.key = key
         self.cipher = cipher
         self.fileID = fileID
+        self.sealsEnd = sealsEnd
         precondition(fileID.count == 16)
         self.idWords = fileID.withUnsafeBytes { ($0.loadUnaligned(fromByteOffset: 0, as: UInt64.self), $0.loadUnaligned(fromByteOffset: 8, as: UInt64.self)) }
         if cipher == .aes256gcm {
@@ -124,23 +134,25 @@ public final class FileContentKey: Sendable {
     /// True once wiped.
     public var isWiped: Bool { key.isWiped }
 
-    /// Associated data: file id (16) || block number (8, little endian).
+    /// Associated data: file id (16) || block number (8, little endian), the top bit set
+    /// for the file's last block when the end is sealed.
     @inline(__always)
-    private func withAD<R>(_ block: UInt64, _ body: (UnsafePointer<UInt8>) throws -> R) rethrows -> R {
-        var ad = (idWords.0, idWords.1, block.littleEndian)
+    private func withAD<R>(_ block: UInt64, last: Bool, _ body: (UnsafePointer<UInt8>) throws -> R) rethrows -> R {
+        let n = sealsEnd && last ? block | Self.lastBlockBit : block
+        var ad = (idWords.0, idWords.1, n.littleEndian)
         return try withUnsafeBytes(of: &ad) { try body($0.baseAddress!.assumingMemoryBound(to: UInt8.self)) }
     }
 
-    /// Encrypts `plain` (1...4096 bytes) as block `block` into `out`, which must hold
-    /// `plain.count + overhead` bytes: nonce || ciphertext || tag.
-    public func seal(_ plain: UnsafeRawBufferPointer, block: UInt64, into out: UnsafeMutableRawBufferPointer) throws {
+    /// Encrypts `plain` (1...4096 bytes) as block `block` (`last`: the file's last block)
+    /// into `out`, which must hold `plain.count + overhead` bytes: nonce || ciphertext || tag.
+    public func seal(_ plain: UnsafeRawBufferPointer, block: UInt64, last: Bool, into out: UnsafeMutableRawBufferPointer) throws {
         let ns = cipher.nonceSize
         precondition(out.count >= plain.count + ns + BlockLayout.tagSize)
         let o = out.baseAddress!.assumingMemoryBound(to: UInt8.self)
         randombytes_buf(o, ns)
         let m = plain.baseAddress?.assumingMemoryBound(to: UInt8.self)
         var clen: UInt64 = 0
-        let rc: Int32 = try withAD(block) { ad in
+        let rc: Int32 = try withAD(block, last: last) { ad in
             if let st = aesState {
                 return try st.withBytes { s in
                     crypto_aead_aes256gcm_encrypt_afternm(o + ns, &clen, m, UInt64(plain.count), ad, 24, nil, o,
@@ -155,17 +167,35 @@ public final class FileContentKey: Sendable {
         guard rc == 0 else { throw KeybagError.corrupt("encryption failed") }
     }
 
-    /// Decrypts block `block` from `sealed` (nonce || ciphertext || tag) into `out`,
-    /// returning the plaintext length. An all-zero block is a hole and reads as zeros.
-    public func open(_ sealed: UnsafeRawBufferPointer, block: UInt64, into out: UnsafeMutableRawBufferPointer) throws -> Int {
+    /// Decrypts block `block` (`last`: the file's last block) from `sealed` (nonce ||
+    /// ciphertext || tag) into `out`, returning the plaintext length. An all-zero block
+    /// inside the file is a hole and reads as zeros; a sealed end is never a hole.
+    public func open(_ sealed: UnsafeRawBufferPointer, block: UInt64, last: Bool, into out: UnsafeMutableRawBufferPointer) throws -> Int {
         let ns = cipher.nonceSize
         guard sealed.count > ns + BlockLayout.tagSize else { throw KeybagError.corrupt("block \(block) truncated") }
         let plainLen = sealed.count - ns - BlockLayout.tagSize
         precondition(out.count >= plainLen)
+        if try decrypt(sealed, block: block, last: last, into: out) { return plainLen }
+        // Not authentic: a hole (all zero bytes, never produced by sealing), a moved end, or damage.
+        if !(sealsEnd && last) && FileContentKey.isAllZero(sealed) {
+            memset(out.baseAddress!, 0, plainLen)
+            return plainLen
+        }
+        if sealsEnd, try decrypt(sealed, block: block, last: !last, into: out) {
+            sodium_memzero(out.baseAddress!, plainLen)
+            throw KeybagError.corrupt(last ? "block \(block) is not the file's end: blocks after it were cut off"
+                                           : "block \(block) was the file's end: blocks were appended after it")
+        }
+        throw KeybagError.corrupt("block \(block) failed authentication")
+    }
+
+    /// One AEAD decryption; false when the tag does not verify.
+    private func decrypt(_ sealed: UnsafeRawBufferPointer, block: UInt64, last: Bool, into out: UnsafeMutableRawBufferPointer) throws -> Bool {
+        let ns = cipher.nonceSize
         let s0 = sealed.baseAddress!.assumingMemoryBound(to: UInt8.self)
         let o = out.baseAddress!.assumingMemoryBound(to: UInt8.self)
         var mlen: UInt64 = 0
-        let rc: Int32 = try withAD(block) { ad in
+        let rc: Int32 = try withAD(block, last: last) { ad in
             if let st = aesState {
                 return try st.withBytes { s in
                     crypto_aead_aes256gcm_decrypt_afternm(o, &mlen, nil, s0 + ns, UInt64(sealed.count - ns), ad, 24, s0,
@@ -177,13 +207,7 @@ public final class FileContentKey: Sendable {
                     k.baseAddress!.assumingMemoryBound(to: UInt8.self))
             }
         }
-        if rc == 0 { return Int(mlen) }
-        // Not authentic: either a hole (all zero bytes, never produced by sealing) or damage.
-        if FileContentKey.isAllZero(sealed) {
-            memset(out.baseAddress!, 0, plainLen)
-            return plainLen
-        }
-        throw KeybagError.corrupt("block \(block) failed authentication")
+        return rc == 0
     }
 
     /// True when every byte is zero (a sparse hole in the backing file).

@@ -53,12 +53,17 @@ public struct EncryptedContent: Sendable {
         guard fdatasync(fd) == 0 else { throw KeybagError.system("fdatasync", errno) }
     }
 
+    /// Index of the last block of a file of `size` plaintext bytes (-1 when empty).
+    @inline(__always)
+    static func lastBlock(ofSize size: Int) -> Int { size > 0 ? (size - 1) / B : -1 }
+
     /// Reads up to `out.count` plaintext bytes at `offset`; returns the count (0 at EOF).
     public func read(fd: Int32, key: FileContentKey, offset: Int, into out: UnsafeMutableRawBufferPointer) throws -> Int {
         let size = try plainSize(fd: fd)
         guard offset < size, out.count > 0 else { return 0 }
         let end = min(offset + out.count, size)
         let first = offset / Self.B, last = (end - 1) / Self.B
+        let fileLast = Self.lastBlock(ofSize: size)
         let cStart = layout.cipherOffset(ofBlock: first)
         let cEnd = layout.cipherOffset(ofBlock: last) + min(Self.B, size - last * Self.B) + layout.overhead
         return try ScratchBuffers.shared.withBlock(cEnd - cStart) { cbuf, plain in
@@ -73,12 +78,13 @@ public struct EncryptedContent: Sendable {
                 let lo = max(offset, bStart) - bStart
                 if lo == 0 && end - bStart >= bLen {
                     // The whole block is wanted: decrypt straight into the reply.
-                    let n = try key.open(sealed, block: UInt64(b), into: UnsafeMutableRawBufferPointer(rebasing: out[written..<(written + bLen)]))
+                    let n = try key.open(sealed, block: UInt64(b), last: b == fileLast,
+                                         into: UnsafeMutableRawBufferPointer(rebasing: out[written..<(written + bLen)]))
                     written += n
                     if n < bLen { break }
                     continue
                 }
-                let n = try key.open(sealed, block: UInt64(b), into: plain)
+                let n = try key.open(sealed, block: UInt64(b), last: b == fileLast, into: plain)
                 let hi = min(end, bStart + n) - bStart
                 guard hi > lo else { break }
                 (out.baseAddress! + written).copyMemory(from: plain.baseAddress! + lo, byteCount: hi - lo)
@@ -89,78 +95,110 @@ public struct EncryptedContent: Sendable {
     }
 
     /// Writes `data` at plaintext `offset`, extending the file (with holes) as needed.
+    /// The old last block, when the file grows past it, is re-sealed full and no longer
+    /// marked last: in the same `pwrite` as the new data when adjacent, else after it.
     public func write(fd: Int32, key: FileContentKey, offset: Int, data: UnsafeRawBufferPointer) throws {
         guard data.count > 0 else { return }
         let size = try plainSize(fd: fd)
-        let first = offset / Self.B
         let end = offset + data.count
-        let last = (end - 1) / Self.B
-        // A partial last block followed by new blocks must first become a full block.
-        if size % Self.B != 0, first > size / Self.B {
-            try resealBlock(fd: fd, key: key, block: size / Self.B, oldLength: size % Self.B, newLength: Self.B)
+        let newSize = max(size, end)
+        let oldLast = Self.lastBlock(ofSize: size), newLast = Self.lastBlock(ofSize: newSize)
+        let dataFirst = offset / Self.B, dataLast = (end - 1) / Self.B
+        // Does the old last block change without being written to (partial or marked last)?
+        let oldLastChanges = oldLast >= 0 && oldLast < dataFirst && (size % Self.B != 0 || key.sealsEnd)
+        let first = oldLastChanges && oldLast == dataFirst - 1 ? oldLast : dataFirst
+        try sealAndWrite(fd: fd, key: key, blocks: first...dataLast, size: size, newSize: newSize, newLast: newLast) { b in
+            let bStart = b * Self.B
+            let lo = max(offset, bStart) - bStart
+            let hi = min(end, bStart + Self.B) - bStart
+            return hi > lo ? (lo, hi, data.baseAddress! + (bStart + lo - offset)) : nil
         }
-        let effSize = (size % Self.B != 0 && first > size / Self.B) ? (size / Self.B + 1) * Self.B : size
-        try ScratchBuffers.shared.withBlock((last - first + 1) * layout.cipherBlockSize) { out, plain in
-            var outLen = 0
-            for b in first...last {
-                let bStart = b * Self.B
-                let lo = max(offset, bStart) - bStart
-                let hi = min(end, bStart + Self.B) - bStart
-                let existing = max(0, min(Self.B, effSize - bStart))
-                let newLen = max(existing, hi)
-                if existing > 0 && (lo > 0 || hi < existing) {
-                    let n = try readBlock(fd: fd, key: key, block: b, length: existing, into: plain)
-                    guard n == existing else { throw KeybagError.corrupt("block \(b) short") }
-                }
-                if lo > existing { memset(plain.baseAddress! + existing, 0, lo - existing) }
-                (plain.baseAddress! + lo).copyMemory(from: data.baseAddress! + (bStart + lo - offset), byteCount: hi - lo)
-                let dst = UnsafeMutableRawBufferPointer(rebasing: out[outLen..<(outLen + newLen + layout.overhead)])
-                try key.seal(UnsafeRawBufferPointer(rebasing: plain[0..<newLen]), block: UInt64(b), into: dst)
-                outLen += newLen + layout.overhead
-            }
-            try Self.pwriteFull(fd, UnsafeRawBufferPointer(rebasing: out[0..<outLen]), offset: layout.cipherOffset(ofBlock: first))
+        if oldLastChanges && first != oldLast {
+            try sealAndWrite(fd: fd, key: key, blocks: oldLast...oldLast, size: size, newSize: newSize, newLast: newLast) { _ in nil }
         }
     }
 
-    /// Sets the plaintext size, re-sealing the block that the new end cuts or extends.
+    /// Seals the new contents of `blocks` for a file growing (or staying) from `size` to
+    /// `newSize` and writes them with one `pwrite`. `source(b)` gives the slice of new data
+    /// for block b (start, end within the block, bytes); the rest is the old plaintext,
+    /// zero-extended to the block's new length.
+    private func sealAndWrite(fd: Int32, key: FileContentKey, blocks: ClosedRange<Int>, size: Int, newSize: Int, newLast: Int,
+                              source: (Int) -> (Int, Int, UnsafeRawPointer)?) throws {
+        let oldLast = Self.lastBlock(ofSize: size)
+        try ScratchBuffers.shared.withBlock(blocks.count * layout.cipherBlockSize) { out, plain in
+            var outLen = 0
+            for b in blocks {
+                let bStart = b * Self.B
+                let existing = max(0, min(Self.B, size - bStart))
+                let newLen = min(Self.B, newSize - bStart)
+                let slice = source(b)
+                if existing > 0 && !(slice.map { $0.0 == 0 && $0.1 >= existing } ?? false) {
+                    let n = try readBlock(fd: fd, key: key, block: b, length: existing, last: b == oldLast, into: plain)
+                    guard n == existing else { throw KeybagError.corrupt("block \(b) short") }
+                }
+                if newLen > existing { memset(plain.baseAddress! + existing, 0, newLen - existing) }
+                if let (lo, hi, src) = slice { (plain.baseAddress! + lo).copyMemory(from: src, byteCount: hi - lo) }
+                let dst = UnsafeMutableRawBufferPointer(rebasing: out[outLen..<(outLen + newLen + layout.overhead)])
+                try key.seal(UnsafeRawBufferPointer(rebasing: plain[0..<newLen]), block: UInt64(b), last: b == newLast, into: dst)
+                outLen += newLen + layout.overhead
+            }
+            try Self.pwriteFull(fd, UnsafeRawBufferPointer(rebasing: out[0..<outLen]), offset: layout.cipherOffset(ofBlock: blocks.lowerBound))
+        }
+    }
+
+    /// Sets the plaintext size. Shrinking keeps the new last block intact on disk until
+    /// its re-sealed copy replaces it (cut after it first, then rewrite it in place); growing
+    /// writes a sealed last block, so the end is never a hole.
     public func truncate(fd: Int32, key: FileContentKey, to newSize: Int) throws {
         let size = try plainSize(fd: fd)
         if newSize < size {
-            let b = newSize / Self.B
-            let keep = newSize % Self.B
-            if keep != 0 {
-                try ScratchBuffers.shared.withBlock(keep + layout.overhead) { sealed, plain in
-                    _ = try readBlock(fd: fd, key: key, block: b, length: min(Self.B, size - b * Self.B), into: plain)
-                    try key.seal(UnsafeRawBufferPointer(rebasing: plain[0..<keep]), block: UInt64(b), into: sealed)
-                    guard ftruncate(fd, off_t(layout.cipherOffset(ofBlock: b))) == 0 else { throw KeybagError.system("ftruncate", errno) }
-                    try Self.pwriteFull(fd, UnsafeRawBufferPointer(sealed), offset: layout.cipherOffset(ofBlock: b))
-                }
+            let oldLast = Self.lastBlock(ofSize: size), newLast = Self.lastBlock(ofSize: newSize)
+            guard newLast >= 0 else {
+                guard ftruncate(fd, off_t(FileHeader.size)) == 0 else { throw KeybagError.system("ftruncate", errno) }
+                return
             }
-            guard ftruncate(fd, off_t(layout.backingSize(plainSize: newSize))) == 0 else { throw KeybagError.system("ftruncate", errno) }
+            let keepLen = newSize - newLast * Self.B
+            let oldLen = min(Self.B, size - newLast * Self.B)
+            if keepLen == oldLen && !key.sealsEnd {
+                // Block-aligned cut of a file whose end is not sealed: nothing to re-seal.
+                guard ftruncate(fd, off_t(layout.backingSize(plainSize: newSize))) == 0 else { throw KeybagError.system("ftruncate", errno) }
+                return
+            }
+            try ScratchBuffers.shared.withBlock(keepLen + layout.overhead) { sealed, plain in
+                let n = try readBlock(fd: fd, key: key, block: newLast, length: oldLen, last: newLast == oldLast, into: plain)
+                guard n == oldLen else { throw KeybagError.corrupt("block \(newLast) short") }
+                try key.seal(UnsafeRawBufferPointer(rebasing: plain[0..<keepLen]), block: UInt64(newLast), last: true, into: sealed)
+                let blockStart = layout.cipherOffset(ofBlock: newLast)
+                guard ftruncate(fd, off_t(blockStart + oldLen + layout.overhead)) == 0 else { throw KeybagError.system("ftruncate", errno) }
+                try Self.pwriteFull(fd, UnsafeRawBufferPointer(sealed), offset: blockStart)
+                guard ftruncate(fd, off_t(layout.backingSize(plainSize: newSize))) == 0 else { throw KeybagError.system("ftruncate", errno) }
+            }
         } else if newSize > size {
-            if size % Self.B != 0 {
-                let b = size / Self.B
-                let target = newSize / Self.B == b ? newSize - b * Self.B : Self.B
-                try resealBlock(fd: fd, key: key, block: b, oldLength: size % Self.B, newLength: target)
+            // Write zeros over the part of the new last block beyond the old end.
+            let from = max(size, Self.lastBlock(ofSize: newSize) * Self.B)
+            try ScratchBuffers.shared.with(newSize - from) { z in
+                memset(z.baseAddress!, 0, z.count)
+                try write(fd: fd, key: key, offset: from, data: UnsafeRawBufferPointer(z))
             }
-            guard ftruncate(fd, off_t(layout.backingSize(plainSize: newSize))) == 0 else { throw KeybagError.system("ftruncate", errno) }
         }
     }
 
     /// Makes the plaintext range [offset, offset+length) read as zeros (within the current
-    /// size): whole blocks become backing holes (all zero bytes read as zeros), the partial
-    /// blocks at the edges are re-sealed with zeros.
+    /// size): whole blocks inside the file become backing holes (all zero bytes read as
+    /// zeros), the partial blocks at the edges and a sealed last block are re-sealed with zeros.
     public func zeroRange(fd: Int32, key: FileContentKey, offset: Int, length: Int, punch: (Int, Int) -> Bool) throws {
         let size = try plainSize(fd: fd)
         let end = min(offset + length, size)
         guard offset < end else { return }
+        let fileLast = Self.lastBlock(ofSize: size)
         var pos = offset
         while pos < end {
             let b = pos / Self.B
             let bStart = b * Self.B
             let bEnd = min(bStart + Self.B, size)
             let stop = min(end, bEnd)
-            if pos == bStart && stop == bEnd && punch(layout.cipherOffset(ofBlock: b), bEnd - bStart + layout.overhead) {
+            if pos == bStart && stop == bEnd && !(key.sealsEnd && b == fileLast)
+                && punch(layout.cipherOffset(ofBlock: b), bEnd - bStart + layout.overhead) {
                 pos = stop
                 continue
             }
@@ -170,24 +208,13 @@ public struct EncryptedContent: Sendable {
         }
     }
 
-    /// Decrypts block `block` of `length` plaintext bytes into `plain`.
-    private func readBlock(fd: Int32, key: FileContentKey, block: Int, length: Int, into plain: UnsafeMutableRawBufferPointer) throws -> Int {
+    /// Decrypts block `block` of `length` plaintext bytes (`last`: the file's last) into `plain`.
+    private func readBlock(fd: Int32, key: FileContentKey, block: Int, length: Int, last: Bool, into plain: UnsafeMutableRawBufferPointer) throws -> Int {
         try ScratchBuffers.shared.with(length + layout.overhead) { buffer in
             let sealed = UnsafeMutableRawBufferPointer(rebasing: buffer[0..<(length + layout.overhead)])
             let got = try Self.preadFull(fd, sealed, offset: layout.cipherOffset(ofBlock: block))
             guard got == sealed.count else { throw KeybagError.corrupt("block \(block) truncated") }
-            return try key.open(UnsafeRawBufferPointer(sealed), block: UInt64(block), into: plain)
-        }
-    }
-
-    /// Re-seals a block zero-extended from `oldLength` to `newLength` plaintext bytes.
-    private func resealBlock(fd: Int32, key: FileContentKey, block: Int, oldLength: Int, newLength: Int) throws {
-        try ScratchBuffers.shared.withBlock(newLength + layout.overhead) { sealed, plain in
-            let n = try readBlock(fd: fd, key: key, block: block, length: oldLength, into: plain)
-            guard n == oldLength else { throw KeybagError.corrupt("block \(block) short") }
-            memset(plain.baseAddress! + oldLength, 0, newLength - oldLength)
-            try key.seal(UnsafeRawBufferPointer(rebasing: plain[0..<newLength]), block: UInt64(block), into: sealed)
-            try Self.pwriteFull(fd, UnsafeRawBufferPointer(sealed), offset: layout.cipherOffset(ofBlock: block))
+            return try key.open(UnsafeRawBufferPointer(sealed), block: UInt64(block), last: last, into: plain)
         }
     }
 

@@ -20,6 +20,9 @@ public struct FileHeader: Sendable, Equatable {
     public var protectionClass: ProtectionClass
     /// The store's content cipher, repeated here for self-description.
     public var cipher: ContentCipher
+    /// Format flags (byte 10): `sealsEnd` for files whose last block is marked in its
+    /// associated data; 0 for files written before that format.
+    public var flags: UInt8
     /// Random 16-byte file id, bound into every content block.
     public var fileID: [UInt8]
     /// Ephemeral X25519 public key (class B), else zeros.
@@ -39,11 +42,19 @@ public struct FileHeader: Sendable, Equatable {
         case classBPrivate(SecureKey, [UInt8])
     }
 
+    /// Flag: the last content block is sealed as the last (a cut or an append fails).
+    public static let sealsEnd: UInt8 = 1
+    /// Every flag this version knows; a slot with any other bit set is damaged.
+    static let knownFlags: UInt8 = sealsEnd
+
+    /// Whether the file's end is authenticated (`sealsEnd`).
+    public var endIsSealed: Bool { flags & FileHeader.sealsEnd != 0 }
+
     /// Bytes 0..<60 of the slot: authenticated by the key wrap.
     private func wrapAD() -> [UInt8] {
         var ad = FileHeader.magic
         withUnsafeBytes(of: generation.littleEndian) { ad += $0 }
-        ad += [protectionClass.rawValue, cipher.rawValue, 0, 0]
+        ad += [protectionClass.rawValue, cipher.rawValue, flags, 0]
         ad += fileID
         ad += ephemeralPublic
         return ad
@@ -51,7 +62,7 @@ public struct FileHeader: Sendable, Equatable {
 
     /// A header for a new file: `fileKey` wrapped for `cls`.
     public static func create(fileKey: SecureKey, class cls: ProtectionClass, cipher: ContentCipher, using classKey: ClassKey) throws -> FileHeader {
-        var h = FileHeader(generation: 1, protectionClass: cls, cipher: cipher, fileID: Sodium.randomArray(16),
+        var h = FileHeader(generation: 1, protectionClass: cls, cipher: cipher, flags: FileHeader.sealsEnd, fileID: Sodium.randomArray(16),
                            ephemeralPublic: [UInt8](repeating: 0, count: 32), wrappedKey: [], slot: 0)
         try h.wrap(fileKey, using: classKey)
         return h
@@ -111,16 +122,18 @@ public struct FileHeader: Sendable, Equatable {
     /// Byte offset of this header's slot in the backing file.
     public var slotOffset: Int { slot * FileHeader.slotSize }
 
-    /// Parses one slot; nil when it is empty, torn or not a header.
+    /// Parses one slot; nil when it is empty, torn or not a header. Every byte counts: the
+    /// flags and the zero bytes (11, 148..<160) must hold what this version writes.
     static func parseSlot(_ b: ArraySlice<UInt8>, index: Int) -> FileHeader? {
         let s = Array(b)
         guard s.count == slotSize, Array(s[0..<4]) == magic else { return nil }
         var sum = [UInt8](repeating: 0, count: 16)
         crypto_generichash(&sum, 16, s, UInt64(bodySize), nil, 0)
         guard sodium_memcmp(sum, Array(s[bodySize..<(bodySize + 16)]), 16) == 0 else { return nil }
+        guard s[10] & ~knownFlags == 0, s[11] == 0, s[(bodySize + 16)...].allSatisfy({ $0 == 0 }) else { return nil }
         let gen = UInt32(s[4]) | UInt32(s[5]) << 8 | UInt32(s[6]) << 16 | UInt32(s[7]) << 24
         guard let cls = ProtectionClass(rawValue: s[8]), let cipher = ContentCipher(rawValue: s[9]) else { return nil }
-        return FileHeader(generation: gen, protectionClass: cls, cipher: cipher, fileID: Array(s[12..<28]),
+        return FileHeader(generation: gen, protectionClass: cls, cipher: cipher, flags: s[10], fileID: Array(s[12..<28]),
                           ephemeralPublic: Array(s[28..<60]), wrappedKey: Array(s[60..<132]), slot: index)
     }
 

@@ -64,9 +64,10 @@ public struct FileKeyLife: Sendable {
         guard access.canOpen(h.protectionClass), let classKey = keyring.unwrappingKey(for: h.protectionClass) else {
             throw KeybagError.keyUnavailable
         }
+        guard h.cipher == cipher else { throw KeybagError.corrupt("file header names another cipher than the store's") }
         let raw = try h.unwrap(using: classKey)
         let k: FileContentKey
-        do { k = try FileContentKey(key: raw, cipher: cipher, fileID: h.fileID) } catch { raw.wipe(); throw error }
+        do { k = try FileContentKey(key: raw, header: h) } catch { raw.wipe(); throw error }
         key = k
         keyEpoch = access.epoch
         return k

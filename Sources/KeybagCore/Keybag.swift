@@ -186,7 +186,7 @@ public struct Keybag: Sendable {
 
     /// Creates a new keybag in `storePath` (which must be empty or absent) and returns it.
     public static func create(storePath: String, storeID: String, passcode: SecureKey, deviceKey: SecureKey, strength: KDFStrength,
-                              cipher: ContentCipher = .preferred, format: Int = Keybag.currentFormat) throws -> Keybag {
+                              cipher: ContentCipher = .default, format: Int = Keybag.currentFormat) throws -> Keybag {
         var file = KeybagFile(format: format, storeID: storeID, cipher: cipher.name, kdfOpsLimit: strength.opsLimit,
                               kdfMemLimit: strength.memLimit, kdfSalt: Data(Sodium.randomArray(Int(crypto_pwhash_SALTBYTES))).base64EncodedString(),
                               wrapped: [:], classBPublic: "", failedAttempts: 0, lockoutUntil: 0, counterMAC: nil)

@@ -148,13 +148,18 @@ final class Filesystem: Sendable {
             if (st.st_mode & S_IFMT) != S_IFDIR {
                 var buf = [UInt8](repeating: 0, count: Int(kbfs_HANDLE_BUFFER))
                 let len = kbfs_handle_at(p.fd, backing, &buf, Int32(buf.count))
-                if len > 0 { return (table.remember(handle: Array(buf[0..<Int(len)]), stat: st), plaintextAttributes(st)) }
+                if len > 0 { return remembered(table.remember(handle: Array(buf[0..<Int(len)]), stat: st), st, parent: p) }
             }
         }
         let fd = try check(openat(p.fd, backing, kbfs_O_PATH | O_NOFOLLOW | O_CLOEXEC))
         var st = stat()
         guard fstat(fd, &st) == 0 else { let e = errno; close(fd); throw FSError(e) }
-        let n = table.remember(fd: fd, stat: st)
+        return remembered(table.remember(fd: fd, stat: st), st, parent: p)
+    }
+
+    /// A looked-up node with its attributes; a headerless empty file gets its header first.
+    private func remembered(_ n: Node, _ st: stat, parent p: Node) -> (Node, stat) {
+        if (st.st_mode & S_IFMT) == S_IFREG && st.st_size == 0 { giveHeaderToEmptyFile(n, parent: p) }
         return (n, plaintextAttributes(st))
     }
 
@@ -288,7 +293,9 @@ final class Filesystem: Sendable {
     /// write can be seen by another reader of the file while the daemon answers it).
     func usesDirectIO(_ cls: ProtectionClass) -> Bool { cls == .complete && FuseChannel.directIOMappable }
 
-    /// Creates a regular file with the inherited class (EACCES when that class cannot create now).
+    /// Creates a regular file with the inherited class (EACCES when that class cannot create
+    /// now). Atomic: the header is written to an unnamed file that is then linked under its
+    /// name, so a crash never leaves a named file without a header.
     func create(parent: UInt64, name: String, mode: mode_t, flags: Int32, caller: Caller) throws -> (Node, stat, FileHandle) {
         try Self.checkName(name)
         let p = try node(parent)
@@ -296,23 +303,28 @@ final class Filesystem: Sendable {
         guard let (wrapKey, epoch) = keyring.wrappingKey(for: cls) else { throw FSError(EACCES) }
         let entry = try backingName(p, name)
         let sideCreated = try ensureSideFile(p, entry)
-        let bfd = openat(p.fd, entry.name, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode & 0o7777)
-        if bfd < 0 {
-            let e = errno
-            if sideCreated && e != EEXIST { removeSideFile(p, entry) }
-            if e == EEXIST && flags & O_EXCL == 0 {
-                let (n, _) = try lookupBacking(p, entry.name)
-                let h = try open(n.id, flags: flags)
-                return (n, try attributes(fd: h.fd), h)
-            }
-            throw FSError(e)
+        var linked = false
+        let (bfd, temp): (Int32, String?)
+        do { (bfd, temp) = try unnamedFile(dirFD: p.fd, mode: mode & 0o7777) } catch {
+            if sideCreated { removeSideFile(p, entry) }
+            throw FSError(error)
         }
         do {
             if chownToCaller { fchown(bfd, caller.uid, groupFor(caller, dirFD: p.fd)) }
             let raw = SecureKey(random: 32)
             let header = try FileHeader.create(fileKey: raw, class: cls, cipher: cipher, using: wrapKey)
             try EncryptedContent.writeNewHeader(fd: bfd, header)
-            let key = try FileContentKey(key: raw, cipher: cipher, fileID: header.fileID)
+            let key = try FileContentKey(key: raw, header: header)
+            let rc = link(unnamed: bfd, temp: temp, dirFD: p.fd, as: entry.name)
+            if rc == EEXIST && flags & O_EXCL == 0 {
+                key.wipe()
+                close(bfd)
+                let (n, _) = try lookupBacking(p, entry.name)
+                let h = try open(n.id, flags: flags)
+                return (n, try attributes(fd: h.fd), h)
+            }
+            guard rc == 0 else { throw FSError(rc) }
+            linked = true
             Failpoint.createBeforeKeyJoinsInode.hit()
             let pathFD = try check(openat(p.fd, entry.name, kbfs_O_PATH | O_NOFOLLOW | O_CLOEXEC))
             var st = stat()
@@ -327,10 +339,54 @@ final class Filesystem: Sendable {
             openFiles.add(1, ordering: .relaxed)
             return (n, plaintextAttributes(st), FileHandle(node: n, fd: bfd, writable: true, directIO: usesDirectIO(cls)))
         } catch {
-            unlinkat(p.fd, entry.name, 0)
-            if sideCreated { removeSideFile(p, entry) }
+            if linked { unlinkat(p.fd, entry.name, 0) }
+            if let temp { unlinkat(p.fd, temp, 0) }
+            if sideCreated && (error as? FSError)?.errno != EEXIST { removeSideFile(p, entry) }
             close(bfd)
             throw FSError(error)
+        }
+    }
+
+    /// A new backing file without a name in `dirFD` (O_TMPFILE), or under a reserved
+    /// temporary name where the backing filesystem has no O_TMPFILE.
+    private func unnamedFile(dirFD: Int32, mode: mode_t) throws -> (Int32, String?) {
+        let fd = openat(dirFD, ".", kbfs_O_TMPFILE | O_RDWR | O_CLOEXEC, mode)
+        if fd >= 0 { return (fd, nil) }
+        guard errno == EOPNOTSUPP || errno == EISDIR || errno == EINVAL else { throw FSError(errno) }
+        let temp = Self.reservedPrefix + "tmp-" + Base64URL.encode(Sodium.randomArray(9))
+        return (try check(openat(dirFD, temp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode)), temp)
+    }
+
+    /// Links a file from `unnamedFile` under `name` (never replacing an entry); removes the
+    /// temporary name. Returns 0 or the errno (EEXIST when the name is taken).
+    private func link(unnamed fd: Int32, temp: String?, dirFD: Int32, as name: String) -> Int32 {
+        let rc = temp.map { linkat(dirFD, $0, dirFD, name, 0) } ?? linkat(AT_FDCWD, "/proc/self/fd/\(fd)", dirFD, name, AT_SYMLINK_FOLLOW)
+        let e = rc == 0 ? 0 : errno
+        if let temp { unlinkat(dirFD, temp, 0) }
+        return e
+    }
+
+    /// A regular backing file of 0 bytes has no header: left by a crash of a version that
+    /// created the name before writing the header. It becomes an empty file of the
+    /// directory's class (a fresh file key; there is no data to lose). Needs that class's
+    /// wrapping key now; otherwise the file stays as it is (EIO) until it can.
+    func giveHeaderToEmptyFile(_ n: Node, parent p: Node) {
+        guard let cls = try? inheritedClass(p), let (wrapKey, _) = keyring.wrappingKey(for: cls) else { return }
+        n.io.write { st in
+            guard st.header == nil else { return }
+            let fd = n.open(O_RDWR)
+            guard fd >= 0 else { return }
+            defer { close(fd) }
+            var s = stat()
+            guard fstat(fd, &s) == 0, s.st_size == 0 else { return }
+            let raw = SecureKey(random: 32)
+            defer { raw.wipe() }
+            do {
+                try EncryptedContent.writeNewHeader(fd: fd, try FileHeader.create(fileKey: raw, class: cls, cipher: cipher, using: wrapKey))
+                MountDaemon.log("inode \(n.backingIno) had no header (0 bytes, left by a crash): now an empty \(cls.name) file")
+            } catch {
+                MountDaemon.log("could not give the empty inode \(n.backingIno) a header: \(error)")
+            }
         }
     }
 

@@ -258,6 +258,16 @@ extension Filesystem {
         if let xattrID { dropXattrs(xattrID) }
     }
 
+    /// Whether a backing directory's entries are only the store's own files: metadata,
+    /// temporaries, and long-name side files whose entry is gone (left by a crash or an
+    /// offline edit). Such a directory is empty to its users.
+    static func holdsOnlyStoreFiles(_ names: [String]) -> Bool {
+        let present = Set(names)
+        return names.allSatisfy { n in
+            isReserved(n) || (NameCipher.isSideFile(n) && !present.contains(String(n.dropLast(NameCipher.longSuffix.count))))
+        }
+    }
+
     /// rmdir: a directory holding only the store's own files counts as empty.
     func rmdir(parent: UInt64, name: String) throws {
         let p = try node(parent)
@@ -268,7 +278,7 @@ extension Filesystem {
         let dfd = try check(openat(p.fd, e.name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC))
         defer { close(dfd) }
         let entries = try backingEntries(dirFD: dfd)
-        guard entries.allSatisfy({ Self.isReserved($0.name) }) else { throw FSError(ENOTEMPTY) }
+        guard Self.holdsOnlyStoreFiles(entries.map(\.name)) else { throw FSError(ENOTEMPTY) }
         let saved = try? readMeta(dirFD: dfd)
         for r in entries { unlinkat(dfd, r.name, 0) }
         if unlinkat(p.fd, e.name, AT_REMOVEDIR) != 0 {
@@ -321,7 +331,7 @@ extension Filesystem {
         guard dfd >= 0 else { errno = ENOTEMPTY; return -1 }
         defer { close(dfd) }
         let entries = try backingEntries(dirFD: dfd)
-        guard entries.allSatisfy({ Self.isReserved($0.name) }) else { errno = ENOTEMPTY; return -1 }
+        guard Self.holdsOnlyStoreFiles(entries.map(\.name)) else { errno = ENOTEMPTY; return -1 }
         let saved = try? readMeta(dirFD: dfd)
         for r in entries { unlinkat(dfd, r.name, 0) }
         let rc = kbfs_renameat2(p.fd, from, np.fd, to, 0)

@@ -39,16 +39,16 @@ enum Bench {
         let mib = 256
         let plain = [UInt8](repeating: 0x61, count: 4096)
         for cipher in ContentCipher.allCases where cipher.isAvailable {
-            let key = try! FileContentKey(key: SecureKey(random: 32), cipher: cipher, fileID: Sodium.randomArray(16))
+            let key = try! FileContentKey(key: SecureKey(random: 32), cipher: cipher, fileID: Sodium.randomArray(16), sealsEnd: true)
             var sealed = [UInt8](repeating: 0, count: 4096 + BlockLayout(cipher: cipher).overhead)
             var out = [UInt8](repeating: 0, count: 4096)
             let blocks = mib * 256
             let tSeal = best(3) {
-                plain.withUnsafeBytes { p in sealed.withUnsafeMutableBytes { s in for b in 0..<blocks { try! key.seal(p, block: UInt64(b), into: s) } } }
+                plain.withUnsafeBytes { p in sealed.withUnsafeMutableBytes { s in for b in 0..<blocks { try! key.seal(p, block: UInt64(b), last: false, into: s) } } }
             }
-            plain.withUnsafeBytes { p in sealed.withUnsafeMutableBytes { s in try! key.seal(p, block: 0, into: s) } }
+            plain.withUnsafeBytes { p in sealed.withUnsafeMutableBytes { s in try! key.seal(p, block: 0, last: false, into: s) } }
             let tOpen = best(3) {
-                sealed.withUnsafeBytes { s in out.withUnsafeMutableBytes { o in for _ in 0..<blocks { _ = try! key.open(s, block: 0, into: o) } } }
+                sealed.withUnsafeBytes { s in out.withUnsafeMutableBytes { o in for _ in 0..<blocks { _ = try! key.open(s, block: 0, last: false, into: o) } } }
             }
             print(String(format: "%-18@ seal %7.0f MB/s   open %7.0f MB/s   (4 KiB blocks, %d MiB, best of 3)",
                          cipher.name as NSString, Double(mib) * 1.048576 / tSeal, Double(mib) * 1.048576 / tOpen, mib))
@@ -60,7 +60,7 @@ enum Bench {
         let tC = best(3) { for _ in 0..<n { _ = try! FileHeader.create(fileKey: SecureKey(random: 32), class: .completeUntilFirstUserAuthentication, cipher: .aes256gcm, using: .symmetric(classKey)) } }
         let tB = best(3) { for _ in 0..<(n / 10) { _ = try! FileHeader.create(fileKey: SecureKey(random: 32), class: .completeUnlessOpen, cipher: .aes256gcm, using: .classBPublic(bp)) } }
         let h = try! FileHeader.create(fileKey: SecureKey(random: 32), class: .complete, cipher: .aes256gcm, using: .symmetric(classKey))
-        let tU = best(3) { for _ in 0..<n { _ = try! FileContentKey(key: try! h.unwrap(using: .symmetric(classKey)), cipher: .aes256gcm, fileID: h.fileID) } }
+        let tU = best(3) { for _ in 0..<n { _ = try! FileContentKey(key: try! h.unwrap(using: .symmetric(classKey)), header: h) } }
         print(String(format: "header create class C %.1f µs, class B (X25519) %.1f µs; unwrap + AES state %.1f µs",
                      tC / Double(n) * 1e6, tB / Double(n / 10) * 1e6, tU / Double(n) * 1e6))
 

@@ -4,7 +4,7 @@ import XCTest
 /// The rules of a file key's life across unlock, the two steps of a lock, handles, class
 /// changes and creates that race a lock — without FUSE.
 final class FileKeyLifeTests: XCTestCase {
-    let cipher = ContentCipher.preferred
+    let cipher = ContentCipher.default
 
     /// A keyring after one unlock.
     func unlockedKeyring() throws -> ClassKeyring {
@@ -73,7 +73,7 @@ final class FileKeyLifeTests: XCTestCase {
         let (wrap, epoch) = try XCTUnwrap(ring.wrappingKey(for: .complete))
         let raw = SecureKey(random: 32)
         let h = try FileHeader.create(fileKey: raw, class: .complete, cipher: cipher, using: wrap)
-        let key = try FileContentKey(key: raw, cipher: cipher, fileID: h.fileID)
+        let key = try FileContentKey(key: raw, header: h)
         ring.evictForLock()
         ring.install(try freshUnlock())   // even unlocked again: the create spanned a lock
         var a = FileKeyLife()
@@ -84,7 +84,7 @@ final class FileKeyLifeTests: XCTestCase {
         let (w2, e2) = try XCTUnwrap(ring.wrappingKey(for: .complete))
         let raw2 = SecureKey(random: 32)
         let h2 = try FileHeader.create(fileKey: raw2, class: .complete, cipher: cipher, using: w2)
-        try a.adoptCreated(header: h2, key: try FileContentKey(key: raw2, cipher: cipher, fileID: h2.fileID), epoch: e2, keyring: ring)
+        try a.adoptCreated(header: h2, key: try FileContentKey(key: raw2, header: h2), epoch: e2, keyring: ring)
         XCTAssertEqual(a.openCount, 1)
         // Class B is created while locked with the public key alone, across epochs too.
         ring.evictForLock()
@@ -93,7 +93,7 @@ final class FileKeyLifeTests: XCTestCase {
         let rawB = SecureKey(random: 32)
         let hb = try FileHeader.create(fileKey: rawB, class: .completeUnlessOpen, cipher: cipher, using: wb)
         var b = FileKeyLife()
-        try b.adoptCreated(header: hb, key: try FileContentKey(key: rawB, cipher: cipher, fileID: hb.fileID), epoch: eb, keyring: ring)
+        try b.adoptCreated(header: hb, key: try FileContentKey(key: rawB, header: hb), epoch: eb, keyring: ring)
     }
 
     func testClassBKeyLivesWithItsHandlesAndItsClassCannotBeChangedWhileLocked() throws {

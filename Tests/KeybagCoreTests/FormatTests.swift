@@ -1,5 +1,6 @@
 import Foundation
 import Glibc
+import CSodium
 import XCTest
 @testable import KeybagCore
 
@@ -12,7 +13,7 @@ final class FormatTests: TempDirTestCase {
         let raw = SecureKey(random: 32)
         let h = try FileHeader.create(fileKey: raw, class: cls, cipher: cipher, using: .symmetric(classKey))
         try EncryptedContent.writeNewHeader(fd: fd, h)
-        return (fd, try FileContentKey(key: raw, cipher: cipher, fileID: h.fileID), h, classKey)
+        return (fd, try FileContentKey(key: raw, header: h), h, classKey)
     }
 
     func testLayoutSizesRoundTrip() {
@@ -27,8 +28,11 @@ final class FormatTests: TempDirTestCase {
 
     func testRandomIOMatchesModelForBothCiphers() throws {
         for cipher in ContentCipher.allCases where cipher.isAvailable {
-            let (fd, key, _, _) = try newFile("model-\(cipher.name)", cipher: cipher)
+          for sealsEnd in [true, false] {
+            let (fd, sealedKey, _, _) = try newFile("model-\(cipher.name)-\(sealsEnd)", cipher: cipher)
             defer { close(fd) }
+            // Files written before the end was sealed (header flags 0) must keep working.
+            let key = sealsEnd ? sealedKey : try FileContentKey(key: sealedKey.key, cipher: cipher, fileID: sealedKey.fileID, sealsEnd: false)
             let c = EncryptedContent(layout: BlockLayout(cipher: cipher))
             var model: [UInt8] = []
             var seed: UInt64 = 0x1234_5678
@@ -49,7 +53,8 @@ final class FormatTests: TempDirTestCase {
             }
             var out = [UInt8](repeating: 0, count: model.count + 100)
             let n = try out.withUnsafeMutableBytes { try c.read(fd: fd, key: key, offset: 0, into: $0) }
-            XCTAssertEqual(Array(out[0..<n]), model, cipher.name)
+            XCTAssertEqual(Array(out[0..<n]), model, "\(cipher.name) sealsEnd \(sealsEnd)")
+          }
         }
     }
 
@@ -60,7 +65,7 @@ final class FormatTests: TempDirTestCase {
     }
 
     func testEveryTamperOfABlockIsAnError() throws {
-        let cipher = ContentCipher.preferred
+        let cipher = ContentCipher.default
         let c = EncryptedContent(layout: BlockLayout(cipher: cipher))
         let (fd, key, _, _) = try newFile("t", cipher: cipher)
         defer { close(fd) }
@@ -86,13 +91,92 @@ final class FormatTests: TempDirTestCase {
         _ = pwrite(fd, swapped, swapped.count, 0)
         XCTAssertEqual(readAll(fd, key, c), "corrupt")
         // A block from another file with the same key but another file id.
-        let other = try FileContentKey(key: key.key, cipher: cipher, fileID: Sodium.randomArray(16))
+        let other = try FileContentKey(key: key.key, cipher: cipher, fileID: Sodium.randomArray(16), sealsEnd: true)
         _ = pwrite(fd, original, original.count, 0)
         XCTAssertEqual(readAll(fd, other, c), "corrupt")
         // A truncated last block.
         XCTAssertEqual(ftruncate(fd, off_t(original.count - 5)), 0)
         var out = [UInt8](repeating: 0, count: 200)
         XCTAssertThrowsError(try out.withUnsafeMutableBytes { try c.read(fd: fd, key: key, offset: 3 * 4096, into: $0) })
+    }
+
+    /// Backing bytes of a file.
+    func backing(_ fd: Int32) -> [UInt8] {
+        var b = [UInt8](repeating: 0, count: Int(lseek(fd, 0, SEEK_END)))
+        _ = pread(fd, &b, b.count, 0)
+        return b
+    }
+
+    /// Replaces a file's backing bytes.
+    func setBacking(_ fd: Int32, _ b: [UInt8]) {
+        XCTAssertEqual(ftruncate(fd, 0), 0)
+        XCTAssertEqual(pwrite(fd, b, b.count, 0), b.count)
+    }
+
+    func testTheEndOfAFileIsAuthenticated() throws {
+        for cipher in ContentCipher.allCases where cipher.isAvailable {
+            let c = EncryptedContent(layout: BlockLayout(cipher: cipher))
+            let cb = c.layout.cipherBlockSize
+            let (fd, key, _, _) = try newFile("end-\(cipher.name)", cipher: cipher)
+            defer { close(fd) }
+            let data = (0..<21_480).map { UInt8(truncatingIfNeeded: $0 * 7 + 3) }
+            try data.withUnsafeBytes { try c.write(fd: fd, key: key, offset: 0, data: $0) }
+            let full = backing(fd)
+            XCTAssertEqual(readAll(fd, key, c), "ok")
+            // Cut at each block boundary: the new last block was not sealed as the end.
+            for blocks in 1...5 {
+                setBacking(fd, Array(full[0..<(FileHeader.size + blocks * cb)]))
+                XCTAssertEqual(try c.plainSize(fd: fd), blocks * 4096)
+                XCTAssertEqual(readAll(fd, key, c), "corrupt", "\(cipher.name): cut after \(blocks) blocks")
+            }
+            // Whole blocks appended: zeros (a hole cannot be the end), or a copy of the last one.
+            setBacking(fd, full + [UInt8](repeating: 0, count: cb))
+            XCTAssertEqual(readAll(fd, key, c), "corrupt", "zero block appended")
+            setBacking(fd, full + Array(full[(FileHeader.size + 5 * cb)...]))
+            XCTAssertEqual(readAll(fd, key, c), "corrupt", "last block appended again")
+            // An older, longer version's tail after a shrink: the shrunk end was sealed as the end.
+            setBacking(fd, full)
+            try c.truncate(fd: fd, key: key, to: 8192)
+            XCTAssertEqual(readAll(fd, key, c), "ok")
+            setBacking(fd, backing(fd) + Array(full[(FileHeader.size + 2 * cb)..<(FileHeader.size + 3 * cb)]))
+            XCTAssertEqual(readAll(fd, key, c), "corrupt", "an old block 2 put back after a shrink")
+            // The last block zeroed is damage, not a hole.
+            setBacking(fd, full)
+            var zeroed = full
+            zeroed.replaceSubrange((FileHeader.size + 5 * cb)..<full.count, with: [UInt8](repeating: 0, count: full.count - FileHeader.size - 5 * cb))
+            setBacking(fd, zeroed)
+            XCTAssertEqual(readAll(fd, key, c), "corrupt", "zeroed last block")
+            // A hole inside the file still reads as zeros, and a write past the end keeps the gap sparse.
+            setBacking(fd, full)
+            try [UInt8](repeating: 9, count: 10).withUnsafeBytes { try c.write(fd: fd, key: key, offset: 100_000, data: $0) }
+            var st = stat()
+            fstat(fd, &st)
+            XCTAssertLessThan(Int(st.st_blocks) * 512, 60_000, "the gap stays a hole")
+            var out = [UInt8](repeating: 1, count: 100_010)
+            let n = try out.withUnsafeMutableBytes { try c.read(fd: fd, key: key, offset: 0, into: $0) }
+            XCTAssertEqual(n, 100_010)
+            XCTAssertEqual(Array(out[0..<data.count]), data)
+            XCTAssertTrue(out[data.count..<100_000].allSatisfy { $0 == 0 })
+            XCTAssertEqual(Array(out[100_000...]), [UInt8](repeating: 9, count: 10))
+        }
+    }
+
+    func testAFileWithoutASealedEndStillReads() throws {
+        // Files written before the format sealed the end (header flags 0) read as before.
+        let cipher = ContentCipher.default
+        let c = EncryptedContent(layout: BlockLayout(cipher: cipher))
+        let fd = open(dir + "/legacy", O_RDWR | O_CREAT | O_TRUNC, 0o600)
+        defer { close(fd) }
+        let sym = SecureKey(random: 32), raw = SecureKey(random: 32)
+        var h = try FileHeader.create(fileKey: raw, class: .none, cipher: cipher, using: .symmetric(sym))
+        h.flags = 0
+        h = try h.rewrapped(fileKey: raw, to: .none, using: .symmetric(sym))
+        try EncryptedContent.writeNewHeader(fd: fd, h)
+        let parsed = try EncryptedContent.readHeader(fd: fd)
+        XCTAssertFalse(parsed.endIsSealed)
+        let key = try FileContentKey(key: try parsed.unwrap(using: .symmetric(sym)), header: parsed)
+        try [UInt8](repeating: 4, count: 9000).withUnsafeBytes { try c.write(fd: fd, key: key, offset: 0, data: $0) }
+        XCTAssertEqual(readAll(fd, key, c), "ok")
     }
 
     func testHeaderRoundTripForEveryClassAndTamper() throws {
@@ -116,7 +200,7 @@ final class FormatTests: TempDirTestCase {
             }
             // A flipped bit anywhere in the slot body: the slot is rejected (checksum),
             // and a slot with a valid checksum but another class fails the key wrap.
-            for pos in 0..<FileHeader.bodySize {
+            for pos in 0..<FileHeader.slotSize {
                 bytes[pos] ^= 0x04
                 XCTAssertThrowsError(try FileHeader.parse(bytes), "flip at \(pos)")
                 bytes[pos] ^= 0x04
@@ -124,6 +208,22 @@ final class FormatTests: TempDirTestCase {
             var forged = parsed
             forged.protectionClass = cls == .none ? .complete : .none
             XCTAssertThrowsError(try FileHeader.parse(forged.encodeSlot() + [UInt8](repeating: 0, count: 160)).unwrap(using: .symmetric(sym)))
+        }
+    }
+
+    func testHeaderBytesAreAuthenticatedEvenWithARecomputedChecksum() throws {
+        // The checksum is unkeyed: an editor can recompute it. Bytes 10 and 11 must still
+        // count, through the key wrap's associated data or the parser.
+        let sym = SecureKey(random: 32), raw = SecureKey(random: 32)
+        let h = try FileHeader.create(fileKey: raw, class: .completeUntilFirstUserAuthentication, cipher: .default, using: .symmetric(sym))
+        for (pos, value) in [(10, UInt8(0)), (10, 2), (11, 1), (150, 1)] {
+            var slot = h.encodeSlot()
+            slot[pos] = value
+            var sum = [UInt8](repeating: 0, count: 16)
+            crypto_generichash(&sum, 16, slot, UInt64(FileHeader.bodySize), nil, 0)
+            slot.replaceSubrange(FileHeader.bodySize..<(FileHeader.bodySize + 16), with: sum)
+            let edited = slot + [UInt8](repeating: 0, count: FileHeader.slotSize)
+            XCTAssertThrowsError(try FileHeader.parse(edited).unwrap(using: .symmetric(sym)), "byte \(pos) = \(value) accepted")
         }
     }
 
@@ -167,10 +267,10 @@ final class FormatTests: TempDirTestCase {
         XCTAssertTrue(k.isWiped)
         XCTAssertThrowsError(try k.withBytes { _ in 0 }) { XCTAssertEqual($0 as? KeybagError, .keyUnavailable) }
         let raw = SecureKey(random: 32)
-        let fk = try FileContentKey(key: raw, cipher: .preferred, fileID: Sodium.randomArray(16))
+        let fk = try FileContentKey(key: raw, cipher: .default, fileID: Sodium.randomArray(16), sealsEnd: true)
         fk.wipe()
         var out = [UInt8](repeating: 0, count: 100)
         let plain = [UInt8](repeating: 1, count: 10)
-        XCTAssertThrowsError(try plain.withUnsafeBytes { p in try out.withUnsafeMutableBytes { try fk.seal(p, block: 0, into: $0) } })
+        XCTAssertThrowsError(try plain.withUnsafeBytes { p in try out.withUnsafeMutableBytes { try fk.seal(p, block: 0, last: true, into: $0) } })
     }
 }
