@@ -168,25 +168,62 @@ public final class FileContentKey: Sendable {
     }
 
     /// Decrypts block `block` (`last`: the file's last block) from `sealed` (nonce ||
-    /// ciphertext || tag) into `out`, returning the plaintext length. An all-zero block
-    /// inside the file is a hole and reads as zeros; a sealed end is never a hole.
-    public func open(_ sealed: UnsafeRawBufferPointer, block: UInt64, last: Bool, into out: UnsafeMutableRawBufferPointer) throws -> Int {
+    /// ciphertext || tag) into `out`, returning the plaintext length. With a sealed end the
+    /// last block must carry the end mark; a block inside the file may carry either (one
+    /// that was the end before the file grew keeps its mark). `marked` says which mark to
+    /// try first and returns the one that matched (consecutive blocks tend to agree). An
+    /// all-zero block inside the file is a hole and reads as zeros; the end is never a hole.
+    public func open(_ sealed: UnsafeRawBufferPointer, block: UInt64, last: Bool, marked: inout Bool, into out: UnsafeMutableRawBufferPointer) throws -> Int {
         let ns = cipher.nonceSize
         guard sealed.count > ns + BlockLayout.tagSize else { throw KeybagError.corrupt("block \(block) truncated") }
         let plainLen = sealed.count - ns - BlockLayout.tagSize
         precondition(out.count >= plainLen)
-        if try decrypt(sealed, block: block, last: last, into: out) { return plainLen }
-        // Not authentic: a hole (all zero bytes, never produced by sealing), a moved end, or damage.
+        if sealsEnd && !last {
+            if try decrypt(sealed, block: block, last: marked, into: out) { return plainLen }
+            if try decrypt(sealed, block: block, last: !marked, into: out) { marked.toggle(); return plainLen }
+        } else if try decrypt(sealed, block: block, last: last, into: out) {
+            return plainLen
+        }
+        // Not authentic: a hole (all zero bytes, never produced by sealing), a cut end, or damage.
         if !(sealsEnd && last) && FileContentKey.isAllZero(sealed) {
             memset(out.baseAddress!, 0, plainLen)
             return plainLen
         }
-        if sealsEnd, try decrypt(sealed, block: block, last: !last, into: out) {
+        if sealsEnd && last, try decrypt(sealed, block: block, last: false, into: out) {
             sodium_memzero(out.baseAddress!, plainLen)
-            throw KeybagError.corrupt(last ? "block \(block) is not the file's end: blocks after it were cut off"
-                                           : "block \(block) was the file's end: blocks were appended after it")
+            throw KeybagError.corrupt("block \(block) is not the file's end: blocks after it were cut off")
         }
         throw KeybagError.corrupt("block \(block) failed authentication")
+    }
+
+    /// Decrypts one block (see the other `open`), trying the unmarked form first.
+    public func open(_ sealed: UnsafeRawBufferPointer, block: UInt64, last: Bool, into out: UnsafeMutableRawBufferPointer) throws -> Int {
+        var marked = false
+        return try open(sealed, block: block, last: last, marked: &marked, into: out)
+    }
+
+    /// What one sealed block is, for `fsck`.
+    public enum BlockCheck: Sendable, Equatable {
+        /// Authenticates where it stands.
+        case authentic
+        /// All zero bytes inside the file: a sparse hole.
+        case hole
+        /// The last block, authentic but not sealed as the end: the file was cut after it
+        /// (offline, or a truncate cut off between its steps).
+        case wrongEnd
+        /// Does not authenticate at all.
+        case damaged
+    }
+
+    /// Classifies a sealed block; `scratch` (≥ the plaintext length) is zeroed afterwards.
+    public func check(_ sealed: UnsafeRawBufferPointer, block: UInt64, last: Bool, scratch: UnsafeMutableRawBufferPointer) -> BlockCheck {
+        guard sealed.count > cipher.nonceSize + BlockLayout.tagSize else { return .damaged }
+        defer { sodium_memzero(scratch.baseAddress!, scratch.count) }
+        if (try? decrypt(sealed, block: block, last: last, into: scratch)) == true { return .authentic }
+        if sealsEnd && !last && (try? decrypt(sealed, block: block, last: true, into: scratch)) == true { return .authentic }
+        if !(sealsEnd && last) && FileContentKey.isAllZero(sealed) { return .hole }
+        if sealsEnd && last && (try? decrypt(sealed, block: block, last: false, into: scratch)) == true { return .wrongEnd }
+        return .damaged
     }
 
     /// One AEAD decryption; false when the tag does not verify.

@@ -69,6 +69,7 @@ public struct EncryptedContent: Sendable {
         return try ScratchBuffers.shared.withBlock(cEnd - cStart) { cbuf, plain in
             let got = try Self.preadFull(fd, cbuf, offset: cStart)
             var written = 0
+            var marked = false
             for b in first...last {
                 let bStart = b * Self.B
                 let bLen = min(Self.B, size - bStart)
@@ -78,13 +79,13 @@ public struct EncryptedContent: Sendable {
                 let lo = max(offset, bStart) - bStart
                 if lo == 0 && end - bStart >= bLen {
                     // The whole block is wanted: decrypt straight into the reply.
-                    let n = try key.open(sealed, block: UInt64(b), last: b == fileLast,
+                    let n = try key.open(sealed, block: UInt64(b), last: b == fileLast, marked: &marked,
                                          into: UnsafeMutableRawBufferPointer(rebasing: out[written..<(written + bLen)]))
                     written += n
                     if n < bLen { break }
                     continue
                 }
-                let n = try key.open(sealed, block: UInt64(b), last: b == fileLast, into: plain)
+                let n = try key.open(sealed, block: UInt64(b), last: b == fileLast, marked: &marked, into: plain)
                 let hi = min(end, bStart + n) - bStart
                 guard hi > lo else { break }
                 (out.baseAddress! + written).copyMemory(from: plain.baseAddress! + lo, byteCount: hi - lo)
@@ -95,8 +96,10 @@ public struct EncryptedContent: Sendable {
     }
 
     /// Writes `data` at plaintext `offset`, extending the file (with holes) as needed.
-    /// The old last block, when the file grows past it, is re-sealed full and no longer
-    /// marked last: in the same `pwrite` as the new data when adjacent, else after it.
+    /// A full old last block stays as it is when the file grows (its end mark is allowed
+    /// inside the file); a partial one is re-sealed full first: in the same `pwrite` as the
+    /// new data when adjacent, else before it (so a crash in between leaves a cut end that
+    /// `fsck` re-seals, never a block of the wrong length).
     public func write(fd: Int32, key: FileContentKey, offset: Int, data: UnsafeRawBufferPointer) throws {
         guard data.count > 0 else { return }
         let size = try plainSize(fd: fd)
@@ -104,17 +107,16 @@ public struct EncryptedContent: Sendable {
         let newSize = max(size, end)
         let oldLast = Self.lastBlock(ofSize: size), newLast = Self.lastBlock(ofSize: newSize)
         let dataFirst = offset / Self.B, dataLast = (end - 1) / Self.B
-        // Does the old last block change without being written to (partial or marked last)?
-        let oldLastChanges = oldLast >= 0 && oldLast < dataFirst && (size % Self.B != 0 || key.sealsEnd)
-        let first = oldLastChanges && oldLast == dataFirst - 1 ? oldLast : dataFirst
+        let oldLastGrows = oldLast >= 0 && oldLast < dataFirst && size % Self.B != 0
+        if oldLastGrows && oldLast < dataFirst - 1 {
+            try sealAndWrite(fd: fd, key: key, blocks: oldLast...oldLast, size: size, newSize: newSize, newLast: newLast) { _ in nil }
+        }
+        let first = oldLastGrows && oldLast == dataFirst - 1 ? oldLast : dataFirst
         try sealAndWrite(fd: fd, key: key, blocks: first...dataLast, size: size, newSize: newSize, newLast: newLast) { b in
             let bStart = b * Self.B
             let lo = max(offset, bStart) - bStart
             let hi = min(end, bStart + Self.B) - bStart
             return hi > lo ? (lo, hi, data.baseAddress! + (bStart + lo - offset)) : nil
-        }
-        if oldLastChanges && first != oldLast {
-            try sealAndWrite(fd: fd, key: key, blocks: oldLast...oldLast, size: size, newSize: newSize, newLast: newLast) { _ in nil }
         }
     }
 
@@ -206,6 +208,40 @@ public struct EncryptedContent: Sendable {
             try zeros.withUnsafeBytes { try write(fd: fd, key: key, offset: pos, data: $0) }
             pos = stop
         }
+    }
+
+    /// How every block of the file checks (`fsck`).
+    public func blockChecks(fd: Int32, key: FileContentKey) throws -> [FileContentKey.BlockCheck] {
+        let size = try plainSize(fd: fd)
+        let last = Self.lastBlock(ofSize: size)
+        guard last >= 0 else { return [] }
+        return try ScratchBuffers.shared.withBlock(layout.cipherBlockSize) { sealed, plain in
+            try (0...last).map { b in
+                let len = min(Self.B, size - b * Self.B) + layout.overhead
+                let got = try Self.preadFull(fd, UnsafeMutableRawBufferPointer(rebasing: sealed[0..<len]), offset: layout.cipherOffset(ofBlock: b))
+                guard got == len else { return .damaged }
+                return key.check(UnsafeRawBufferPointer(rebasing: sealed[0..<len]), block: UInt64(b), last: b == last, scratch: plain)
+            }
+        }
+    }
+
+    /// Re-seals block `block` (authentic under end mark `from`) with end mark `to`, same
+    /// length: the repair of an end mark an interrupted write or truncate left wrong.
+    public func resealEndMark(fd: Int32, key: FileContentKey, block: Int, from: Bool, to: Bool) throws {
+        let size = try plainSize(fd: fd)
+        let len = min(Self.B, size - block * Self.B)
+        try ScratchBuffers.shared.withBlock(len + layout.overhead) { sealed, plain in
+            let n = try readBlock(fd: fd, key: key, block: block, length: len, last: from, into: plain)
+            guard n == len else { throw KeybagError.corrupt("block \(block) short") }
+            try key.seal(UnsafeRawBufferPointer(rebasing: plain[0..<len]), block: UInt64(block), last: to, into: sealed)
+            try Self.pwriteFull(fd, UnsafeRawBufferPointer(sealed), offset: layout.cipherOffset(ofBlock: block))
+        }
+    }
+
+    /// Cuts the backing file after `blocks` whole blocks (fsck's repair of a torn tail; the
+    /// caller then seals the new end).
+    public func cut(fd: Int32, afterBlocks blocks: Int) throws {
+        guard ftruncate(fd, off_t(layout.cipherOffset(ofBlock: blocks))) == 0 else { throw KeybagError.system("ftruncate", errno) }
     }
 
     /// Decrypts block `block` of `length` plaintext bytes (`last`: the file's last) into `plain`.

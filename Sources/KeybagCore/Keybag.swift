@@ -282,6 +282,17 @@ public struct Keybag: Sendable {
         return .tampered
     }
 
+    /// Whether the stored failed-attempt counter authenticates (format 2), without changing
+    /// anything (`fsck`); nil for format 1, which has no MAC yet.
+    public func counterIsAuthentic(deviceKey: SecureKey) throws -> Bool? {
+        guard file.format >= 2 else { return nil }
+        let key = try Keybag.counterKey(deviceKey)
+        defer { key.wipe() }
+        let expected = [UInt8](Data(base64Encoded: try Keybag.counterMAC(file, key: key)) ?? Data())
+        guard let stored = file.counterMAC.flatMap({ Data(base64Encoded: $0) }).map([UInt8].init), stored.count == expected.count else { return false }
+        return sodium_memcmp(stored, expected, expected.count) == 0
+    }
+
     /// Writes the keybag atomically: temp file, fsync, rename, fsync of the folder.
     public func save() throws {
         var file = self.file

@@ -15,6 +15,9 @@ public final class NameCipher: Sendable {
     public static let longPrefix = "kbl."
     /// Suffix of the side file that holds a long name's full encrypted form.
     public static let longSuffix = ".name"
+    /// Backing names the store reserves for its own files (`.kbfs-dir`, temporaries);
+    /// encrypted names are base64url and never start with a dot.
+    public static let reservedPrefix = ".kbfs-"
     /// Prefix of a symlink target that lives in the store's target folder.
     public static let longTargetPrefix = "kbt."
 

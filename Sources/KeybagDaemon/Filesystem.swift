@@ -36,9 +36,8 @@ final class Filesystem: Sendable {
     /// Largest plaintext size (and offset) accepted: keeps every backing offset far from Int overflow.
     static let maxFileSize = 1 << 60
 
-    /// Backing names the store reserves for its own files (`.kbfs-dir`, temporaries);
-    /// encrypted names are base64url and never start with a dot.
-    static let reservedPrefix = ".kbfs-"
+    /// Backing names the store reserves for its own files (see `NameCipher.reservedPrefix`).
+    static let reservedPrefix = NameCipher.reservedPrefix
 
     let table: NodeTable
     /// Names, symlink targets and directory metadata under the volume key.

@@ -16,7 +16,7 @@ struct Keybagfs: ParsableCommand {
         with `keybagctl`. Each file's class is the xattr user.protection (none, \
         completeUntilFirstUserAuthentication, completeUnlessOpen, complete).
         """,
-        subcommands: [Init.self, Mount.self])
+        subcommands: [Init.self, Mount.self, Fsck.self])
 
     /// Runs the command; usage errors exit 2, refusals 1.
     static func main() { runWithContractExitCodes(tool: "keybagfs") }
@@ -135,6 +135,85 @@ struct Mount: ParsableCommand {
             return
         }
         try Launcher.spawnDaemon(arguments: Array(CommandLine.arguments.dropFirst()) + ["--foreground", "--ready-fd", "3"])
+    }
+}
+
+/// `keybagfs fsck`.
+struct Fsck: ParsableCommand {
+    static let configuration = CommandConfiguration(
+        abstract: "Check an unmounted store; with --repair, fix what can be fixed.",
+        discussion: """
+        Checks the keybag, every directory's metadata, names and long-name side files, every file header \
+        (both slots), every block of files whose class key is at hand, and the xattr and symlink-target \
+        folders. Without the passcode, classes A, B and C are checked for structure only. --repair fixes \
+        what loses no data; repairs that drop data (torn or damaged blocks) also need --yes. \
+        Exit status: 0 clean, 1 problems found (or the check failed), 2 usage.
+        """)
+
+    @Argument(help: "The store directory (not mounted).")
+    var store: String
+
+    @Option(help: "Device key file (default /var/lib/keybagfs/<store-id>.key).")
+    var deviceKey: String?
+
+    @Flag(help: "Read the passcode as one line from standard input, to check the contents of classes A, B and C.")
+    var passcodeStdin = false
+
+    @Flag(help: "Ask for the passcode on the terminal.")
+    var askPasscode = false
+
+    @Flag(help: "Repair what can be repaired without losing data.")
+    var repair = false
+
+    @Flag(help: "With --repair: also repairs that drop data (cut torn tails, zero damaged blocks).")
+    var yes = false
+
+    @Flag(help: "Print the result as JSON.")
+    var json = false
+
+    func run() throws {
+        let lock = open(store, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+        guard lock >= 0 else { throw KeybagError.invalid("cannot open the store \(store): \(String(cString: strerror(errno)))") }
+        defer { close(lock) }
+        guard flock(lock, LOCK_EX | LOCK_NB) == 0 else { throw KeybagError.invalid("the store \(store) is mounted (a keybagfs daemon holds it); unmount it first") }
+        let kb = try Keybag.load(storePath: store)
+        let dk = try DeviceKeyFile.load(from: deviceKey ?? DeviceKeyFile.defaultPath(storeID: kb.file.storeID))
+        defer { dk.wipe() }
+        let passcode: SecureKey? = passcodeStdin || askPasscode ? try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ") : nil
+        defer { passcode?.wipe() }
+        let check = try StoreCheck(storePath: store, deviceKey: dk, passcode: passcode, options: .init(repair: repair, dropData: repair && yes))
+        defer { check.wipe() }
+        if isatty(2) == 1 && !json {
+            check.progress = { FileHandle.standardError.write(Data("\rchecked \($0) files…".utf8)) }
+        }
+        try check.run()
+        if isatty(2) == 1 && !json && check.files >= 500 { FileHandle.standardError.write(Data("\r\u{1b}[K".utf8)) }
+        if json {
+            let o: [String: Any] = [
+                "clean": check.isClean, "directories": check.directories, "files": check.files, "blocks": check.blocks,
+                "filesWithoutKey": check.keyless,
+                "problems": check.problems.map { p -> [String: Any] in
+                    var d: [String: Any] = ["kind": p.kind, "path": p.path, "detail": p.detail, "repair": p.repair]
+                    if let n = p.name { d["name"] = n }
+                    return d
+                },
+            ]
+            let data = try JSONSerialization.data(withJSONObject: o, options: [.sortedKeys])
+            print(String(decoding: data, as: UTF8.self))
+        } else {
+            for p in check.problems {
+                print("\(p.kind): \(p.path)\(p.name.map { " (\($0))" } ?? ""): \(p.detail) [\(p.repair)]")
+            }
+            let summary = "\(check.directories) directories, \(check.files) files, \(check.blocks) blocks checked"
+                + (check.keyless > 0 ? "; \(check.keyless) files of classes A/B/C checked for structure only (no passcode)" : "")
+            if check.isClean {
+                print("clean: " + summary)
+            } else {
+                let fixed = check.problems.filter { $0.repair == "repaired" }.count
+                print("\(check.problems.count) problem(s), \(fixed) repaired: " + summary)
+            }
+        }
+        if !check.isClean { throw ExitCode(1) }
     }
 }
 
