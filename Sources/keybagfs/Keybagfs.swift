@@ -30,6 +30,12 @@ extension ProtectionClass: ExpressibleByArgument {
 
 extension KDFStrength: ExpressibleByArgument {}
 
+/// Parses a content cipher name for `init --cipher`.
+extension ContentCipher: ExpressibleByArgument {
+    public init?(argument: String) { self.init(name: argument) }
+    public static var allValueStrings: [String] { allCases.map(\.name) }
+}
+
 /// `keybagfs init`.
 struct Init: ParsableCommand {
     static let configuration = CommandConfiguration(
@@ -47,6 +53,9 @@ struct Init: ParsableCommand {
 
     @Option(help: "Argon2id cost: interactive, moderate or sensitive.")
     var kdf: KDFStrength = .moderate
+
+    @Option(help: "Content cipher: xchacha20poly1305 (default; no practical limit on writes per file) or aes256gcm (at most 2^32 block writes per file key).")
+    var cipher: ContentCipher = .default
 
     func run() throws {
         let fm = FileManager.default
@@ -69,7 +78,8 @@ struct Init: ParsableCommand {
         let dkPath = deviceKey ?? DeviceKeyFile.defaultPath(storeID: storeID)
         let dk = fm.fileExists(atPath: dkPath) ? try DeviceKeyFile.load(from: dkPath) : try DeviceKeyFile.create(at: dkPath)
         defer { dk.wipe() }
-        let kb = try Keybag.create(storePath: store, storeID: storeID, passcode: passcode, deviceKey: dk, strength: kdf)
+        guard cipher.isAvailable else { throw KeybagError.invalid("this CPU cannot run \(cipher.name)") }
+        let kb = try Keybag.create(storePath: store, storeID: storeID, passcode: passcode, deviceKey: dk, strength: kdf, cipher: cipher)
         try fm.createDirectory(atPath: store + "/" + Keybag.dataDirName, withIntermediateDirectories: false, attributes: [.posixPermissions: 0o755])
         print("initialised store \(store)")
         print("  store id:   \(kb.file.storeID)")
