@@ -170,17 +170,20 @@ public final class FileContentKey: Sendable {
     /// Decrypts block `block` (`last`: the file's last block) from `sealed` (nonce ||
     /// ciphertext || tag) into `out`, returning the plaintext length. With a sealed end the
     /// last block must carry the end mark; a block inside the file may carry either (one
-    /// that was the end before the file grew keeps its mark). `marked` says which mark to
-    /// try first and returns the one that matched (consecutive blocks tend to agree). An
+    /// that was the end before the file grew keeps its mark: one per growing write).
+    /// `markedRun` counts the marked blocks just before this one in the same read: after two
+    /// in a row (a file grown by block-sized appends) the mark is tried first, else the
+    /// unmarked form, so a lone mark after a large append costs one extra tag check. An
     /// all-zero block inside the file is a hole and reads as zeros; the end is never a hole.
-    public func open(_ sealed: UnsafeRawBufferPointer, block: UInt64, last: Bool, marked: inout Bool, into out: UnsafeMutableRawBufferPointer) throws -> Int {
+    public func open(_ sealed: UnsafeRawBufferPointer, block: UInt64, last: Bool, markedRun: inout Int, into out: UnsafeMutableRawBufferPointer) throws -> Int {
         let ns = cipher.nonceSize
         guard sealed.count > ns + BlockLayout.tagSize else { throw KeybagError.corrupt("block \(block) truncated") }
         let plainLen = sealed.count - ns - BlockLayout.tagSize
         precondition(out.count >= plainLen)
         if sealsEnd && !last {
-            if try decrypt(sealed, block: block, last: marked, into: out) { return plainLen }
-            if try decrypt(sealed, block: block, last: !marked, into: out) { marked.toggle(); return plainLen }
+            let first = markedRun >= 2
+            if try decrypt(sealed, block: block, last: first, into: out) { markedRun = first ? markedRun + 1 : 0; return plainLen }
+            if try decrypt(sealed, block: block, last: !first, into: out) { markedRun = first ? 0 : markedRun + 1; return plainLen }
         } else if try decrypt(sealed, block: block, last: last, into: out) {
             return plainLen
         }
@@ -198,8 +201,8 @@ public final class FileContentKey: Sendable {
 
     /// Decrypts one block (see the other `open`), trying the unmarked form first.
     public func open(_ sealed: UnsafeRawBufferPointer, block: UInt64, last: Bool, into out: UnsafeMutableRawBufferPointer) throws -> Int {
-        var marked = false
-        return try open(sealed, block: block, last: last, marked: &marked, into: out)
+        var markedRun = 0
+        return try open(sealed, block: block, last: last, markedRun: &markedRun, into: out)
     }
 
     /// What one sealed block is, for `fsck`.

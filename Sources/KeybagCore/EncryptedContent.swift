@@ -69,7 +69,7 @@ public struct EncryptedContent: Sendable {
         return try ScratchBuffers.shared.withBlock(cEnd - cStart) { cbuf, plain in
             let got = try Self.preadFull(fd, cbuf, offset: cStart)
             var written = 0
-            var marked = false
+            var markedRun = 0
             for b in first...last {
                 let bStart = b * Self.B
                 let bLen = min(Self.B, size - bStart)
@@ -79,13 +79,13 @@ public struct EncryptedContent: Sendable {
                 let lo = max(offset, bStart) - bStart
                 if lo == 0 && end - bStart >= bLen {
                     // The whole block is wanted: decrypt straight into the reply.
-                    let n = try key.open(sealed, block: UInt64(b), last: b == fileLast, marked: &marked,
+                    let n = try key.open(sealed, block: UInt64(b), last: b == fileLast, markedRun: &markedRun,
                                          into: UnsafeMutableRawBufferPointer(rebasing: out[written..<(written + bLen)]))
                     written += n
                     if n < bLen { break }
                     continue
                 }
-                let n = try key.open(sealed, block: UInt64(b), last: b == fileLast, marked: &marked, into: plain)
+                let n = try key.open(sealed, block: UInt64(b), last: b == fileLast, markedRun: &markedRun, into: plain)
                 let hi = min(end, bStart + n) - bStart
                 guard hi > lo else { break }
                 (out.baseAddress! + written).copyMemory(from: plain.baseAddress! + lo, byteCount: hi - lo)
