@@ -50,6 +50,11 @@ public struct KeybagFile: Codable, Sendable, Equatable {
     /// Format 2: keyed BLAKE2b of storeID, failedAttempts and lockoutUntil under a key
     /// derived from the device key (base64), so the counter cannot be edited offline.
     public var counterMAC: String?
+    /// Wrong recovery keys in a row (absent: none). Not under the counter MAC: recovery
+    /// must work without the device key; the key's 256 bits are the real defence.
+    public var recoveryFailedAttempts: Int? = nil
+    /// Unix time before which no recovery is attempted (absent: none).
+    public var recoveryLockoutUntil: Double? = nil
 }
 
 /// Delay policy after failed unlocks: none for the first four, then 1, 5, 15, 15 minutes,
@@ -97,9 +102,9 @@ public struct Keybag: Sendable {
     /// Path of the store.
     public let storePath: String
     /// The parsed file.
-    public private(set) var file: KeybagFile
+    public internal(set) var file: KeybagFile
     /// The key that authenticates the failed-attempt counter (from the device key), once known.
-    private var counterKey: SecureKey?
+    var counterKey: SecureKey?
     /// Current keybag format: 2 (counter MAC; device-only slots wrapped with the v2 AD).
     public static let currentFormat = 2
     /// Most Argon2id passes and memory a keybag may ask for (hostile values would stall or kill the daemon).
@@ -122,7 +127,7 @@ public struct Keybag: Sendable {
     /// Associated data of a wrapped slot. Format 2 wraps the device-only slots (`D`,
     /// `volume`) under a v2 tag, so a format-2 keybag edited to claim format 1 (to drop the
     /// counter MAC) no longer opens with the device key.
-    private static func ad(_ storeID: String, _ slot: String, format: Int = 1) -> [UInt8] {
+    static func ad(_ storeID: String, _ slot: String, format: Int = 1) -> [UInt8] {
         let v = format >= 2 && (slot == "D" || slot == "volume") ? "v2" : "v1"
         return Array("keybagfs-keybag-\(v)|\(storeID)|\(slot)".utf8)
     }
@@ -185,8 +190,9 @@ public struct Keybag: Sendable {
     }
 
     /// Creates a new keybag in `storePath` (which must be empty or absent) and returns it.
+    /// With `recovery`, the five keys are also wrapped for that recovery key.
     public static func create(storePath: String, storeID: String, passcode: SecureKey, deviceKey: SecureKey, strength: KDFStrength,
-                              cipher: ContentCipher = .default, format: Int = Keybag.currentFormat) throws -> Keybag {
+                              cipher: ContentCipher = .default, format: Int = Keybag.currentFormat, recovery: RecoveryKey? = nil) throws -> Keybag {
         var file = KeybagFile(format: format, storeID: storeID, cipher: cipher.name, kdfOpsLimit: strength.opsLimit,
                               kdfMemLimit: strength.memLimit, kdfSalt: Data(Sodium.randomArray(Int(crypto_pwhash_SALTBYTES))).base64EncodedString(),
                               wrapped: [:], classBPublic: "", failedAttempts: 0, lockoutUntil: 0, counterMAC: nil)
@@ -201,6 +207,7 @@ public struct Keybag: Sendable {
         for (slot, key, wrapper) in [("A", a, kek), ("B", bs, kek), ("C", c, kek), ("D", d, dwk), ("volume", vol, dwk)] {
             file.wrapped[slot] = Data(try KeyWrap.wrap(key, with: wrapper, ad: ad(storeID, slot, format: format))).base64EncodedString()
         }
+        if let recovery { try writeEscrow(&file, keys: [("A", a), ("B", bs), ("C", c), ("D", d), ("volume", vol)], recovery: recovery) }
         file.classBPublic = Data(bp).base64EncodedString()
         let kb = Keybag(storePath: storePath, file: file, counterKey: format >= 2 ? try counterKey(deviceKey) : nil)
         try kb.save()
@@ -245,6 +252,16 @@ public struct Keybag: Sendable {
         guard f.lockoutUntil.isFinite, f.lockoutUntil >= 0 else { throw bad("lockoutUntil", "not a time") }
         f.lockoutUntil = min(f.lockoutUntil, now + UnlockThrottle.delay(afterFailures: Int.max))
         if let mac = f.counterMAC { guard let m = Data(base64Encoded: mac), m.count == 32 else { throw bad("counterMAC", "not a MAC") } }
+        let escrow = escrowedSlots.filter { f.wrapped["r" + $0] != nil }
+        guard escrow.isEmpty || escrow.count == escrowedSlots.count else { throw bad("wrapped.r*", "some recovery slots are missing") }
+        for slot in escrow {
+            guard let w = f.wrapped["r" + slot].flatMap({ Data(base64Encoded: $0) }), w.count == 32 + KeyWrap.overhead else { throw bad("wrapped.r\(slot)", "not a wrapped key") }
+        }
+        if let n = f.recoveryFailedAttempts { guard n >= 0, n <= maxFailedAttempts else { throw bad("recoveryFailedAttempts", "out of range") } }
+        if let t = f.recoveryLockoutUntil {
+            guard t.isFinite, t >= 0 else { throw bad("recoveryLockoutUntil", "not a time") }
+            f.recoveryLockoutUntil = min(t, now + UnlockThrottle.delay(afterFailures: Int.max))
+        }
     }
 
     /// What `authenticate` found.
@@ -294,17 +311,27 @@ public struct Keybag: Sendable {
     }
 
     /// Writes the keybag atomically: temp file, fsync, rename, fsync of the folder.
-    public func save() throws {
+    public func save() throws { try save(recomputingCounterMAC: true) }
+
+    /// Writes the keybag keeping the stored counter MAC: only for changes outside what it
+    /// covers (the recovery counter), when the device key is not at hand.
+    func saveWithoutCounter() throws { try save(recomputingCounterMAC: false) }
+
+    private func save(recomputingCounterMAC: Bool) throws {
         var file = self.file
-        if file.format >= 2 {
+        if file.format >= 2 && recomputingCounterMAC {
             guard let counterKey else { throw KeybagError.invalid("keybag not bound to its device key; cannot authenticate the counter") }
             file.counterMAC = try Keybag.counterMAC(file, key: counterKey)
         }
         let enc = JSONEncoder()
         enc.outputFormatting = [.prettyPrinted, .sortedKeys]
         let data = try enc.encode(file)
+        // The temporary is always a new file of our own: a stale one (or a symlink planted in
+        // its place) is removed first, and O_EXCL|O_NOFOLLOW never writes through a link
+        // that appears in between (the daemon runs as root).
         let tmp = path + ".tmp"
-        let fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0o600)
+        if unlink(tmp) != 0 && errno != ENOENT { throw KeybagError.system("cannot remove the stale \(tmp)", errno) }
+        let fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o600)
         guard fd >= 0 else { throw KeybagError.system("cannot write \(tmp)", errno) }
         let ok = data.withUnsafeBytes { b -> Bool in
             var off = 0
@@ -323,7 +350,7 @@ public struct Keybag: Sendable {
         if dfd >= 0 { fsync(dfd); close(dfd) }
     }
 
-    private func blob(_ slot: String) throws -> [UInt8] {
+    func blob(_ slot: String) throws -> [UInt8] {
         guard let s = file.wrapped[slot], let d = Data(base64Encoded: s) else { throw KeybagError.corrupt("keybag slot \(slot) missing") }
         return [UInt8](d)
     }

@@ -16,6 +16,10 @@ public enum KeybagError: Error, Equatable, CustomStringConvertible {
     case invalid(String)
     /// An operating-system call failed.
     case system(String, Int32)
+    /// The recovery key does not open this store.
+    case badRecoveryKey
+    /// Too many wrong attempts in a row: try again after this many seconds.
+    case throttled(retryAfter: Double)
 
     public var description: String {
         switch self {
@@ -23,6 +27,8 @@ public enum KeybagError: Error, Equatable, CustomStringConvertible {
         case .corrupt(let what): return "corrupt or tampered data: \(what)"
         case .badPasscode: return "wrong passcode"
         case .badDeviceKey: return "the device key does not open this store"
+        case .badRecoveryKey: return "wrong recovery key"
+        case .throttled(let s): return "too many wrong attempts: try again in \(Int(s.rounded(.up))) s"
         case .invalid(let what): return what
         case .system(let what, let err): return "\(what): \(String(cString: strerror(err)))"
         }
@@ -108,6 +114,13 @@ public final class Locked<Value>: @unchecked Sendable {
     /// Runs `body` with the value, alone.
     public func withLock<R>(_ body: (inout Value) throws -> R) rethrows -> R {
         pthread_mutex_lock(mutex)
+        defer { pthread_mutex_unlock(mutex) }
+        return try body(&value)
+    }
+
+    /// Runs `body` with the value if no one else holds it; nil (without waiting) otherwise.
+    public func withLockIfAvailable<R>(_ body: (inout Value) throws -> R) rethrows -> R? {
+        guard pthread_mutex_trylock(mutex) == 0 else { return nil }
         defer { pthread_mutex_unlock(mutex) }
         return try body(&value)
     }

@@ -6,30 +6,92 @@ import Glibc
 import KeybagCore
 import Synchronization
 
-/// One client connection of the control socket; writes are serialised.
+/// One client connection of the control socket. Writes are serialised, and the descriptor
+/// is closed under the same lock, so a late event never reaches a reused descriptor number.
+/// Events never wait for the lock: they queue, and whoever holds the lock sends them.
 final class Connection: Sendable {
     let fd: Int32
-    private let writeLock = Locked(0)
+    /// Held by each write and by `close`; the value says whether the descriptor is closed.
+    private let writeLock = Locked(false)
+    /// Event lines waiting for the write lock (a reply being sent holds it).
+    private let pending = Locked<[String]>([])
+    /// Set when events could not be delivered; the reader stops after its current reply.
+    private let dropped = Atomic<Bool>(false)
+    /// Most event lines that may wait for one connection before it is dropped.
+    static let maxPending = 32
     init(fd: Int32) { self.fd = fd }
 
-    /// Sends one line; non-blocking sends give up instead of waiting on a full buffer.
-    func send(_ line: String, blocking: Bool) -> Bool {
+    /// Writes one line with the write lock held; false on an error or, when not blocking,
+    /// a full buffer (a line cut off there would corrupt the stream: the caller drops it).
+    private func write(_ line: String, blocking: Bool, closed: Bool) -> Bool {
+        if closed { return false }
         let bytes = Array((line + "\n").utf8)
-        return writeLock.withLock { _ in
-            var off = 0
-            while off < bytes.count {
-                let n = bytes.withUnsafeBytes { b in
-                    Glibc.send(fd, b.baseAddress! + off, b.count - off, Int32(MSG_NOSIGNAL) | (blocking ? 0 : Int32(MSG_DONTWAIT)))
-                }
-                if n < 0 { if errno == EINTR { continue }; return false }
-                off += n
+        var off = 0
+        while off < bytes.count {
+            let n = bytes.withUnsafeBytes { b in
+                Glibc.send(fd, b.baseAddress! + off, b.count - off, Int32(MSG_NOSIGNAL) | (blocking ? 0 : Int32(MSG_DONTWAIT)))
             }
+            if n < 0 { if errno == EINTR { continue }; return false }
+            off += n
+        }
+        return true
+    }
+
+    /// Sends a reply, waiting for buffer space up to the socket's send timeout, then any
+    /// events that queued meanwhile.
+    func send(_ line: String) -> Bool {
+        let ok = writeLock.withLock { closed in write(line, blocking: true, closed: closed) }
+        return drain() && ok
+    }
+
+    /// Queues an event and sends what is queued if no write is under way (else the writer
+    /// sends it when it is done). False when the connection cannot take events: too many
+    /// queued, or its buffer is full.
+    func sendEvent(_ line: String) -> Bool {
+        let queued = pending.withLock { q -> Bool in
+            guard q.count < Self.maxPending else { return false }
+            q.append(line)
             return true
+        }
+        return queued && drain()
+    }
+
+    /// Sends queued events while the write lock is free. Every holder drains after it lets
+    /// go, so an event queued while the lock was taken is never left behind.
+    private func drain() -> Bool {
+        while true {
+            let done = writeLock.withLockIfAvailable { closed -> Bool in
+                let lines = pending.withLock { q in defer { q.removeAll() }; return q }
+                for l in lines where !write(l, blocking: false, closed: closed) {
+                    dropped.store(true, ordering: .releasing)
+                    if !closed { shutdown(fd, Int32(SHUT_RDWR)) }
+                    return false
+                }
+                return true
+            }
+            guard let done else { return true }
+            if !done { return false }
+            if pending.withLock({ $0.isEmpty }) { return true }
         }
     }
 
-    /// Shuts the socket down so the reader thread sees EOF and closes it.
-    func hangUp() { shutdown(fd, Int32(SHUT_RDWR)) }
+    /// Whether events could not be delivered; the reader then ends the connection.
+    var isDropped: Bool { dropped.load(ordering: .acquiring) }
+
+    /// Drops a subscriber: its reader stops; if no write is under way the socket is shut
+    /// down now so the reader sees EOF (a write under way ends by its own timeout).
+    func hangUp() {
+        dropped.store(true, ordering: .releasing)
+        _ = writeLock.withLockIfAvailable { closed in if !closed { shutdown(fd, Int32(SHUT_RDWR)) } }
+    }
+
+    /// Closes the descriptor once no write is using it.
+    func close() {
+        writeLock.withLock { closed in
+            if !closed { Glibc.close(fd) }
+            closed = true
+        }
+    }
 }
 
 /// Who is at the other end of a connection (SO_PEERCRED).
@@ -143,8 +205,9 @@ final class ControlServer: Sendable {
             guard kbfs_peercred(fd, &uid, &gid, &pid) == 0 else { close(fd); continue }
             let peer = Peer(uid: uid, privileged: uid == 0 || uid == ownerUID)
             guard slots.take(peer) else {
-                _ = Connection(fd: fd).send(ControlProtocol.encode(Controller.refusal("busy", "too many control connections for uid \(uid)")), blocking: false)
-                close(fd)
+                let refused = Connection(fd: fd)
+                _ = refused.sendEvent(ControlProtocol.encode(Controller.refusal("busy", "too many control connections for uid \(uid)")))   // never waits
+                refused.close()
                 continue
             }
             let t = Thread { [self] in
@@ -162,7 +225,7 @@ final class ControlServer: Sendable {
 
     /// Reads request lines into guarded memory until EOF, timeout, or a line over the limit.
     private func serve(_ c: Connection, _ peer: Peer) {
-        defer { controller.events.remove(c); close(c.fd) }
+        defer { controller.events.remove(c); c.close() }
         Self.setTimeout(c.fd, SO_RCVTIMEO, seconds: Self.idleTimeout)
         Self.setTimeout(c.fd, SO_SNDTIMEO, seconds: 5)
         let capacity = ControlProtocol.maxLine + 1
@@ -195,14 +258,14 @@ final class ControlServer: Sendable {
                     used = rest
                 }
                 if reply.isEmpty { continue }
-                guard c.send(ControlProtocol.encode(reply), blocking: true) else { return }
+                guard c.send(ControlProtocol.encode(reply)), !c.isDropped else { return }
                 if subscribed {
                     controller.events.add(c)
                     Self.setTimeout(c.fd, SO_RCVTIMEO, seconds: 0)
                 }
             }
             if used == capacity {
-                _ = c.send(ControlProtocol.encode(Controller.refusal("badRequest", "line longer than 64 KiB")), blocking: true)
+                _ = c.send(ControlProtocol.encode(Controller.refusal("badRequest", "line longer than 64 KiB")))
                 return
             }
         }
@@ -243,7 +306,9 @@ final class ControlServer: Sendable {
             }
             return controller.lock(grace: grace)
         default:
-            return Controller.refusal("badRequest", "unknown op \"\(op)\"")
+            // Quote at most 40 characters: the reply must not echo a 64 KiB line back.
+            let shown = op.count > 40 ? String(op.prefix(40)) + "…" : op
+            return Controller.refusal("badRequest", "unknown op \"\(shown)\"")
         }
     }
 }

@@ -192,15 +192,16 @@ final class Controller: Sendable {
     }
 }
 
-/// Subscribers of events: each gets one JSON line per event, written without blocking;
-/// a subscriber whose socket buffer is full is dropped rather than stalling anyone.
+/// Subscribers of events: each gets one JSON line per event, written without blocking (a
+/// reply being sent to the same connection sends it after itself); a subscriber whose
+/// socket buffer is full or whose queue is long is dropped rather than stalling a lock.
 final class EventHub: Sendable {
     private let subscribers = Locked<[Int32: Connection]>([:])
 
     /// Adds a subscribed connection.
     func add(_ c: Connection) { subscribers.withLock { $0[c.fd] = c } }
     /// Removes a connection.
-    func remove(_ c: Connection) { subscribers.withLock { _ = $0.removeValue(forKey: c.fd) } }
+    func remove(_ c: Connection) { subscribers.withLock { if $0[c.fd] === c { $0[c.fd] = nil } } }
 
     /// How many connections are subscribed.
     var count: Int { subscribers.withLock { $0.count } }
@@ -209,7 +210,7 @@ final class EventHub: Sendable {
     func publish(_ event: ProtectionEvent, state: LockState) {
         let line = ControlProtocol.encode(["event": event.rawValue, "state": state.rawValue, "time": ControlProtocol.timestamp()])
         let all = subscribers.withLock { Array($0.values) }
-        for c in all where !c.send(line, blocking: false) {
+        for c in all where !c.sendEvent(line) {
             remove(c)
             c.hangUp()
         }

@@ -16,7 +16,7 @@ struct Keybagfs: ParsableCommand {
         with `keybagctl`. Each file's class is the xattr user.protection (none, \
         completeUntilFirstUserAuthentication, completeUnlessOpen, complete).
         """,
-        subcommands: [Init.self, Mount.self, Fsck.self])
+        subcommands: [Init.self, Mount.self, Fsck.self, Recover.self, RecoveryKeyCommand.self])
 
     /// Runs the command; usage errors exit 2, refusals 1.
     static func main() { runWithContractExitCodes(tool: "keybagfs") }
@@ -57,6 +57,12 @@ struct Init: ParsableCommand {
     @Option(help: "Content cipher: xchacha20poly1305 (default; no practical limit on writes per file) or aes256gcm (at most 2^32 block writes per file key).")
     var cipher: ContentCipher = .default
 
+    @Option(help: "Write the recovery key to this new file (mode 0600) instead of printing it.")
+    var recoveryKeyFile: String?
+
+    @Flag(help: "Make no recovery key: a lost passcode or device key then loses the store.")
+    var noRecoveryKey = false
+
     func run() throws {
         let fm = FileManager.default
         var isDir: ObjCBool = false
@@ -79,12 +85,16 @@ struct Init: ParsableCommand {
         let dk = fm.fileExists(atPath: dkPath) ? try DeviceKeyFile.load(from: dkPath) : try DeviceKeyFile.create(at: dkPath)
         defer { dk.wipe() }
         guard cipher.isAvailable else { throw KeybagError.invalid("this CPU cannot run \(cipher.name)") }
-        let kb = try Keybag.create(storePath: store, storeID: storeID, passcode: passcode, deviceKey: dk, strength: kdf, cipher: cipher)
+        guard !(noRecoveryKey && recoveryKeyFile != nil) else { throw ValidationError("--no-recovery-key and --recovery-key-file exclude each other") }
+        let recovery = noRecoveryKey ? nil : RecoveryKey.generate()
+        defer { recovery?.wipe() }
+        let kb = try Keybag.create(storePath: store, storeID: storeID, passcode: passcode, deviceKey: dk, strength: kdf, cipher: cipher, recovery: recovery)
         try fm.createDirectory(atPath: store + "/" + Keybag.dataDirName, withIntermediateDirectories: false, attributes: [.posixPermissions: 0o755])
         print("initialised store \(store)")
         print("  store id:   \(kb.file.storeID)")
         print("  cipher:     \(kb.file.cipher)")
         print("  device key: \(dkPath)  (keep it; without it the store cannot be opened)")
+        if let recovery { try RecoveryKeyOutput.give(recovery, file: recoveryKeyFile) }
     }
 }
 
@@ -182,10 +192,8 @@ struct Fsck: ParsableCommand {
     var json = false
 
     func run() throws {
-        let lock = open(store, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
-        guard lock >= 0 else { throw KeybagError.invalid("cannot open the store \(store): \(String(cString: strerror(errno)))") }
+        let lock = try lockUnmountedStore(store)
         defer { close(lock) }
-        guard flock(lock, LOCK_EX | LOCK_NB) == 0 else { throw KeybagError.invalid("the store \(store) is mounted (a keybagfs daemon holds it); unmount it first") }
         let kb = try Keybag.load(storePath: store)
         let dk = try DeviceKeyFile.load(from: deviceKey ?? DeviceKeyFile.defaultPath(storeID: kb.file.storeID))
         defer { dk.wipe() }
@@ -224,6 +232,160 @@ struct Fsck: ParsableCommand {
             }
         }
         if !check.isClean { throw ExitCode(1) }
+    }
+}
+
+/// Hands a new recovery key to the user: into a new 0600 file, or printed once.
+enum RecoveryKeyOutput {
+    static func give(_ recovery: RecoveryKey, file: String?) throws {
+        let text = try recovery.text()
+        defer { text.wipe() }
+        if let file {
+            let fd = open(file, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o600)
+            guard fd >= 0 else { throw KeybagError.system("cannot create the recovery key file \(file)", errno) }
+            defer { close(fd) }
+            let ok = try text.withBytes { t in write(fd, t.baseAddress!, t.count) == t.count } && write(fd, "\n", 1) == 1 && fsync(fd) == 0
+            guard ok else { throw KeybagError.system("cannot write the recovery key file \(file)", errno) }
+            print("  recovery key: written to \(file)  (keep it offline; it opens the store without passcode and device key)")
+            return
+        }
+        print("  recovery key (shown once; keep it offline, it opens the store without passcode and device key):")
+        fflush(nil)
+        try text.withBytes { t in _ = write(1, "    ", 4); _ = write(1, t.baseAddress!, t.count); _ = write(1, "\n", 1) }
+    }
+
+    /// Reads a recovery key from a file's first line, from stdin, or from the terminal.
+    static func read(file: String?, fromStdin: Bool) throws -> RecoveryKey {
+        let text: SecureKey
+        if let file {
+            let fd = open(file, O_RDONLY | O_CLOEXEC)
+            guard fd >= 0 else { throw KeybagError.system("cannot read the recovery key file \(file)", errno) }
+            defer { close(fd) }
+            guard let t = try PasscodeInput.readLine(fd: fd) else { throw KeybagError.invalid("the recovery key file \(file) is empty") }
+            text = t
+        } else {
+            text = try PasscodeInput.read(fromStdin: fromStdin, prompt: "Recovery key: ")
+        }
+        defer { text.wipe() }
+        return try RecoveryKey.parse(text)
+    }
+}
+
+/// Takes the store's lock the daemon holds while mounted; refuses a mounted store.
+func lockUnmountedStore(_ store: String) throws -> Int32 {
+    let lock = open(store, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+    guard lock >= 0 else { throw KeybagError.invalid("cannot open the store \(store): \(String(cString: strerror(errno)))") }
+    guard flock(lock, LOCK_EX | LOCK_NB) == 0 else {
+        close(lock)
+        throw KeybagError.invalid("the store \(store) is mounted (a keybagfs daemon holds it); unmount it first")
+    }
+    return lock
+}
+
+/// `keybagfs recover`.
+struct Recover: ParsableCommand {
+    static let configuration = CommandConfiguration(
+        abstract: "Set a new passcode (and, if asked, a new device key) from the recovery key; the store must not be mounted.",
+        discussion: """
+        The recovery key is read from --recovery-key-file, or as the first line of stdin with --stdin \
+        (the new passcode is then the second line), or asked on the terminal. No file is re-encrypted. \
+        With --new-device-key a new device key is written (to --device-key or the default path; an \
+        existing file there is replaced) and the old one stops working. Wrong recovery keys are \
+        throttled like passcodes. The recovery key stays valid; replace it with `keybagfs recovery-key rotate`.
+        """)
+
+    @Argument(help: "The store directory (not mounted).")
+    var store: String
+
+    @Option(help: "Device key file (default /var/lib/keybagfs/<store-id>.key).")
+    var deviceKey: String?
+
+    @Flag(help: "Write a new device key instead of using the existing one (when it was lost).")
+    var newDeviceKey = false
+
+    @Option(help: "Read the recovery key from this file's first line.")
+    var recoveryKeyFile: String?
+
+    @Flag(help: "Read the recovery key (unless --recovery-key-file) and then the new passcode as lines from stdin.")
+    var stdin = false
+
+    func run() throws {
+        let lock = try lockUnmountedStore(store)
+        defer { close(lock) }
+        var kb = try Keybag.load(storePath: store)
+        let dkPath = deviceKey ?? DeviceKeyFile.defaultPath(storeID: kb.file.storeID)
+        let wait = kb.recoveryRetryAfter(now: Date().timeIntervalSince1970)
+        guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
+        let recovery = try RecoveryKeyOutput.read(file: recoveryKeyFile, fromStdin: stdin)
+        defer { recovery.wipe() }
+        let passcode = try PasscodeInput.read(fromStdin: stdin, prompt: "New passcode: ")
+        defer { passcode.wipe() }
+        if !stdin {
+            let again = try PasscodeInput.prompt("Repeat new passcode: ")
+            defer { again.wipe() }
+            guard PasscodeInput.equal(passcode, again) else { throw KeybagError.invalid("the passcodes differ; nothing was changed") }
+        }
+        if newDeviceKey {
+            // The new key goes next to its final name first: a crash before the rename leaves
+            // the old state, and `recover` can simply run again.
+            let staged = dkPath + ".new"
+            unlink(staged)
+            let dk = try DeviceKeyFile.create(at: staged)
+            defer { dk.wipe() }
+            do { try kb.recover(with: recovery, newPasscode: passcode, deviceKey: dk) } catch { unlink(staged); throw error }
+            guard rename(staged, dkPath) == 0 else { throw KeybagError.system("the store now needs the device key \(staged); moving it to \(dkPath) failed", errno) }
+            print("recovered \(store): new passcode set; new device key \(dkPath) (the old one no longer opens the store)")
+        } else {
+            let dk: SecureKey
+            do { dk = try DeviceKeyFile.load(from: dkPath) } catch {
+                throw KeybagError.invalid("\(error); if the device key is lost, run again with --new-device-key")
+            }
+            defer { dk.wipe() }
+            _ = try? kb.authenticate(deviceKey: dk)
+            try kb.recover(with: recovery, newPasscode: passcode, deviceKey: dk)
+            print("recovered \(store): new passcode set")
+        }
+    }
+}
+
+/// `keybagfs recovery-key`.
+struct RecoveryKeyCommand: ParsableCommand {
+    static let configuration = CommandConfiguration(
+        commandName: "recovery-key",
+        abstract: "Manage the store's recovery key.",
+        subcommands: [Rotate.self])
+
+    /// `keybagfs recovery-key rotate`.
+    struct Rotate: ParsableCommand {
+        static let configuration = CommandConfiguration(
+            abstract: "Make a new recovery key (the old one stops working); the store must not be mounted.",
+            discussion: "Needs the passcode (asked on the terminal, or one line of stdin with --passcode-stdin) and the device key. Also gives a recovery key to a store made without one.")
+
+        @Argument(help: "The store directory (not mounted).")
+        var store: String
+
+        @Option(help: "Device key file (default /var/lib/keybagfs/<store-id>.key).")
+        var deviceKey: String?
+
+        @Flag(help: "Read the passcode as one line from standard input.")
+        var passcodeStdin = false
+
+        @Option(help: "Write the new recovery key to this new file (mode 0600) instead of printing it.")
+        var recoveryKeyFile: String?
+
+        func run() throws {
+            let lock = try lockUnmountedStore(store)
+            defer { close(lock) }
+            var kb = try Keybag.load(storePath: store)
+            let dk = try DeviceKeyFile.load(from: deviceKey ?? DeviceKeyFile.defaultPath(storeID: kb.file.storeID))
+            defer { dk.wipe() }
+            let passcode = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ")
+            defer { passcode.wipe() }
+            let recovery = try kb.rotateRecoveryKey(passcode: passcode, deviceKey: dk)
+            defer { recovery.wipe() }
+            print("new recovery key for \(store); the old one no longer works")
+            try RecoveryKeyOutput.give(recovery, file: recoveryKeyFile)
+        }
     }
 }
 

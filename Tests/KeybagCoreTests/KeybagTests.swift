@@ -43,6 +43,23 @@ final class KeybagTests: TempDirTestCase {
         XCTAssertEqual(try Keybag.load(storePath: dir).file.failedAttempts, 0)
     }
 
+    /// A `keybag.tmp` planted as a symlink (or left as a file) is not written through: the
+    /// daemon runs as root, and the store's temporary must never reach another file.
+    func testSaveDoesNotWriteThroughAPlantedTemporary() throws {
+        let dk = SecureKey(random: 32)
+        var kb = try Keybag.create(storePath: dir, storeID: "0123456789abcdef0123456789abcdef", passcode: secret("p"), deviceKey: dk, strength: .interactive)
+        let victim = dir + "/victim"
+        try Data("precious\n".utf8).write(to: URL(fileURLWithPath: victim))
+        XCTAssertEqual(symlink(victim, dir + "/keybag.tmp"), 0)
+        try kb.recordFailure(now: 1_000_000)
+        XCTAssertEqual(try String(contentsOfFile: victim, encoding: .utf8), "precious\n", "the symlink's target is untouched")
+        XCTAssertEqual(try Keybag.load(storePath: dir).file.failedAttempts, 1, "the keybag itself was saved")
+        var st = stat()
+        XCTAssertEqual(lstat(dir + "/keybag", &st), 0)
+        XCTAssertEqual(st.st_mode & S_IFMT, S_IFREG, "the keybag is a regular file, not the planted link")
+        XCTAssertEqual(st.st_mode & 0o777, 0o600)
+    }
+
     func testCorruptKeybagIsAnErrorNotACrash() throws {
         try Data("{\"format\": 1".utf8).write(to: URL(fileURLWithPath: dir + "/keybag"))
         XCTAssertThrowsError(try Keybag.load(storePath: dir))

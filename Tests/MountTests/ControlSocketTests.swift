@@ -87,6 +87,65 @@ final class ControlSocketTests: XCTestCase {
         XCTAssertEqual(m.state, "unlocked")
     }
 
+    /// A python program, run as uid 65534, that subscribes, then sends status requests
+    /// without ever reading the replies until the daemon stops reading too (its reply send
+    /// waits on the full socket), prints "stuffed", and holds the connection until stdin closes.
+    static let stuffer = """
+    import socket, sys, time
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(sys.argv[1])
+    s.sendall(b'{"op":"subscribe"}\\n')
+    s.setblocking(False)
+    chunk = b'{"op":"status"}\\n' * 256
+    stuck_since = None
+    while True:
+        try:
+            s.send(chunk)
+            stuck_since = None
+        except BlockingIOError:
+            if stuck_since is None: stuck_since = time.monotonic()
+            elif time.monotonic() - stuck_since > 0.3: break
+            time.sleep(0.02)
+    print('stuffed', flush=True)
+    sys.stdin.read()
+    """
+
+    /// Another user's subscriber that never reads keeps its reply send waiting on a full
+    /// socket; the owner's lock must not wait for it (events go out without blocking, and a
+    /// subscriber that cannot take one at once is dropped).
+    func testASubscriberThatNeverReadsDoesNotDelayTheLock() throws {
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        // A well-behaved subscriber of root's, to check that events still reach the others.
+        let watcher = try ControlClient.connect(path: m.socket)
+        defer { close(watcher) }
+        try ControlClient.sendLine(watcher, #"{"op":"subscribe"}"#)
+        var buf: [UInt8] = []
+        XCTAssertTrue(ControlClient.readLine(watcher, buffer: &buf)?.contains("\"ok\":true") ?? false)
+        let p = Process()
+        p.executableURL = URL(fileURLWithPath: "/usr/bin/setpriv")
+        p.arguments = ["--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c", Self.stuffer, m.socket]
+        let out = Pipe(), inp = Pipe()
+        p.standardOutput = out
+        p.standardInput = inp
+        try p.run()
+        defer { try? inp.fileHandleForWriting.close(); p.waitUntilExit() }
+        let first = String(decoding: out.fileHandleForReading.availableData, as: UTF8.self)
+        XCTAssertEqual(first.trimmingCharacters(in: .whitespacesAndNewlines), "stuffed")
+        var lock: ToolResult?
+        let lockTime = timed { lock = m.ctl(["lock", "--grace", "0"]) }
+        XCTAssertEqual(lock?.code, 0, lock?.stderr ?? "")
+        print("lock with a stuffed subscriber of another user: \(Int(lockTime * 1000)) ms")
+        XCTAssertLessThan(lockTime, 2.0, "the daemon's reply send to the stuffed subscriber gives up only after 5 s; the lock must not wait for it")
+        var events: [String] = []
+        while events.count < 2, let line = ControlClient.readLine(watcher, buffer: &buf) { events.append(line) }
+        XCTAssertTrue(events.first?.contains("protectedDataWillBecomeUnavailable") ?? false, "\(events)")
+        XCTAssertTrue(events.last?.contains("protectedDataDidBecomeUnavailable") ?? false, "\(events)")
+        m.unlock()
+        XCTAssertEqual(m.state, "unlocked")
+    }
+
     func testThousandsOfIdleConnectionsDoNotDelayRoot() throws {
         let m = try MountFixture()
         addTeardownBlock { m.close() }

@@ -1,0 +1,208 @@
+import CSodium
+import Foundation
+
+/// A recovery key: 32 random bytes that unwrap the keybag's escrow slots (every class key,
+/// the class D key and the volume key) without the passcode and without the device key.
+/// Written for people as `KBR1-` and eleven groups of five base32 characters: the 32 bytes
+/// and a 2-byte check, so a mistyped character is caught before it counts as an attempt.
+public struct RecoveryKey: Sendable {
+    /// The 32 secret bytes.
+    public let secret: SecureKey
+    /// Length of the written form, dashes and prefix included.
+    public static let textLength = 5 + 11 * 5 + 10
+    static let alphabet = Array("ABCDEFGHIJKLMNOPQRSTUVWXYZ234567".utf8)
+
+    /// A new random recovery key.
+    public static func generate() -> RecoveryKey { RecoveryKey(secret: SecureKey(random: 32)) }
+
+    /// The 2-byte check of `key`: BLAKE2b-128 of a label and the key, first two bytes.
+    static func check(_ key: UnsafeRawBufferPointer) -> (UInt8, UInt8) {
+        var h = [UInt8](repeating: 0, count: 16)
+        var msg = Array("keybagfs-recovery-check-v1".utf8) + Array(key)
+        defer { sodium_memzero(&msg, msg.count) }
+        crypto_generichash(&h, 16, msg, UInt64(msg.count), nil, 0)
+        return (h[0], h[1])
+    }
+
+    /// The written form, in guarded memory (`KBR1-XXXXX-…`, no newline).
+    public func text() throws -> SecureKey {
+        try secret.withBytes { k in
+            let raw = SecureKey(count: 34) { out in
+                out.copyMemory(from: k)
+                let c = Self.check(k)
+                out[32] = c.0
+                out[33] = c.1
+            }
+            defer { raw.wipe() }
+            return try raw.withBytes { r in
+                SecureKey(count: Self.textLength) { out in
+                    for (i, ch) in "KBR1".utf8.enumerated() { out[i] = ch }
+                    var pos = 4
+                    for i in 0..<55 {
+                        if i % 5 == 0 { out[pos] = UInt8(ascii: "-"); pos += 1 }
+                        // Character i holds bits 5i ..< 5i+5 of the 272-bit value (the last is padded with zeros).
+                        var v = 0
+                        for bit in 0..<5 {
+                            let n = i * 5 + bit
+                            let b = n < 272 ? (Int(r[n / 8]) >> (7 - n % 8)) & 1 : 0
+                            v = v << 1 | b
+                        }
+                        out[pos] = Self.alphabet[v]
+                        pos += 1
+                    }
+                }
+            }
+        }
+    }
+
+    /// Parses the written form (case, spaces and dashes do not matter). A wrong length,
+    /// character or check is an `invalid` error: a typo, not a guess.
+    public static func parse(_ text: SecureKey) throws -> RecoveryKey {
+        let bits = SecureKey(zeroed: 40)
+        defer { bits.wipe() }
+        var count = 0
+        var prefixOK = false
+        try text.withBytes { t in
+            try bits.withBytes { bb in
+                let out = UnsafeMutableRawBufferPointer(mutating: bb)
+                var chars = 0
+                var i = 0
+                // Skip the `KBR1` prefix (required).
+                var letters: [UInt8] = []
+                while i < t.count && letters.count < 4 {
+                    let c = t[i] | 0x20
+                    if t[i] != UInt8(ascii: " ") && t[i] != UInt8(ascii: "-") && t[i] != UInt8(ascii: "\t") { letters.append(c) }
+                    i += 1
+                }
+                prefixOK = letters == Array("kbr1".utf8)
+                while i < t.count {
+                    let c = t[i]
+                    i += 1
+                    if c == UInt8(ascii: " ") || c == UInt8(ascii: "-") || c == UInt8(ascii: "\t") { continue }
+                    let up = (c >= 0x61 && c <= 0x7A) ? c - 0x20 : c
+                    guard let v = alphabet.firstIndex(of: up) else { throw KeybagError.invalid("not a recovery key: it uses only the letters A-Z and the digits 2-7") }
+                    guard chars < 55 else { throw KeybagError.invalid("not a recovery key: too long") }
+                    for bit in 0..<5 {
+                        let n = chars * 5 + bit
+                        if n < 272, (v >> (4 - bit)) & 1 == 1 { out[n / 8] |= UInt8(0x80 >> (n % 8)) }
+                    }
+                    chars += 1
+                }
+                count = chars
+            }
+        }
+        guard prefixOK else { throw KeybagError.invalid("not a recovery key: it starts with KBR1-") }
+        guard count == 55 else { throw KeybagError.invalid("not a recovery key: \(count) of 55 characters") }
+        let key = try bits.withBytes { b -> SecureKey in
+            let k = UnsafeRawBufferPointer(rebasing: b[0..<32])
+            let c = check(k)
+            guard c.0 == b[32], c.1 == b[33] else { throw KeybagError.invalid("not a recovery key: its check does not match (a character is mistyped)") }
+            return SecureKey(count: 32) { $0.copyMemory(from: k) }
+        }
+        return RecoveryKey(secret: key)
+    }
+
+    /// The key that wraps the escrow slots of store `storeID`.
+    func wrapKey(storeID: String) throws -> SecureKey {
+        try secret.withBytes { k in KeyWrap.keyedHash(key: k, parts: [Array("keybagfs-recovery-kek-v1".utf8), Array(storeID.utf8)]) }
+    }
+
+    /// Zeroes the secret.
+    public func wipe() { secret.wipe() }
+}
+
+extension Keybag {
+    /// Keys kept in escrow, each in slot `r` + name.
+    static let escrowedSlots = ["A", "B", "C", "D", "volume"]
+
+    /// Associated data of an escrow slot.
+    static func escrowAD(_ storeID: String, _ slot: String) -> [UInt8] { Array("keybagfs-escrow-v1|\(storeID)|\(slot)".utf8) }
+
+    /// Whether the store has a recovery key.
+    public var hasRecoveryKey: Bool { file.wrapped["rA"] != nil }
+
+    /// Wraps `keys` (slot name → key) for the recovery key into `f`.
+    static func writeEscrow(_ f: inout KeybagFile, keys: [(String, SecureKey)], recovery: RecoveryKey) throws {
+        let rwk = try recovery.wrapKey(storeID: f.storeID)
+        defer { rwk.wipe() }
+        for (slot, key) in keys {
+            f.wrapped["r" + slot] = Data(try KeyWrap.wrap(key, with: rwk, ad: escrowAD(f.storeID, slot))).base64EncodedString()
+        }
+    }
+
+    /// Seconds until the next recovery attempt is allowed.
+    public func recoveryRetryAfter(now: Double) -> Double { max(0, (file.recoveryLockoutUntil ?? 0) - now) }
+
+    /// Sets a new passcode and binds the store to `deviceKey` (the old one, or a new one
+    /// when it was lost), from the recovery key. The class keys stay, so no file changes.
+    /// A wrong key is counted and throttled like a passcode.
+    public mutating func recover(with recovery: RecoveryKey, newPasscode: SecureKey, deviceKey: SecureKey,
+                                 now: Double = Date().timeIntervalSince1970) throws {
+        guard hasRecoveryKey else {
+            throw KeybagError.invalid("this store has no recovery key (it was made before recovery keys, or with --no-recovery-key)")
+        }
+        let wait = recoveryRetryAfter(now: now)
+        guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
+        let rwk = try recovery.wrapKey(storeID: file.storeID)
+        defer { rwk.wipe() }
+        var keys: [String: SecureKey] = [:]
+        defer { keys.values.forEach { $0.wipe() } }
+        do {
+            for slot in Self.escrowedSlots { keys[slot] = try KeyWrap.unwrap(try blob("r" + slot), with: rwk, ad: Self.escrowAD(file.storeID, slot)) }
+        } catch KeybagError.corrupt {
+            var failed = file
+            failed.recoveryFailedAttempts = (failed.recoveryFailedAttempts ?? 0) + 1
+            let d = UnlockThrottle.delay(afterFailures: failed.recoveryFailedAttempts!)
+            failed.recoveryLockoutUntil = d > 0 ? now + d : 0
+            file = failed
+            if counterKey != nil { try save() } else { try saveWithoutCounter() }
+            throw KeybagError.badRecoveryKey
+        }
+        var next = file
+        next.kdfSalt = Data(Sodium.randomArray(Int(crypto_pwhash_SALTBYTES))).base64EncodedString()
+        let kek = try Keybag.passcodeKey(passcode: newPasscode, file: next, deviceKey: deviceKey)
+        defer { kek.wipe() }
+        let dwk = try Keybag.deviceWrapKey(deviceKey)
+        defer { dwk.wipe() }
+        for slot in ["A", "B", "C"] {
+            next.wrapped[slot] = Data(try KeyWrap.wrap(keys[slot]!, with: kek, ad: Keybag.ad(next.storeID, slot))).base64EncodedString()
+        }
+        for slot in ["D", "volume"] {
+            next.wrapped[slot] = Data(try KeyWrap.wrap(keys[slot]!, with: dwk, ad: Keybag.ad(next.storeID, slot, format: Keybag.currentFormat))).base64EncodedString()
+        }
+        next.format = Keybag.currentFormat
+        next.failedAttempts = 0
+        next.lockoutUntil = 0
+        next.recoveryFailedAttempts = nil
+        next.recoveryLockoutUntil = nil
+        counterKey = try Keybag.counterKey(deviceKey)
+        file = next
+        try save()
+    }
+
+    /// Replaces the recovery key (a first one for a store made without); the old one stops
+    /// working. Needs the passcode and the device key; a wrong passcode counts as a failure.
+    public mutating func rotateRecoveryKey(passcode: SecureKey, deviceKey: SecureKey, now: Double = Date().timeIntervalSince1970) throws -> RecoveryKey {
+        if counterKey == nil { _ = try authenticate(deviceKey: deviceKey, now: now) }
+        let wait = retryAfter(now: now)
+        guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
+        let classKeys: UnlockedClassKeys
+        do { classKeys = try unlock(passcode: passcode, deviceKey: deviceKey) } catch KeybagError.badPasscode {
+            try recordFailure(now: now)
+            throw KeybagError.badPasscode
+        }
+        defer { classKeys.wipe() }
+        let d = try unwrapDeviceKeySlot("D", deviceKey: deviceKey), vol = try unwrapDeviceKeySlot("volume", deviceKey: deviceKey)
+        defer { d.wipe(); vol.wipe() }
+        let recovery = RecoveryKey.generate()
+        var next = file
+        try Keybag.writeEscrow(&next, keys: [("A", classKeys.classA), ("B", classKeys.classBSecret), ("C", classKeys.classC), ("D", d), ("volume", vol)], recovery: recovery)
+        next.failedAttempts = 0
+        next.lockoutUntil = 0
+        next.recoveryFailedAttempts = nil
+        next.recoveryLockoutUntil = nil
+        file = next
+        try save()
+        return recovery
+    }
+}

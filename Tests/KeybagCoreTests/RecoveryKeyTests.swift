@@ -1,0 +1,146 @@
+import Foundation
+import Glibc
+import XCTest
+@testable import KeybagCore
+
+/// The recovery key: its written form, recovery after a lost passcode or device key, the
+/// throttle on wrong keys, and rotation.
+final class RecoveryKeyTests: TempDirTestCase {
+    let id = "5555aaaa5555aaaa5555aaaa5555aaaa"
+
+    func secret(_ s: String) -> SecureKey {
+        let b = Array(s.utf8)
+        return SecureKey(count: b.count) { $0.copyBytes(from: b) }
+    }
+
+    func text(_ k: RecoveryKey) throws -> String { try k.text().withBytes { String(decoding: $0, as: UTF8.self) } }
+
+    func same(_ a: SecureKey, _ b: SecureKey) throws -> Bool { try a.withBytes { x in try b.withBytes { y in Array(x) == Array(y) } } }
+
+    func testTheWrittenFormRoundTripsAndCatchesTypos() throws {
+        let k = RecoveryKey.generate()
+        let t = try text(k)
+        XCTAssertEqual(t.count, RecoveryKey.textLength)
+        XCTAssertTrue(t.hasPrefix("KBR1-"), t)
+        XCTAssertEqual(t.split(separator: "-").count, 12, t)
+        XCTAssertTrue(try same(RecoveryKey.parse(secret(t)).secret, k.secret))
+        // Case, spaces and dashes do not matter.
+        let loose = t.lowercased().replacingOccurrences(of: "-", with: " ")
+        XCTAssertTrue(try same(RecoveryKey.parse(secret(loose)).secret, k.secret))
+        // Every single changed character is caught by the check (not a wrong-key attempt).
+        var caught = 0, tried = 0
+        for i in Array(t.indices).dropFirst(5) where t[i] != "-" {
+            let other: Character = t[i] == "A" ? "B" : "A"
+            var typo = t
+            typo.replaceSubrange(i...i, with: String(other))
+            tried += 1
+            XCTAssertThrowsError(try RecoveryKey.parse(secret(typo))) { e in
+                if case KeybagError.invalid(let m) = e, m.contains("mistyped") || m.contains("not a recovery key") { caught += 1 }
+            }
+        }
+        XCTAssertEqual(tried, 55)
+        XCTAssertGreaterThanOrEqual(caught, 54, "a 16-bit check misses about one typo in 65,536")
+        XCTAssertThrowsError(try RecoveryKey.parse(secret(String(t.dropLast()))))
+        XCTAssertThrowsError(try RecoveryKey.parse(secret("KBR2" + t.dropFirst(4))))
+        XCTAssertThrowsError(try RecoveryKey.parse(secret(t.replacingOccurrences(of: "A", with: "1"))))
+    }
+
+    func testRecoverAfterForgettingThePasscode() throws {
+        let dk = SecureKey(random: 32)
+        let rk = RecoveryKey.generate()
+        var kb = try Keybag.create(storePath: dir, storeID: id, passcode: secret("forgotten"), deviceKey: dk, strength: .interactive, recovery: rk)
+        let before = try kb.unlock(passcode: secret("forgotten"), deviceKey: dk)
+        for _ in 1...3 { try kb.recordFailure(now: 1_000) }
+        var loaded = try Keybag.load(storePath: dir)
+        XCTAssertTrue(loaded.hasRecoveryKey)
+        _ = try loaded.authenticate(deviceKey: dk)
+        try loaded.recover(with: RecoveryKey.parse(k(rk)), newPasscode: secret("new passcode"), deviceKey: dk)
+        var after = try Keybag.load(storePath: dir)
+        XCTAssertEqual(try after.authenticate(deviceKey: dk), .authentic, "the counter MAC was rewritten")
+        XCTAssertEqual(after.file.failedAttempts, 0)
+        XCTAssertThrowsError(try after.unlock(passcode: secret("forgotten"), deviceKey: dk)) { XCTAssertEqual($0 as? KeybagError, .badPasscode) }
+        let keys = try after.unlock(passcode: secret("new passcode"), deviceKey: dk)
+        XCTAssertTrue(try same(keys.classA, before.classA), "the class keys are the same: no file changes")
+        XCTAssertTrue(try same(keys.classBSecret, before.classBSecret))
+        XCTAssertTrue(try same(keys.classC, before.classC))
+    }
+
+    /// The recovery key's written form, parsed back (what a user types).
+    func k(_ rk: RecoveryKey) throws -> SecureKey { try rk.text() }
+
+    func testRecoverAfterLosingTheDeviceKey() throws {
+        let lost = SecureKey(random: 32)
+        let rk = RecoveryKey.generate()
+        _ = try Keybag.create(storePath: dir, storeID: id, passcode: secret("p"), deviceKey: lost, strength: .interactive, recovery: rk)
+        let kbBefore = try Keybag.load(storePath: dir)
+        let d = try kbBefore.unwrapDeviceKeySlot("D", deviceKey: lost), vol = try kbBefore.unwrapDeviceKeySlot("volume", deviceKey: lost)
+        let a = try kbBefore.unlock(passcode: secret("p"), deviceKey: lost).classA
+        let fresh = SecureKey(random: 32)
+        var kb = try Keybag.load(storePath: dir)
+        try kb.recover(with: rk, newPasscode: secret("q"), deviceKey: fresh)
+        var after = try Keybag.load(storePath: dir)
+        XCTAssertEqual(try after.authenticate(deviceKey: fresh), .authentic)
+        XCTAssertTrue(try same(after.unwrapDeviceKeySlot("D", deviceKey: fresh), d), "class D files open with the new device key")
+        XCTAssertTrue(try same(after.unwrapDeviceKeySlot("volume", deviceKey: fresh), vol), "names decrypt with the new device key")
+        XCTAssertTrue(try same(after.unlock(passcode: secret("q"), deviceKey: fresh).classA, a))
+        XCTAssertThrowsError(try after.unwrapDeviceKeySlot("D", deviceKey: lost)) { XCTAssertEqual($0 as? KeybagError, .badDeviceKey) }
+        XCTAssertThrowsError(try after.unlock(passcode: secret("q"), deviceKey: lost))
+    }
+
+    func testWrongRecoveryKeysAreThrottledAndCounted() throws {
+        let dk = SecureKey(random: 32)
+        let rk = RecoveryKey.generate()
+        _ = try Keybag.create(storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive, recovery: rk)
+        let now = 2_000_000.0
+        for i in 1...5 {
+            var kb = try Keybag.load(storePath: dir)   // device key lost: no counter key
+            XCTAssertThrowsError(try kb.recover(with: RecoveryKey.generate(), newPasscode: secret("x"), deviceKey: SecureKey(random: 32), now: now)) {
+                XCTAssertEqual($0 as? KeybagError, .badRecoveryKey)
+            }
+            XCTAssertEqual(try Keybag.load(storePath: dir).file.recoveryFailedAttempts, i, "persisted")
+        }
+        var kb = try Keybag.load(storePath: dir)
+        XCTAssertEqual(kb.recoveryRetryAfter(now: now), 60)
+        XCTAssertThrowsError(try kb.recover(with: rk, newPasscode: secret("x"), deviceKey: dk, now: now + 1)) {
+            XCTAssertEqual($0 as? KeybagError, .throttled(retryAfter: 59))
+        }
+        // The wrong attempts changed nothing else: the passcode and device key still open the store.
+        var same = try Keybag.load(storePath: dir)
+        XCTAssertEqual(try same.authenticate(deviceKey: dk), .authentic, "the passcode counter's MAC is untouched")
+        XCTAssertNoThrow(try same.unlock(passcode: secret("p"), deviceKey: dk))
+        // After the delay the right key works and clears the counter.
+        try kb.recover(with: rk, newPasscode: secret("x"), deviceKey: dk, now: now + 61)
+        XCTAssertNil(try Keybag.load(storePath: dir).file.recoveryFailedAttempts)
+    }
+
+    func testRotationRetiresTheOldKeyAndGivesOneToStoresWithout() throws {
+        let dk = SecureKey(random: 32)
+        var kb = try Keybag.create(storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive)
+        XCTAssertFalse(kb.hasRecoveryKey)
+        XCTAssertThrowsError(try kb.recover(with: RecoveryKey.generate(), newPasscode: secret("x"), deviceKey: dk))
+        XCTAssertThrowsError(try kb.rotateRecoveryKey(passcode: secret("wrong"), deviceKey: dk)) { XCTAssertEqual($0 as? KeybagError, .badPasscode) }
+        XCTAssertEqual(try Keybag.load(storePath: dir).file.failedAttempts, 1, "a wrong passcode counts")
+        let first = try kb.rotateRecoveryKey(passcode: secret("p"), deviceKey: dk)
+        let second = try kb.rotateRecoveryKey(passcode: secret("p"), deviceKey: dk)
+        var reloaded = try Keybag.load(storePath: dir)
+        XCTAssertThrowsError(try reloaded.recover(with: first, newPasscode: secret("x"), deviceKey: dk)) { XCTAssertEqual($0 as? KeybagError, .badRecoveryKey) }
+        reloaded = try Keybag.load(storePath: dir)
+        try reloaded.recover(with: second, newPasscode: secret("x"), deviceKey: dk)
+        XCTAssertNoThrow(try Keybag.load(storePath: dir).unlock(passcode: secret("x"), deviceKey: dk))
+    }
+
+    func testPartialOrDamagedEscrowIsAClearError() throws {
+        let dk = SecureKey(random: 32)
+        _ = try Keybag.create(storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive, recovery: RecoveryKey.generate())
+        let path = dir + "/keybag"
+        var o = try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: path))) as! [String: Any]
+        var w = o["wrapped"] as! [String: Any]
+        w["rB"] = nil
+        o["wrapped"] = w
+        try JSONSerialization.data(withJSONObject: o).write(to: URL(fileURLWithPath: path))
+        XCTAssertThrowsError(try Keybag.load(storePath: dir)) { e in
+            guard case KeybagError.corrupt(let m) = e else { return XCTFail("\(e)") }
+            XCTAssertTrue(m.contains("recovery"), m)
+        }
+    }
+}
