@@ -7,6 +7,8 @@ let package = Package(
     products: [
         .executable(name: "keybagfs", targets: ["keybagfs"]),
         .executable(name: "keybagctl", targets: ["keybagctl"]),
+        // Apple's Data Protection API shapes for programs on a keybagfs mount.
+        .library(name: "FileProtection", targets: ["FileProtection"]),
     ],
     dependencies: [
         .package(url: "https://github.com/apple/swift-argument-parser", from: "1.5.0"),
@@ -18,8 +20,14 @@ let package = Package(
                        providers: [.apt(["libsodium-dev"])]),
         // Linux calls and constants that need _GNU_SOURCE.
         .target(name: "CSystem", path: "Sources/CSystem"),
+        // The control socket's paths, line protocol and client: Foundation and Glibc only.
+        .target(name: "KeybagProtocol"),
         // The core: formats, keybag, class rules, lock state. No FUSE here.
-        .target(name: "KeybagCore", dependencies: ["CSodium"]),
+        .target(name: "KeybagCore", dependencies: ["CSodium", "KeybagProtocol"]),
+        // The library programs use: FileProtectionType, protected writes, ProtectedData events.
+        .target(name: "FileProtection", dependencies: ["KeybagProtocol", "CSystem"]),
+        // The example of the library: a notes store that follows the lock.
+        .executableTarget(name: "SecureNotes", dependencies: ["FileProtection"], path: "Examples/SecureNotes"),
         // The daemon: FUSE frontend and control socket server.
         .target(name: "KeybagDaemon", dependencies: ["KeybagCore", "CFuse", "CSodium", "CSystem"]),
         // What both commands share: the contract's exit codes.
@@ -38,7 +46,7 @@ let package = Package(
         // Micro-benchmarks and lock latency; built, not run, in CI.
         .executableTarget(name: "keybagfs-bench", dependencies: ["KeybagCore", "CSystem", "CSodium"]),
         .testTarget(name: "KeybagCoreTests", dependencies: ["KeybagCore"]),
-        .testTarget(name: "MountTests", dependencies: ["KeybagCore", "CFuse", "CSystem", "keybagfs", "keybagctl"]),
+        .testTarget(name: "MountTests", dependencies: ["KeybagCore", "CFuse", "CSystem", "FileProtection", "keybagfs", "keybagctl", "SecureNotes"]),
     ],
     swiftLanguageModes: [.v6]
 )

@@ -1,5 +1,15 @@
 import Glibc
 
+/// A failure of the control socket client: a system call, or a path it cannot use.
+public struct ControlSocketError: Error, CustomStringConvertible, Equatable {
+    /// What failed.
+    public let what: String
+    /// The errno, or 0.
+    public let code: Int32
+
+    public var description: String { code == 0 ? what : "\(what): \(String(cString: strerror(code)))" }
+}
+
 /// A Unix stream socket bound or connected to a path.
 public enum UnixSocket {
     /// A new stream socket (close-on-exec) and the address of `path`, passed to `body`
@@ -8,12 +18,12 @@ public enum UnixSocket {
         var addr = sockaddr_un()
         addr.sun_family = sa_family_t(AF_UNIX)
         let bytes = Array(path.utf8)
-        guard bytes.count < MemoryLayout.size(ofValue: addr.sun_path) else { throw KeybagError.invalid("socket path too long: \(path)") }
+        guard bytes.count < MemoryLayout.size(ofValue: addr.sun_path) else { throw ControlSocketError(what: "socket path too long: \(path)", code: 0) }
         withUnsafeMutableBytes(of: &addr.sun_path) { p in for (i, b) in bytes.enumerated() { p[i] = b } }
         let fd = socket(AF_UNIX, Int32(SOCK_STREAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
-        guard fd >= 0 else { throw KeybagError.system("socket", errno) }
+        guard fd >= 0 else { throw ControlSocketError(what: "socket", code: errno) }
         let rc = withUnsafePointer(to: &addr) { body(fd, UnsafeRawPointer($0).assumingMemoryBound(to: sockaddr.self), socklen_t(MemoryLayout<sockaddr_un>.size)) }
-        guard rc == 0 else { let e = errno; close(fd); throw KeybagError.system(path, e) }
+        guard rc == 0 else { let e = errno; close(fd); throw ControlSocketError(what: path, code: e) }
         return fd
     }
 }
@@ -31,7 +41,7 @@ public enum ControlClient {
         var off = 0
         while off < bytes.count {
             let n = bytes.withUnsafeBytes { send(fd, $0.baseAddress! + off, bytes.count - off, Int32(MSG_NOSIGNAL)) }
-            if n < 0 { if errno == EINTR { continue }; throw KeybagError.system("send", errno) }
+            if n < 0 { if errno == EINTR { continue }; throw ControlSocketError(what: "send", code: errno) }
             off += n
         }
     }
