@@ -40,7 +40,7 @@ let package = Package(
             .product(name: "ArgumentParser", package: "swift-argument-parser"),
         ]),
         .executableTarget(name: "keybagctl", dependencies: [
-            "KeybagCore", "KeybagCLI",
+            "KeybagCore", "KeybagCLI", "CSystem",
             .product(name: "ArgumentParser", package: "swift-argument-parser"),
         ]),
         // Micro-benchmarks and lock latency; built, not run, in CI.

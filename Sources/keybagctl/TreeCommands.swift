@@ -1,0 +1,258 @@
+import ArgumentParser
+import CSystem
+import Foundation
+import Glibc
+import KeybagCLI
+import KeybagCore
+
+/// A walk over a tree that never follows symlinks and never leaves the file system it
+/// starts on (so never the mount).
+struct TreeWalk {
+    /// One entry: its path, lstat, and for directories their default class's parent's.
+    typealias Visit = (_ path: String, _ st: stat, _ depth: Int) -> Void
+
+    /// Visits `root` and, if it is a directory and `recursive`, everything below it
+    /// (directories before their contents). Unreadable directories are reported to `failed`.
+    static func walk(_ root: String, recursive: Bool, visit: Visit, failed: (String, Int32) -> Void) {
+        var st = stat()
+        guard lstat(root, &st) == 0 else { return failed(root, errno) }
+        let dev = st.st_dev
+        visit(root, st, 0)
+        guard recursive, st.st_mode & S_IFMT == S_IFDIR else { return }
+        var stack: [(String, Int)] = [(root, 1)]
+        while let (dir, depth) = stack.popLast() {
+            guard let d = opendir(dir) else { failed(dir, errno); continue }
+            var subdirs: [String] = []
+            while let e = readdir(d) {
+                let name = withUnsafeBytes(of: e.pointee.d_name) { String(decoding: $0.prefix { $0 != 0 }, as: UTF8.self) }
+                if name == "." || name == ".." { continue }
+                let p = dir == "/" ? "/" + name : dir + "/" + name
+                var s = stat()
+                guard lstat(p, &s) == 0 else { failed(p, errno); continue }
+                guard s.st_dev == dev else { continue }
+                visit(p, s, depth)
+                if s.st_mode & S_IFMT == S_IFDIR { subdirs.append(p) }
+            }
+            closedir(d)
+            for s in subdirs.reversed() { stack.append((s, depth + 1)) }
+        }
+    }
+
+    /// The `user.protection` value of a path, or nil.
+    static func protection(_ path: String) -> String? {
+        var buf = [UInt8](repeating: 0, count: 128)
+        let n = getxattr(path, "user.protection", &buf, buf.count)
+        return n > 0 ? String(decoding: buf[0..<n], as: UTF8.self) : nil
+    }
+}
+
+/// A progress line on stderr when it is a terminal: count, rate, and ETA when a total is known.
+final class ProgressLine {
+    private let label: String
+    private let total: Int?
+    private let start = Date()
+    private var last = Date.distantPast
+    private let enabled = isatty(2) == 1
+    private(set) var count = 0
+
+    init(_ label: String, total: Int? = nil) { self.label = label; self.total = total }
+
+    /// Counts one item; redraws at most ten times a second.
+    func tick() {
+        count += 1
+        guard enabled else { return }
+        let now = Date()
+        guard now.timeIntervalSince(last) >= 0.1 else { return }
+        last = now
+        let rate = Double(count) / max(now.timeIntervalSince(start), 0.001)
+        var line = "\r\(label): \(count)"
+        if let total, total > 0 {
+            let width = 30, done = min(width, count * width / total)
+            line += "/\(total) [" + String(repeating: "#", count: done) + String(repeating: ".", count: width - done) + "]"
+            line += String(format: " %.0f/s, ETA %.0f s", rate, Double(max(0, total - count)) / max(rate, 1))
+        } else {
+            line += String(format: " (%.0f/s)", rate)
+        }
+        FileHandle.standardError.write(Data((line + "\u{1b}[K").utf8))
+    }
+
+    /// Clears the line.
+    func finish() { if enabled && count > 0 { FileHandle.standardError.write(Data("\r\u{1b}[K".utf8)) } }
+}
+
+/// `keybagctl protect`.
+struct Protect: ParsableCommand {
+    static let configuration = CommandConfiguration(
+        abstract: "Set the protection class of files, and the default class of directories.",
+        discussion: "With -R, also of everything below each directory. Symlinks are never followed and other file systems never entered. Exit 1 if any path failed (each is named on stderr).")
+
+    /// Accepted like every subcommand's; classes are set through the paths themselves.
+    @OptionGroup var target: Target
+
+    @Flag(name: .customShort("R"), help: "Recurse into directories.")
+    var recursive = false
+
+    @Argument(help: "none, completeUntilFirstUserAuthentication, completeUnlessOpen, complete (or an Apple constant).")
+    var protectionClass: String
+
+    @Argument(help: "Files or directories on a keybagfs mount.")
+    var paths: [String]
+
+    func run() throws {
+        guard let cls = ProtectionClass(name: protectionClass) else {
+            throw ValidationError("unknown class \"\(protectionClass)\" (none, completeUntilFirstUserAuthentication, completeUnlessOpen, complete)")
+        }
+        let name = cls.name
+        var total: Int? = nil
+        if recursive && isatty(2) == 1 {
+            var n = 0
+            for p in paths { TreeWalk.walk(p, recursive: true, visit: { _, st, _ in if Self.takesClass(st) { n += 1 } }, failed: { _, _ in }) }
+            total = n
+        }
+        let progress = ProgressLine("protect", total: total)
+        var files = 0, dirs = 0, failures = 0
+        for p in paths {
+            TreeWalk.walk(p, recursive: recursive, visit: { path, st, depth in
+                guard Self.takesClass(st) else {
+                    if depth == 0 {
+                        failures += 1
+                        FileHandle.standardError.write(Data("keybagctl: \(path): only files and directories have a class (symlinks are not followed)\n".utf8))
+                    }
+                    return
+                }
+                progress.tick()
+                if setxattr(path, "user.protection", name, name.utf8.count, 0) == 0 {
+                    if st.st_mode & S_IFMT == S_IFDIR { dirs += 1 } else { files += 1 }
+                } else {
+                    failures += 1
+                    FileHandle.standardError.write(Data("keybagctl: \(path): \(String(cString: strerror(errno)))\n".utf8))
+                }
+            }, failed: { path, err in
+                failures += 1
+                FileHandle.standardError.write(Data("keybagctl: \(path): \(String(cString: strerror(err)))\n".utf8))
+            })
+        }
+        progress.finish()
+        print("set \(name) on \(files) files and \(dirs) directories" + (failures > 0 ? "; \(failures) failed" : ""))
+        if failures > 0 { throw ExitCode(1) }
+    }
+
+    /// Regular files and directories carry a class; symlinks and special files do not.
+    static func takesClass(_ st: stat) -> Bool { st.st_mode & S_IFMT == S_IFREG || st.st_mode & S_IFMT == S_IFDIR }
+}
+
+/// `keybagctl report`.
+struct Report: ParsableCommand {
+    static let configuration = CommandConfiguration(
+        abstract: "Count files and bytes per class, list what is unreadable now, and directories whose default differs from their parent's.",
+        discussion: "PATH defaults to the mount point. Symlinks are never followed and other file systems never entered. Unreadable now: complete files unless unlocked; completeUnlessOpen files (to new opens) unless unlocked; completeUntilFirstUserAuthentication files before the first unlock.")
+
+    @OptionGroup var target: Target
+
+    @Argument(help: "A directory on a keybagfs mount (default: the mount point).")
+    var path: String?
+
+    @Flag(help: "Print one JSON object.")
+    var json = false
+
+    @Option(help: "List at most this many unreadable files and differing directories (their counts are always complete).")
+    var limit = 1000
+
+    func run() throws {
+        let root: String
+        if let path { root = path } else if let m = target.mount { root = m } else {
+            let mounts = ControlPaths.keybagfsMounts()
+            guard mounts.count == 1 else { throw ValidationError("give a PATH (found \(mounts.count) keybagfs mounts)") }
+            root = mounts[0]
+        }
+        let state = (try? statusSession(for: root).checked(["op": "status"]))?["state"] as? String
+        let started = Date()
+        struct Count { var files = 0; var bytes: Int64 = 0 }
+        var byClass: [String: Count] = [:]
+        var dirsByClass: [String: Int] = [:]
+        var unreadable: [String] = [], unreadableCount = 0
+        var differing: [[String: String]] = [], differingCount = 0
+        var dirClass: [String: String] = [:]
+        var other = 0, failures = 0
+        let progress = ProgressLine("report")
+        TreeWalk.walk(root, recursive: true, visit: { p, st, depth in
+            progress.tick()
+            let kind = st.st_mode & S_IFMT
+            guard kind == S_IFREG || kind == S_IFDIR else { other += 1; return }
+            let cls = TreeWalk.protection(p) ?? "unknown"
+            if kind == S_IFDIR {
+                dirsByClass[cls, default: 0] += 1
+                dirClass[p] = cls
+                let parent = (p as NSString).deletingLastPathComponent
+                if depth > 0, let pc = dirClass[parent], pc != cls {
+                    differingCount += 1
+                    if differing.count < limit { differing.append(["path": p, "class": cls, "parentClass": pc]) }
+                }
+                return
+            }
+            byClass[cls, default: Count()].files += 1
+            byClass[cls, default: Count()].bytes += Int64(st.st_size)
+            if let state, Self.unreadable(cls, state: state) {
+                unreadableCount += 1
+                if unreadable.count < limit { unreadable.append(p) }
+            }
+        }, failed: { p, err in
+            failures += 1
+            FileHandle.standardError.write(Data("keybagctl: \(p): \(String(cString: strerror(err)))\n".utf8))
+        })
+        progress.finish()
+        let seconds = Date().timeIntervalSince(started)
+        if json {
+            var o: [String: Any] = [
+                "path": root, "seconds": (seconds * 1000).rounded() / 1000,
+                "classes": byClass.mapValues { ["files": $0.files, "bytes": $0.bytes] },
+                "directories": dirsByClass, "otherEntries": other,
+                "differingDirectories": differing, "differingDirectoryCount": differingCount,
+                "failures": failures,
+            ]
+            if let state { o["state"] = state; o["unreadableNow"] = unreadable; o["unreadableNowCount"] = unreadableCount }
+            let data = try JSONSerialization.data(withJSONObject: o, options: [.sortedKeys])
+            print(String(decoding: data, as: UTF8.self))
+        } else {
+            print("\(root)" + (state.map { " (state: \($0))" } ?? " (daemon not reached: readability not checked)"))
+            let order = ["none", "completeUntilFirstUserAuthentication", "completeUnlessOpen", "complete", "unknown"]
+            for c in order where byClass[c] != nil || dirsByClass[c] != nil {
+                let n = byClass[c] ?? Count()
+                let padded = c.padding(toLength: 38, withPad: " ", startingAt: 0)
+                print("  \(padded) " + String(format: "%8d files %14lld bytes %6d directories", n.files, n.bytes, dirsByClass[c] ?? 0))
+            }
+            if state != nil {
+                print("unreadable now: \(unreadableCount) files")
+                for p in unreadable { print("  \(p)") }
+                if unreadableCount > unreadable.count { print("  … and \(unreadableCount - unreadable.count) more") }
+            }
+            print("directories whose default differs from their parent's: \(differingCount)")
+            for d in differing { print("  \(d["path"]!): \(d["class"]!) (parent \(d["parentClass"]!))") }
+            if differingCount > differing.count { print("  … and \(differingCount - differing.count) more") }
+            print(String(format: "%d entries in %.2f s", progress.count, seconds))
+        }
+        if failures > 0 { throw ExitCode(1) }
+    }
+
+    /// The daemon to ask: --socket/--mount, else the keybagfs mount that holds `root`.
+    func statusSession(for root: String) throws -> Session {
+        if target.socket != nil || target.mount != nil { return try target.connect() }
+        let abs = URL(fileURLWithPath: root).standardizedFileURL.resolvingSymlinksInPath().path
+        guard let m = ControlPaths.keybagfsMounts().filter({ abs == $0 || abs.hasPrefix($0 + "/") }).max(by: { $0.count < $1.count }) else {
+            throw CtlFailure(code: 3, message: "\(root) is not on a keybagfs mount")
+        }
+        let socket = ControlPaths.defaultSocket(forMountpoint: m)
+        do { return Session(fd: try ControlClient.connect(path: socket)) } catch {
+            throw CtlFailure(code: 3, message: "cannot reach the daemon at \(socket): \(error)")
+        }
+    }
+
+    /// Whether a file of class `cls` cannot be newly opened in lock state `state`.
+    static func unreadable(_ cls: String, state: String) -> Bool {
+        switch cls {
+        case "complete", "completeUnlessOpen": return state != "unlocked"
+        case "completeUntilFirstUserAuthentication": return state == "beforeFirstUnlock"
+        default: return false
+        }
+    }
+}
