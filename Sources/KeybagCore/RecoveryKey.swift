@@ -84,7 +84,10 @@ public struct RecoveryKey: Sendable {
                     guard chars < 55 else { throw KeybagError.invalid("not a recovery key: too long") }
                     for bit in 0..<5 {
                         let n = chars * 5 + bit
-                        if n < 272, (v >> (4 - bit)) & 1 == 1 { out[n / 8] |= UInt8(0x80 >> (n % 8)) }
+                        guard (v >> (4 - bit)) & 1 == 1 else { continue }
+                        // The last character's low three bits are padding and written as zeros.
+                        guard n < 272 else { throw KeybagError.invalid("not a recovery key: its last character is mistyped") }
+                        out[n / 8] |= UInt8(0x80 >> (n % 8))
                     }
                     chars += 1
                 }
