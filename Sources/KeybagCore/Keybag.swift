@@ -215,14 +215,14 @@ public struct Keybag: Sendable {
     }
 
     /// Reads the keybag of a store.
-    public static func load(storePath: String) throws -> Keybag {
+    public static func load(storePath: String, now: Double = Date().timeIntervalSince1970) throws -> Keybag {
         let p = storePath + "/" + fileName
         guard let data = FileManager.default.contents(atPath: p) else {
             throw KeybagError.invalid("no keybag at \(p): not a keybagfs store (run `keybagfs init` first)")
         }
         do {
             var file = try JSONDecoder().decode(KeybagFile.self, from: data)
-            try validate(&file)
+            try validate(&file, now: now)
             return Keybag(storePath: storePath, file: file)
         } catch let e as KeybagError {
             throw e
@@ -233,7 +233,7 @@ public struct Keybag: Sendable {
 
     /// Checks every field a hostile keybag could use against the daemon: each bad value is a
     /// `corrupt` error naming the field, never a trap. A lockout further away than the
-    /// longest delay is cut to that delay.
+    /// longest delay stays as stored (its MAC covers it); `retryAfter` cuts the wait.
     static func validate(_ f: inout KeybagFile, now: Double = Date().timeIntervalSince1970) throws {
         func bad(_ field: String, _ why: String) -> KeybagError { .corrupt("keybag field \(field): \(why)") }
         guard f.format == 1 || f.format == 2 else { throw bad("format", "unknown format \(f.format)") }
@@ -250,7 +250,6 @@ public struct Keybag: Sendable {
         guard let pk = Data(base64Encoded: f.classBPublic), pk.count == 32 else { throw bad("classBPublic", "not a public key") }
         guard f.failedAttempts >= 0, f.failedAttempts <= maxFailedAttempts else { throw bad("failedAttempts", "out of range") }
         guard f.lockoutUntil.isFinite, f.lockoutUntil >= 0 else { throw bad("lockoutUntil", "not a time") }
-        f.lockoutUntil = min(f.lockoutUntil, now + UnlockThrottle.delay(afterFailures: Int.max))
         if let mac = f.counterMAC { guard let m = Data(base64Encoded: mac), m.count == 32 else { throw bad("counterMAC", "not a MAC") } }
         let escrow = escrowedSlots.filter { f.wrapped["r" + $0] != nil }
         guard escrow.isEmpty || escrow.count == escrowedSlots.count else { throw bad("wrapped.r*", "some recovery slots are missing") }
@@ -258,10 +257,7 @@ public struct Keybag: Sendable {
             guard let w = f.wrapped["r" + slot].flatMap({ Data(base64Encoded: $0) }), w.count == 32 + KeyWrap.overhead else { throw bad("wrapped.r\(slot)", "not a wrapped key") }
         }
         if let n = f.recoveryFailedAttempts { guard n >= 0, n <= maxFailedAttempts else { throw bad("recoveryFailedAttempts", "out of range") } }
-        if let t = f.recoveryLockoutUntil {
-            guard t.isFinite, t >= 0 else { throw bad("recoveryLockoutUntil", "not a time") }
-            f.recoveryLockoutUntil = min(t, now + UnlockThrottle.delay(afterFailures: Int.max))
-        }
+        if let t = f.recoveryLockoutUntil { guard t.isFinite, t >= 0 else { throw bad("recoveryLockoutUntil", "not a time") } }
     }
 
     /// What `authenticate` found.
@@ -397,7 +393,9 @@ public struct Keybag: Sendable {
     }
 
     /// Seconds until the next attempt is allowed (0 when allowed now).
-    public func retryAfter(now: Double) -> Double { max(0, file.lockoutUntil - now) }
+    /// Never longer than the longest delay: a lockout further ahead (a clock set back since)
+    /// is cut here, not in the stored value, whose counter MAC must still verify.
+    public func retryAfter(now: Double) -> Double { max(0, min(file.lockoutUntil - now, UnlockThrottle.delay(afterFailures: Int.max))) }
 
     /// Records a failed attempt and persists the counter and the resulting lockout.
     public mutating func recordFailure(now: Double) throws {

@@ -134,7 +134,9 @@ extension Keybag {
     }
 
     /// Seconds until the next recovery attempt is allowed.
-    public func recoveryRetryAfter(now: Double) -> Double { max(0, (file.recoveryLockoutUntil ?? 0) - now) }
+    public func recoveryRetryAfter(now: Double) -> Double {
+        max(0, min((file.recoveryLockoutUntil ?? 0) - now, UnlockThrottle.delay(afterFailures: Int.max)))
+    }
 
     /// Sets a new passcode and binds the store to `deviceKey` (the old one, or a new one
     /// when it was lost), from the recovery key. The class keys stay, so no file changes.

@@ -249,6 +249,20 @@ final class KeybagTrustTests: TempDirTestCase {
         XCTAssertLessThanOrEqual(try Keybag.load(storePath: dir).retryAfter(now: Date().timeIntervalSince1970), 3600, "a lockout is cut to the longest delay")
     }
 
+    /// A clock set back (the lockout now lies further ahead than the longest delay) is not
+    /// tampering: the counter's MAC still verifies, and the wait is cut to the longest delay.
+    func testAClockSetBackIsNotTampering() throws {
+        let dk = SecureKey(random: 32)
+        var kb = try Keybag.create(storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive)
+        let then = Date().timeIntervalSince1970
+        for _ in 1...5 { try kb.recordFailure(now: then) }   // lockout until then + 60
+        let dayEarlier = then - 86_400
+        var reloaded = try Keybag.load(storePath: dir, now: dayEarlier)
+        XCTAssertEqual(try reloaded.authenticate(deviceKey: dk, now: dayEarlier), .authentic, "the stored counter is the authentic one")
+        XCTAssertEqual(reloaded.file.failedAttempts, 5, "not raised to the tampering penalty")
+        XCTAssertEqual(reloaded.retryAfter(now: dayEarlier), 3600, "the wait is never longer than the longest delay")
+    }
+
     func testPasscodeComparisonIsExact() {
         XCTAssertTrue(PasscodeInput.equal(secret("same"), secret("same")))
         XCTAssertFalse(PasscodeInput.equal(secret("same"), secret("samf")))
