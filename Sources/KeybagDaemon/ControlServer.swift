@@ -47,18 +47,20 @@ final class Connection: Sendable {
     /// Queues an event and sends what is queued if no write is under way (else the writer
     /// sends it when it is done). False when the connection cannot take events: too many
     /// queued, or its buffer is full.
-    func sendEvent(_ line: String) -> Bool {
-        let queued = pending.withLock { q -> Bool in
+    func sendEvent(_ line: String) -> Bool { enqueue(line) && drain() }
+
+    /// Queues a line behind those already waiting; false when the queue is full.
+    func enqueue(_ line: String) -> Bool {
+        pending.withLock { q -> Bool in
             guard q.count < Self.maxPending else { return false }
             q.append(line)
             return true
         }
-        return queued && drain()
     }
 
     /// Sends queued events while the write lock is free. Every holder drains after it lets
     /// go, so an event queued while the lock was taken is never left behind.
-    private func drain() -> Bool {
+    func drain() -> Bool {
         while true {
             let done = writeLock.withLockIfAvailable { closed -> Bool in
                 let lines = pending.withLock { q in defer { q.removeAll() }; return q }
@@ -257,12 +259,13 @@ final class ControlServer: Sendable {
                     sodium_memzero(base + rest, length + 1)
                     used = rest
                 }
-                if reply.isEmpty { continue }
-                guard c.send(ControlProtocol.encode(reply)), !c.isDropped else { return }
-                if subscribed {
-                    controller.events.add(c)
-                    Self.setTimeout(c.fd, SO_RCVTIMEO, seconds: 0)
+                if subscribed { Failpoint.subscribeBeforeReply.hit() }
+                if reply.isEmpty {
+                    // A subscribe: its reply is queued; send it (and what followed) now.
+                    if subscribed { guard c.drain(), !c.isDropped else { return } }
+                    continue
                 }
+                guard c.send(ControlProtocol.encode(reply)), !c.isDropped else { return }
             }
             if used == capacity {
                 _ = c.send(ControlProtocol.encode(Controller.refusal("badRequest", "line longer than 64 KiB")))
@@ -283,8 +286,12 @@ final class ControlServer: Sendable {
         case "status":
             return controller.status()
         case "subscribe":
+            // Joining the hub, reading the state and queueing the reply happen in one step:
+            // every event published after the state was read follows the reply.
             subscribed = true
-            return ["ok": true, "state": controller.state.rawValue]
+            Self.setTimeout(connection.fd, SO_RCVTIMEO, seconds: 0)
+            controller.events.subscribe(connection) { ControlProtocol.encode(["ok": true, "state": controller.state.rawValue]) }
+            return [:]
         case "unlock", "lock", "passwd":
             guard peer.privileged else { return Controller.refusal("forbidden", "only root and the mounting user may \(op)") }
             if op == "unlock" {

@@ -198,8 +198,14 @@ final class Controller: Sendable {
 final class EventHub: Sendable {
     private let subscribers = Locked<[Int32: Connection]>([:])
 
-    /// Adds a subscribed connection.
-    func add(_ c: Connection) { subscribers.withLock { $0[c.fd] = c } }
+    /// Adds a connection and queues its subscribe reply (`reply()` reads the state) in the
+    /// same step, so no event published after that read can reach it before the reply.
+    func subscribe(_ c: Connection, reply: () -> String) {
+        subscribers.withLock { subs in
+            subs[c.fd] = c
+            if !c.enqueue(reply()) { c.hangUp() }
+        }
+    }
     /// Removes a connection.
     func remove(_ c: Connection) { subscribers.withLock { if $0[c.fd] === c { $0[c.fd] = nil } } }
 

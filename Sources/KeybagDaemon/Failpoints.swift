@@ -9,6 +9,8 @@ enum Failpoint: String, Sendable {
     case createBeforeKeyJoinsInode = "create-before-key-joins-inode"
     /// In a class change, after the new header slot is durable and before the old one is erased.
     case classChangeBetweenSlots = "class-change-between-slots"
+    /// On the control socket, after a subscribe request was handled and before its reply is sent.
+    case subscribeBeforeReply = "subscribe-before-reply"
 
     /// What a failpoint does when reached.
     enum Action: Sendable, Equatable { case sleep(UInt32), stop }

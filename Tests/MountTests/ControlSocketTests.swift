@@ -146,6 +146,31 @@ final class ControlSocketTests: XCTestCase {
         XCTAssertEqual(m.state, "unlocked")
     }
 
+    /// A lock that lands between the subscribe request and its reply is still delivered:
+    /// the reply's state and the events after it tell one consistent story.
+    func testALockDuringSubscribeIsNotMissed() throws {
+        let m = try MountFixture(mount: false)
+        addTeardownBlock { m.close() }
+        try m.mount(environment: ["KEYBAGFS_TEST_FAILPOINTS": "subscribe-before-reply=sleep:1500"])
+        m.unlock()
+        let fd = try ControlClient.connect(path: m.socket)
+        defer { close(fd) }
+        try ControlClient.sendLine(fd, #"{"op":"subscribe"}"#)
+        usleep(400_000)   // the daemon is inside the failpoint now
+        XCTAssertEqual(m.ctl(["lock", "--grace", "0"]).code, 0)
+        var buf: [UInt8] = []
+        var tv = timeval(tv_sec: 5, tv_usec: 0)
+        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, socklen_t(MemoryLayout<timeval>.size))
+        let reply = ControlClient.readLine(fd, buffer: &buf) ?? ""
+        XCTAssertTrue(reply.contains("\"ok\":true"), reply)
+        if reply.contains("\"state\":\"unlocked\"") {
+            let next = ControlClient.readLine(fd, buffer: &buf) ?? "(nothing within 5 s)"
+            XCTAssertTrue(next.contains("protectedDataWillBecomeUnavailable"), "the reply said unlocked, so the lock's events must follow: \(next)")
+        } else {
+            XCTAssertTrue(reply.contains("\"state\":\"locked\""), reply)
+        }
+    }
+
     func testThousandsOfIdleConnectionsDoNotDelayRoot() throws {
         let m = try MountFixture()
         addTeardownBlock { m.close() }
