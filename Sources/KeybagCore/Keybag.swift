@@ -429,7 +429,15 @@ public enum DeviceKeyFile {
         let key = SecureKey(random: 32)
         let n = try key.withBytes { write(fd, $0.baseAddress!, 32) }
         guard n == 32, fsync(fd) == 0 else { throw KeybagError.system("cannot write device key \(path)", errno) }
+        syncFolder(of: path)
         return key
+    }
+
+    /// Makes a new or renamed entry in the folder of `path` durable.
+    public static func syncFolder(of path: String) {
+        let dir = (path as NSString).deletingLastPathComponent
+        let dfd = open(dir.isEmpty ? "." : dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+        if dfd >= 0 { fsync(dfd); close(dfd) }
     }
 
     /// Reads a device key; it must be exactly 32 bytes.

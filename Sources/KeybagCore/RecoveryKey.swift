@@ -15,12 +15,12 @@ public struct RecoveryKey: Sendable {
     /// A new random recovery key.
     public static func generate() -> RecoveryKey { RecoveryKey(secret: SecureKey(random: 32)) }
 
-    /// The 2-byte check of `key`: BLAKE2b-128 of a label and the key, first two bytes.
+    /// The 2-byte check of `key`: BLAKE2b-128 of a label keyed by the key, first two bytes.
     static func check(_ key: UnsafeRawBufferPointer) -> (UInt8, UInt8) {
         var h = [UInt8](repeating: 0, count: 16)
-        var msg = Array("keybagfs-recovery-check-v1".utf8) + Array(key)
-        defer { sodium_memzero(&msg, msg.count) }
-        crypto_generichash(&h, 16, msg, UInt64(msg.count), nil, 0)
+        // Keyed by R itself, so R is never copied into an ordinary buffer.
+        let label = Array("keybagfs-recovery-check-v1".utf8)
+        crypto_generichash(&h, 16, label, UInt64(label.count), key.baseAddress!.assumingMemoryBound(to: UInt8.self), key.count)
         return (h[0], h[1])
     }
 
@@ -163,8 +163,22 @@ extension Keybag {
             if counterKey != nil { try save() } else { try saveWithoutCounter() }
             throw KeybagError.badRecoveryKey
         }
+        // Escrow slots planted or swapped in this keybag: the escrowed class B key must be the
+        // one whose public key the keybag names, and with the current device key the escrowed
+        // D and volume keys must be the ones it opens. (Damage, not a guess: not counted.)
+        let mismatch = KeybagError.corrupt("the recovery slots do not match this keybag (damaged or replaced); nothing was changed")
+        guard let pub = Data(base64Encoded: file.classBPublic), try ClassBAgreement.publicKey(of: keys["B"]!) == [UInt8](pub) else { throw mismatch }
+        for slot in ["D", "volume"] {
+            guard let current = try? unwrapDeviceKeySlot(slot, deviceKey: deviceKey) else { continue }
+            defer { current.wipe() }
+            let same = try current.withBytes { a in try keys[slot]!.withBytes { b in sodium_memcmp(a.baseAddress!, b.baseAddress!, 32) == 0 } }
+            guard same else { throw mismatch }
+        }
         var next = file
         next.kdfSalt = Data(Sodium.randomArray(Int(crypto_pwhash_SALTBYTES))).base64EncodedString()
+        // Never weaker than `interactive`, whatever the keybag says.
+        next.kdfOpsLimit = max(next.kdfOpsLimit, KDFStrength.interactive.opsLimit)
+        next.kdfMemLimit = max(next.kdfMemLimit, KDFStrength.interactive.memLimit)
         let kek = try Keybag.passcodeKey(passcode: newPasscode, file: next, deviceKey: deviceKey)
         defer { kek.wipe() }
         let dwk = try Keybag.deviceWrapKey(deviceKey)
@@ -187,7 +201,12 @@ extension Keybag {
 
     /// Replaces the recovery key (a first one for a store made without); the old one stops
     /// working. Needs the passcode and the device key; a wrong passcode counts as a failure.
-    public mutating func rotateRecoveryKey(passcode: SecureKey, deviceKey: SecureKey, now: Double = Date().timeIntervalSince1970) throws -> RecoveryKey {
+    /// `deliver` hands the new key to the user (a file, the terminal) before anything is
+    /// saved: if it throws, the keybag and the old key stay as they were.
+    public mutating func rotateRecoveryKey(passcode: SecureKey, deviceKey: SecureKey, now: Double = Date().timeIntervalSince1970,
+                                           deliver: (RecoveryKey) throws -> Void = { _ in }) throws -> RecoveryKey {
+        // A wrong device key must fail here, not read as an edited counter below.
+        try unwrapDeviceKeySlot("D", deviceKey: deviceKey).wipe()
         if counterKey == nil { _ = try authenticate(deviceKey: deviceKey, now: now) }
         let wait = retryAfter(now: now)
         guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
@@ -206,6 +225,7 @@ extension Keybag {
         next.lockoutUntil = 0
         next.recoveryFailedAttempts = nil
         next.recoveryLockoutUntil = nil
+        do { try deliver(recovery) } catch { recovery.wipe(); throw error }
         file = next
         try save()
         return recovery

@@ -1,4 +1,5 @@
 import ArgumentParser
+import CSystem
 import Foundation
 import Glibc
 import KeybagCLI
@@ -21,6 +22,7 @@ struct Keybagctl: ParsableCommand {
 
     /// Runs the command with the contract's exit codes.
     static func main() {
+        _ = kbfs_set_nondumpable()   // passcodes pass through this process
         runWithContractExitCodes(tool: "keybagctl", arguments: hoistingTargetOptions(Array(CommandLine.arguments.dropFirst())))
     }
 }

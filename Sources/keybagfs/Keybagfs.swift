@@ -1,4 +1,5 @@
 import ArgumentParser
+import CSystem
 import Foundation
 import Glibc
 import KeybagCLI
@@ -19,7 +20,10 @@ struct Keybagfs: ParsableCommand {
         subcommands: [Init.self, Mount.self, Fsck.self, Recover.self, RecoveryKeyCommand.self])
 
     /// Runs the command; usage errors exit 2, refusals 1.
-    static func main() { runWithContractExitCodes(tool: "keybagfs") }
+    static func main() {
+        _ = kbfs_set_nondumpable()   // passcodes and recovery keys pass through this process
+        runWithContractExitCodes(tool: "keybagfs")
+    }
 }
 
 /// Parses a class name or Apple alias for an option.
@@ -88,13 +92,14 @@ struct Init: ParsableCommand {
         guard !(noRecoveryKey && recoveryKeyFile != nil) else { throw ValidationError("--no-recovery-key and --recovery-key-file exclude each other") }
         let recovery = noRecoveryKey ? nil : RecoveryKey.generate()
         defer { recovery?.wipe() }
+        // The recovery key is handed out first: if that fails, no store exists whose key nobody has.
+        if let recovery { try RecoveryKeyOutput.give(recovery, file: recoveryKeyFile) }
         let kb = try Keybag.create(storePath: store, storeID: storeID, passcode: passcode, deviceKey: dk, strength: kdf, cipher: cipher, recovery: recovery)
         try fm.createDirectory(atPath: store + "/" + Keybag.dataDirName, withIntermediateDirectories: false, attributes: [.posixPermissions: 0o755])
         print("initialised store \(store)")
         print("  store id:   \(kb.file.storeID)")
         print("  cipher:     \(kb.file.cipher)")
         print("  device key: \(dkPath)  (keep it; without it the store cannot be opened)")
-        if let recovery { try RecoveryKeyOutput.give(recovery, file: recoveryKeyFile) }
     }
 }
 
@@ -246,12 +251,26 @@ enum RecoveryKeyOutput {
             defer { close(fd) }
             let ok = try text.withBytes { t in write(fd, t.baseAddress!, t.count) == t.count } && write(fd, "\n", 1) == 1 && fsync(fd) == 0
             guard ok else { throw KeybagError.system("cannot write the recovery key file \(file)", errno) }
-            print("  recovery key: written to \(file)  (keep it offline; it opens the store without passcode and device key)")
+            print("recovery key: written to \(file)  (keep it offline; it opens the store without passcode and device key)")
             return
         }
-        print("  recovery key (shown once; keep it offline, it opens the store without passcode and device key):")
+        // Every byte must reach stdout, or the caller saves nothing (a closed pipe is an error, not a signal).
+        signal(SIGPIPE, SIG_IGN)
+        let intro = "recovery key (shown once; keep it offline, it opens the store without passcode and device key):\n    "
+        func put(_ p: UnsafeRawPointer, _ n: Int) -> Bool {
+            var off = 0
+            while off < n {
+                let w = write(1, p + off, n - off)
+                if w < 0 && errno == EINTR { continue }
+                if w <= 0 { return false }
+                off += w
+            }
+            return true
+        }
         fflush(nil)
-        try text.withBytes { t in _ = write(1, "    ", 4); _ = write(1, t.baseAddress!, t.count); _ = write(1, "\n", 1) }
+        let ok = try Array(intro.utf8).withUnsafeBytes { put($0.baseAddress!, $0.count) }
+            && text.withBytes { put($0.baseAddress!, $0.count) } && put("\n", 1)
+        guard ok else { throw KeybagError.system("cannot show the recovery key on standard output; nothing was changed", errno) }
     }
 
     /// Reads a recovery key from a file's first line, from stdin, or from the terminal.
@@ -326,14 +345,21 @@ struct Recover: ParsableCommand {
             guard PasscodeInput.equal(passcode, again) else { throw KeybagError.invalid("the passcodes differ; nothing was changed") }
         }
         if newDeviceKey {
-            // The new key goes next to its final name first: a crash before the rename leaves
-            // the old state, and `recover` can simply run again.
+            var lst = stat()
+            if lstat(dkPath, &lst) == 0 && lst.st_mode & S_IFMT == S_IFLNK {
+                throw KeybagError.invalid("\(dkPath) is a symlink; give the path it points to with --device-key")
+            }
+            // The new key is written (and its folder synced) under a staged name, the keybag is
+            // saved, then the key is renamed into place and the folder synced again. A crash
+            // after the keybag save leaves the store needing `<key>.new`: rename it, or run
+            // `recover` again (the recovery key stays valid).
             let staged = dkPath + ".new"
             unlink(staged)
             let dk = try DeviceKeyFile.create(at: staged)
             defer { dk.wipe() }
             do { try kb.recover(with: recovery, newPasscode: passcode, deviceKey: dk) } catch { unlink(staged); throw error }
             guard rename(staged, dkPath) == 0 else { throw KeybagError.system("the store now needs the device key \(staged); moving it to \(dkPath) failed", errno) }
+            DeviceKeyFile.syncFolder(of: dkPath)
             print("recovered \(store): new passcode set; new device key \(dkPath) (the old one no longer opens the store)")
         } else {
             let dk: SecureKey
@@ -341,6 +367,9 @@ struct Recover: ParsableCommand {
                 throw KeybagError.invalid("\(error); if the device key is lost, run again with --new-device-key")
             }
             defer { dk.wipe() }
+            do { try kb.unwrapDeviceKeySlot("D", deviceKey: dk).wipe() } catch {
+                throw KeybagError.invalid("the device key \(dkPath) does not open this store; if the right one is lost, run again with --new-device-key")
+            }
             _ = try? kb.authenticate(deviceKey: dk)
             try kb.recover(with: recovery, newPasscode: passcode, deviceKey: dk)
             print("recovered \(store): new passcode set")
@@ -381,10 +410,9 @@ struct RecoveryKeyCommand: ParsableCommand {
             defer { dk.wipe() }
             let passcode = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ")
             defer { passcode.wipe() }
-            let recovery = try kb.rotateRecoveryKey(passcode: passcode, deviceKey: dk)
+            let recovery = try kb.rotateRecoveryKey(passcode: passcode, deviceKey: dk) { try RecoveryKeyOutput.give($0, file: recoveryKeyFile) }
             defer { recovery.wipe() }
-            print("new recovery key for \(store); the old one no longer works")
-            try RecoveryKeyOutput.give(recovery, file: recoveryKeyFile)
+            print("new recovery key for \(store) saved; the old one no longer works")
         }
     }
 }

@@ -1,3 +1,4 @@
+import CSodium
 import Foundation
 import Glibc
 import XCTest
@@ -150,5 +151,36 @@ final class RecoveryKeyTests: TempDirTestCase {
             guard case KeybagError.corrupt(let m) = e else { return XCTFail("\(e)") }
             XCTAssertTrue(m.contains("recovery"), m)
         }
+    }
+
+    /// Escrow slots planted for an attacker's key (holding other keys) are refused as damage
+    /// and change nothing; a keybag edited to a weak KDF is not kept weak by recover.
+    func testPlantedEscrowIsRefusedAndTheKDFIsNeverWeakened() throws {
+        let dk = SecureKey(random: 32)
+        let real = RecoveryKey.generate()
+        _ = try Keybag.create(storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive, recovery: real)
+        let before = try Data(contentsOf: URL(fileURLWithPath: dir + "/keybag"))
+        let planted = RecoveryKey.generate()
+        var kb = try Keybag.load(storePath: dir)
+        var f = kb.file
+        try Keybag.writeEscrow(&f, keys: ["A", "B", "C", "D", "volume"].map { ($0, SecureKey(random: 32)) }, recovery: planted)
+        kb.file = f
+        try kb.saveWithoutCounter()
+        var forged = try Keybag.load(storePath: dir)
+        XCTAssertThrowsError(try forged.recover(with: planted, newPasscode: secret("x"), deviceKey: dk)) { e in
+            guard case KeybagError.corrupt(let m) = e else { return XCTFail("\(e)") }
+            XCTAssertTrue(m.contains("do not match"), m)
+        }
+        XCTAssertNil(try Keybag.load(storePath: dir).file.recoveryFailedAttempts, "damage is not counted as a guess")
+        // Back to the genuine keybag, edited down to libsodium's minimum KDF.
+        try before.write(to: URL(fileURLWithPath: dir + "/keybag"))
+        var o = try JSONSerialization.jsonObject(with: before) as! [String: Any]
+        o["kdfOpsLimit"] = Int(crypto_pwhash_opslimit_min()); o["kdfMemLimit"] = Int(crypto_pwhash_memlimit_min())
+        try JSONSerialization.data(withJSONObject: o).write(to: URL(fileURLWithPath: dir + "/keybag"))
+        var weak = try Keybag.load(storePath: dir)
+        try weak.recover(with: real, newPasscode: secret("x"), deviceKey: dk)
+        let after = try Keybag.load(storePath: dir).file
+        XCTAssertGreaterThanOrEqual(after.kdfOpsLimit, KDFStrength.interactive.opsLimit)
+        XCTAssertGreaterThanOrEqual(after.kdfMemLimit, KDFStrength.interactive.memLimit)
     }
 }

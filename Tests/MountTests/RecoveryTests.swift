@@ -59,6 +59,11 @@ final class RecoveryTests: XCTestCase {
         XCTAssertTrue(busy.stderr.contains("mounted"), busy.stderr)
         m.unmount()
 
+        // A symlink at the key path is refused (the new key would replace the link, not its target).
+        XCTAssertEqual(symlink(m.deviceKey, m.root + "/link.key"), 0)
+        let viaLink = keybagfs(["recover", m.store, "--stdin", "--new-device-key", "--device-key", m.root + "/link.key"], stdin: rkText + "x\n")
+        XCTAssertEqual(viaLink.code, 1)
+        XCTAssertTrue(viaLink.stderr.contains("symlink"), viaLink.stderr)
         // The device key is lost, and the passcode forgotten.
         XCTAssertEqual(unlink(m.deviceKey), 0)
         let noKey = keybagfs(["recover", m.store, "--stdin", "--device-key", m.deviceKey], stdin: rkText + "s3cret after recovery\n")
@@ -107,5 +112,44 @@ final class RecoveryTests: XCTestCase {
         // The passcode and the device key still open the store; nothing else changed.
         try m.mount()
         XCTAssertEqual(m.ctl(["unlock", "--passcode-stdin"], stdin: m.passcode + "\n").code, 0)
+    }
+
+    /// The new key is handed out before the keybag changes: if it cannot be written, the old
+    /// one still works (rotate) or no store is made (init). A wrong device key is refused
+    /// before it can touch the counter or rebind the store.
+    func testAKeyThatCannotBeHandedOutChangesNothingAndAWrongDeviceKeyIsRefused() throws {
+        let m = try MountFixture(mount: false)
+        addTeardownBlock { m.close() }
+        let first = m.root + "/first.txt", taken = m.root + "/taken.txt"
+        XCTAssertEqual(keybagfs(["recovery-key", "rotate", m.store, "--device-key", m.deviceKey, "--passcode-stdin", "--recovery-key-file", first], stdin: m.passcode + "\n").code, 0)
+        try Data("already here\n".utf8).write(to: URL(fileURLWithPath: taken))
+        let r = keybagfs(["recovery-key", "rotate", m.store, "--device-key", m.deviceKey, "--passcode-stdin", "--recovery-key-file", taken], stdin: m.passcode + "\n")
+        XCTAssertEqual(r.code, 1)
+        XCTAssertFalse(r.stdout.contains("no longer works"), r.stdout)
+        // stdout that cannot be written (/dev/full) is an error too, and changes nothing.
+        let full = MountFixture.run("/bin/sh", ["-c", "\"$0\" recovery-key rotate \"$1\" --device-key \"$2\" --passcode-stdin > /dev/full", MountFixture.binDir + "/keybagfs", m.store, m.deviceKey], stdin: m.passcode + "\n")
+        XCTAssertNotEqual(full.code, 0, full.stderr)
+        // A wrong device key: refused, and the counter is untouched.
+        let wrongKey = m.root + "/wrong.key"
+        try Data((0..<32).map { UInt8($0) }).write(to: URL(fileURLWithPath: wrongKey))
+        let w = keybagfs(["recovery-key", "rotate", m.store, "--device-key", wrongKey, "--passcode-stdin"], stdin: m.passcode + "\n")
+        XCTAssertEqual(w.code, 1)
+        XCTAssertTrue(w.stderr.contains("device key does not open this store"), w.stderr)
+        let wr = keybagfs(["recover", m.store, "--recovery-key-file", first, "--stdin", "--device-key", wrongKey], stdin: "other passcode\n")
+        XCTAssertEqual(wr.code, 1)
+        XCTAssertTrue(wr.stderr.contains("--new-device-key"), wr.stderr)
+        // Still: the first key recovers, with the real device key, and the store mounts.
+        let ok = keybagfs(["recover", m.store, "--recovery-key-file", first, "--stdin", "--device-key", m.deviceKey], stdin: "other passcode\n")
+        XCTAssertEqual(ok.code, 0, ok.stderr)
+        try m.mount()
+        XCTAssertEqual(m.ctl(["unlock", "--passcode-stdin"], stdin: "other passcode\n").code, 0, "no tampering penalty from the wrong key")
+        m.unmount()
+        // init: a key file that cannot be made leaves no store behind.
+        let store2 = m.root + "/store2"
+        let i = keybagfs(["init", store2, "--passcode-stdin", "--device-key", m.root + "/dk2", "--kdf", "interactive", "--recovery-key-file", taken], stdin: "p\n")
+        XCTAssertEqual(i.code, 1)
+        XCTAssertFalse(FileManager.default.fileExists(atPath: store2 + "/keybag"), "no store whose recovery key nobody has")
+        let again = keybagfs(["init", store2, "--passcode-stdin", "--device-key", m.root + "/dk2", "--kdf", "interactive", "--recovery-key-file", m.root + "/second.txt"], stdin: "p\n")
+        XCTAssertEqual(again.code, 0, again.stderr)
     }
 }
