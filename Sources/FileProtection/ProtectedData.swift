@@ -49,10 +49,8 @@ public enum ProtectedData {
     /// else the default socket of the innermost keybagfs mount point above the path.
     public static func socketPath(for url: URL) throws -> String {
         if let s = ProcessInfo.processInfo.environment["KEYBAGFS_SOCKET"], !s.isEmpty { return s }
-        let path = url.standardizedFileURL.resolvingSymlinksInPath().path
-        let mounts = ControlPaths.keybagfsMounts().filter { path == $0 || path.hasPrefix($0 == "/" ? "/" : $0 + "/") }
-        guard let mount = mounts.max(by: { $0.count < $1.count }) else {
-            throw CocoaError(.featureUnsupported, userInfo: [NSFilePathErrorKey: path, NSLocalizedDescriptionKey: "\(path) is not on a keybagfs mount"])
+        guard let mount = ControlPaths.keybagfsMount(holding: url.path) else {
+            throw CocoaError(.featureUnsupported, userInfo: [NSFilePathErrorKey: url.path, NSLocalizedDescriptionKey: "\(url.path) is not on a keybagfs mount"])
         }
         return ControlPaths.defaultSocket(forMountpoint: mount)
     }

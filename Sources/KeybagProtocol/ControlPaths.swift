@@ -33,6 +33,12 @@ public enum ControlPaths {
         return runDirectory + "/" + systemdEscapePath(abs) + ".sock"
     }
 
+    /// The innermost keybagfs mount point that holds `path` (symlinks resolved), or nil.
+    public static func keybagfsMount(holding path: String) -> String? {
+        let abs = URL(fileURLWithPath: path).standardizedFileURL.resolvingSymlinksInPath().path
+        return keybagfsMounts().filter { abs == $0 || abs.hasPrefix($0 == "/" ? "/" : $0 + "/") }.max { $0.count < $1.count }
+    }
+
     /// Mount points of keybagfs mounts, from /proc/self/mountinfo (octal escapes decoded).
     public static func keybagfsMounts(mountinfo: String? = nil) -> [String] {
         let text = mountinfo ?? ((try? String(contentsOfFile: "/proc/self/mountinfo", encoding: .utf8)) ?? "")

@@ -237,8 +237,7 @@ struct Report: ParsableCommand {
     /// The daemon to ask: --socket/--mount, else the keybagfs mount that holds `root`.
     func statusSession(for root: String) throws -> Session {
         if target.socket != nil || target.mount != nil { return try target.connect() }
-        let abs = URL(fileURLWithPath: root).standardizedFileURL.resolvingSymlinksInPath().path
-        guard let m = ControlPaths.keybagfsMounts().filter({ abs == $0 || abs.hasPrefix($0 + "/") }).max(by: { $0.count < $1.count }) else {
+        guard let m = ControlPaths.keybagfsMount(holding: root) else {
             throw CtlFailure(code: 3, message: "\(root) is not on a keybagfs mount")
         }
         let socket = ControlPaths.defaultSocket(forMountpoint: m)

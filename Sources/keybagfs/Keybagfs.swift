@@ -175,11 +175,7 @@ struct Fsck: ParsableCommand {
         Exit status: 0 clean, 1 problems found (or the check failed), 2 usage.
         """)
 
-    @Argument(help: "The store directory (not mounted).")
-    var store: String
-
-    @Option(help: "Device key file (default /var/lib/keybagfs/<store-id>.key).")
-    var deviceKey: String?
+    @OptionGroup var target: UnmountedStore
 
     @Flag(help: "Read the passcode as one line from standard input, to check the contents of classes A, B and C.")
     var passcodeStdin = false
@@ -197,14 +193,14 @@ struct Fsck: ParsableCommand {
     var json = false
 
     func run() throws {
-        let lock = try lockUnmountedStore(store)
+        let lock = try lockUnmountedStore(target.store)
         defer { close(lock) }
-        let kb = try Keybag.load(storePath: store)
-        let dk = try DeviceKeyFile.load(from: deviceKey ?? DeviceKeyFile.defaultPath(storeID: kb.file.storeID))
+        let kb = try Keybag.load(storePath: target.store)
+        let dk = try DeviceKeyFile.load(from: target.deviceKeyPath(kb))
         defer { dk.wipe() }
         let passcode: SecureKey? = passcodeStdin || askPasscode ? try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ") : nil
         defer { passcode?.wipe() }
-        let check = try StoreCheck(storePath: store, deviceKey: dk, passcode: passcode, options: .init(repair: repair, dropData: repair && yes))
+        let check = try StoreCheck(storePath: target.store, deviceKey: dk, passcode: passcode, options: .init(repair: repair, dropData: repair && yes))
         defer { check.wipe() }
         if isatty(2) == 1 && !json {
             check.progress = { FileHandle.standardError.write(Data("\rchecked \($0) files…".utf8)) }
@@ -238,6 +234,18 @@ struct Fsck: ParsableCommand {
         }
         if !check.isClean { throw ExitCode(1) }
     }
+}
+
+/// The store and device key of a command on an unmounted store.
+struct UnmountedStore: ParsableArguments {
+    @Argument(help: "The store directory (not mounted).")
+    var store: String
+
+    @Option(help: "Device key file (default /var/lib/keybagfs/<store-id>.key).")
+    var deviceKey: String?
+
+    /// The device key path for a keybag.
+    func deviceKeyPath(_ kb: Keybag) -> String { deviceKey ?? DeviceKeyFile.defaultPath(storeID: kb.file.storeID) }
 }
 
 /// Hands a new recovery key to the user: into a new 0600 file, or printed once.
@@ -313,11 +321,7 @@ struct Recover: ParsableCommand {
         throttled like passcodes. The recovery key stays valid; replace it with `keybagfs recovery-key rotate`.
         """)
 
-    @Argument(help: "The store directory (not mounted).")
-    var store: String
-
-    @Option(help: "Device key file (default /var/lib/keybagfs/<store-id>.key).")
-    var deviceKey: String?
+    @OptionGroup var target: UnmountedStore
 
     @Flag(help: "Write a new device key instead of using the existing one (when it was lost).")
     var newDeviceKey = false
@@ -329,10 +333,10 @@ struct Recover: ParsableCommand {
     var stdin = false
 
     func run() throws {
-        let lock = try lockUnmountedStore(store)
+        let lock = try lockUnmountedStore(target.store)
         defer { close(lock) }
-        var kb = try Keybag.load(storePath: store)
-        let dkPath = deviceKey ?? DeviceKeyFile.defaultPath(storeID: kb.file.storeID)
+        var kb = try Keybag.load(storePath: target.store)
+        let dkPath = target.deviceKeyPath(kb)
         let wait = kb.recoveryRetryAfter(now: Date().timeIntervalSince1970)
         guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
         let recovery = try RecoveryKeyOutput.read(file: recoveryKeyFile, fromStdin: stdin)
@@ -360,7 +364,7 @@ struct Recover: ParsableCommand {
             do { try kb.recover(with: recovery, newPasscode: passcode, deviceKey: dk) } catch { unlink(staged); throw error }
             guard rename(staged, dkPath) == 0 else { throw KeybagError.system("the store now needs the device key \(staged); moving it to \(dkPath) failed", errno) }
             DeviceKeyFile.syncFolder(of: dkPath)
-            print("recovered \(store): new passcode set; new device key \(dkPath) (the old one no longer opens the store)")
+            print("recovered \(target.store): new passcode set; new device key \(dkPath) (the old one no longer opens the store)")
         } else {
             let dk: SecureKey
             do { dk = try DeviceKeyFile.load(from: dkPath) } catch {
@@ -372,7 +376,7 @@ struct Recover: ParsableCommand {
             }
             _ = try? kb.authenticate(deviceKey: dk)
             try kb.recover(with: recovery, newPasscode: passcode, deviceKey: dk)
-            print("recovered \(store): new passcode set")
+            print("recovered \(target.store): new passcode set")
         }
     }
 }
@@ -390,11 +394,7 @@ struct RecoveryKeyCommand: ParsableCommand {
             abstract: "Make a new recovery key (the old one stops working); the store must not be mounted.",
             discussion: "Needs the passcode (asked on the terminal, or one line of stdin with --passcode-stdin) and the device key. Also gives a recovery key to a store made without one.")
 
-        @Argument(help: "The store directory (not mounted).")
-        var store: String
-
-        @Option(help: "Device key file (default /var/lib/keybagfs/<store-id>.key).")
-        var deviceKey: String?
+        @OptionGroup var target: UnmountedStore
 
         @Flag(help: "Read the passcode as one line from standard input.")
         var passcodeStdin = false
@@ -403,16 +403,16 @@ struct RecoveryKeyCommand: ParsableCommand {
         var recoveryKeyFile: String?
 
         func run() throws {
-            let lock = try lockUnmountedStore(store)
+            let lock = try lockUnmountedStore(target.store)
             defer { close(lock) }
-            var kb = try Keybag.load(storePath: store)
-            let dk = try DeviceKeyFile.load(from: deviceKey ?? DeviceKeyFile.defaultPath(storeID: kb.file.storeID))
+            var kb = try Keybag.load(storePath: target.store)
+            let dk = try DeviceKeyFile.load(from: target.deviceKeyPath(kb))
             defer { dk.wipe() }
             let passcode = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ")
             defer { passcode.wipe() }
             let recovery = try kb.rotateRecoveryKey(passcode: passcode, deviceKey: dk) { try RecoveryKeyOutput.give($0, file: recoveryKeyFile) }
             defer { recovery.wipe() }
-            print("new recovery key for \(store) saved; the old one no longer works")
+            print("new recovery key for \(target.store) saved; the old one no longer works")
         }
     }
 }
