@@ -18,6 +18,12 @@ failed=$(grep -cE "^Test Case .* failed \(" "$log" || true)
 rm -f "$log"
 [[ $failed -eq 0 ]] || status=1
 [[ $passed -gt 0 ]] || { echo "FAIL: no test ran" >&2; status=1; }
+# The FileProtection library's DocC catalog builds without warnings, and every public
+# symbol has a doc comment.
+if swift package generate-documentation --target FileProtection --warnings-as-errors >/tmp/kbfs-docc.log 2>&1 &&
+   python3 scripts/doc-check.py; then :; else
+  echo "FAIL: DocC for FileProtection:" >&2; grep -E "error|warning|FAIL" /tmp/kbfs-docc.log | head -20 >&2; status=1
+fi
 # The lock and I/O tests again with ThreadSanitizer (test process and daemon); any race
 # report fails the run. The memory scan is skipped there: it cannot walk TSan's shadow.
 tsan_logs=$(mktemp -d)

@@ -292,6 +292,9 @@ final class ControlServer: Sendable {
             Self.setTimeout(connection.fd, SO_RCVTIMEO, seconds: 0)
             controller.events.subscribe(connection) { ControlProtocol.encode(["ok": true, "state": controller.state.rawValue]) }
             return [:]
+        case "policy":
+            guard peer.privileged else { return Controller.refusal("forbidden", "only root and the mounting user may read the policy") }
+            return controller.policy()
         case "unlock", "lock", "passwd":
             guard peer.privileged else { return Controller.refusal("forbidden", "only root and the mounting user may \(op)") }
             if op == "unlock" {

@@ -45,6 +45,11 @@ final class Controller: Sendable {
                 "classADirectIO": FuseChannel.directIOMappable, "subscribers": events.count]
     }
 
+    /// The `policy` reply: the mount's directory rules in order (the last match wins).
+    func policy() -> [String: Any] {
+        ["ok": true, "rules": fs.policy.rules.map { ["pattern": $0.pattern, "class": $0.protectionClass.name] }]
+    }
+
     /// An error reply.
     static func refusal(_ code: String, _ message: String, _ extra: [String: Any] = [:]) -> [String: Any] {
         var r: [String: Any] = ["ok": false, "error": code, "message": message]

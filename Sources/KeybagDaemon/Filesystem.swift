@@ -57,12 +57,14 @@ final class Filesystem: Sendable {
     let content: EncryptedContent
     let cipher: ContentCipher
     let defaultClass: ProtectionClass
+    /// Default classes given to directories created at matching paths.
+    let policy: ClassPolicy
     /// Open file handles (for `status`).
     let openFiles = Atomic<Int>(0)
     /// Whether created objects are chowned to the caller (the daemon runs as root).
     let chownToCaller: Bool
 
-    init(dataFD: Int32, targetsFD: Int32, xattrsFD: Int32, names: NameCipher, keyring: ClassKeyring, cipher: ContentCipher, defaultClass: ProtectionClass) throws {
+    init(dataFD: Int32, targetsFD: Int32, xattrsFD: Int32, names: NameCipher, keyring: ClassKeyring, cipher: ContentCipher, defaultClass: ProtectionClass, policy: ClassPolicy = ClassPolicy()) throws {
         table = try NodeTable(rootFD: dataFD)
         self.names = names
         self.targetsFD = targetsFD
@@ -71,6 +73,7 @@ final class Filesystem: Sendable {
         self.cipher = cipher
         self.content = EncryptedContent(layout: BlockLayout(cipher: cipher))
         self.defaultClass = defaultClass
+        self.policy = policy
         self.chownToCaller = geteuid() == 0
         storedXattrSets = Atomic(Self.countStoredSets(xattrsFD))
     }

@@ -13,6 +13,8 @@ public struct MountConfiguration: Sendable {
     public var defaultClass: ProtectionClass
     public var grace: Double
     public var fuseOptions: [String]
+    /// Default classes of new directories by path.
+    public var policy = ClassPolicy()
     /// Descriptor to report readiness on ("OK" or "ERR message"), from the launching parent.
     public var readyFD: Int32?
 
@@ -127,7 +129,7 @@ public enum MountDaemon {
         let keyring = ClassKeyring(classD: classD)
         let fs: Filesystem
         do {
-            fs = try Filesystem(dataFD: dataFD, targetsFD: targetsFD, xattrsFD: xattrsFD, names: names, keyring: keyring, cipher: keybag.cipher, defaultClass: cfg.defaultClass)
+            fs = try Filesystem(dataFD: dataFD, targetsFD: targetsFD, xattrsFD: xattrsFD, names: names, keyring: keyring, cipher: keybag.cipher, defaultClass: cfg.defaultClass, policy: cfg.policy)
             _ = try fs.meta(of: fs.table.root)   // the root's name IV exists before the first request
         } catch {
             log("\(error)"); report(cfg, "ERR \(error)"); return 1

@@ -113,6 +113,28 @@ extension Filesystem {
         return result
     }
 
+    /// The last `count` plaintext names of directory `dir`'s path (nearest last), found by
+    /// walking up the store and decrypting each name in its parent; `fromRoot` when the
+    /// walk reached the mount root (the names are then the whole path).
+    func pathTail(of dir: Node, upTo count: Int) throws -> (names: [String], fromRoot: Bool) {
+        var names: [String] = []
+        var cur = try check(openat(dir.fd, ".", kbfs_O_PATH | O_DIRECTORY | O_CLOEXEC))
+        defer { close(cur) }
+        while true {
+            var st = stat()
+            try check(fstat(cur, &st))
+            if UInt64(st.st_dev) == table.root.backingDev && UInt64(st.st_ino) == table.root.backingIno { return (names, true) }
+            if names.count >= count { return (names, false) }
+            let up = try check(openat(cur, "..", O_RDONLY | O_DIRECTORY | O_CLOEXEC))
+            close(cur)
+            cur = up
+            guard let iv = try readMeta(dirFD: up)?.iv,
+                  let entry = try backingEntries(dirFD: up).first(where: { $0.ino == UInt64(st.st_ino) && !Self.isReserved($0.name) }),
+                  let name = try plaintextName(dirFD: up, backing: entry.name, iv: iv) else { throw FSError(EIO) }
+            names.insert(name, at: 0)
+        }
+    }
+
     // MARK: names
 
     /// The backing entry of a plaintext name in directory `dir`.
@@ -177,14 +199,21 @@ extension Filesystem {
         return try lookupBacking(p, e.name)
     }
 
-    /// mkdir: the new directory gets its own name IV before anyone can see it.
+    /// mkdir: the new directory gets its own name IV, and the class the mount's policy
+    /// gives its path, before anyone can see it.
     func mkdir(parent: UInt64, name: String, mode: mode_t, caller: Caller) throws -> (Node, stat) {
-        try makeEntry(parent: parent, name: name, caller: caller) { dirFD, backing in
+        var meta = DirectoryMeta.fresh()
+        if !policy.isEmpty {
+            let p = try node(parent)
+            let (tail, fromRoot) = try pathTail(of: p, upTo: policy.depth - 1)
+            meta.defaultClass = policy.protectionClass(tail: tail + [name], fromRoot: fromRoot)
+        }
+        return try makeEntry(parent: parent, name: name, caller: caller) { dirFD, backing in
             try check(mkdirat(dirFD, backing, mode & 0o7777))
             do {
                 let d = try check(openat(dirFD, backing, kbfs_O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC))
                 defer { close(d) }
-                try createFileIfAbsent(dirFD: d, DirectoryMeta.fileName, try DirectoryMeta.fresh().encode(names))
+                try createFileIfAbsent(dirFD: d, DirectoryMeta.fileName, try meta.encode(names))
             } catch {
                 unlinkat(dirFD, backing, AT_REMOVEDIR)
                 throw error

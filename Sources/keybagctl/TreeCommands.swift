@@ -165,7 +165,11 @@ struct Report: ParsableCommand {
             guard mounts.count == 1 else { throw ValidationError("give a PATH (found \(mounts.count) keybagfs mounts)") }
             root = mounts[0]
         }
-        let state = (try? statusSession(for: root).checked(["op": "status"]))?["state"] as? String
+        let status = try? statusSession(for: root).checked(["op": "status"])
+        let state = status?["state"] as? String
+        let policy = (status?["mountpoint"] as? String).flatMap { m in (try? statusSession(for: root).checked(["op": "policy"])).flatMap { PolicyView(reply: $0, mountpoint: m, root: root) } }
+        var policyMatched: [String: Int] = [:]
+        var offPolicy: [[String: String]] = [], offPolicyCount = 0
         let started = Date()
         struct Count { var files = 0; var bytes: Int64 = 0 }
         var byClass: [String: Count] = [:]
@@ -184,6 +188,13 @@ struct Report: ParsableCommand {
                 dirsByClass[cls, default: 0] += 1
                 dirClass[p] = cls
                 let parent = (p as NSString).deletingLastPathComponent
+                if let policy, let rule = policy.rule(forPath: p) {
+                    policyMatched[rule.pattern, default: 0] += 1
+                    if cls != rule.protectionClass.name {
+                        offPolicyCount += 1
+                        if offPolicy.count < limit { offPolicy.append(["path": p, "class": cls, "policyClass": rule.protectionClass.name, "pattern": rule.pattern]) }
+                    }
+                }
                 if depth > 0, let pc = dirClass[parent], pc != cls {
                     differingCount += 1
                     if differing.count < limit { differing.append(["path": p, "class": cls, "parentClass": pc]) }
@@ -211,6 +222,11 @@ struct Report: ParsableCommand {
                 "failures": failures,
             ]
             if let state { o["state"] = state; o["unreadableNow"] = unreadable; o["unreadableNowCount"] = unreadableCount }
+            if let policy {
+                o["policy"] = policy.policy.rules.map { ["pattern": $0.pattern, "class": $0.protectionClass.name, "directories": policyMatched[$0.pattern] ?? 0] as [String: Any] }
+                o["offPolicyDirectories"] = offPolicy
+                o["offPolicyDirectoryCount"] = offPolicyCount
+            }
             let data = try JSONSerialization.data(withJSONObject: o, options: [.sortedKeys])
             print(String(decoding: data, as: UTF8.self))
         } else {
@@ -229,6 +245,15 @@ struct Report: ParsableCommand {
             print("directories whose default differs from their parent's: \(differingCount)")
             for d in differing { print("  \(d["path"]!): \(d["class"]!) (parent \(d["parentClass"]!))") }
             if differingCount > differing.count { print("  … and \(differingCount - differing.count) more") }
+            if let policy {
+                print("policy: \(policy.policy.rules.count) rules (the last match wins)")
+                for r in policy.policy.rules { print("  \(r.pattern) → \(r.protectionClass.name): \(policyMatched[r.pattern] ?? 0) directories") }
+                print("directories whose default is not the policy's: \(offPolicyCount)")
+                for d in offPolicy { print("  \(d["path"]!): \(d["class"]!) (policy \(d["policyClass"]!) from \(d["pattern"]!))") }
+                if offPolicyCount > offPolicy.count { print("  … and \(offPolicyCount - offPolicy.count) more") }
+            } else if state != nil {
+                print("policy: not shown (only root and the mounting user may read it)")
+            }
             print(String(format: "%d entries in %.2f s", progress.count, seconds))
         }
         if failures > 0 { throw ExitCode(1) }
@@ -253,5 +278,38 @@ struct Report: ParsableCommand {
         case "completeUntilFirstUserAuthentication": return state == "beforeFirstUnlock"
         default: return false
         }
+    }
+}
+
+/// The mount's class policy as `report` applies it: rules from the daemon, and how a
+/// walked path maps to a path from the mount root.
+struct PolicyView {
+    let policy: ClassPolicy
+    /// Names from the mount root to the walk's root.
+    let rootNames: [String]
+    /// The walk's root as given (paths below it start with it).
+    let root: String
+
+    /// Nil when the reply has no rules or `root` is not below `mountpoint`.
+    init?(reply: [String: Any], mountpoint: String, root: String) {
+        guard let rules = reply["rules"] as? [[String: Any]], !rules.isEmpty else { return nil }
+        var p = ClassPolicy()
+        for r in rules {
+            guard let pattern = r["pattern"] as? String, let cls = r["class"] as? String, (try? p.add("\(pattern)=\(cls)")) != nil else { return nil }
+        }
+        guard let m = realpath(mountpoint, nil), let r = realpath(root, nil) else { return nil }
+        defer { free(m); free(r) }
+        let mount = String(cString: m), real = String(cString: r)
+        guard real == mount || real.hasPrefix(mount == "/" ? "/" : mount + "/") else { return nil }
+        policy = p
+        rootNames = real.dropFirst(mount.count).split(separator: "/").map(String.init)
+        self.root = root
+    }
+
+    /// The rule that applies to the directory at walked path `path`, if any.
+    func rule(forPath path: String) -> ClassPolicy.Rule? {
+        let below = path.dropFirst(root.count).split(separator: "/").map(String.init)
+        let names = rootNames + below
+        return names.isEmpty ? nil : policy.rule(tail: names, fromRoot: true)
     }
 }

@@ -127,6 +127,12 @@ struct Mount: ParsableCommand {
     @Option(help: "Seconds between a lock request and key eviction (0 allowed).")
     var grace: Double = 10
 
+    @Option(help: "Policy file: one `PATTERN CLASS` per line; a directory created at a matching path (relative to the mount root, `*` within a name, leading `**/` for any depth) gets CLASS as its default. The last matching rule wins.")
+    var policy: String?
+
+    @Option(name: .customLong("policy-rule"), help: "One more policy rule, PATTERN=CLASS (e.g. Documents=complete); after the file's rules.")
+    var policyRules: [String] = []
+
     @Flag(help: "Stay in the foreground (for systemd Type=notify).")
     var foreground = false
 
@@ -144,8 +150,24 @@ struct Mount: ParsableCommand {
         }
     }
 
+    /// The policy from --policy and --policy-rule, or a usage error naming the bad line.
+    func classPolicy() throws -> ClassPolicy {
+        var p = ClassPolicy()
+        if let policy {
+            guard let text = try? String(contentsOfFile: policy, encoding: .utf8) else {
+                throw ValidationError("cannot read the policy file \(policy)")
+            }
+            do { p = try ClassPolicy(text: text) } catch { throw ValidationError("policy file \(policy): \(error)") }
+        }
+        for r in policyRules {
+            do { try p.add(r) } catch { throw ValidationError("--policy-rule \(r): \(error)") }
+        }
+        return p
+    }
+
     func run() throws {
         _ = try Keybag.load(storePath: store)   // a clear error before any daemon starts
+        let policy = try classPolicy()
         let socketPath = socket ?? ControlPaths.defaultSocket(forMountpoint: mountpoint)
         let fuseOptions = options.flatMap { $0.split(separator: ",").map(String.init) }.filter { !$0.isEmpty }
         if foreground {
@@ -153,8 +175,9 @@ struct Mount: ParsableCommand {
                 setsid()
                 Launcher.closeInheritedDescriptors(keeping: readyFd)
             }
-            let cfg = MountConfiguration(store: store, mountpoint: mountpoint, socketPath: socketPath, deviceKeyPath: deviceKey,
+            var cfg = MountConfiguration(store: store, mountpoint: mountpoint, socketPath: socketPath, deviceKeyPath: deviceKey,
                                          defaultClass: defaultClass, grace: grace, fuseOptions: fuseOptions, readyFD: readyFd)
+            cfg.policy = policy
             let rc = MountDaemon.run(cfg)
             if rc != 0 { throw ExitCode(rc) }
             return
