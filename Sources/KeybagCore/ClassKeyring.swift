@@ -118,6 +118,18 @@ public final class ClassKeyring: Sendable {
         finishEviction()
     }
 
+    /// Return to `beforeFirstUnlock` (inactivity): zeroes the class C key and the class B
+    /// public key too, in a new epoch; only class D stays. Open class B and C handles stop
+    /// working (`FileKeyLife.allows`).
+    public func returnToBeforeFirstUnlock() {
+        update { k in
+            for key in [k.a, k.bSecret, k.c] { key?.wipe() }
+            k.a = nil; k.bSecret = nil; k.c = nil; k.bPublic = nil
+            k.epoch &+= 1
+            k.evicting = false
+        }
+    }
+
     /// Daemon exit: zeroes everything.
     public func wipeAll() {
         update { k in

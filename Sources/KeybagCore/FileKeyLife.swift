@@ -11,7 +11,8 @@
 /// - `completeUnlessOpen` (B): open needs the class private key; a handle keeps the key
 ///   through a lock; the last close while B cannot open wipes it; so does an eviction when
 ///   no handle is open.
-/// - `completeUntilFirstUserAuthentication` (C), `none` (D): not touched by a lock.
+/// - `completeUntilFirstUserAuthentication` (C), `none` (D): not touched by a lock. A return
+///   to `beforeFirstUnlock` (inactivity) wipes C and B keys, open handles or not.
 /// - A class change needs the current class openable now — not merely a key some handle
 ///   holds — and the target class's wrapping key.
 public struct FileKeyLife: Sendable {
@@ -49,7 +50,12 @@ public struct FileKeyLife: Sendable {
 
     /// Whether a loaded key of class `cls` from `keyEpoch` may serve `use` now.
     static func allows(_ cls: ProtectionClass, use: Use, keyEpoch: UInt64, _ access: KeyAccess) -> Bool {
-        guard cls == .complete else { return true }   // B lives with its handles; C and D outlive a lock
+        switch cls {
+        case .none: return true
+        case .completeUntilFirstUserAuthentication: return access.canOpen(cls)   // outlives a lock, not a return to beforeFirstUnlock
+        case .completeUnlessOpen: return access.canCreate(cls)   // lives with its handles while the public key does
+        case .complete: break
+        }
         if access.canOpen(.complete) { return keyEpoch == access.epoch }
         return use == .write && access.evicting && keyEpoch == access.epoch &- 1
     }
@@ -123,6 +129,14 @@ public struct FileKeyLife: Sendable {
     /// of a class B file no handle holds. True when the inode's cached pages must go.
     public mutating func evict() -> Bool {
         guard holdsProtectedPages else { return false }
+        dropKey()
+        return true
+    }
+
+    /// Return to `beforeFirstUnlock`: wipes every key but a class D one. True when the
+    /// inode's cached pages must go.
+    public mutating func evictAllButNone() -> Bool {
+        guard let cls = header?.protectionClass, cls != .none else { return false }
         dropKey()
         return true
     }

@@ -8,6 +8,8 @@ public enum ProtectionEvent: String, Sendable {
     case willBecomeUnavailable = "protectedDataWillBecomeUnavailable"
     case didBecomeUnavailable = "protectedDataDidBecomeUnavailable"
     case didBecomeAvailable = "protectedDataDidBecomeAvailable"
+    /// The device stayed locked past the inactivity limit: class C keys are gone too.
+    case didReturnToBeforeFirstUnlock = "protectedDataDidReturnToBeforeFirstUnlock"
 }
 
 /// Pure transition logic of lock and unlock (no keys, no timers): the daemon asks it what
@@ -62,6 +64,16 @@ public struct LockStateMachine: Sendable {
 
     /// Whether an eviction with `ticket` should still run (no unlock cancelled it).
     public func shouldEvict(ticket t: UInt64) -> Bool { state == .locking && ticket == t }
+
+    /// The inactivity limit passed while `locked` (the lock with `ticket` was the last
+    /// change): back to `beforeFirstUnlock`. Returns the events to send (none when an
+    /// unlock or another lock came first).
+    public mutating func returnToBeforeFirstUnlock(ticket t: UInt64) -> [ProtectionEvent] {
+        guard state == .locked, ticket == t else { return [] }
+        ticket &+= 1
+        state = .beforeFirstUnlock
+        return [.didReturnToBeforeFirstUnlock]
+    }
 
     /// Keys are gone; returns the events to send.
     public mutating func evicted(ticket t: UInt64) -> [ProtectionEvent] {

@@ -159,10 +159,10 @@ final class ControlServer: Sendable {
     static let idleTimeout = 30
 
     /// Binds the socket (mode 0666: everyone may ask status; rights are checked per request).
-    init(path: String, controller: Controller) throws {
+    init(path: String, controller: Controller, owner: uid_t) throws {
         self.path = path
         self.controller = controller
-        self.ownerUID = getuid()
+        self.ownerUID = owner
         let dir = (path as NSString).deletingLastPathComponent
         if !dir.isEmpty { try? FileManager.default.createDirectory(atPath: dir, withIntermediateDirectories: true, attributes: [.posixPermissions: 0o755]) }
         if ControlServer.isLive(path) { throw KeybagError.invalid("control socket \(path) is in use by another daemon") }

@@ -23,7 +23,21 @@ final class Controller: Sendable {
     /// The mount point, for `status`.
     let mountpoint: String
 
-    init(keybag: Keybag, deviceKey: SecureKey, keyring: ClassKeyring, fs: Filesystem, grace: Double, mountpoint: String) {
+    /// Seconds locked (suspend included) after which class C goes too; nil: never.
+    let inactivityRelock: Double?
+    /// CLOCK_BOOTTIME second at which a `locked` device returns to `beforeFirstUnlock`.
+    private let relockDeadline = Locked<Double?>(nil)
+    /// Called after every state change (systemd STATUS=).
+    let stateChanged: @Sendable (LockState) -> Void
+
+    /// Uid allowed to lock, unlock and passwd besides root (for `status`).
+    let owner: uid_t
+
+    init(keybag: Keybag, deviceKey: SecureKey, keyring: ClassKeyring, fs: Filesystem, grace: Double, mountpoint: String,
+         owner: uid_t, inactivityRelock: Double? = nil, stateChanged: @escaping @Sendable (LockState) -> Void = { _ in }) {
+        self.owner = owner
+        self.inactivityRelock = inactivityRelock
+        self.stateChanged = stateChanged
         self.keybag = Locked(keybag)
         self.deviceKey = deviceKey
         self.keyring = keyring
@@ -42,7 +56,52 @@ final class Controller: Sendable {
         return ["ok": true, "state": st.rawValue, "protectedDataAvailable": st == .unlocked, "grace": defaultGrace,
                 "openFiles": fs.openFiles.load(ordering: .relaxed), "pid": Int(getpid()), "mountpoint": mountpoint,
                 "failedAttempts": failures, "retryAfter": Self.seconds(retry),
-                "classADirectIO": FuseChannel.directIOMappable, "subscribers": events.count]
+                "classADirectIO": FuseChannel.directIOMappable, "subscribers": events.count,
+                "owner": Int(owner), "inactivityRelock": inactivityRelock.map { $0 / 3600 } ?? NSNull(),
+                "relockIn": relockDeadline.withLock { $0 }.map { Self.seconds($0 - Self.bootTime()) } ?? NSNull()]
+    }
+
+    /// Seconds since boot, suspend included (CLOCK_BOOTTIME).
+    static func bootTime() -> Double {
+        var ts = timespec()
+        clock_gettime(CLOCK_BOOTTIME, &ts)
+        return Double(ts.tv_sec) + Double(ts.tv_nsec) / 1e9
+    }
+
+    /// Starts the inactivity clock of the lock with `ticket` (just reached `locked`).
+    private func armInactivityRelock(ticket: UInt64) {
+        guard let limit = inactivityRelock else { return }
+        let deadline = Self.bootTime() + limit
+        relockDeadline.withLock { $0 = deadline }
+        checkInactivity(ticket: ticket, deadline: deadline)
+    }
+
+    /// Returns to `beforeFirstUnlock` once `deadline` has passed, unless the lock with
+    /// `ticket` was ended first. Wakes at least once a minute, so time spent suspended
+    /// (which the dispatch clock does not count) is noticed within a minute of resume.
+    private func checkInactivity(ticket: UInt64, deadline: Double) {
+        let left = deadline - Self.bootTime()
+        if left > 0 {
+            DispatchQueue.global().asyncAfter(deadline: .now() + min(left, 60)) { [self] in
+                guard machine.withLock({ $0.state == .locked && $0.ticket == ticket }) else { return }
+                checkInactivity(ticket: ticket, deadline: deadline)
+            }
+            return
+        }
+        transitions.withLock { _ in
+            guard machine.withLock({ $0.state == .locked && $0.ticket == ticket }) else { return }
+            // Write back what the page cache holds while the keys exist, then drop every
+            // key but class D's, then drop what was cached in between.
+            invalidatePageCache(fs.inodesHoldingKeysButNone(), pass: "inactivity write-back")
+            keyring.returnToBeforeFirstUnlock()
+            let evicted = fs.evictAllFileKeysButNone()
+            invalidatePageCache(evicted, pass: "inactivity")
+            relockDeadline.withLock { $0 = nil }
+            let evs = machine.withLock { $0.returnToBeforeFirstUnlock(ticket: ticket) }
+            for e in evs { events.publish(e, state: .beforeFirstUnlock) }
+            MountDaemon.log("locked for \(Int(inactivityRelock ?? 0)) s: back to beforeFirstUnlock, only class none stays readable")
+            stateChanged(.beforeFirstUnlock)
+        }
     }
 
     /// The `policy` reply: the mount's directory rules in order (the last match wins).
@@ -104,7 +163,9 @@ final class Controller: Sendable {
             case .accepted(let keys):
                 keyring.install(keys)
                 let evs = machine.withLock { $0.unlocked() }
+                relockDeadline.withLock { $0 = nil }
                 for e in evs { events.publish(e, state: .unlocked) }
+                stateChanged(.unlocked)
                 return ["ok": true, "state": LockState.unlocked.rawValue]
             }
         }
@@ -139,6 +200,7 @@ final class Controller: Sendable {
                 break
             case .startGrace(let ticket):
                 events.publish(.willBecomeUnavailable, state: .locking)
+                stateChanged(.locking)
                 DispatchQueue.global().asyncAfter(deadline: .now() + g) { [self] in
                     transitions.withLock { _ in evict(ticket: ticket) }
                 }
@@ -169,6 +231,10 @@ final class Controller: Sendable {
         invalidatePageCache(evicted, pass: "after eviction")
         let evs = machine.withLock { $0.evicted(ticket: ticket) }
         for e in evs { events.publish(e, state: .locked) }
+        if !evs.isEmpty {
+            stateChanged(.locked)
+            armInactivityRelock(ticket: ticket)
+        }
     }
 
     /// Asks the kernel to write back and drop the cached pages of `ids`; failures other

@@ -539,6 +539,17 @@ final class Filesystem: Sendable {
         table.regularFiles().compactMap { n in n.io.write { $0.evict() } ? n.id : nil }
     }
 
+    /// Return to `beforeFirstUnlock`: inodes whose pages need a key other than class D's.
+    func inodesHoldingKeysButNone() -> [UInt64] {
+        table.regularFiles().compactMap { n in n.io.read { $0.protectionClass.map { $0 != .none } ?? false } ? n.id : nil }
+    }
+
+    /// Return to `beforeFirstUnlock`, after the class keys are gone: zeroes every file key
+    /// but class D's, open handles or not. Returns the nodes whose page cache must go.
+    func evictAllFileKeysButNone() -> [UInt64] {
+        table.regularFiles().compactMap { n in n.io.write { $0.evictAllButNone() } ? n.id : nil }
+    }
+
     /// Daemon exit: every file key zeroed.
     func wipeFileKeys() {
         for n in table.regularFiles() { n.io.write { $0.wipe() } }

@@ -15,6 +15,10 @@ public struct MountConfiguration: Sendable {
     public var fuseOptions: [String]
     /// Default classes of new directories by path.
     public var policy = ClassPolicy()
+    /// Uid allowed to lock, unlock and passwd besides root (default: the daemon's uid).
+    public var owner: uid_t? = nil
+    /// Seconds locked after which class C keys go too (nil: never).
+    public var inactivityRelock: Double? = nil
     /// Descriptor to report readiness on ("OK" or "ERR message"), from the launching parent.
     public var readyFD: Int32?
 
@@ -40,6 +44,17 @@ public enum MountDaemon {
         euid != 0 || options.contains { $0 == "allow_other" || $0 == "allow_root" || $0 == "default_permissions" }
     }
 
+    /// A systemd credential (`LoadCredential=`, `LoadCredentialEncrypted=`) of this
+    /// service, when one of that name was passed.
+    static func credentialPath(_ name: String) -> String? {
+        guard let dir = ProcessInfo.processInfo.environment["CREDENTIALS_DIRECTORY"], !dir.isEmpty else { return nil }
+        let p = dir + "/" + name
+        return access(p, R_OK) == 0 ? p : nil
+    }
+
+    /// The systemd STATUS= text for a state.
+    static func statusLine(_ state: LockState) -> String { "mounted, \(state.rawValue)" }
+
     /// Writes a line to stderr.
     static func log(_ s: String) { Foundation.FileHandle.standardError.write(Data(("keybagfs: " + s + "\n").utf8)) }
 
@@ -52,8 +67,8 @@ public enum MountDaemon {
         }
     }
 
-    /// Sends READY=1 to systemd when started as a Type=notify service.
-    static func notifySystemd() {
+    /// Sends `message` (READY=1, STATUS=…) to systemd when started as a Type=notify service.
+    static func notifySystemd(_ message: String) {
         guard let path = ProcessInfo.processInfo.environment["NOTIFY_SOCKET"], !path.isEmpty else { return }
         let fd = socket(AF_UNIX, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
         guard fd >= 0 else { return }
@@ -64,7 +79,7 @@ public enum MountDaemon {
         if bytes.first == UInt8(ascii: "@") { bytes[0] = 0 }   // abstract namespace
         guard bytes.count < MemoryLayout.size(ofValue: addr.sun_path) else { return }
         withUnsafeMutableBytes(of: &addr.sun_path) { p in for (i, b) in bytes.enumerated() { p[i] = b } }
-        let msg = Array("READY=1\nMAINPID=\(getpid())".utf8)
+        let msg = Array(message.utf8)
         let len = socklen_t(MemoryLayout<sa_family_t>.size + bytes.count)
         _ = withUnsafePointer(to: &addr) { a in
             msg.withUnsafeBytes { m in sendto(fd, m.baseAddress!, m.count, Int32(MSG_NOSIGNAL), UnsafeRawPointer(a).assumingMemoryBound(to: sockaddr.self), len) }
@@ -94,7 +109,7 @@ public enum MountDaemon {
         do {
             var kb = try Keybag.load(storePath: cfg.store)
             guard kb.cipher.isAvailable else { throw KeybagError.invalid("this CPU cannot run the store's cipher \(kb.cipher.name)") }
-            let dkPath = cfg.deviceKeyPath ?? DeviceKeyFile.defaultPath(storeID: kb.file.storeID)
+            let dkPath = cfg.deviceKeyPath ?? Self.credentialPath("device-key") ?? DeviceKeyFile.defaultPath(storeID: kb.file.storeID)
             deviceKey = try DeviceKeyFile.load(from: dkPath)
             classD = try kb.unwrapDeviceKeySlot("D", deviceKey: deviceKey)
             switch try kb.authenticate(deviceKey: deviceKey) {
@@ -135,9 +150,13 @@ public enum MountDaemon {
             log("\(error)"); report(cfg, "ERR \(error)"); return 1
         }
         let mountpoint = URL(fileURLWithPath: cfg.mountpoint).standardizedFileURL.path
-        let controller = Controller(keybag: keybag, deviceKey: deviceKey, keyring: keyring, fs: fs, grace: cfg.grace, mountpoint: mountpoint)
+        let owner = cfg.owner ?? getuid()
+        let controller = Controller(keybag: keybag, deviceKey: deviceKey, keyring: keyring, fs: fs, grace: cfg.grace, mountpoint: mountpoint,
+                                    owner: owner, inactivityRelock: cfg.inactivityRelock) { state in
+            notifySystemd("STATUS=\(statusLine(state))")
+        }
         let server: ControlServer
-        do { server = try ControlServer(path: cfg.socketPath, controller: controller) } catch {
+        do { server = try ControlServer(path: cfg.socketPath, controller: controller, owner: owner) } catch {
             log("\(error)"); report(cfg, "ERR \(error)"); controller.shutdown(); return 1
         }
 
@@ -175,7 +194,7 @@ public enum MountDaemon {
         server.start()
         HeapTrimmer.shared.start()
         report(cfg, "OK")
-        notifySystemd()
+        notifySystemd("READY=1\nMAINPID=\(getpid())\nSTATUS=\(Self.statusLine(.beforeFirstUnlock))")
         if cfg.readyFD != nil {
             // Detached: stdio no longer belongs to the launching terminal.
             let null = open("/dev/null", O_RDWR)

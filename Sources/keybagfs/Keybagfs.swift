@@ -22,7 +22,15 @@ struct Keybagfs: ParsableCommand {
     /// Runs the command; usage errors exit 2, refusals 1.
     static func main() {
         _ = kbfs_set_nondumpable()   // passcodes and recovery keys pass through this process
-        runWithContractExitCodes(tool: "keybagfs")
+        runWithContractExitCodes(tool: "keybagfs", arguments: Self.mountHelperArguments(Array(CommandLine.arguments.dropFirst())))
+    }
+
+    /// `mount -t fuse.keybagfs STORE DIR -o OPTS` runs `keybagfs STORE DIR -o OPTS` (fuse3's
+    /// mount.fuse3): arguments that start with neither a subcommand nor an option are a mount.
+    static func mountHelperArguments(_ args: [String]) -> [String] {
+        let names = configuration.subcommands.map { $0._commandName } + ["help"]
+        guard args.count >= 2, let first = args.first, !first.hasPrefix("-"), !names.contains(first) else { return args }
+        return ["mount"] + args
     }
 }
 
@@ -133,6 +141,12 @@ struct Mount: ParsableCommand {
     @Option(name: .customLong("policy-rule"), help: "One more policy rule, PATTERN=CLASS (e.g. Documents=complete); after the file's rules.")
     var policyRules: [String] = []
 
+    @Option(help: "User (name or uid) who may lock, unlock and passwd besides root (default: the user who mounts).")
+    var owner: String?
+
+    @Option(help: "Hours locked (suspend included) after which class completeUntilFirstUserAuthentication goes too and the state returns to beforeFirstUnlock (iOS: 72). Default: never.")
+    var inactivityRelock: Double?
+
     @Flag(help: "Stay in the foreground (for systemd Type=notify).")
     var foreground = false
 
@@ -142,7 +156,52 @@ struct Mount: ParsableCommand {
     @Option(help: .hidden)
     var readyFd: Int32?
 
-    func validate() throws {
+    /// keybagfs' own settings inside `-o` (fstab and mount.fuse3 pass everything there):
+    /// `device-key=`, `socket=`, `default-class=`, `grace=`, `policy=`, `owner=`,
+    /// `inactivity-relock=`; mount(8)'s own words are dropped; the rest goes to FUSE.
+    mutating func takeOwnOptions() throws {
+        var fuse: [String] = []
+        for o in options.flatMap({ $0.split(separator: ",").map(String.init) }) where !o.isEmpty {
+            let (key, value) = o.firstIndex(of: "=").map { (String(o[..<$0]), String(o[o.index(after: $0)...])) } ?? (o, "")
+            switch key {
+            case "device-key": deviceKey = value
+            case "socket": socket = value
+            case "policy": policy = value
+            case "owner": owner = value
+            case "default-class":
+                guard let c = ProtectionClass(name: value) else { throw ValidationError("-o default-class=\(value): unknown class") }
+                defaultClass = c
+            case "grace":
+                guard let g = Double(value) else { throw ValidationError("-o grace=\(value): not a number of seconds") }
+                grace = g
+            case "inactivity-relock":
+                guard let h = Double(value) else { throw ValidationError("-o inactivity-relock=\(value): not a number of hours") }
+                inactivityRelock = h
+            // mount(8) and systemd words that are not FUSE's (mount.fuse3 passes some through).
+            case "defaults", "auto", "noauto", "user", "nouser", "users", "_netdev", "nofail", "rw", "dev", "suid", "exec", "atime", "relatime":
+                continue
+            default:
+                if key.hasPrefix("x-") || key.hasPrefix("comment=") { continue }
+                fuse.append(o)
+            }
+        }
+        options = fuse.isEmpty ? [] : [fuse.joined(separator: ",")]
+    }
+
+    /// The owner's uid: a number or a user name.
+    func ownerUID() throws -> uid_t? {
+        guard let owner else { return nil }
+        if let n = UInt32(owner) { return n }
+        guard let pw = getpwnam(owner) else { throw ValidationError("--owner \(owner): no such user") }
+        return pw.pointee.pw_uid
+    }
+
+    mutating func validate() throws {
+        try takeOwnOptions()
+        if let h = inactivityRelock, !(h > 0 && h.isFinite && h <= 24 * 365) {
+            throw ValidationError("--inactivity-relock must be more than 0 and at most 8760 hours")
+        }
+        _ = try ownerUID()
         guard grace >= 0, grace.isFinite else { throw ValidationError("--grace must be 0 or more seconds") }
         var isDir: ObjCBool = false
         guard FileManager.default.fileExists(atPath: mountpoint, isDirectory: &isDir), isDir.boolValue else {
@@ -178,6 +237,8 @@ struct Mount: ParsableCommand {
             var cfg = MountConfiguration(store: store, mountpoint: mountpoint, socketPath: socketPath, deviceKeyPath: deviceKey,
                                          defaultClass: defaultClass, grace: grace, fuseOptions: fuseOptions, readyFD: readyFd)
             cfg.policy = policy
+            cfg.owner = try ownerUID()
+            cfg.inactivityRelock = inactivityRelock.map { $0 * 3600 }
             let rc = MountDaemon.run(cfg)
             if rc != 0 { throw ExitCode(rc) }
             return
