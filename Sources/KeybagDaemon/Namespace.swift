@@ -129,10 +129,23 @@ extension Filesystem {
             close(cur)
             cur = up
             guard let iv = try readMeta(dirFD: up)?.iv,
-                  let entry = try backingEntries(dirFD: up).first(where: { $0.ino == UInt64(st.st_ino) && !Self.isReserved($0.name) }),
-                  let name = try plaintextName(dirFD: up, backing: entry.name, iv: iv) else { throw FSError(EIO) }
+                  let entry = try childEntry(of: up, dev: st.st_dev, ino: st.st_ino),
+                  let name = try plaintextName(dirFD: up, backing: entry, iv: iv) else { throw FSError(EIO) }
             names.insert(name, at: 0)
         }
+    }
+
+    /// The backing name of the subdirectory of `dirFD` that is (`dev`, `ino`): by the
+    /// entry's inode number first (confirmed by a stat), else by a stat of every
+    /// subdirectory (overlayfs and others report other inode numbers in readdir).
+    private func childEntry(of dirFD: Int32, dev: dev_t, ino: ino_t) throws -> String? {
+        let entries = try backingEntries(dirFD: dirFD).filter { !Self.isReserved($0.name) && !NameCipher.isSideFile($0.name) }
+        func isIt(_ name: String) -> Bool {
+            var s = stat()
+            return fstatat(dirFD, name, &s, AT_SYMLINK_NOFOLLOW) == 0 && s.st_dev == dev && s.st_ino == ino
+        }
+        if let e = entries.first(where: { $0.ino == UInt64(ino) }), isIt(e.name) { return e.name }
+        return entries.first { ($0.type == UInt8(DT_DIR) || $0.type == UInt8(DT_UNKNOWN)) && isIt($0.name) }?.name
     }
 
     // MARK: names
@@ -203,9 +216,10 @@ extension Filesystem {
     /// gives its path, before anyone can see it.
     func mkdir(parent: UInt64, name: String, mode: mode_t, caller: Caller) throws -> (Node, stat) {
         var meta = DirectoryMeta.fresh()
-        if !policy.isEmpty {
+        if policy.mayMatch(name: name) {
             let p = try node(parent)
-            let (tail, fromRoot) = try pathTail(of: p, upTo: policy.depth - 1)
+            // A rename of an ancestor during the walk can hide a name: one more try.
+            let (tail, fromRoot) = try (try? pathTail(of: p, upTo: policy.depth - 1)) ?? pathTail(of: p, upTo: policy.depth - 1)
             meta.defaultClass = policy.protectionClass(tail: tail + [name], fromRoot: fromRoot)
         }
         return try makeEntry(parent: parent, name: name, caller: caller) { dirFD, backing in

@@ -159,15 +159,19 @@ struct Report: ParsableCommand {
     var limit = 1000
 
     func run() throws {
-        let root: String
+        var root: String
         if let path { root = path } else if let m = target.mount { root = m } else {
             let mounts = ControlPaths.keybagfsMounts()
             guard mounts.count == 1 else { throw ValidationError("give a PATH (found \(mounts.count) keybagfs mounts)") }
             root = mounts[0]
         }
+        // An absolute path without "." parts or a trailing slash ("mnt/link/" would make
+        // lstat follow a symlink); symlinks are not resolved.
+        root = URL(fileURLWithPath: root).standardized.path
         let status = try? statusSession(for: root).checked(["op": "status"])
         let state = status?["state"] as? String
-        let policy = (status?["mountpoint"] as? String).flatMap { m in (try? statusSession(for: root).checked(["op": "policy"])).flatMap { PolicyView(reply: $0, mountpoint: m, root: root) } }
+        let policyReply = status == nil ? nil : try? statusSession(for: root).call(["op": "policy"])
+        let policy = (status?["mountpoint"] as? String).flatMap { m in policyReply.flatMap { PolicyView(reply: $0, mountpoint: m, root: root) } }
         var policyMatched: [String: Int] = [:]
         var offPolicy: [[String: String]] = [], offPolicyCount = 0
         let started = Date()
@@ -182,6 +186,12 @@ struct Report: ParsableCommand {
         TreeWalk.walk(root, recursive: true, visit: { p, st, depth in
             progress.tick()
             let kind = st.st_mode & S_IFMT
+            if kind != S_IFDIR, let policy, let rule = policy.rule(forPath: p) {
+                // Something else where the policy wants a directory (a symlink there would
+                // send new files elsewhere).
+                offPolicyCount += 1
+                if offPolicy.count < limit { offPolicy.append(["path": p, "class": kind == S_IFLNK ? "symlink" : "not a directory", "policyClass": rule.protectionClass.name, "pattern": rule.pattern]) }
+            }
             guard kind == S_IFREG || kind == S_IFDIR else { other += 1; return }
             let cls = TreeWalk.protection(p) ?? "unknown"
             if kind == S_IFDIR {
@@ -251,8 +261,10 @@ struct Report: ParsableCommand {
                 print("directories whose default is not the policy's: \(offPolicyCount)")
                 for d in offPolicy { print("  \(d["path"]!): \(d["class"]!) (policy \(d["policyClass"]!) from \(d["pattern"]!))") }
                 if offPolicyCount > offPolicy.count { print("  … and \(offPolicyCount - offPolicy.count) more") }
-            } else if state != nil {
+            } else if policyReply?["error"] as? String == "forbidden" {
                 print("policy: not shown (only root and the mounting user may read it)")
+            } else if state != nil {
+                print("policy: none")
             }
             print(String(format: "%d entries in %.2f s", progress.count, seconds))
         }

@@ -51,4 +51,21 @@ final class ClassPolicyTests: XCTestCase {
         XCTAssertEqual(p.protectionClass(tail: ["Documents"], fromRoot: true), ProtectionClass.none)
         XCTAssertEqual(p.protectionClass(tail: ["x"], fromRoot: true), .completeUnlessOpen)
     }
+
+    func testWindowsLineEndsControlCharactersAndEqualsInPatterns() throws {
+        // helper-6: a CRLF file was one line ("\r\n" is one Character), so a leading comment hid every rule.
+        let crlf = try ClassPolicy(text: "# layout\r\nDocuments complete\r\nLibrary/Caches none\r\n")
+        XCTAssertEqual(crlf.rules.map(\.pattern), ["Documents", "Library/Caches"])
+        let cr = try ClassPolicy(text: "Documents complete\rCaches none")
+        XCTAssertEqual(cr.rules.count, 2)
+        for bad in ["Docu\u{0}ments none", "a\u{1b}b none", "a\u{2028}b none"] {
+            XCTAssertThrowsError(try ClassPolicy(text: bad), bad.debugDescription)
+        }
+        let eq = try ClassPolicy(text: "a=b complete")
+        XCTAssertEqual(eq.rules.first?.pattern, "a=b")
+        XCTAssertEqual(eq.rules.first?.protectionClass, .complete)
+        XCTAssertThrowsError(try ClassPolicy(text: Array(repeating: "x", count: 65).joined(separator: "/") + " none"))
+        XCTAssertTrue(eq.mayMatch(name: "a=b"))
+        XCTAssertFalse(eq.mayMatch(name: "a"))
+    }
 }

@@ -53,7 +53,22 @@ final class ClassPolicyMountTests: XCTestCase {
         XCTAssertEqual(rules.map { $0["directories"] as? Int }, [1, 1, 2, 1])
         XCTAssertEqual(o["offPolicyDirectoryCount"] as? Int, 1, r.stdout)
         XCTAssertEqual((o["offPolicyDirectories"] as? [[String: String]])?.first?["path"], m.path("Documents/sub/tmp"))
+        // A symlink where the policy wants a directory sends new files elsewhere: flagged (helper-6).
+        XCTAssertEqual(mkdir(m.path("weak"), 0o755), 0)
+        XCTAssertEqual(symlink("weak", m.path("Library/Caches/Thumbs2")), 0)
+        XCTAssertEqual(rmdir(m.path("Library/Caches/Thumbs")), 0)
+        XCTAssertEqual(symlink("../../weak", m.path("Library/Caches/Thumbs")), 0)
+        let withLink = m.ctl(["report", m.mnt + "/", "--json"])
+        let lo = try XCTUnwrap(JSONSerialization.jsonObject(with: Data(withLink.stdout.utf8)) as? [String: Any], withLink.stdout + withLink.stderr)
+        let flagged = (lo["offPolicyDirectories"] as? [[String: String]]) ?? []
+        XCTAssertTrue(flagged.contains { $0["path"] == m.path("Library/Caches/Thumbs") && $0["class"] == "symlink" }, "\(flagged)")
+        XCTAssertEqual(unlink(m.path("Library/Caches/Thumbs")), 0)
+        XCTAssertEqual(unlink(m.path("Library/Caches/Thumbs2")), 0)
+        XCTAssertEqual(mkdir(m.path("Library/Caches/Thumbs"), 0o755), 0)
         // From a subdirectory, paths are still taken from the mount root.
+        let dot = MountFixture.run("/bin/sh", ["-c", "cd '\(m.path("Library"))' && '\(MountFixture.binDir)/keybagctl' --socket '\(m.socket)' report ."])
+        XCTAssertEqual(dot.code, 0, "report . (crashed before): " + dot.stderr)
+        XCTAssertTrue(dot.stdout.contains("Library/Caches → none: 1 directories"), dot.stdout)
         let sub = m.ctl(["report", m.path("Library")])
         XCTAssertEqual(sub.code, 0, sub.stderr)
         XCTAssertTrue(sub.stdout.contains("Library/Caches → none: 1 directories"), sub.stdout)
