@@ -22,6 +22,8 @@ let package = Package(
                        providers: [.apt(["libsodium-dev"])]),
         // Linux calls and constants that need _GNU_SOURCE.
         .target(name: "CSystem", path: "Sources/CSystem"),
+        // systemd-logind's signals and sleep inhibitors through sd-bus, for `keybagctl follow`.
+        .target(name: "CLogind", path: "Sources/CLogind", linkerSettings: [.linkedLibrary("systemd")]),
         // The control socket's paths, line protocol and client: Foundation and Glibc only.
         .target(name: "KeybagProtocol"),
         // The core: formats, keybag, class rules, lock state. No FUSE here.
@@ -42,7 +44,7 @@ let package = Package(
             .product(name: "ArgumentParser", package: "swift-argument-parser"),
         ]),
         .executableTarget(name: "keybagctl", dependencies: [
-            "KeybagCore", "KeybagCLI", "CSystem",
+            "KeybagCore", "KeybagCLI", "CSystem", "CLogind",
             .product(name: "ArgumentParser", package: "swift-argument-parser"),
         ]),
         // Micro-benchmarks and lock latency; built, not run, in CI.

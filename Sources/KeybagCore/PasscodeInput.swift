@@ -8,7 +8,8 @@ public enum PasscodeInput {
     /// Longest accepted passcode, in bytes.
     public static let maxLength = 1024
 
-    /// Reads one line from `fd` (without its newline) into guarded memory; nil at EOF.
+    /// Reads one line from `fd` (without its newline; a NUL also ends it) into guarded
+    /// memory; nil at EOF.
     public static func readLine(fd: Int32) throws -> SecureKey? {
         let buf = SecureKey(zeroed: maxLength)
         defer { buf.wipe() }
@@ -22,7 +23,7 @@ public enum PasscodeInput {
                 if n < 0 && errno == EINTR { continue }
                 if n <= 0 { break }
                 sawAny = true
-                if c == UInt8(ascii: "\n") { break }
+                if c == UInt8(ascii: "\n") || c == 0 { break }   // NUL: pam_exec's expose_authtok ends the password with one
                 guard count < maxLength else { throw KeybagError.invalid("passcode longer than \(maxLength) bytes") }
                 p[count] = c
                 count += 1

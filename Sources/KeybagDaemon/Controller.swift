@@ -229,6 +229,7 @@ final class Controller: Sendable {
         keyring.finishEviction()
         let evicted = fs.evictFileKeys()
         invalidatePageCache(evicted, pass: "after eviction")
+        Failpoint.evictionBeforeLocked.hit()
         let evs = machine.withLock { $0.evicted(ticket: ticket) }
         for e in evs { events.publish(e, state: .locked) }
         if !evs.isEmpty {

@@ -11,6 +11,8 @@ enum Failpoint: String, Sendable {
     case classChangeBetweenSlots = "class-change-between-slots"
     /// On the control socket, after a subscribe request was handled and before its reply is sent.
     case subscribeBeforeReply = "subscribe-before-reply"
+    /// In a lock's eviction, after the class keys are gone and before the state is `locked`.
+    case evictionBeforeLocked = "eviction-before-locked"
 
     /// What a failpoint does when reached.
     enum Action: Sendable, Equatable { case sleep(UInt32), stop }

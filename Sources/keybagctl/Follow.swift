@@ -1,0 +1,157 @@
+import ArgumentParser
+import CLogind
+import Foundation
+import Glibc
+import KeybagCore
+
+/// `keybagctl follow`: locks the mount when the machine locks — before sleep (holding a
+/// logind delay inhibitor until the keys are gone), on a session's Lock signal and when a
+/// session's LockedHint becomes true.
+struct Follow: ParsableCommand {
+    static let configuration = CommandConfiguration(
+        abstract: "Lock with logind: before sleep, on session Lock, on LockedHint.",
+        discussion: """
+        Runs until stopped (a systemd unit: keybagfs-follow@.service). Before sleep it holds a logind \
+        'delay' inhibitor, locks with grace 0 and releases the inhibitor only once the daemon answers \
+        'locked', so the machine never sleeps with class complete keys in memory. Session locks use \
+        --grace (default: the mount's). Signals not sent by logind itself are ignored. Unlocking stays \
+        with `keybagctl unlock` or PAM.
+        """)
+
+    @OptionGroup var target: Target
+
+    /// Which sessions' locks count.
+    enum Sessions: String, ExpressibleByArgument, CaseIterable { case owner, all }
+
+    @Option(help: "Sessions whose Lock/LockedHint lock the mount: owner (the mount owner's; all when the owner is root) or all.")
+    var sessions: Sessions = .owner
+
+    @Option(help: "Grace seconds for a lock after a session locks (default: the mount's --grace). Sleep always locks at once.")
+    var grace: Double?
+
+    @Flag(help: "Do not lock before sleep (no inhibitor is taken).")
+    var noSleep = false
+
+    @Option(help: .hidden)
+    var busAddress: String?
+
+    func validate() throws {
+        if let grace, !(grace >= 0 && grace < 86_400) { throw ValidationError("--grace must be from 0 to 86400 seconds") }
+    }
+
+    /// One line on stdout, flushed (the journal shows it at once).
+    func say(_ s: String) { FileHandle.standardOutput.write(Data((s + "\n").utf8)) }
+
+    func run() throws {
+        let status = try target.connect().checked(["op": "status"])
+        let owner = (status["owner"] as? Int).map { uid_t($0) } ?? getuid()
+        var bus: OpaquePointer?
+        let rc = busAddress.map { kbfs_logind_open($0, &bus) } ?? kbfs_logind_open(nil, &bus)
+        guard rc == 0, let bus else { throw CtlFailure(code: 3, message: "cannot watch logind on the system bus: \(String(cString: strerror(-rc)))") }
+        defer { kbfs_logind_close(bus) }
+        var inhibitor: Int32 = -1
+        func inhibit() {
+            guard !noSleep, inhibitor < 0 else { return }
+            inhibitor = kbfs_logind_inhibit(bus, "sleep", "keybagfs", "evict class keys of \(status["mountpoint"] ?? "the mount") before sleep")
+            if inhibitor < 0 { say("warning: no sleep inhibitor (\(String(cString: strerror(-inhibitor)))): the mount locks on PrepareForSleep but sleep may not wait") }
+        }
+        inhibit()
+        say("following logind for \(status["mountpoint"] ?? "the mount") (owner uid \(owner), sessions: \(sessions.rawValue)\(noSleep ? ", not sleep" : ""))")
+        var forged: UInt64 = 0
+        var ev = kbfs_logind_event()
+        while true {
+            let r = kbfs_logind_next(bus, UInt64.max, &ev)
+            guard r >= 0 else { throw CtlFailure(code: 3, message: "lost the system bus: \(String(cString: strerror(-r)))") }
+            let nowForged = kbfs_logind_forged(bus)
+            if nowForged > forged { say("ignored \(nowForged - forged) signal(s) that logind did not send"); forged = nowForged }
+            guard r == 1 else { continue }
+            let session = withUnsafeBytes(of: ev.session) { String(decoding: $0.prefix { $0 != 0 }, as: UTF8.self) }
+            switch ev.kind {
+            case KBFS_LOGIND_PREPARE_FOR_SLEEP where ev.flag != 0:
+                guard !noSleep else { continue }
+                let t0 = Date()
+                let state = lock(grace: 0)
+                let ms = Date().timeIntervalSince(t0) * 1000
+                if inhibitor >= 0 { close(inhibitor); inhibitor = -1 }
+                say(String(format: "PrepareForSleep: %@ in %.1f ms; sleep may proceed", state, ms))
+            case KBFS_LOGIND_PREPARE_FOR_SLEEP:
+                inhibit()
+                say("resumed: inhibitor taken again")
+            case KBFS_LOGIND_SESSION_LOCK, KBFS_LOGIND_LOCKED_HINT:
+                if ev.kind == KBFS_LOGIND_LOCKED_HINT && ev.flag == 0 { continue }
+                var uid: uid_t = 0, hint: Int32 = 0
+                let known = kbfs_logind_session(bus, session, &uid, &hint) == 0
+                guard sessions == .all || owner == 0 || (known && uid == owner) else { continue }
+                let what = ev.kind == KBFS_LOGIND_SESSION_LOCK ? "Lock" : "LockedHint"
+                let t0 = Date()
+                let state = lock(grace: grace)
+                say(String(format: "%@ of %@: %@ in %.1f ms", what, session, state, Date().timeIntervalSince(t0) * 1000))
+            case KBFS_LOGIND_SESSION_UNLOCK:
+                say("Unlock of \(session): unlock with keybagctl unlock or at login (PAM)")
+            default:
+                continue
+            }
+        }
+    }
+
+    /// Asks the daemon to lock (grace nil: the mount's) and returns the state it answers,
+    /// or why it could not.
+    func lock(grace: Double?) -> String {
+        do {
+            var req: [String: Any] = ["op": "lock"]
+            if let grace { req["grace"] = grace }
+            let reply = try target.connect().checked(req)
+            return reply["state"] as? String ?? "?"
+        } catch let f as CtlFailure {
+            return "not locked (\(f.message))"
+        } catch {
+            return "not locked (\(error))"
+        }
+    }
+}
+
+/// `keybagctl pam-unlock`: for `pam_exec.so expose_authtok`: unlocks every keybagfs mount
+/// owned by `$PAM_USER` with the login password read from stdin. Always exits 0, so a
+/// wrong or different password never blocks a login.
+struct PamUnlock: ParsableCommand {
+    static let configuration = CommandConfiguration(
+        commandName: "pam-unlock",
+        abstract: "Unlock the mounts of $PAM_USER with the password on stdin (for pam_exec expose_authtok).",
+        discussion: """
+        In /etc/pam.d/common-auth, before the other auth lines:
+          auth optional pam_exec.so expose_authtok quiet /usr/local/bin/keybagctl pam-unlock
+        A mount belongs to a user when it was mounted by that user or with --owner. Failures are \
+        logged to stderr and never fail the login.
+        """)
+
+    func run() throws {
+        let env = ProcessInfo.processInfo.environment
+        guard env["PAM_TYPE"].map({ $0 == "auth" }) ?? true else { return }
+        guard let user = env["PAM_USER"], let pw = getpwnam(user) else { return note("no such user in $PAM_USER") }
+        let uid = pw.pointee.pw_uid
+        guard let password = try? PasscodeInput.readLine(fd: 0) else { return note("no password on stdin (expose_authtok missing?)") }
+        defer { password.wipe() }
+        var owned = 0
+        for mount in ControlPaths.keybagfsMounts() {
+            let socket = ControlPaths.defaultSocket(forMountpoint: mount)
+            guard let fd = try? ControlClient.connect(path: socket) else { note("\(mount): no control socket at \(socket)"); continue }
+            let session = Session(fd: fd)
+            guard let st = try? session.checked(["op": "status"]) else { note("\(mount): status failed"); continue }
+            guard let owner = (st["owner"] as? NSNumber)?.uint32Value, owner == uid else { continue }
+            owned += 1
+            guard st["state"] as? String != "unlocked" else { continue }
+            do {
+                _ = try session.checked(["op": "unlock", "passcode": try passcodeString(password)])
+                note("unlocked \(mount) for \(user)")
+            } catch {
+                note("\(mount) not unlocked for \(user) (\(error))")
+            }
+        }
+        if owned == 0 { note("no keybagfs mount belongs to \(user)") }
+    }
+
+    /// One line on stderr (pam_exec's log= file).
+    private func note(_ line: String) {
+        FileHandle.standardError.write(Data("keybagctl pam-unlock: \(line)\n".utf8))
+    }
+}
