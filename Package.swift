@@ -48,9 +48,9 @@ let package = Package(
             .product(name: "ArgumentParser", package: "swift-argument-parser"),
         ]),
         // Micro-benchmarks and lock latency; built, not run, in CI.
-        .executableTarget(name: "keybagfs-bench", dependencies: ["KeybagCore", "CSystem", "CSodium"]),
+        .executableTarget(name: "keybagfs-bench", dependencies: ["KeybagCore", "KeybagProtocol", "CSystem", "CSodium"]),
         .testTarget(name: "KeybagCoreTests", dependencies: ["KeybagCore"]),
-        .testTarget(name: "MountTests", dependencies: ["KeybagCore", "CFuse", "CSystem", "FileProtection", "keybagfs", "keybagctl", "SecureNotes"]),
+        .testTarget(name: "MountTests", dependencies: ["KeybagCore", "KeybagProtocol", "CFuse", "CSystem", "FileProtection", "keybagfs", "keybagctl", "SecureNotes"]),
     ],
     swiftLanguageModes: [.v6]
 )

@@ -41,7 +41,7 @@ public enum ControlPaths {
 
     /// Mount points of keybagfs mounts, from /proc/self/mountinfo (octal escapes decoded).
     public static func keybagfsMounts(mountinfo: String? = nil) -> [String] {
-        let text = mountinfo ?? ((try? String(contentsOfFile: "/proc/self/mountinfo", encoding: .utf8)) ?? "")
+        let text = mountinfo ?? (ProcFile.read("/proc/self/mountinfo") ?? "")
         var result: [String] = []
         for line in text.split(separator: "\n") {
             let halves = line.components(separatedBy: " - ")

@@ -1,6 +1,7 @@
 import CSodium
 import CSystem
 import Foundation
+import KeybagProtocol
 import Glibc
 import KeybagCore
 
@@ -100,7 +101,7 @@ enum Bench {
 
     /// RSS of a process in KiB.
     static func rssKiB(_ pid: Int) -> Int {
-        let s = (try? String(contentsOfFile: "/proc/\(pid)/status", encoding: .utf8)) ?? ""
+        let s = ProcFile.read("/proc/\(pid)/status") ?? ""
         let line = s.split(separator: "\n").first { $0.hasPrefix("VmRSS:") } ?? ""
         return Int(line.split(separator: " ").dropFirst().first ?? "0") ?? 0
     }

@@ -1,5 +1,6 @@
 import Foundation
 import Glibc
+import KeybagProtocol
 import XCTest
 
 /// The commands as a user runs them: `keybagfs mount` returning once live, the default
@@ -33,6 +34,54 @@ final class CommandLineTests: XCTestCase {
         XCTAssertNotEqual(kill(pid_t(pid), 0), 0, "daemon exited after unmount")
         XCTAssertFalse(FileManager.default.fileExists(atPath: expectedSocket.replacingOccurrences(of: "kbfs-test", with: "kbfs\\x2dtest")), "socket removed")
         if kill(pid_t(pid), 0) == 0 { kill(pid_t(pid), SIGKILL) }
+    }
+
+    /// On a machine with many mounts (every systemd host) /proc/self/mountinfo is longer
+    /// than one read; the tools must still find the keybagfs mount at its end. Also
+    /// `keybagctl pam-unlock` as pam_exec runs it: the owner's password unlocks, a wrong
+    /// one leaves the mount locked, and neither fails (exit 0).
+    func testToolsFindTheMountBehindManyOtherMountsAndPamUnlock() throws {
+        let m = try MountFixture(mount: false)
+        addTeardownBlock { m.close() }
+        let bin = MountFixture.binDir
+        var extra: [String] = []
+        addTeardownBlock { for d in extra.reversed() { umount2(d, Int32(MNT_DETACH)) } }
+        for i in 0..<100 {
+            let d = m.root + "/other-mount-\(i)"
+            XCTAssertEqual(mkdir(d, 0o755), 0)
+            guard Glibc.mount("kbfs-test-tmpfs", d, "tmpfs", 0, "size=64k") == 0 else { return XCTFail("mount tmpfs: \(errno)") }
+            extra.append(d)
+        }
+        XCTAssertGreaterThan(ProcFile.read("/proc/self/mountinfo")?.utf8.count ?? 0, 8192)
+        let r = MountFixture.run(bin + "/keybagfs", ["mount", m.store, m.mnt, "--device-key", m.deviceKey, "--grace", "0", "--owner", "nobody"])
+        XCTAssertEqual(r.code, 0, r.stderr)
+        let st = MountFixture.run(bin + "/keybagctl", ["--mount", m.mnt, "status", "--json"])
+        let pid = (try? JSONSerialization.jsonObject(with: Data(st.stdout.utf8)) as? [String: Any])?["pid"] as? Int ?? 0
+        addTeardownBlock {
+            _ = MountFixture.run("/bin/fusermount3", ["-u", m.mnt])
+            _ = waitUntil(10) { kill(pid_t(pid), 0) != 0 }
+            if pid > 0 && kill(pid_t(pid), 0) == 0 { kill(pid_t(pid), SIGKILL) }
+        }
+        XCTAssertGreaterThan(pid, 0, st.stderr)
+        // report finds the daemon by the path alone.
+        let report = MountFixture.run(bin + "/keybagctl", ["report", m.mnt, "--json"])
+        XCTAssertEqual(report.code, 0, report.stderr)
+        let o = try? JSONSerialization.jsonObject(with: Data(report.stdout.utf8)) as? [String: Any]
+        XCTAssertEqual(o?["state"] as? String, "beforeFirstUnlock", report.stdout)
+        // pam-unlock: the wrong password, then the right one.
+        let pam = ["PAM_TYPE": "auth", "PAM_USER": "nobody"]
+        let wrong = MountFixture.run(bin + "/keybagctl", ["pam-unlock"], stdin: "not the passcode\u{0}", environment: pam)
+        XCTAssertEqual(wrong.code, 0, "a wrong password never fails the login")
+        XCTAssertTrue(wrong.stderr.contains("not unlocked"), wrong.stderr)
+        XCTAssertFalse(wrong.stderr.contains("not the passcode"), "the password stays out of the log")
+        XCTAssertEqual(MountFixture.run(bin + "/keybagctl", ["--mount", m.mnt, "status", "--json"]).stdout.contains("\"beforeFirstUnlock\""), true)
+        let other = MountFixture.run(bin + "/keybagctl", ["pam-unlock"], stdin: m.passcode + "\n", environment: ["PAM_TYPE": "auth", "PAM_USER": "root"])
+        XCTAssertEqual(other.code, 0)
+        XCTAssertTrue(other.stderr.contains("no keybagfs mount belongs to root"), other.stderr)
+        let right = MountFixture.run(bin + "/keybagctl", ["pam-unlock"], stdin: m.passcode + "\u{0}", environment: pam)
+        XCTAssertEqual(right.code, 0, right.stderr)
+        XCTAssertTrue(right.stderr.contains("unlocked \(m.mnt) for nobody"), right.stderr)
+        XCTAssertEqual(MountFixture.run(bin + "/keybagctl", ["--mount", m.mnt, "status", "--json"]).stdout.contains("\"unlocked\""), true)
     }
 
     func testInitAndMountErrors() throws {

@@ -1,4 +1,5 @@
 import Foundation
+import KeybagProtocol
 import Glibc
 import KeybagCore
 import Synchronization
@@ -213,7 +214,7 @@ final class ControlSocketTests: XCTestCase {
         // Wait until the daemon is inside the KDF: Argon2id "moderate" fills 256 MiB.
         let pid = try XCTUnwrap(m.daemon?.processIdentifier)
         func rssMiB() -> Int {
-            let s = (try? String(contentsOfFile: "/proc/\(pid)/status", encoding: .utf8)) ?? ""
+            let s = ProcFile.read("/proc/\(pid)/status") ?? ""
             let line = s.split(separator: "\n").first { $0.hasPrefix("VmRSS:") } ?? ""
             return (Int(line.split(separator: " ", omittingEmptySubsequences: true).dropFirst().first ?? "") ?? 0) / 1024
         }

@@ -1,4 +1,5 @@
 import Foundation
+import KeybagProtocol
 import Synchronization
 import Glibc
 import KeybagCore
@@ -26,7 +27,7 @@ final class LockHoldsTests: XCTestCase {
 
     /// The one-letter process state in /proc/PID/stat ("T" when stopped).
     func processState(_ pid: pid_t) -> String {
-        guard let s = try? String(contentsOfFile: "/proc/\(pid)/stat", encoding: .utf8), let close = s.lastIndex(of: ")") else { return "?" }
+        guard let s = ProcFile.read("/proc/\(pid)/stat"), let close = s.lastIndex(of: ")") else { return "?" }
         return String(s[s.index(close, offsetBy: 2)])
     }
 
@@ -235,8 +236,14 @@ final class LockHoldsTests: XCTestCase {
         XCTAssertEqual(m.ctl(["unlock", "--passcode-stdin"], stdin: second + "\n").code, 0)
         m.lock(grace: 0)
         XCTAssertEqual(m.state, "locked")
-        let scan = try MemoryScan(pid: try daemonPID(m), secrets: [read, held, changed, changedRead])
+        let pid = try daemonPID(m)
+        let scan = try MemoryScan(pid: pid, secrets: [read, held, changed, changedRead])
         print("memory scan: \(scan.bytesScanned) bytes in \(scan.regions) regions")
+        // Mappings to the end of maps are considered (the scan once saw only
+        // the first 4 KiB of /proc/PID/maps: 30 of 68 regions).
+        let stackLine = MountFixture.run("/bin/grep", ["-F", "[stack]", "/proc/\(pid)/maps"]).stdout
+        let stackStart = Int(stackLine.prefix { $0 != "-" }, radix: 16) ?? -1
+        XCTAssertTrue(MemoryScan.regions(pid).contains { $0.0 == stackStart }, "the main thread's stack, near the end of maps, is scanned: \(stackLine)")
         XCTAssertGreaterThan(scan.bytesScanned, 1 << 20)
         XCTAssertEqual(scan.plaintextHits, [], "32-byte pieces of class A plaintext (file offset, address)")
         // Positive control: the same scanner finds the secrets in this process, which holds them.
@@ -336,7 +343,7 @@ struct MemoryScan {
 
     /// Address ranges that can hold data written at run time: writable or anonymous mappings.
     static func regions(_ pid: pid_t) -> [(Int, Int)] {
-        guard let maps = try? String(contentsOfFile: "/proc/\(pid)/maps", encoding: .utf8) else { return [] }
+        guard let maps = ProcFile.read("/proc/\(pid)/maps") else { return [] }
         return maps.split(separator: "\n").compactMap { line in
             let f = line.split(separator: " ", omittingEmptySubsequences: true)
             guard f.count >= 5 else { return nil }

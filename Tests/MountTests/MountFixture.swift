@@ -1,5 +1,6 @@
 import CFuse
 import Foundation
+import KeybagProtocol
 import Glibc
 import XCTest
 
@@ -112,7 +113,7 @@ final class MountFixture {
 
     /// Whether `mnt` is a mount point now.
     var isMounted: Bool {
-        let info = (try? String(contentsOfFile: "/proc/self/mountinfo", encoding: .utf8)) ?? ""
+        let info = ProcFile.read("/proc/self/mountinfo") ?? ""
         return info.split(separator: "\n").contains { $0.split(separator: " ").count > 4 && $0.split(separator: " ")[4] == Substring(mnt) }
     }
 
@@ -172,10 +173,11 @@ final class MountFixture {
     var state: String { status()["state"] as? String ?? "?" }
 
     /// Runs a program, feeding `stdin`, and collects its output.
-    static func run(_ exe: String, _ args: [String], stdin: String? = nil, timeout: Double = 60) -> ToolResult {
+    static func run(_ exe: String, _ args: [String], stdin: String? = nil, timeout: Double = 60, environment: [String: String] = [:]) -> ToolResult {
         let p = Process()
         p.executableURL = URL(fileURLWithPath: exe)
         p.arguments = args
+        if !environment.isEmpty { p.environment = ProcessInfo.processInfo.environment.merging(environment) { $1 } }
         let out = Pipe(), err = Pipe(), inp = Pipe()
         p.standardOutput = out
         p.standardError = err

@@ -1,5 +1,6 @@
 import CSystem
 import Foundation
+import KeybagProtocol
 import Glibc
 import XCTest
 
@@ -43,7 +44,7 @@ final class PosixTests: XCTestCase {
 
     /// Super-block options of the mount at `path` from /proc/self/mountinfo.
     func superOptions(_ path: String) -> String {
-        let info = (try? String(contentsOfFile: "/proc/self/mountinfo", encoding: .utf8)) ?? ""
+        let info = ProcFile.read("/proc/self/mountinfo") ?? ""
         for line in info.split(separator: "\n") where line.split(separator: " ").count > 4 && line.split(separator: " ")[4] == path {
             return String(line.split(separator: " ").last ?? "")
         }
