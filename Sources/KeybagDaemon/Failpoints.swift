@@ -13,6 +13,9 @@ enum Failpoint: String, Sendable {
     case subscribeBeforeReply = "subscribe-before-reply"
     /// In a lock's eviction, after the class keys are gone and before the state is `locked`.
     case evictionBeforeLocked = "eviction-before-locked"
+    /// In a read, write or open whose file key is refused, before EACCES goes back (a
+    /// pause here is what a daemon that waits for keys would do).
+    case keyRefused = "key-refused"
 
     /// What a failpoint does when reached.
     enum Action: Sendable, Equatable { case sleep(UInt32), stop }

@@ -253,7 +253,12 @@ final class Filesystem: Sendable {
         }
         return try node.io.write { st in
             _ = try st.header { try readHeader(node) }
-            return try body(try st.key(for: use, keyring: keyring, cipher: cipher))
+            let key: FileContentKey
+            do { key = try st.key(for: use, keyring: keyring, cipher: cipher) } catch {
+                Failpoint.keyRefused.hit()
+                throw error
+            }
+            return try body(key)
         }
     }
 
@@ -276,7 +281,11 @@ final class Filesystem: Sendable {
         do {
             cls = try n.io.write { st in
                 let h = try st.header { try readHeader(n) }
-                let key = try st.open(keyring: keyring, cipher: cipher)
+                let key: FileContentKey
+                do { key = try st.open(keyring: keyring, cipher: cipher) } catch {
+                    Failpoint.keyRefused.hit()
+                    throw error
+                }
                 if flags & O_TRUNC != 0 && writable {
                     do { try content.truncate(fd: fd, key: key, to: 0) } catch { _ = st.release(keyring: keyring); throw error }
                 }
