@@ -78,6 +78,21 @@ if [[ ! -f $store/keybag ]]; then
     "$PREFIX/bin/keybagfs" init "$store" --device-key "$key" --kdf interactive --passcode-stdin
   fi
 fi
+# Under systemd (250 or newer) the device key is kept encrypted with the machine's
+# credential key (TPM2-bound where a TPM2 exists) and handed to the unit as a credential;
+# the plain file goes. `systemd-creds decrypt --name=device-key FILE.cred -` gives it back
+# for offline tools (keybagfs fsck, recover).
+cred=/var/lib/keybagfs/$inst.cred
+if [[ -f $key && -d /run/systemd/system ]] && command -v systemd-creds >/dev/null &&
+   systemd-creds encrypt --name=device-key "$key" "$cred.new" 2>/dev/null; then
+  mv "$cred.new" "$cred"
+  mkdir -p "/etc/systemd/system/keybagfs@$inst.service.d"
+  printf '[Service]\n# The device key, encrypted by systemd-creds (install.sh).\nLoadCredential=\nLoadCredentialEncrypted=device-key:%s\n' "$cred" \
+    > "/etc/systemd/system/keybagfs@$inst.service.d/device-key.conf"
+  shred -u "$key" 2>/dev/null || rm -f "$key"
+  systemctl daemon-reload
+  echo "device key encrypted with systemd-creds: $cred" >&2
+fi
 [[ -f /etc/keybagfs/$inst.conf ]] || printf 'STORE=%s\nKEYBAGFS_OPTIONS=--grace 5 --inactivity-relock 72\n' "$store" > "/etc/keybagfs/$inst.conf"
 if [[ -d /run/systemd/system ]]; then
   systemctl enable --now "keybagfs@$inst.service"

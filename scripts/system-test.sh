@@ -92,7 +92,9 @@ inside mountpoint -q /srv/keybagfs/demo || fail "the demo mount is not live afte
 inside systemctl is-active -q "keybagfs-follow@$demo.service" || fail "the follower is not active"
 status_text=$(inside systemctl show -p StatusText --value "keybagfs@$demo.service")
 [[ $status_text == "mounted, beforeFirstUnlock" ]] || fail "STATUS= was '$status_text'"
-ok "install.sh --demo: binaries, man pages, completions; keybagfs@ active with the mount live; STATUS=$status_text; follower active"
+inside bash -c "test ! -e /var/lib/keybagfs/$demo.key && test -s /var/lib/keybagfs/$demo.cred" || fail "the demo's device key is not (only) stored encrypted"
+inside systemctl cat "keybagfs@$demo.service" | grep -q "^LoadCredentialEncrypted=device-key:/var/lib/keybagfs/$demo.cred" || fail "the unit does not load the encrypted device key"
+ok "install.sh --demo: binaries, man pages, completions; device key only as a systemd-creds credential; keybagfs@ active with the mount live; STATUS=$status_text; follower active"
 
 # 5. systemctl start returns only after the mount is live (Type=notify), every time.
 for i in 1 2 3; do

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs every test: unit tests of the core and tests that mount for real.
+# Runs every test: unit tests of the core, tests that mount for real, and (without
+# arguments) the system test under a booted systemd container.
 # Needs root and /dev/fuse; a missing prerequisite is a failure, never a skip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,6 +51,12 @@ if [[ -n $left ]]; then
   echo "FAIL: mounts left behind by tests:" >&2; echo "$left" >&2
   for m in $left; do fusermount3 -u "$m" || umount -l "$m" || true; done
   status=1
+fi
+# keybagfs under a real systemd (a booted Debian 12 container): only for the full run.
+if [[ $# -eq 0 ]]; then
+  if ! bash scripts/system-test.sh; then echo "FAIL: scripts/system-test.sh" >&2; status=1; fi
+else
+  echo "# system test not run: arguments select XCTests only" >&2
 fi
 echo "# scripts/test.sh: $(( $(date +%s) - start )) s wall" >&2
 echo "$passed passed, $failed failed"

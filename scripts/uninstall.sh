@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Removes what install.sh installed: units (stopped and disabled), binaries, mount helper,
-# man pages, completions. Stores, device keys (/var/lib/keybagfs) and /etc/keybagfs stay.
+# man pages, completions. Stores, device keys (/var/lib/keybagfs), /etc/keybagfs and the
+# device-key drop-ins of instances stay.
 set -euo pipefail
 PREFIX=${PREFIX:-/usr/local}
 [[ $(id -u) -eq 0 ]] || { echo "uninstall.sh: run as root" >&2; exit 1; }
