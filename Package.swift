@@ -33,7 +33,7 @@ let package = Package(
         // The example of the library: a notes store that follows the lock.
         .executableTarget(name: "SecureNotes", dependencies: ["FileProtection"], path: "Examples/SecureNotes"),
         // The daemon: FUSE frontend and control socket server.
-        .target(name: "KeybagDaemon", dependencies: ["KeybagCore", "CFuse", "CSodium", "CSystem"]),
+        .target(name: "KeybagDaemon", dependencies: ["KeybagCore", "KeybagProtocol", "CFuse", "CSodium", "CSystem"]),
         // What both commands share: the contract's exit codes.
         .target(name: "KeybagCLI", dependencies: [
             "KeybagCore",

@@ -3,6 +3,7 @@ import CSodium
 import CSystem
 import Glibc
 import KeybagCore
+import KeybagProtocol
 import Synchronization
 
 /// An operation's failure as an errno value (what the kernel gets back).
@@ -91,7 +92,31 @@ final class Filesystem: Sendable {
     }
 
     /// Caller identity of a request.
-    struct Caller { let uid: uid_t; let gid: gid_t }
+    struct Caller {
+        let uid: uid_t
+        let gid: gid_t
+        /// The calling process (0 when unknown).
+        var pid: pid_t = 0
+
+        /// Whether the caller holds CAP_FSETID (keeps set-ID bits through writes and
+        /// truncates); read from /proc only when a file has such bits.
+        var mayKeepSetID: Bool {
+            guard pid > 0, let status = ProcFile.read("/proc/\(pid)/status"),
+                  let line = status.split(separator: "\n").first(where: { $0.hasPrefix("CapEff:") }),
+                  let caps = UInt64(line.dropFirst(7).trimmingCharacters(in: .whitespaces), radix: 16) else { return uid == 0 }
+            return caps & (1 << 4) != 0   // CAP_FSETID
+        }
+    }
+
+    /// The mode a regular file keeps after a write or truncate by `caller`, as the kernel
+    /// rules it: set-user-ID goes, and set-group-ID when group-executable, unless the caller
+    /// holds CAP_FSETID. nil when nothing changes.
+    static func modeAfterModification(_ mode: mode_t, by caller: Caller) -> mode_t? {
+        var kill: mode_t = mode & S_ISUID
+        if mode & (S_ISGID | S_IXGRP) == (S_ISGID | S_IXGRP) { kill |= S_ISGID }
+        guard kill != 0, !caller.mayKeepSetID else { return nil }
+        return mode & 0o7777 & ~kill
+    }
 
     /// The group a new object of `caller` gets in a directory: unchanged (the directory's,
     /// set by the backing filesystem) in a setgid directory, else the caller's.
@@ -272,7 +297,7 @@ final class Filesystem: Sendable {
     // MARK: files
 
     /// Opens the backing file for a handle and loads the file key (EACCES by class rules).
-    func open(_ id: UInt64, flags: Int32) throws -> FileHandle {
+    func open(_ id: UInt64, flags: Int32, caller: Caller? = nil) throws -> FileHandle {
         let n = try node(id)
         guard n.isRegular else { throw FSError(n.isDirectory ? EISDIR : EINVAL) }
         let writable = (flags & O_ACCMODE) != O_RDONLY
@@ -294,6 +319,12 @@ final class Filesystem: Sendable {
         } catch {
             close(fd)
             throw FSError(error)
+        }
+        // An open that truncates is a modification: the kernel leaves the set-ID bits to us
+        // when it hands O_TRUNC over (atomic O_TRUNC).
+        if flags & O_TRUNC != 0 && writable, let caller {
+            var st = stat()
+            if fstat(fd, &st) == 0, let mode = Self.modeAfterModification(st.st_mode, by: caller) { _ = fchmod(fd, mode) }
         }
         openFiles.add(1, ordering: .relaxed)
         return FileHandle(node: n, fd: fd, writable: writable, directIO: usesDirectIO(cls))

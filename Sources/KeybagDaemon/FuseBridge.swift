@@ -25,7 +25,7 @@ enum FuseBridge {
     /// The caller's uid and gid.
     static func caller(_ req: fuse_req_t?) -> Filesystem.Caller {
         let c = fuse_req_ctx(req)!.pointee
-        return .init(uid: c.uid, gid: c.gid)
+        return .init(uid: c.uid, gid: c.gid, pid: c.pid)
     }
 
     /// The caller's supplementary groups (read from /proc by libfuse; empty if unknown).
@@ -211,7 +211,7 @@ enum FuseBridge {
         ops.open = { req, ino, fi in
             guard let fi else { return FuseBridge.err(req, EINVAL) }
             do {
-                let h = try FuseBridge.context(req).fs.open(ino, flags: fi.pointee.flags)
+                let h = try FuseBridge.context(req).fs.open(ino, flags: fi.pointee.flags, caller: FuseBridge.caller(req))
                 FuseBridge.attach(h, to: fi)
                 if fuse_reply_open(req, fi) != 0 { FuseBridge.context(req).fs.release(h); Unmanaged<FileHandle>.fromOpaque(UnsafeRawPointer(bitPattern: UInt(fi.pointee.fh))!).release() }
             } catch { FuseBridge.fail(req, error) }

@@ -110,6 +110,57 @@ final class PosixTests: XCTestCase {
         XCTAssertNotEqual(st.st_mode & S_ISGID, 0, "setgid inherited by subdirectories")
     }
 
+    /// Setuid and setgid bits after writes, truncates and chowns by the owner and by root
+    /// end up as on a local file system (the kernel's rules: write and truncate by a caller
+    /// without CAP_FSETID clear set-user-ID, and set-group-ID when group-executable; chown
+    /// clears both), same steps in the mount and in a plain folder.
+    func testSetuidAndSetgidBitsLikeALocalFileSystem() throws {
+        let m = try MountFixture(mount: false)
+        addTeardownBlock { m.close() }
+        try m.mount(extra: ["-o", "allow_other"])
+        m.unlock()
+        let plain = m.root + "/plain"
+        XCTAssertEqual(mkdir(plain, 0o777), 0)
+        XCTAssertEqual(chmod(plain, 0o777), 0)
+        XCTAssertEqual(mkdir(m.path("d"), 0o777), 0)
+        XCTAssertEqual(chmod(m.path("d"), 0o777), 0)
+        // (file, mode, who acts, what it does)
+        let steps: [(String, mode_t, Int, String)] = [
+            ("w-ug", 0o6775, 65534, "echo x >> F"),
+            ("w-g-noexec", 0o2664, 65534, "echo x >> F"),
+            ("w-u-root", 0o4755, 0, "echo x >> F"),
+            ("w-u-pwrite", 0o4777, 65534, "dd if=/dev/zero of=F bs=1 count=1 seek=2 conv=notrunc status=none"),
+            ("t-u", 0o4755, 65534, "truncate -s 1 F"),
+            ("t-ug-root", 0o6775, 0, "truncate -s 1 F"),
+            ("o-trunc", 0o4775, 65534, ": > F"),
+            ("chown-root", 0o6755, 0, "chown 65533 F"),
+            ("chgrp-owner", 0o6755, 65534, "chgrp 65534 F"),
+            ("chmod-keeps", 0o6755, 65534, "chmod 6750 F"),
+        ]
+        func run(_ dir: String) -> [String: mode_t] {
+            var out: [String: mode_t] = [:]
+            for (name, mode, uid, cmd) in steps {
+                let f = dir + "/" + name
+                XCTAssertEqual(writeFile(f, bytes("data")), 0)
+                XCTAssertEqual(chown(f, 65534, 65534), 0)
+                XCTAssertEqual(chmod(f, mode), 0)
+                let script = cmd.replacingOccurrences(of: "F", with: f)
+                let r = uid == 0 ? MountFixture.run("/bin/sh", ["-c", script]) : asUser(uid, script)
+                XCTAssertEqual(r.code, 0, "\(name): \(r.stderr)")
+                var st = stat()
+                XCTAssertEqual(stat(f, &st), 0)
+                out[name] = st.st_mode & 0o7777
+            }
+            return out
+        }
+        let expected = run(plain)
+        let got = run(m.path("d"))
+        for (name, _, _, _) in steps {
+            XCTAssertEqual(String(got[name] ?? 0, radix: 8), String(expected[name] ?? 0, radix: 8), name)
+        }
+        XCTAssertEqual(expected["w-ug"], 0o775, "the reference folder clears both bits on an owner's write")
+    }
+
     func testMoreFilesThanTheDaemonHasDescriptors() throws {
         // The daemon may hold 256 descriptors; the kernel keeps 3,000 inodes cached.
         let m = try MountFixture(defaultClass: "none", mount: false)
