@@ -85,3 +85,9 @@ long kbfs_copy_file_range(int fd_in, long long *off_in, int fd_out, long long *o
     *off_in = i; *off_out = o;
     return (long)n;
 }
+
+static __thread int kbfs_kills_setid;
+
+void kbfs_set_request_kills_setid(int on) { kbfs_kills_setid = on; }
+
+int kbfs_request_kills_setid(void) { return kbfs_kills_setid; }

@@ -112,11 +112,26 @@ final class Filesystem: Sendable {
     /// rules it: set-user-ID goes, and set-group-ID when group-executable, unless the caller
     /// holds CAP_FSETID. nil when nothing changes.
     static func modeAfterModification(_ mode: mode_t, by caller: Caller) -> mode_t? {
+        guard let cleared = modeWithoutSetID(mode), !caller.mayKeepSetID else { return nil }
+        return cleared
+    }
+
+    /// `mode` without set-user-ID, and without set-group-ID when group-executable (a
+    /// set-group-ID bit without group execute marks mandatory locking and stays); nil when
+    /// nothing changes.
+    static func modeWithoutSetID(_ mode: mode_t) -> mode_t? {
         var kill: mode_t = mode & S_ISUID
         if mode & (S_ISGID | S_IXGRP) == (S_ISGID | S_IXGRP) { kill |= S_ISGID }
-        guard kill != 0, !caller.mayKeepSetID else { return nil }
-        return mode & 0o7777 & ~kill
+        return kill == 0 ? nil : mode & 0o7777 & ~kill
     }
+
+    /// Clears the set-ID bits of an open regular file after a write or truncate the kernel
+    /// marked as coming from a caller without CAP_FSETID (FUSE_HANDLE_KILLPRIV_V2).
+    func clearSetID(fd: Int32) {
+        var st = stat()
+        if fstat(fd, &st) == 0, let mode = Self.modeWithoutSetID(st.st_mode) { _ = fchmod(fd, mode) }
+    }
+
 
     /// The group a new object of `caller` gets in a directory: unchanged (the directory's,
     /// set by the backing filesystem) in a setgid directory, else the caller's.
@@ -213,8 +228,9 @@ final class Filesystem: Sendable {
     }
 
     /// setattr: mode, owner, size, times; returns the new attributes.
+    /// `clearSetID`: the kernel marked a truncate as coming from a caller without CAP_FSETID.
     func setattr(_ id: UInt64, handle: FileHandle?, mode: mode_t?, uid: uid_t?, gid: gid_t?, size: Int?,
-                 atime: timespec?, mtime: timespec?) throws -> stat {
+                 atime: timespec?, mtime: timespec?, clearSetID: Bool = false) throws -> stat {
         let n = try node(id)
         if let size {
             guard n.isRegular else { throw FSError(n.isDirectory ? EISDIR : EINVAL) }
@@ -225,6 +241,9 @@ final class Filesystem: Sendable {
             if let mode {
                 if n.type == S_IFLNK { throw FSError(EOPNOTSUPP) }
                 try check(chmod(path, mode & 0o7777))
+            } else if clearSetID && size != nil && n.isRegular {
+                var st = stat()
+                if fstat(pfd, &st) == 0, let cleared = Self.modeWithoutSetID(st.st_mode) { try check(chmod(path, cleared)) }
             }
             if uid != nil || gid != nil {
                 try check(fchownat(pfd, "", uid ?? uid_t.max, gid ?? gid_t.max, kbfs_AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW))

@@ -161,6 +161,7 @@ enum FuseBridge {
                 if s & now != 0 { return timespec(tv_sec: 0, tv_nsec: kbfs_UTIME_NOW) }
                 return s & set != 0 ? v : nil
             }
+            let killsSetID = kbfs_request_kills_setid() != 0
             do {
                 var st = try FuseBridge.context(req).fs.setattr(
                     ino, handle: FuseBridge.handle(fi),
@@ -169,7 +170,7 @@ enum FuseBridge {
                     gid: s & FUSE_SET_ATTR_GID != 0 ? a.st_gid : nil,
                     size: s & FUSE_SET_ATTR_SIZE != 0 ? Int(a.st_size) : nil,
                     atime: ts(FUSE_SET_ATTR_ATIME, FUSE_SET_ATTR_ATIME_NOW, a.st_atim),
-                    mtime: ts(FUSE_SET_ATTR_MTIME, FUSE_SET_ATTR_MTIME_NOW, a.st_mtim))
+                    mtime: ts(FUSE_SET_ATTR_MTIME, FUSE_SET_ATTR_MTIME_NOW, a.st_mtim), clearSetID: killsSetID)
                 fuse_reply_attr(req, &st, FuseBridge.context(req).cacheTimeout)
             } catch { FuseBridge.fail(req, error) }
         }
@@ -242,7 +243,9 @@ enum FuseBridge {
         ops.write = { req, _, data, size, off, fi in
             guard let h = FuseBridge.handle(fi) else { return FuseBridge.err(req, EBADF) }
             do {
+                let killsSetID = kbfs_request_kills_setid() != 0
                 try FuseBridge.context(req).fs.write(h, offset: Int(off), data: UnsafeRawBufferPointer(start: data, count: size))
+                if killsSetID { FuseBridge.context(req).fs.clearSetID(fd: h.fd) }
                 fuse_reply_write(req, size)
             } catch { FuseBridge.fail(req, error) }
         }

@@ -1,63 +1,104 @@
 import CFuse
+import CSystem
 import Glibc
 import Synchronization
 
 /// The session's reads and writes of /dev/fuse, installed through libfuse's custom I/O
-/// hooks for one purpose: libfuse 3.14 cannot ask the kernel for FUSE_DIRECT_IO_ALLOW_MMAP
-/// (kernel 6.6+, a bit in the INIT reply's second flag word), which lets handles opened
-/// with direct I/O (class A) still be mapped shared. The hooks note the INIT request, set
-/// the bit in its reply when the kernel offered it, and pass every other buffer through.
+/// hooks for what libfuse 3.14 cannot do:
+/// - ask the kernel for FUSE_DIRECT_IO_ALLOW_MMAP (kernel 6.6+, a bit in the INIT reply's
+///   second flag word), which lets handles opened with direct I/O (class A) still be mapped
+///   shared;
+/// - ask for FUSE_HANDLE_KILLPRIV_V2: the daemon clears set-user-ID and set-group-ID bits
+///   itself, so the kernel stops asking for `security.capability` (a GETXATTR round trip)
+///   before every write; libfuse 3.14 does not pass the per-request "clear them" flags on,
+///   so the read hook notes them for the thread that handles the request.
+/// The hooks note the INIT request, set the bits the kernel offered in its reply, and pass
+/// every other buffer through.
 enum FuseChannel {
-    /// FUSE_INIT's opcode.
-    static let opcodeInit: UInt32 = 26
+    /// Opcodes read by the hooks.
+    static let opcodeSetattr: UInt32 = 4, opcodeOpen: UInt32 = 14, opcodeWrite: UInt32 = 16,
+               opcodeInit: UInt32 = 26, opcodeCreate: UInt32 = 35
     /// FUSE_INIT_EXT: the second flag word is present.
     static let initExt: UInt32 = 1 << 30
+    /// FUSE_HANDLE_KILLPRIV_V2 (first flag word).
+    static let killPrivV2: UInt32 = 1 << 28
     /// FUSE_DIRECT_IO_ALLOW_MMAP (flag bit 36) as a bit of the second word.
     static let allowMmap: UInt32 = 1 << 4
     /// Bytes of `fuse_in_header` / `fuse_out_header`.
     static let inHeaderSize = 40, outHeaderSize = 16
 
-    /// The unique id of an INIT request that offered the flag, until its reply is sent.
-    private static let pendingInit = Atomic<UInt64>(0)
+    /// The INIT request being answered: its unique id and the flags it offered.
+    private struct PendingInit { var unique: UInt64 = 0; var flags: UInt32 = 0; var flags2: UInt32 = 0 }
+    private static let pendingInit = Mutex(PendingInit())
+    /// Whether an INIT reply is still to be patched (checked on every reply without the lock).
+    private static let initPending = Atomic<Bool>(false)
     /// Whether the kernel was told direct-I/O handles may be mapped shared.
     private static let granted = Atomic<Bool>(false)
+    /// Whether the daemon handles set-ID clearing (FUSE_HANDLE_KILLPRIV_V2 accepted).
+    private static let killPrivGranted = Atomic<Bool>(false)
 
     /// Whether direct-I/O handles may be mapped shared on this mount.
     static var directIOMappable: Bool { granted.load(ordering: .acquiring) }
+    /// Whether this mount clears set-ID bits in the daemon (FUSE_HANDLE_KILLPRIV_V2).
+    static var handlesKillPriv: Bool { killPrivGranted.load(ordering: .acquiring) }
 
     /// Installs the hooks on a mounted session (same descriptor); false if libfuse refuses.
     static func install(_ se: OpaquePointer) -> Bool {
         var io = fuse_custom_io()
         io.read = { fd, buf, len, _ in
             let n = Glibc.read(fd, buf, len)
-            if let buf, n >= FuseChannel.inHeaderSize + 20 { FuseChannel.noteRequest(UnsafeRawPointer(buf)) }
+            if let buf, n >= FuseChannel.inHeaderSize { FuseChannel.noteRequest(UnsafeRawPointer(buf), count: n) }
             return n
         }
         io.writev = { fd, iov, count, _ in
-            if let iov, count >= 2, FuseChannel.pendingInit.load(ordering: .relaxed) != 0 { FuseChannel.patchReply(iov) }
+            if let iov, count >= 2, FuseChannel.initPending.load(ordering: .relaxed) { FuseChannel.patchReply(iov) }
             return Glibc.writev(fd, iov, count)
         }
         return fuse_session_custom_io(se, &io, fuse_session_fd(se)) == 0
     }
 
-    /// Remembers an INIT request whose second flag word offers the flag.
-    private static func noteRequest(_ p: UnsafeRawPointer) {
-        guard p.loadUnaligned(fromByteOffset: 4, as: UInt32.self) == opcodeInit else { return }
-        let flags = p.loadUnaligned(fromByteOffset: inHeaderSize + 12, as: UInt32.self)
-        let flags2 = p.loadUnaligned(fromByteOffset: inHeaderSize + 16, as: UInt32.self)
-        guard flags & initExt != 0, flags2 & allowMmap != 0 else { return }
-        pendingInit.store(p.loadUnaligned(fromByteOffset: 8, as: UInt64.self), ordering: .relaxed)
+    /// Notes, for the thread about to handle it, whether a request asks for set-ID bits to
+    /// be cleared; remembers an INIT request and the flags it offers.
+    private static func noteRequest(_ p: UnsafeRawPointer, count: Int) {
+        let opcode = p.loadUnaligned(fromByteOffset: 4, as: UInt32.self)
+        func word(_ offset: Int) -> UInt32 {
+            count >= inHeaderSize + offset + 4 ? p.loadUnaligned(fromByteOffset: inHeaderSize + offset, as: UInt32.self) : 0
+        }
+        switch opcode {
+        case opcodeWrite: kbfs_set_request_kills_setid(word(20) & (1 << 2) != 0 ? 1 : 0)      // FUSE_WRITE_KILL_SUIDGID
+        case opcodeSetattr: kbfs_set_request_kills_setid(word(0) & (1 << 11) != 0 ? 1 : 0)    // FATTR_KILL_SUIDGID
+        case opcodeOpen: kbfs_set_request_kills_setid(word(4) & 1 != 0 ? 1 : 0)               // FUSE_OPEN_KILL_SUIDGID
+        case opcodeCreate: kbfs_set_request_kills_setid(word(12) & 1 != 0 ? 1 : 0)
+        case opcodeInit:
+            kbfs_set_request_kills_setid(0)
+            let flags = word(12), flags2 = word(16)
+            guard count >= inHeaderSize + 20 else { return }
+            pendingInit.withLock { $0 = PendingInit(unique: p.loadUnaligned(fromByteOffset: 8, as: UInt64.self), flags: flags, flags2: flags & initExt != 0 ? flags2 : 0) }
+            initPending.store(true, ordering: .relaxed)
+        default: kbfs_set_request_kills_setid(0)
+        }
     }
 
-    /// Sets the flag in the successful reply to the noted INIT request.
+    /// Sets the offered flags in the successful reply to the noted INIT request.
     private static func patchReply(_ iov: UnsafeMutablePointer<iovec>) {
-        guard iov[0].iov_len >= outHeaderSize, let head = iov[0].iov_base,
-              head.loadUnaligned(fromByteOffset: 8, as: UInt64.self) == pendingInit.load(ordering: .relaxed) else { return }
-        pendingInit.store(0, ordering: .relaxed)
-        guard head.loadUnaligned(fromByteOffset: 4, as: Int32.self) == 0, iov[1].iov_len >= 36, let body = iov[1].iov_base,
-              body.loadUnaligned(fromByteOffset: 12, as: UInt32.self) & initExt != 0 else { return }
-        let flags2 = body.loadUnaligned(fromByteOffset: 32, as: UInt32.self)
-        body.storeBytes(of: flags2 | allowMmap, toByteOffset: 32, as: UInt32.self)
-        granted.store(true, ordering: .releasing)
+        guard iov[0].iov_len >= outHeaderSize, let head = iov[0].iov_base else { return }
+        let offered: PendingInit? = pendingInit.withLock { p in
+            guard head.loadUnaligned(fromByteOffset: 8, as: UInt64.self) == p.unique else { return nil }
+            defer { p = PendingInit() }
+            return p
+        }
+        guard let offered else { return }
+        initPending.store(false, ordering: .relaxed)
+        guard head.loadUnaligned(fromByteOffset: 4, as: Int32.self) == 0, iov[1].iov_len >= 36, let body = iov[1].iov_base else { return }
+        let flags = body.loadUnaligned(fromByteOffset: 12, as: UInt32.self)
+        if offered.flags & killPrivV2 != 0 {
+            body.storeBytes(of: flags | killPrivV2, toByteOffset: 12, as: UInt32.self)
+            killPrivGranted.store(true, ordering: .releasing)
+        }
+        if offered.flags2 & allowMmap != 0, flags & initExt != 0 {
+            let flags2 = body.loadUnaligned(fromByteOffset: 32, as: UInt32.self)
+            body.storeBytes(of: flags2 | allowMmap, toByteOffset: 32, as: UInt32.self)
+            granted.store(true, ordering: .releasing)
+        }
     }
 }

@@ -42,4 +42,8 @@ int kbfs_fix_malloc_thresholds(int mmap_threshold, int trim_threshold);
 int kbfs_malloc_trim(void);
 /* Raises the soft open-files limit to the hard one; returns it, or -1. */
 long kbfs_raise_nofile(void);
+/* This thread's note that the FUSE request it is handling asks the server to clear the
+   set-user-ID / set-group-ID bits (FUSE_HANDLE_KILLPRIV_V2); set when the request is read. */
+void kbfs_set_request_kills_setid(int on);
+int kbfs_request_kills_setid(void);
 #endif
