@@ -70,7 +70,19 @@ mnt=/srv/keybagfs/demo store=/srv/keybagfs/demo.store
 inst=$(systemd-escape --path "$mnt")
 key=/var/lib/keybagfs/$inst.key
 mkdir -p "$mnt"
+# Under systemd (250 or newer) a new demo's device key is made on tmpfs, encrypted with
+# `systemd-creds` (TPM2-bound where a TPM2 exists, else with the host's credential key) and
+# handed to the unit as a credential; the plain key never touches the disk. Elsewhere it is
+# the file /var/lib/keybagfs/<instance>.key. `systemd-creds decrypt --name=device-key
+# FILE.cred -` gives it back for offline tools (keybagfs fsck, recover).
+cred=/var/lib/keybagfs/$inst.cred
+keytmp=""
 if [[ ! -f $store/keybag ]]; then
+  if [[ -d /run/systemd/system ]] && command -v systemd-creds >/dev/null; then
+    keytmp=$(mktemp -d /run/keybagfs-key.XXXXXX)
+    trap 'rm -rf "$keytmp"' EXIT
+    key=$keytmp/device.key
+  fi
   if [[ -t 0 ]]; then
     echo "Creating the demo store $store; choose a passcode:" >&2
     "$PREFIX/bin/keybagfs" init "$store" --device-key "$key" --kdf interactive
@@ -78,20 +90,23 @@ if [[ ! -f $store/keybag ]]; then
     "$PREFIX/bin/keybagfs" init "$store" --device-key "$key" --kdf interactive --passcode-stdin
   fi
 fi
-# Under systemd (250 or newer) the device key is kept encrypted with the machine's
-# credential key (TPM2-bound where a TPM2 exists) and handed to the unit as a credential;
-# the plain file goes. `systemd-creds decrypt --name=device-key FILE.cred -` gives it back
-# for offline tools (keybagfs fsck, recover).
-cred=/var/lib/keybagfs/$inst.cred
-if [[ -f $key && -d /run/systemd/system ]] && command -v systemd-creds >/dev/null &&
-   systemd-creds encrypt --name=device-key "$key" "$cred.new" 2>/dev/null; then
-  mv "$cred.new" "$cred"
-  mkdir -p "/etc/systemd/system/keybagfs@$inst.service.d"
-  printf '[Service]\n# The device key, encrypted by systemd-creds (install.sh).\nLoadCredential=\nLoadCredentialEncrypted=device-key:%s\n' "$cred" \
-    > "/etc/systemd/system/keybagfs@$inst.service.d/device-key.conf"
-  shred -u "$key" 2>/dev/null || rm -f "$key"
-  systemctl daemon-reload
-  echo "device key encrypted with systemd-creds: $cred" >&2
+if [[ -n $keytmp ]]; then
+  if systemd-creds encrypt --name=device-key "$key" "$cred.new"; then
+    mv "$cred.new" "$cred"
+    mkdir -p "/etc/systemd/system/keybagfs@$inst.service.d"
+    printf '[Service]\n# The device key, encrypted by systemd-creds (install.sh).\nLoadCredential=\nLoadCredentialEncrypted=device-key:%s\n' "$cred" \
+      > "/etc/systemd/system/keybagfs@$inst.service.d/device-key.conf"
+    systemctl daemon-reload
+    if systemd-creds has-tpm2 -q 2>/dev/null; then
+      echo "device key encrypted with systemd-creds, bound to this machine's TPM2: $cred" >&2
+    else
+      echo "device key encrypted with systemd-creds using the host key /var/lib/systemd/credential.secret (no TPM2 here: it lives on the same disk): $cred" >&2
+    fi
+  else
+    echo "install.sh: systemd-creds could not encrypt the device key; keeping it as the plain file /var/lib/keybagfs/$inst.key" >&2
+    install -m 0600 "$key" "/var/lib/keybagfs/$inst.key"
+  fi
+  rm -rf "$keytmp"
 fi
 [[ -f /etc/keybagfs/$inst.conf ]] || printf 'STORE=%s\nKEYBAGFS_OPTIONS=--grace 5 --inactivity-relock 72\n' "$store" > "/etc/keybagfs/$inst.conf"
 if [[ -d /run/systemd/system ]]; then

@@ -229,15 +229,19 @@ ok "mount -t fuse.keybagfs with -o device-key=…,allow_other and an fstab line 
 # 11. PAM: the login password unlocks the mounts alice owns; a wrong password never blocks.
 inside bash -c 'mkdir -p /srv/alice && keybagfs init /srv/alice.store --device-key /var/lib/keybagfs/alice.key --kdf interactive --no-recovery-key --passcode-stdin <<<"alice-login-pw" >/dev/null'
 inside keybagfs mount /srv/alice.store /srv/alice --device-key /var/lib/keybagfs/alice.key --owner alice
-inside bash -c 'sed -i "1i auth optional pam_exec.so expose_authtok quiet log=/var/log/keybagfs-pam.log /usr/local/bin/keybagctl pam-unlock" /etc/pam.d/common-auth'
-inside bash -c 'echo wrong-password | pamtester login alice authenticate' >/dev/null 2>&1 && fail "pamtester accepted a wrong password"
-[[ $(inside keybagctl --mount /srv/alice status --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["state"])') == beforeFirstUnlock ]] ||
-  fail "a wrong password changed the state"
+# At the end of common-auth: reached only after pam_unix accepted the password, so wrong
+# passwords never reach the mount's failed-attempt counter.
+inside bash -c 'echo "auth optional pam_exec.so expose_authtok quiet log=/var/log/keybagfs-pam.log /usr/local/bin/keybagctl pam-unlock" >> /etc/pam.d/common-auth'
+for _ in 1 2 3 4 5 6; do
+  inside bash -c 'echo wrong-password | pamtester login alice authenticate' >/dev/null 2>&1 && fail "pamtester accepted a wrong password"
+done
+[[ $(inside keybagctl --mount /srv/alice status --json | python3 -c 'import json,sys; s=json.load(sys.stdin); print(s["state"], s["failedAttempts"])') == "beforeFirstUnlock 0" ]] ||
+  fail "wrong login passwords changed the state or counted as failed unlocks"
 inside bash -c 'echo alice-login-pw | pamtester login alice authenticate' >/dev/null 2>&1 || fail "login with the right password failed"
 [[ $(inside keybagctl --mount /srv/alice status --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["state"])') == unlocked ]] ||
   fail "the login password did not unlock alice's mount"
 inside fusermount3 -u /srv/alice
-ok "PAM (pam_exec expose_authtok): alice's login unlocks her mount; a wrong password leaves it locked and fails only the login"
+ok "PAM (pam_exec expose_authtok, end of common-auth): alice's login unlocks her mount; 6 wrong passwords fail only the login and count no failed unlock"
 
 # 12. Uninstall keeps stores.
 inside bash /src/scripts/uninstall.sh 2>/dev/null

@@ -38,6 +38,9 @@ static int refresh_owner(kbfs_logind *l) {
 static int from_logind(kbfs_logind *l, sd_bus_message *m) {
     const char *sender = sd_bus_message_get_sender(m);
     if (!sender) return 0;
+    // logind only broadcasts; a signal addressed to us is forged, and is dropped before
+    // it can cost a GetNameOwner round trip.
+    if (sd_bus_message_get_destination(m)) { l->forged++; return 0; }
     if (strcmp(sender, l->owner) == 0) return 1;
     if (refresh_owner(l) == 0 && strcmp(sender, l->owner) == 0) return 1;
     l->forged++;

@@ -29,7 +29,9 @@ public enum ControlPaths {
 
     /// The default socket of a mount point (made absolute).
     public static func defaultSocket(forMountpoint mountpoint: String) -> String {
-        let abs = URL(fileURLWithPath: mountpoint).standardizedFileURL.path
+        // isDirectory: true, so that Foundation does not stat the path (a stat of a FUSE
+        // mount whose daemon hangs would hang the caller, e.g. pam-unlock at login).
+        let abs = URL(fileURLWithPath: mountpoint, isDirectory: true).standardizedFileURL.path
         return runDirectory + "/" + systemdEscapePath(abs) + ".sock"
     }
 
@@ -55,7 +57,7 @@ public enum ControlPaths {
     }
 
     /// Decodes mountinfo's `\NNN` octal escapes.
-    static func unescapeMountinfo(_ s: String) -> String {
+    public static func unescapeMountinfo(_ s: String) -> String {
         var bytes: [UInt8] = []
         let u = Array(s.utf8)
         var i = 0

@@ -43,7 +43,7 @@ struct Follow: ParsableCommand {
     func say(_ s: String) { FileHandle.standardOutput.write(Data((s + "\n").utf8)) }
 
     func run() throws {
-        let status = try target.connect().checked(["op": "status"])
+        let status = try control().checked(["op": "status"])
         let owner = (status["owner"] as? Int).map { uid_t($0) } ?? getuid()
         var bus: OpaquePointer?
         let rc = busAddress.map { kbfs_logind_open($0, &bus) } ?? kbfs_logind_open(nil, &bus)
@@ -73,7 +73,11 @@ struct Follow: ParsableCommand {
                 let state = lock(grace: 0)
                 let ms = Date().timeIntervalSince(t0) * 1000
                 if inhibitor >= 0 { close(inhibitor); inhibitor = -1 }
-                say(String(format: "PrepareForSleep: %@ in %.1f ms; sleep may proceed", state, ms))
+                if state == "locked" {
+                    say(String(format: "PrepareForSleep: %@ in %.1f ms; sleep may proceed", state, ms))
+                } else {   // priority err in the journal: this sleep keeps class keys in RAM
+                    say(String(format: "<3>PrepareForSleep: %@ after %.1f ms; sleep proceeds with the mount unlocked", state, ms))
+                }
             case KBFS_LOGIND_PREPARE_FOR_SLEEP:
                 inhibit()
                 say("resumed: inhibitor taken again")
@@ -97,17 +101,32 @@ struct Follow: ParsableCommand {
     /// Asks the daemon to lock (grace nil: the mount's) and returns the state it answers,
     /// or why it could not.
     func lock(grace: Double?) -> String {
-        do {
-            var req: [String: Any] = ["op": "lock"]
-            if let grace { req["grace"] = grace }
-            let reply = try target.connect().checked(req)
-            return reply["state"] as? String ?? "?"
-        } catch let f as CtlFailure {
-            return "not locked (\(f.message))"
-        } catch {
-            return "not locked (\(error))"
+        var req: [String: Any] = ["op": "lock"]
+        if let grace { req["grace"] = grace }
+        for attempt in 0..<2 {
+            do {
+                let reply = try control(fresh: attempt > 0).checked(req)
+                return reply["state"] as? String ?? "?"
+            } catch let f as CtlFailure where f.code == 1 {
+                return "not locked (\(f.message))"   // refused: asking again changes nothing
+            } catch {
+                if attempt == 1 { return "not locked (\((error as? CtlFailure)?.message ?? "\(error)"))" }
+            }
         }
+        return "not locked"
     }
+
+    /// The connection to the daemon, kept open from the start so that a lock before sleep
+    /// never waits for (or is refused) a new connection slot; reopened when it broke.
+    func control(fresh: Bool = false) throws -> Session {
+        if !fresh, let s = Self.connection.withLock({ $0 }) { return s }
+        let s = try target.connect()
+        Self.connection.withLock { $0 = s }
+        return s
+    }
+
+    /// The follower's one daemon connection.
+    private static let connection = Locked<Session?>(nil)
 }
 
 /// `keybagctl pam-unlock`: for `pam_exec.so expose_authtok`: unlocks every keybagfs mount
@@ -118,7 +137,7 @@ struct PamUnlock: ParsableCommand {
         commandName: "pam-unlock",
         abstract: "Unlock the mounts of $PAM_USER with the password on stdin (for pam_exec expose_authtok).",
         discussion: """
-        In /etc/pam.d/common-auth, before the other auth lines:
+        At the end of /etc/pam.d/common-auth (reached only once pam_unix accepted the password):
           auth optional pam_exec.so expose_authtok quiet /usr/local/bin/keybagctl pam-unlock
         A mount belongs to a user when it was mounted by that user or with --owner. Failures are \
         logged to stderr and never fail the login.
@@ -131,15 +150,26 @@ struct PamUnlock: ParsableCommand {
         let uid = pw.pointee.pw_uid
         guard let password = try? PasscodeInput.readLine(fd: 0) else { return note("no password on stdin (expose_authtok missing?)") }
         defer { password.wipe() }
+        signal(SIGALRM) { _ in _exit(0) }   // a login never waits longer for keybagfs
+        alarm(Self.timeLimit)
         var owned = 0
         for mount in ControlPaths.keybagfsMounts() {
             let socket = ControlPaths.defaultSocket(forMountpoint: mount)
             guard let fd = try? ControlClient.connect(path: socket) else { note("\(mount): no control socket at \(socket)"); continue }
+            var tv = timeval(tv_sec: 5, tv_usec: 0)
+            setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, socklen_t(MemoryLayout<timeval>.size))
+            setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, socklen_t(MemoryLayout<timeval>.size))
             let session = Session(fd: fd)
             guard let st = try? session.checked(["op": "status"]) else { note("\(mount): status failed"); continue }
             guard let owner = (st["owner"] as? NSNumber)?.uint32Value, owner == uid else { continue }
             owned += 1
             guard st["state"] as? String != "unlocked" else { continue }
+            // A login password that is not this mount's passcode costs at most one failed
+            // attempt, never a lockout: after a failure only a deliberate unlock tries again.
+            if let failed = (st["failedAttempts"] as? NSNumber)?.intValue, failed > 0 {
+                note("\(mount): \(failed) failed attempt(s) since the last unlock; not tried (unlock with keybagctl unlock)")
+                continue
+            }
             do {
                 _ = try session.checked(["op": "unlock", "passcode": try passcodeString(password)])
                 note("unlocked \(mount) for \(user)")
@@ -150,8 +180,13 @@ struct PamUnlock: ParsableCommand {
         if owned == 0 { note("no keybagfs mount belongs to \(user)") }
     }
 
-    /// One line on stderr (pam_exec's log= file).
+    /// Seconds pam-unlock may take in all.
+    static let timeLimit: UInt32 = 10
+
+    /// One line on stderr (pam_exec's log= file); control characters (a mount point may
+    /// hold a newline) are shown as `?`, so no line can be forged.
     private func note(_ line: String) {
-        FileHandle.standardError.write(Data("keybagctl pam-unlock: \(line)\n".utf8))
+        let clean = String(line.unicodeScalars.map { $0.value < 0x20 || $0.value == 0x7f ? "?" : Character($0) })
+        FileHandle.standardError.write(Data("keybagctl pam-unlock: \(clean)\n".utf8))
     }
 }

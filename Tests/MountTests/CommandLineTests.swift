@@ -78,10 +78,29 @@ final class CommandLineTests: XCTestCase {
         let other = MountFixture.run(bin + "/keybagctl", ["pam-unlock"], stdin: m.passcode + "\n", environment: ["PAM_TYPE": "auth", "PAM_USER": "root"])
         XCTAssertEqual(other.code, 0)
         XCTAssertTrue(other.stderr.contains("no keybagfs mount belongs to root"), other.stderr)
+        // After a failure pam-unlock leaves the mount alone (a login password that differs
+        // from the passcode costs one attempt, never a lockout).
+        let after = MountFixture.run(bin + "/keybagctl", ["pam-unlock"], stdin: m.passcode + "\u{0}", environment: pam)
+        XCTAssertEqual(after.code, 0)
+        XCTAssertTrue(after.stderr.contains("1 failed attempt(s) since the last unlock; not tried"), after.stderr)
+        XCTAssertEqual(MountFixture.run(bin + "/keybagctl", ["--mount", m.mnt, "status", "--json"]).stdout.contains("\"failedAttempts\":1"), true)
+        // A deliberate unlock resets the count; after a lock the login password unlocks again.
+        XCTAssertEqual(MountFixture.run(bin + "/keybagctl", ["--mount", m.mnt, "unlock", "--passcode-stdin"], stdin: m.passcode + "\n").code, 0)
+        XCTAssertEqual(MountFixture.run(bin + "/keybagctl", ["--mount", m.mnt, "lock", "--grace", "0"]).code, 0)
         let right = MountFixture.run(bin + "/keybagctl", ["pam-unlock"], stdin: m.passcode + "\u{0}", environment: pam)
         XCTAssertEqual(right.code, 0, right.stderr)
         XCTAssertTrue(right.stderr.contains("unlocked \(m.mnt) for nobody"), right.stderr)
         XCTAssertEqual(MountFixture.run(bin + "/keybagctl", ["--mount", m.mnt, "status", "--json"]).stdout.contains("\"unlocked\""), true)
+        // A daemon that does not answer (stopped) delays a login by seconds, not forever.
+        XCTAssertEqual(MountFixture.run(bin + "/keybagctl", ["--mount", m.mnt, "lock", "--grace", "0"]).code, 0)
+        XCTAssertEqual(kill(pid_t(pid), SIGSTOP), 0)
+        let t0 = Date()
+        let stuck = MountFixture.run(bin + "/keybagctl", ["pam-unlock"], stdin: m.passcode + "\u{0}", environment: pam)
+        let waited = Date().timeIntervalSince(t0)
+        kill(pid_t(pid), SIGCONT)
+        XCTAssertEqual(stuck.code, 0, stuck.stderr)
+        XCTAssertLessThan(waited, 11, "pam-unlock waited \(waited) s for a stopped daemon")
+        XCTAssertTrue(stuck.stderr.contains("status failed"), stuck.stderr)
     }
 
     func testInitAndMountErrors() throws {
