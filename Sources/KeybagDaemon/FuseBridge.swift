@@ -131,6 +131,10 @@ enum FuseBridge {
             guard let conn else { return }
             conn.pointee.want &= ~UInt32(FUSE_CAP_WRITEBACK_CACHE)
             conn.pointee.want |= UInt32(FUSE_CAP_ATOMIC_O_TRUNC) & conn.pointee.capable
+            // 1 MiB requests (libfuse asks for max_pages to match): 8 times fewer round trips
+            // for streaming I/O than the 128 KiB default. Readahead follows once the kernel
+            // took the INIT reply (FuseChannel.raiseReadahead).
+            conn.pointee.max_write = UInt32(FuseChannel.requestSize)
         }
         ops.lookup = { req, parent, name in
             do { let (n, st) = try FuseBridge.context(req).fs.lookup(parent: parent, name: FuseBridge.name(name)); FuseBridge.replyEntry(req, n, st) }

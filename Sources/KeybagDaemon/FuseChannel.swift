@@ -1,6 +1,7 @@
 import CFuse
 import CSystem
 import Glibc
+import KeybagProtocol
 import Synchronization
 
 /// The session's reads and writes of /dev/fuse, installed through libfuse's custom I/O
@@ -24,6 +25,10 @@ enum FuseChannel {
     static let killPrivV2: UInt32 = 1 << 28
     /// FUSE_DIRECT_IO_ALLOW_MMAP (flag bit 36) as a bit of the second word.
     static let allowMmap: UInt32 = 1 << 4
+    /// Largest read and write request asked for, and the readahead window to match.
+    static let requestSize = 1 << 20
+    /// The mount's `read_ahead_kb` in sysfs, set before the session loop starts.
+    static let readAheadFile = Mutex<String?>(nil)
     /// Bytes of `fuse_in_header` / `fuse_out_header`.
     static let inHeaderSize = 40, outHeaderSize = 16
 
@@ -51,8 +56,12 @@ enum FuseChannel {
             return n
         }
         io.writev = { fd, iov, count, _ in
-            if let iov, count >= 2, FuseChannel.initPending.load(ordering: .relaxed) { FuseChannel.patchReply(iov) }
-            return Glibc.writev(fd, iov, count)
+            guard let iov, count >= 2, FuseChannel.initPending.load(ordering: .relaxed), FuseChannel.patchReply(iov) else {
+                return Glibc.writev(fd, iov, count)
+            }
+            let n = Glibc.writev(fd, iov, count)
+            FuseChannel.raiseReadahead()
+            return n
         }
         return fuse_session_custom_io(se, &io, fuse_session_fd(se)) == 0
     }
@@ -79,17 +88,41 @@ enum FuseChannel {
         }
     }
 
-    /// Sets the offered flags in the successful reply to the noted INIT request.
-    private static func patchReply(_ iov: UnsafeMutablePointer<iovec>) {
-        guard iov[0].iov_len >= outHeaderSize, let head = iov[0].iov_base else { return }
+    /// The sysfs file of the mount's readahead window, from the mount's device number in
+    /// /proc/self/mountinfo (a stat of the mount point would wait for INIT: deadlock).
+    static func noteReadaheadFile(mountpoint: String) {
+        let info = ProcFile.read("/proc/self/mountinfo") ?? ""
+        for line in info.split(separator: "\n") {
+            let f = line.split(separator: " ")
+            guard f.count > 4, ControlPaths.unescapeMountinfo(String(f[4])) == mountpoint, line.contains(" - fuse.keybagfs ") else { continue }
+            readAheadFile.withLock { $0 = "/sys/class/bdi/\(f[2])/read_ahead_kb" }   // the last such line is ours
+        }
+    }
+
+    /// Raises the kernel's readahead for this mount to one request (it starts at 128 KiB
+    /// and the INIT reply can only lower it); best effort: needs root.
+    private static func raiseReadahead() {
+        guard let path = readAheadFile.withLock({ $0 }) else { return }
+        let fd = open(path, O_WRONLY | O_CLOEXEC)
+        guard fd >= 0 else { return }
+        let text = "\(requestSize / 1024)"
+        _ = Glibc.write(fd, text, text.utf8.count)
+        close(fd)
+    }
+
+    /// Sets the offered flags in the successful reply to the noted INIT request; true if
+    /// `iov` was that reply.
+    @discardableResult
+    private static func patchReply(_ iov: UnsafeMutablePointer<iovec>) -> Bool {
+        guard iov[0].iov_len >= outHeaderSize, let head = iov[0].iov_base else { return false }
         let offered: PendingInit? = pendingInit.withLock { p in
             guard head.loadUnaligned(fromByteOffset: 8, as: UInt64.self) == p.unique else { return nil }
             defer { p = PendingInit() }
             return p
         }
-        guard let offered else { return }
+        guard let offered else { return false }
         initPending.store(false, ordering: .relaxed)
-        guard head.loadUnaligned(fromByteOffset: 4, as: Int32.self) == 0, iov[1].iov_len >= 36, let body = iov[1].iov_base else { return }
+        guard head.loadUnaligned(fromByteOffset: 4, as: Int32.self) == 0, iov[1].iov_len >= 36, let body = iov[1].iov_base else { return true }
         let flags = body.loadUnaligned(fromByteOffset: 12, as: UInt32.self)
         if offered.flags & killPrivV2 != 0 {
             body.storeBytes(of: flags | killPrivV2, toByteOffset: 12, as: UInt32.self)
@@ -100,5 +133,6 @@ enum FuseChannel {
             body.storeBytes(of: flags2 | allowMmap, toByteOffset: 32, as: UInt32.self)
             granted.store(true, ordering: .releasing)
         }
+        return true
     }
 }

@@ -189,6 +189,7 @@ public enum MountDaemon {
             log(m); report(cfg, "ERR " + m)
             fuse_remove_signal_handlers(se); fuse_session_destroy(se); server.stop(); controller.shutdown(); return 1
         }
+        FuseChannel.noteReadaheadFile(mountpoint: mountpoint)
         if !FuseChannel.install(se) { log("cannot install the FUSE I/O hooks; class A handles keep page-cache I/O") }
         controller.session.store(UInt(bitPattern: Int(bitPattern: UnsafeRawPointer(se))), ordering: .releasing)
         server.start()
