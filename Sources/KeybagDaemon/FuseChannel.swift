@@ -39,13 +39,9 @@ enum FuseChannel {
     private static let initPending = Atomic<Bool>(false)
     /// Whether the kernel was told direct-I/O handles may be mapped shared.
     private static let granted = Atomic<Bool>(false)
-    /// Whether the daemon handles set-ID clearing (FUSE_HANDLE_KILLPRIV_V2 accepted).
-    private static let killPrivGranted = Atomic<Bool>(false)
 
     /// Whether direct-I/O handles may be mapped shared on this mount.
     static var directIOMappable: Bool { granted.load(ordering: .acquiring) }
-    /// Whether this mount clears set-ID bits in the daemon (FUSE_HANDLE_KILLPRIV_V2).
-    static var handlesKillPriv: Bool { killPrivGranted.load(ordering: .acquiring) }
 
     /// Installs the hooks on a mounted session (same descriptor); false if libfuse refuses.
     static func install(_ se: OpaquePointer) -> Bool {
@@ -126,7 +122,6 @@ enum FuseChannel {
         let flags = body.loadUnaligned(fromByteOffset: 12, as: UInt32.self)
         if offered.flags & killPrivV2 != 0 {
             body.storeBytes(of: flags | killPrivV2, toByteOffset: 12, as: UInt32.self)
-            killPrivGranted.store(true, ordering: .releasing)
         }
         if offered.flags2 & allowMmap != 0, flags & initExt != 0 {
             let flags2 = body.loadUnaligned(fromByteOffset: 32, as: UInt32.self)
