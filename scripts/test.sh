@@ -16,6 +16,8 @@ swift test --skip-build --disable-swift-testing "$@" 2>&1 | tee "$log" || status
 # One plain closing line: counts from XCTest's per-case lines.
 passed=$(grep -cE "^Test Case .* passed \(" "$log" || true)
 failed=$(grep -cE "^Test Case .* failed \(" "$log" || true)
+# The failures again at the end (CI shows the tail): each failing case and its messages.
+failures=$(grep -E "^Test Case .* failed \(|: error: " "$log" | head -40 || true)
 rm -f "$log"
 [[ $failed -eq 0 ]] || status=1
 [[ $passed -gt 0 ]] || { echo "FAIL: no test ran" >&2; status=1; }
@@ -59,5 +61,6 @@ else
   echo "# system test not run: arguments select XCTests only" >&2
 fi
 echo "# scripts/test.sh: $(( $(date +%s) - start )) s wall" >&2
+[[ -z $failures ]] || { echo "# failing XCTests and their messages:" >&2; echo "$failures" >&2; }
 echo "$passed passed, $failed failed"
 exit $status
