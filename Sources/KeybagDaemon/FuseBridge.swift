@@ -10,7 +10,11 @@ final class FuseContext: Sendable {
     let fs: Filesystem
     /// Seconds the kernel may cache attributes and entries.
     let cacheTimeout: Double
-    init(fs: Filesystem, cacheTimeout: Double) { self.fs = fs; self.cacheTimeout = cacheTimeout }
+    /// Whether to ask for the kernel's write-back cache (cached handles: classes B, C, D).
+    let writebackCache: Bool
+    init(fs: Filesystem, cacheTimeout: Double, writebackCache: Bool) {
+        self.fs = fs; self.cacheTimeout = cacheTimeout; self.writebackCache = writebackCache
+    }
 }
 
 /// The low-level FUSE glue: thin callbacks that decode a request, call `Filesystem` and
@@ -127,9 +131,18 @@ enum FuseBridge {
     /// The operations table.
     static func operations() -> fuse_lowlevel_ops {
         var ops = fuse_lowlevel_ops()
-        ops.`init` = { _, conn in
-            guard let conn else { return }
-            conn.pointee.want &= ~UInt32(FUSE_CAP_WRITEBACK_CACHE)
+        ops.`init` = { userdata, conn in
+            guard let conn, let userdata else { return }
+            // Write-back cache: writes land in the page cache and reach the daemon in large
+            // requests when the kernel writes back (fsync, close, memory pressure). Class A
+            // handles stay direct I/O; a lock first invalidates the inodes of protected
+            // classes, which makes the kernel write their dirty pages while keys exist.
+            let ctx = Unmanaged<FuseContext>.fromOpaque(userdata).takeUnretainedValue()
+            if ctx.writebackCache {
+                conn.pointee.want |= UInt32(FUSE_CAP_WRITEBACK_CACHE) & conn.pointee.capable
+            } else {
+                conn.pointee.want &= ~UInt32(FUSE_CAP_WRITEBACK_CACHE)
+            }
             conn.pointee.want |= UInt32(FUSE_CAP_ATOMIC_O_TRUNC) & conn.pointee.capable
             // 1 MiB requests (libfuse asks for max_pages to match): 8 times fewer round trips
             // for streaming I/O than the 128 KiB default. Readahead follows once the kernel

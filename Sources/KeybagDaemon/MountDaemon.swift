@@ -19,6 +19,8 @@ public struct MountConfiguration: Sendable {
     public var owner: uid_t? = nil
     /// Seconds locked after which class C keys go too (nil: never).
     public var inactivityRelock: Double? = nil
+    /// Whether the kernel may cache writes (write-back) for handles that are not class A.
+    public var writebackCache = true
     /// Descriptor to report readiness on ("OK" or "ERR message"), from the launching parent.
     public var readyFD: Int32?
 
@@ -168,7 +170,7 @@ public enum MountDaemon {
         let cargs = argv.map { strdup($0) }
         defer { cargs.forEach { free($0) } }
         var cArgv: [UnsafeMutablePointer<CChar>?] = cargs + [nil]
-        let context = FuseContext(fs: fs, cacheTimeout: Self.cacheTimeout)
+        let context = FuseContext(fs: fs, cacheTimeout: Self.cacheTimeout, writebackCache: cfg.writebackCache)
         let userdata = Unmanaged.passRetained(context).toOpaque()
         var ops = FuseBridge.operations()
         let se: OpaquePointer? = cArgv.withUnsafeMutableBufferPointer { buf in

@@ -150,6 +150,9 @@ struct Mount: ParsableCommand {
     @Flag(help: "Stay in the foreground (for systemd Type=notify).")
     var foreground = false
 
+    @Flag(help: "Send every write to the daemon at once instead of through the kernel's write-back cache (slower; a full disk then fails the write() itself rather than the later fsync() or close()).")
+    var noWritebackCache = false
+
     @Option(name: .customShort("o"), help: "FUSE mount options, comma separated (e.g. allow_other).")
     var options: [String] = []
 
@@ -158,7 +161,7 @@ struct Mount: ParsableCommand {
 
     /// keybagfs' own settings inside `-o` (fstab and mount.fuse3 pass everything there):
     /// `device-key=`, `socket=`, `default-class=`, `grace=`, `policy=`, `owner=`,
-    /// `inactivity-relock=`; mount(8)'s own words are dropped; the rest goes to FUSE.
+    /// `inactivity-relock=`, `no-writeback-cache`; mount(8)'s own words are dropped; the rest goes to FUSE.
     mutating func takeOwnOptions() throws {
         var fuse: [String] = []
         for o in options.flatMap({ $0.split(separator: ",").map(String.init) }) where !o.isEmpty {
@@ -174,6 +177,7 @@ struct Mount: ParsableCommand {
             case "grace":
                 guard let g = Double(value) else { throw ValidationError("-o grace=\(value): not a number of seconds") }
                 grace = g
+            case "no-writeback-cache": noWritebackCache = true
             case "inactivity-relock":
                 guard let h = Double(value) else { throw ValidationError("-o inactivity-relock=\(value): not a number of hours") }
                 inactivityRelock = h
@@ -239,6 +243,7 @@ struct Mount: ParsableCommand {
             cfg.policy = policy
             cfg.owner = try ownerUID()
             cfg.inactivityRelock = inactivityRelock.map { $0 * 3600 }
+            cfg.writebackCache = !noWritebackCache
             let rc = MountDaemon.run(cfg)
             if rc != 0 { throw ExitCode(rc) }
             return

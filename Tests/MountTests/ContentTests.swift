@@ -134,6 +134,74 @@ final class ContentTests: XCTestCase {
         XCTAssertEqual(Array(back[5000..<(5000 + stamp.count)]), stamp)
     }
 
+    /// The write-back cache (the default): a write() waits in the kernel's page cache and
+    /// reaches the store at fsync(); with `--no-writeback-cache` it reaches the store at once.
+    func testWritesReachTheStoreAtFsyncWithWritebackAndAtOnceWithout() throws {
+        for writeback in [true, false] {
+            let m = try MountFixture(mount: false)
+            addTeardownBlock { m.close() }
+            try m.mount(extra: writeback ? [] : ["--no-writeback-cache"])
+            m.unlock()
+            let fd = sysOpen(m.path("doc"), O_RDWR | O_CREAT | O_EXCL)
+            XCTAssertGreaterThanOrEqual(fd, 0)
+            let backing = m.backing("doc")
+            func storeSize() -> Int { var st = stat(); return stat(backing, &st) == 0 ? Int(st.st_size) : -1 }
+            let empty = storeSize()
+            var rng = SeededBytes(seed: 7)
+            let data = rng.bytes(64 * 1024 + 100)
+            XCTAssertEqual(try sysPwrite(fd, data, 0).get(), data.count)
+            let afterWrite = storeSize()
+            XCTAssertEqual(fsync(fd), 0)
+            let afterSync = storeSize()
+            XCTAssertGreaterThan(afterSync, empty + data.count, "writeback \(writeback): the store holds the data after fsync")
+            if writeback {
+                XCTAssertEqual(afterWrite, empty, "with the write-back cache, write() alone leaves the store as it was")
+            } else {
+                XCTAssertEqual(afterWrite, afterSync, "without it, write() itself reaches the store")
+            }
+            XCTAssertEqual(try sysPread(fd, data.count, 0).get(), data)
+            XCTAssertEqual(close(fd), 0)
+            m.unmount()
+            try m.mount()
+            m.unlock()
+            XCTAssertEqual(try readFile(m.path("doc")).get(), data, "writeback \(writeback): the bytes after a remount")
+        }
+    }
+
+    /// A full store with the write-back cache: `write()` succeeds into the page cache, the
+    /// error comes from `fsync()` (as on ext4), and files written before stay intact.
+    func testFullStoreFailsFsyncAndLosesNothingElse() throws {
+        let m = try MountFixture(mount: false)
+        XCTAssertEqual(MountFixture.run("/bin/cp", ["-a", m.store, m.root + "/store.orig"]).code, 0)
+        XCTAssertEqual(MountFixture.run("/bin/mount", ["-t", "tmpfs", "-o", "size=3m", "tmpfs", m.store]).code, 0, "a 3 MiB store (needs root)")
+        addTeardownBlock {
+            m.unmount()
+            _ = MountFixture.run("/bin/umount", [m.store])
+            m.close()
+        }
+        XCTAssertEqual(MountFixture.run("/bin/cp", ["-a", m.root + "/store.orig/.", m.store]).code, 0)
+        try m.mount()
+        m.unlock()
+        var rng = SeededBytes(seed: 5)
+        let kept = rng.bytes(200_000)
+        XCTAssertEqual(writeFile(m.path("kept"), kept), 0)
+        let fd = sysOpen(m.path("big"), O_RDWR | O_CREAT | O_EXCL)
+        XCTAssertGreaterThanOrEqual(fd, 0)
+        let chunk = rng.bytes(1 << 20)
+        for i in 0..<4 { XCTAssertEqual(try sysPwrite(fd, chunk, i << 20).get(), chunk.count, "write() \(i) lands in the page cache") }
+        XCTAssertEqual(fsync(fd), -1, "fsync reports the full store")
+        XCTAssertEqual(errno, ENOSPC)
+        close(fd)
+        XCTAssertEqual(try readFile(m.path("kept")).get(), kept, "the file written before is intact")
+        XCTAssertEqual(unlink(m.path("big")), 0)
+        XCTAssertEqual(writeFile(m.path("after"), kept), 0, "space freed: writes work again")
+        m.unmount()
+        try m.mount()
+        m.unlock()
+        XCTAssertEqual(try readFile(m.path("kept")).get(), kept)
+        XCTAssertEqual(try readFile(m.path("after")).get(), kept)
+    }
+
     func testStoreRevealsNoKnownPlaintext() throws {
         let m = try MountFixture()
         addTeardownBlock { m.close() }

@@ -119,6 +119,43 @@ final class LockHoldsTests: XCTestCase {
         XCTAssertEqual(try sysPread(reader, original.count, 0).get(), original, "the store and what readers see agree after unlock")
     }
 
+    // Write-back cache: bytes written (not synced) before a lock are sealed while the keys
+    // exist, whatever the class; class A is refused through the same descriptor afterwards.
+    func testUnsyncedWritesOfEveryClassSurviveALockAndARestart() throws {
+        let classes = ["d": "none", "c": "completeUntilFirstUserAuthentication", "b": "completeUnlessOpen", "a": "complete"]
+        let m = try unlockedMount(classes)
+        var rng = SeededBytes(seed: 11)
+        var written: [String: [UInt8]] = [:]
+        var fds: [String: Int32] = [:]
+        for dir in classes.keys.sorted() {
+            let fd = sysOpen(m.path("\(dir)/f"), O_RDWR | O_CREAT | O_EXCL)
+            XCTAssertGreaterThanOrEqual(fd, 0)
+            let data = rng.bytes(3 * 4096 + 17)
+            XCTAssertEqual(try sysPwrite(fd, data, 0).get(), data.count)
+            XCTAssertEqual(try sysPwrite(fd, Array(data[100..<200]), 5000).get(), 100, "a second write inside the first")
+            var expect = data
+            expect.replaceSubrange(5000..<5100, with: data[100..<200])
+            written[dir] = expect
+            fds[dir] = fd
+        }
+        m.lock(grace: 0)
+        XCTAssertEqual(m.state, "locked")
+        for (dir, fd) in fds.sorted(by: { $0.key < $1.key }) {
+            let r = sysPread(fd, written[dir]!.count, 0)
+            if dir == "a" {
+                XCTAssertEqual(errnoOf(r), EACCES, "class A through a descriptor opened before the lock")
+            } else {
+                XCTAssertEqual(try r.get(), written[dir], "class \(classes[dir]!) while locked")
+            }
+            close(fd)
+        }
+        try m.restart()
+        m.unlock()
+        for dir in classes.keys.sorted() {
+            XCTAssertEqual(try readFile(m.path("\(dir)/f")).get(), written[dir], "class \(classes[dir]!) after a lock and a restart")
+        }
+    }
+
     // Item 2: dirty pages of a shared mapping are written back by the lock, not dropped.
     func testDirtySharedMappingOfClassAFileSurvivesALock() throws {
         let m = try unlockedMount(["a": "complete"])
