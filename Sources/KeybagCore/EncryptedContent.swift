@@ -1,5 +1,6 @@
 import CSodium
 import Glibc
+import Dispatch
 import Synchronization
 
 /// Reads and writes plaintext ranges of one encrypted backing file: offset math, the
@@ -57,42 +58,89 @@ public struct EncryptedContent: Sendable {
     @inline(__always)
     static func lastBlock(ofSize size: Int) -> Int { size > 0 ? (size - 1) / B : -1 }
 
+    /// Blocks in one read from which the decryption is split over two threads (256 KiB).
+    static let parallelBlocks = 64
+
     /// Reads up to `out.count` plaintext bytes at `offset`; returns the count (0 at EOF).
+    /// A read of `parallelBlocks` blocks or more decrypts its two halves on two threads.
     public func read(fd: Int32, key: FileContentKey, offset: Int, into out: UnsafeMutableRawBufferPointer) throws -> Int {
         let size = try plainSize(fd: fd)
         guard offset < size, out.count > 0 else { return 0 }
         let end = min(offset + out.count, size)
         let first = offset / Self.B, last = (end - 1) / Self.B
-        let fileLast = Self.lastBlock(ofSize: size)
         let cStart = layout.cipherOffset(ofBlock: first)
         let cEnd = layout.cipherOffset(ofBlock: last) + min(Self.B, size - last * Self.B) + layout.overhead
         return try ScratchBuffers.shared.withBlock(cEnd - cStart) { cbuf, plain in
             let got = try Self.preadFull(fd, cbuf, offset: cStart)
-            var written = 0
-            var markedRun = 0
-            for b in first...last {
-                let bStart = b * Self.B
-                let bLen = min(Self.B, size - bStart)
-                let rel = (b - first) * layout.cipherBlockSize
-                guard rel + bLen + layout.overhead <= got else { break }   // truncated underneath us
-                let sealed = UnsafeRawBufferPointer(rebasing: cbuf[rel..<(rel + bLen + layout.overhead)])
-                let lo = max(offset, bStart) - bStart
-                if lo == 0 && end - bStart >= bLen {
-                    // The whole block is wanted: decrypt straight into the reply.
-                    let n = try key.open(sealed, block: UInt64(b), last: b == fileLast, markedRun: &markedRun,
-                                         into: UnsafeMutableRawBufferPointer(rebasing: out[written..<(written + bLen)]))
-                    written += n
-                    if n < bLen { break }
-                    continue
-                }
-                let n = try key.open(sealed, block: UInt64(b), last: b == fileLast, markedRun: &markedRun, into: plain)
-                let hi = min(end, bStart + n) - bStart
-                guard hi > lo else { break }
-                (out.baseAddress! + written).copyMemory(from: plain.baseAddress! + lo, byteCount: hi - lo)
-                written += hi - lo
+            let span = BlockSpan(first: first, offset: offset, end: end, size: size, got: got)
+            guard last - first + 1 >= Self.parallelBlocks else {
+                return try openBlocks(first...last, of: span, key: key, cbuf: cbuf, out: out, plain: plain).written
             }
-            return written
+            let mid = first + (last - first + 1) / 2
+            let halves = UnsafeMutableBufferPointer<Result<(written: Int, whole: Bool), any Error>>.allocate(capacity: 2)
+            defer { halves.deallocate() }
+            let shared = SplitRead(cbuf: cbuf, out: out, plain: plain, results: halves)
+            DispatchQueue.concurrentPerform(iterations: 2) { i in
+                let r = Result {
+                    if i == 0 { return try openBlocks(first...(mid - 1), of: span, key: key, cbuf: shared.cbuf, out: shared.out, plain: shared.plain) }
+                    return try ScratchBuffers.shared.withBlock(0) { _, plain2 in
+                        try openBlocks(mid...last, of: span, key: key, cbuf: shared.cbuf, out: shared.out, plain: plain2)
+                    }
+                }
+                (shared.results.baseAddress! + i).initialize(to: r)
+            }
+            defer { _ = halves.baseAddress!.deinitialize(count: 2) }
+            let low = try halves[0].get(), high = try halves[1].get()
+            return low.whole ? low.written + high.written : low.written
         }
+    }
+
+    /// The buffers of one read shared by its two decrypting threads.
+    // @unchecked: the threads read `cbuf` only, write disjoint block ranges of `out` and
+    // one result slot each, and `concurrentPerform` returns only after both are done.
+    struct SplitRead: @unchecked Sendable {
+        let cbuf: UnsafeMutableRawBufferPointer, out: UnsafeMutableRawBufferPointer, plain: UnsafeMutableRawBufferPointer
+        let results: UnsafeMutableBufferPointer<Result<(written: Int, whole: Bool), any Error>>
+    }
+
+    /// The geometry of one read: its first block, plaintext range, file size and how many
+    /// ciphertext bytes the `pread` returned.
+    struct BlockSpan: Sendable {
+        let first: Int, offset: Int, end: Int, size: Int, got: Int
+    }
+
+    /// Decrypts `blocks` of a read (the ciphertext of block `span.first` at the start of
+    /// `cbuf`) into their places in `out`; whole blocks go straight into `out`, partial ones
+    /// through `plain`. Returns the bytes written and whether every block was there in full
+    /// (a file truncated underneath the read ends it early).
+    private func openBlocks(_ blocks: ClosedRange<Int>, of span: BlockSpan, key: FileContentKey, cbuf: UnsafeMutableRawBufferPointer,
+                            out: UnsafeMutableRawBufferPointer, plain: UnsafeMutableRawBufferPointer) throws -> (written: Int, whole: Bool) {
+        let fileLast = Self.lastBlock(ofSize: span.size)
+        var written = 0
+        var markedRun = 0
+        for b in blocks {
+            let bStart = b * Self.B
+            let bLen = min(Self.B, span.size - bStart)
+            let rel = (b - span.first) * layout.cipherBlockSize
+            guard rel + bLen + layout.overhead <= span.got else { return (written, false) }   // truncated underneath us
+            let sealed = UnsafeRawBufferPointer(rebasing: cbuf[rel..<(rel + bLen + layout.overhead)])
+            let lo = max(span.offset, bStart) - bStart
+            let at = bStart + lo - span.offset
+            if lo == 0 && span.end - bStart >= bLen {
+                // The whole block is wanted: decrypt straight into the reply.
+                let n = try key.open(sealed, block: UInt64(b), last: b == fileLast, markedRun: &markedRun,
+                                     into: UnsafeMutableRawBufferPointer(rebasing: out[at..<(at + bLen)]))
+                written += n
+                if n < bLen { return (written, false) }
+                continue
+            }
+            let n = try key.open(sealed, block: UInt64(b), last: b == fileLast, markedRun: &markedRun, into: plain)
+            let hi = min(span.end, bStart + n) - bStart
+            guard hi > lo else { return (written, false) }
+            (out.baseAddress! + at).copyMemory(from: plain.baseAddress! + lo, byteCount: hi - lo)
+            written += hi - lo
+        }
+        return (written, true)
     }
 
     /// Writes `data` at plaintext `offset`, extending the file (with holes) as needed.

@@ -58,6 +58,50 @@ final class FormatTests: TempDirTestCase {
         }
     }
 
+    /// Reads of 64 blocks or more decrypt in two halves on two threads: at unaligned offsets,
+    /// across holes, past the end and over damage in either half they match the model.
+    func testLargeReadsSplitOverTwoThreadsMatchTheModel() throws {
+        XCTAssertEqual(EncryptedContent.parallelBlocks, 64)
+        for cipher in ContentCipher.allCases where cipher.isAvailable {
+            let (fd, key, _, _) = try newFile("split-\(cipher.name)", cipher: cipher)
+            defer { close(fd) }
+            let c = EncryptedContent(layout: BlockLayout(cipher: cipher))
+            var seed: UInt64 = 0x5eed
+            func rnd(_ n: Int) -> Int { seed ^= seed << 13; seed ^= seed >> 7; seed ^= seed << 17; return Int(seed % UInt64(max(n, 1))) }
+            var model = (0..<(700 * 1024 + 123)).map { _ in UInt8(truncatingIfNeeded: rnd(256)) }
+            try model.withUnsafeBytes { try c.write(fd: fd, key: key, offset: 0, data: $0) }
+            // Block-sized appends (marked blocks inside the file) and a hole, then a tail.
+            for _ in 0..<3 {
+                let block = (0..<4096).map { _ in UInt8(truncatingIfNeeded: rnd(256)) }
+                try block.withUnsafeBytes { try c.write(fd: fd, key: key, offset: model.count, data: $0) }
+                model += block
+            }
+            let tail = (0..<5000).map { _ in UInt8(truncatingIfNeeded: rnd(256)) }
+            let tailAt = model.count + 300 * 1024
+            try tail.withUnsafeBytes { try c.write(fd: fd, key: key, offset: tailAt, data: $0) }
+            model += [UInt8](repeating: 0, count: tailAt - model.count) + tail
+            XCTAssertEqual(try c.plainSize(fd: fd), model.count)
+            for _ in 0..<60 {
+                let off = rnd(model.count)
+                let len = 256 * 1024 + rnd(800 * 1024)
+                var out = [UInt8](repeating: 0xEE, count: len)
+                let n = try out.withUnsafeMutableBytes { try c.read(fd: fd, key: key, offset: off, into: $0) }
+                XCTAssertEqual(n, min(len, model.count - off), "\(cipher.name) read \(len) at \(off)")
+                XCTAssertEqual(Array(out[0..<n]), Array(model[off..<(off + n)]), "\(cipher.name) read \(len) at \(off)")
+            }
+            // One flipped byte in a block of either half fails the whole read.
+            let full = backing(fd)
+            for block in [3, 150] {
+                var bad = full
+                bad[FileHeader.size + block * c.layout.cipherBlockSize + 40] ^= 1
+                setBacking(fd, bad)
+                var out = [UInt8](repeating: 0, count: 1 << 20)
+                XCTAssertThrowsError(try out.withUnsafeMutableBytes { try c.read(fd: fd, key: key, offset: 0, into: $0) }, "\(cipher.name): damage in block \(block)")
+            }
+            setBacking(fd, full)
+        }
+    }
+
     /// Reads the whole file, mapping errors to a label.
     func readAll(_ fd: Int32, _ key: FileContentKey, _ c: EncryptedContent) -> String {
         var out = [UInt8](repeating: 0, count: 100_000)
