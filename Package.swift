@@ -27,7 +27,7 @@ let package = Package(
         // The control socket's paths, line protocol and client: Foundation and Glibc only.
         .target(name: "KeybagProtocol"),
         // The core: formats, keybag, class rules, lock state. No FUSE here.
-        .target(name: "KeybagCore", dependencies: ["CSodium", "KeybagProtocol"]),
+        .target(name: "KeybagCore", dependencies: ["CSodium", "CSystem", "KeybagProtocol"]),
         // The library programs use: FileProtectionType, protected writes, ProtectedData events.
         .target(name: "FileProtection", dependencies: ["KeybagProtocol", "CSystem"]),
         // The example of the library: a notes store that follows the lock.

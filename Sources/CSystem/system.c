@@ -91,3 +91,7 @@ static __thread int kbfs_kills_setid;
 void kbfs_set_request_kills_setid(int on) { kbfs_kills_setid = on; }
 
 int kbfs_request_kills_setid(void) { return kbfs_kills_setid; }
+
+int kbfs_reserve(int fd, long long offset, long long len) {
+    return fallocate(fd, FALLOC_FL_KEEP_SIZE, (off_t)offset, (off_t)len);
+}

@@ -1,4 +1,5 @@
 import CSodium
+import CSystem
 import Glibc
 import Dispatch
 import Synchronization
@@ -156,44 +157,117 @@ public struct EncryptedContent: Sendable {
         let oldLast = Self.lastBlock(ofSize: size), newLast = Self.lastBlock(ofSize: newSize)
         let dataFirst = offset / Self.B, dataLast = (end - 1) / Self.B
         let oldLastGrows = oldLast >= 0 && oldLast < dataFirst && size % Self.B != 0
+        // A full disk must refuse the write before any byte of it lands: a short pwrite
+        // (at the end, or into a hole) would leave a torn block that reads as damage.
+        if oldLastGrows { try reserve(fd: fd, blocks: oldLast...oldLast, newSize: newSize) }
+        try reserve(fd: fd, blocks: dataFirst...dataLast, newSize: newSize)
         if oldLastGrows && oldLast < dataFirst - 1 {
-            try sealAndWrite(fd: fd, key: key, blocks: oldLast...oldLast, size: size, newSize: newSize, newLast: newLast) { _ in nil }
+            try sealAndWrite(fd: fd, key: key, blocks: oldLast...oldLast, size: size, newSize: newSize, newLast: newLast, data: NewData(offset: 0, bytes: nil))
         }
         let first = oldLastGrows && oldLast == dataFirst - 1 ? oldLast : dataFirst
-        try sealAndWrite(fd: fd, key: key, blocks: first...dataLast, size: size, newSize: newSize, newLast: newLast) { b in
-            let bStart = b * Self.B
+        try sealAndWrite(fd: fd, key: key, blocks: first...dataLast, size: size, newSize: newSize, newLast: newLast, data: NewData(offset: offset, bytes: data))
+    }
+
+    /// Reserves the backing space of `blocks` (sealed for a file of `newSize` bytes) without
+    /// changing the file's size: ENOSPC or EDQUOT are thrown; a file system that cannot
+    /// reserve (EOPNOTSUPP) is written without.
+    private func reserve(fd: Int32, blocks: ClosedRange<Int>, newSize: Int) throws {
+        let start = layout.cipherOffset(ofBlock: blocks.lowerBound)
+        let end = layout.cipherOffset(ofBlock: blocks.upperBound) + min(Self.B, newSize - blocks.upperBound * Self.B) + layout.overhead
+        guard end > start else { return }
+        if kbfs_reserve(fd, Int64(start), Int64(end - start)) != 0 && (errno == ENOSPC || errno == EDQUOT) {
+            throw KeybagError.system("fallocate", errno)
+        }
+    }
+
+    /// New bytes of a write at a plaintext offset (none: only old blocks are re-sealed).
+    // @unchecked: the bytes are read only, by the threads of one write, while it runs.
+    struct NewData: @unchecked Sendable {
+        let offset: Int, bytes: UnsafeRawBufferPointer?
+        /// The slice of new bytes for block b: start and end within the block, and the bytes.
+        func slice(_ b: Int) -> (Int, Int, UnsafeRawPointer)? {
+            guard let bytes, let base = bytes.baseAddress else { return nil }
+            let bStart = b * EncryptedContent.B
             let lo = max(offset, bStart) - bStart
-            let hi = min(end, bStart + Self.B) - bStart
-            return hi > lo ? (lo, hi, data.baseAddress! + (bStart + lo - offset)) : nil
+            let hi = min(offset + bytes.count, bStart + EncryptedContent.B) - bStart
+            return hi > lo ? (lo, hi, base + (bStart + lo - offset)) : nil
         }
     }
 
     /// Seals the new contents of `blocks` for a file growing (or staying) from `size` to
-    /// `newSize` and writes them with one `pwrite`. `source(b)` gives the slice of new data
-    /// for block b (start, end within the block, bytes); the rest is the old plaintext,
-    /// zero-extended to the block's new length.
+    /// `newSize` and writes them with one `pwrite`: the new bytes where `data` has them, the
+    /// old plaintext elsewhere, zero-extended to the block's new length. From
+    /// `parallelBlocks` blocks on, the two halves are sealed on two threads.
     private func sealAndWrite(fd: Int32, key: FileContentKey, blocks: ClosedRange<Int>, size: Int, newSize: Int, newLast: Int,
-                              source: (Int) -> (Int, Int, UnsafeRawPointer)?) throws {
-        let oldLast = Self.lastBlock(ofSize: size)
+                              data: NewData) throws {
+        let geometry = SealSpan(first: blocks.lowerBound, size: size, newSize: newSize, newLast: newLast)
         try ScratchBuffers.shared.withBlock(blocks.count * layout.cipherBlockSize) { out, plain in
             var outLen = 0
-            for b in blocks {
-                let bStart = b * Self.B
-                let existing = max(0, min(Self.B, size - bStart))
-                let newLen = min(Self.B, newSize - bStart)
-                let slice = source(b)
-                if existing > 0 && !(slice.map { $0.0 == 0 && $0.1 >= existing } ?? false) {
-                    let n = try readBlock(fd: fd, key: key, block: b, length: existing, last: b == oldLast, into: plain)
-                    guard n == existing else { throw KeybagError.corrupt("block \(b) short") }
+            if blocks.count < Self.parallelBlocks {
+                outLen = try sealBlocks(blocks, of: geometry, fd: fd, key: key, data: data, out: out, plain: plain)
+            } else {
+                let mid = blocks.lowerBound + blocks.count / 2
+                let lengths = UnsafeMutableBufferPointer<Result<Int, any Error>>.allocate(capacity: 2)
+                defer { lengths.deallocate() }
+                let shared = SplitWrite(out: out, plain: plain, results: lengths)
+                DispatchQueue.concurrentPerform(iterations: 2) { i in
+                    let r = Result {
+                        if i == 0 { return try sealBlocks(blocks.lowerBound...(mid - 1), of: geometry, fd: fd, key: key, data: data, out: shared.out, plain: shared.plain) }
+                        return try ScratchBuffers.shared.withBlock(0) { _, plain2 in
+                            try sealBlocks(mid...blocks.upperBound, of: geometry, fd: fd, key: key, data: data, out: shared.out, plain: plain2)
+                        }
+                    }
+                    (shared.results.baseAddress! + i).initialize(to: r)
                 }
-                if newLen > existing { memset(plain.baseAddress! + existing, 0, newLen - existing) }
-                if let (lo, hi, src) = slice { (plain.baseAddress! + lo).copyMemory(from: src, byteCount: hi - lo) }
-                let dst = UnsafeMutableRawBufferPointer(rebasing: out[outLen..<(outLen + newLen + layout.overhead)])
-                try key.seal(UnsafeRawBufferPointer(rebasing: plain[0..<newLen]), block: UInt64(b), last: b == newLast, into: dst)
-                outLen += newLen + layout.overhead
+                defer { _ = lengths.baseAddress!.deinitialize(count: 2) }
+                outLen = try lengths[0].get() + lengths[1].get()
             }
             try Self.pwriteFull(fd, UnsafeRawBufferPointer(rebasing: out[0..<outLen]), offset: layout.cipherOffset(ofBlock: blocks.lowerBound))
         }
+    }
+
+    /// The geometry of one sealing write: its first block and the file's sizes before and after.
+    struct SealSpan: Sendable {
+        let first: Int, size: Int, newSize: Int, newLast: Int
+    }
+
+    /// The buffers of one write shared by its two sealing threads.
+    // @unchecked: the threads write disjoint block ranges of `out` and one result slot
+    // each, and `concurrentPerform` returns only after both are done.
+    struct SplitWrite: @unchecked Sendable {
+        let out: UnsafeMutableRawBufferPointer, plain: UnsafeMutableRawBufferPointer
+        let results: UnsafeMutableBufferPointer<Result<Int, any Error>>
+    }
+
+    /// Seals `blocks` into their places in `out` (every block before the file's last is
+    /// whole, so block b starts at (b - first) cipher blocks); returns the bytes sealed.
+    /// A block the new bytes cover whole is sealed straight from them.
+    private func sealBlocks(_ blocks: ClosedRange<Int>, of span: SealSpan, fd: Int32, key: FileContentKey, data: NewData,
+                            out: UnsafeMutableRawBufferPointer, plain: UnsafeMutableRawBufferPointer) throws -> Int {
+        let oldLast = Self.lastBlock(ofSize: span.size)
+        var outLen = 0
+        for b in blocks {
+            let bStart = b * Self.B
+            let existing = max(0, min(Self.B, span.size - bStart))
+            let newLen = min(Self.B, span.newSize - bStart)
+            let at = (b - span.first) * layout.cipherBlockSize
+            let dst = UnsafeMutableRawBufferPointer(rebasing: out[at..<(at + newLen + layout.overhead)])
+            let slice = data.slice(b)
+            if let (lo, hi, src) = slice, lo == 0, hi == newLen {
+                try key.seal(UnsafeRawBufferPointer(start: src, count: newLen), block: UInt64(b), last: b == span.newLast, into: dst)
+                outLen += newLen + layout.overhead
+                continue
+            }
+            if existing > 0 && !(slice.map { $0.0 == 0 && $0.1 >= existing } ?? false) {
+                let n = try readBlock(fd: fd, key: key, block: b, length: existing, last: b == oldLast, into: plain)
+                guard n == existing else { throw KeybagError.corrupt("block \(b) short") }
+            }
+            if newLen > existing { memset(plain.baseAddress! + existing, 0, newLen - existing) }
+            if let (lo, hi, src) = slice { (plain.baseAddress! + lo).copyMemory(from: src, byteCount: hi - lo) }
+            try key.seal(UnsafeRawBufferPointer(rebasing: plain[0..<newLen]), block: UInt64(b), last: b == span.newLast, into: dst)
+            outLen += newLen + layout.overhead
+        }
+        return outLen
     }
 
     /// Sets the plaintext size. Shrinking keeps the new last block intact on disk until

@@ -58,9 +58,9 @@ final class FormatTests: TempDirTestCase {
         }
     }
 
-    /// Reads of 64 blocks or more decrypt in two halves on two threads: at unaligned offsets,
-    /// across holes, past the end and over damage in either half they match the model.
-    func testLargeReadsSplitOverTwoThreadsMatchTheModel() throws {
+    /// Reads and writes of 64 blocks or more run in two halves on two threads: at unaligned
+    /// offsets, across holes, past the end and over damage in either half they match the model.
+    func testLargeReadsAndWritesSplitOverTwoThreadsMatchTheModel() throws {
         XCTAssertEqual(EncryptedContent.parallelBlocks, 64)
         for cipher in ContentCipher.allCases where cipher.isAvailable {
             let (fd, key, _, _) = try newFile("split-\(cipher.name)", cipher: cipher)
@@ -81,6 +81,15 @@ final class FormatTests: TempDirTestCase {
             try tail.withUnsafeBytes { try c.write(fd: fd, key: key, offset: tailAt, data: $0) }
             model += [UInt8](repeating: 0, count: tailAt - model.count) + tail
             XCTAssertEqual(try c.plainSize(fd: fd), model.count)
+            // Large overwrites and extensions at unaligned offsets (the sealing split).
+            for _ in 0..<20 {
+                let off = rnd(model.count + 200_000)
+                let data = (0..<(256 * 1024 + rnd(800 * 1024))).map { _ in UInt8(truncatingIfNeeded: rnd(256)) }
+                try data.withUnsafeBytes { try c.write(fd: fd, key: key, offset: off, data: $0) }
+                if off + data.count > model.count { model += [UInt8](repeating: 0, count: off + data.count - model.count) }
+                model.replaceSubrange(off..<(off + data.count), with: data)
+                XCTAssertEqual(try c.plainSize(fd: fd), model.count)
+            }
             for _ in 0..<60 {
                 let off = rnd(model.count)
                 let len = 256 * 1024 + rnd(800 * 1024)

@@ -192,6 +192,9 @@ final class ContentTests: XCTestCase {
         XCTAssertEqual(fsync(fd), -1, "fsync reports the full store")
         XCTAssertEqual(errno, ENOSPC)
         close(fd)
+        let big = readFile(m.path("big"))
+        XCTAssertEqual(errnoOf(big), 0, "the file that filled the store reads without EIO (no torn block)")
+        if let b = try? big.get() { XCTAssertEqual(Array(b.prefix(chunk.count)), Array(chunk.prefix(b.count)), "what landed is what was written") }
         XCTAssertEqual(try readFile(m.path("kept")).get(), kept, "the file written before is intact")
         XCTAssertEqual(unlink(m.path("big")), 0)
         XCTAssertEqual(writeFile(m.path("after"), kept), 0, "space freed: writes work again")

@@ -46,4 +46,8 @@ long kbfs_raise_nofile(void);
    set-user-ID / set-group-ID bits (FUSE_HANDLE_KILLPRIV_V2); set when the request is read. */
 void kbfs_set_request_kills_setid(int on);
 int kbfs_request_kills_setid(void);
+
+/* Reserves [offset, offset+len) of fd without changing its size (fallocate with
+   FALLOC_FL_KEEP_SIZE); 0 or -1 with errno. */
+int kbfs_reserve(int fd, long long offset, long long len);
 #endif
