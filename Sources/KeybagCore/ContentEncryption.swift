@@ -149,7 +149,7 @@ public final class FileContentKey: Sendable {
         let ns = cipher.nonceSize
         precondition(out.count >= plain.count + ns + BlockLayout.tagSize)
         let o = out.baseAddress!.assumingMemoryBound(to: UInt8.self)
-        randombytes_buf(o, ns)
+        NonceStream.fill(o, count: ns)
         let m = plain.baseAddress?.assumingMemoryBound(to: UInt8.self)
         var clen: UInt64 = 0
         let rc: Int32 = try withAD(block, last: last) { ad in
