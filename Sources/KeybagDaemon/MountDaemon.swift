@@ -21,6 +21,10 @@ public struct MountConfiguration: Sendable {
     public var inactivityRelock: Double? = nil
     /// Whether the kernel may cache writes (write-back) for handles that are not class A.
     public var writebackCache = true
+    /// Most FUSE loop threads (`fuse_loop_cfg_set_max_threads`).
+    public var threads = MountConfiguration.defaultThreads
+    /// The loop's thread limit unless `--threads` says otherwise.
+    public static let defaultThreads = 16
     /// Descriptor to report readiness on ("OK" or "ERR message"), from the launching parent.
     public var readyFD: Int32?
 
@@ -205,7 +209,7 @@ public enum MountDaemon {
         }
 
         let loopCfg = fuse_loop_cfg_create()
-        fuse_loop_cfg_set_max_threads(loopCfg, 16)
+        fuse_loop_cfg_set_max_threads(loopCfg, UInt32(cfg.threads))
         fuse_loop_cfg_set_clone_fd(loopCfg, 1)
         let rc = fuse_session_loop_mt(se, loopCfg)
         fuse_loop_cfg_destroy(loopCfg)

@@ -153,6 +153,9 @@ struct Mount: ParsableCommand {
     @Flag(help: "Send every write to the daemon at once instead of through the kernel's write-back cache (slower; a full disk then fails the write() itself rather than the later fsync() or close()).")
     var noWritebackCache = false
 
+    @Option(help: "Most threads serving FUSE requests at once (1-256); each waits in its own clone of /dev/fuse.")
+    var threads: Int = MountConfiguration.defaultThreads
+
     @Option(name: .customShort("o"), help: "FUSE mount options, comma separated (e.g. allow_other).")
     var options: [String] = []
 
@@ -161,7 +164,7 @@ struct Mount: ParsableCommand {
 
     /// keybagfs' own settings inside `-o` (fstab and mount.fuse3 pass everything there):
     /// `device-key=`, `socket=`, `default-class=`, `grace=`, `policy=`, `owner=`,
-    /// `inactivity-relock=`, `no-writeback-cache`; mount(8)'s own words are dropped; the rest goes to FUSE.
+    /// `inactivity-relock=`, `no-writeback-cache`, `threads=`; mount(8)'s own words are dropped; the rest goes to FUSE.
     mutating func takeOwnOptions() throws {
         var fuse: [String] = []
         for o in options.flatMap({ $0.split(separator: ",").map(String.init) }) where !o.isEmpty {
@@ -178,6 +181,9 @@ struct Mount: ParsableCommand {
                 guard let g = Double(value) else { throw ValidationError("-o grace=\(value): not a number of seconds") }
                 grace = g
             case "no-writeback-cache": noWritebackCache = true
+            case "threads":
+                guard let n = Int(value) else { throw ValidationError("-o threads=\(value): not a number") }
+                threads = n
             case "inactivity-relock":
                 guard let h = Double(value) else { throw ValidationError("-o inactivity-relock=\(value): not a number of hours") }
                 inactivityRelock = h
@@ -206,6 +212,7 @@ struct Mount: ParsableCommand {
             throw ValidationError("--inactivity-relock must be more than 0 and at most 8760 hours")
         }
         _ = try ownerUID()
+        guard (1...256).contains(threads) else { throw ValidationError("--threads must be 1 to 256") }
         guard grace >= 0, grace.isFinite else { throw ValidationError("--grace must be 0 or more seconds") }
         var isDir: ObjCBool = false
         guard FileManager.default.fileExists(atPath: mountpoint, isDirectory: &isDir), isDir.boolValue else {
@@ -244,6 +251,7 @@ struct Mount: ParsableCommand {
             cfg.owner = try ownerUID()
             cfg.inactivityRelock = inactivityRelock.map { $0 * 3600 }
             cfg.writebackCache = !noWritebackCache
+            cfg.threads = threads
             let rc = MountDaemon.run(cfg)
             if rc != 0 { throw ExitCode(rc) }
             return

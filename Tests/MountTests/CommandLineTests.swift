@@ -123,14 +123,23 @@ final class CommandLineTests: XCTestCase {
         XCTAssertEqual(MountFixture.run(bin + "/keybagfs", ["mount", m.root, m.mnt, "--socket", m.socket]).code, 1)
         XCTAssertEqual(MountFixture.run(bin + "/keybagfs", ["mount", m.store, m.root + "/nope"]).code, 2)
         XCTAssertEqual(MountFixture.run(bin + "/keybagfs", ["mount", m.store, m.mnt, "--default-class", "classZ"]).code, 2)
+        for bad in [["--threads", "0"], ["--threads", "257"], ["-o", "threads=many"]] {
+            let r = MountFixture.run(bin + "/keybagfs", ["mount", m.store, m.mnt, "--device-key", m.deviceKey, "--socket", m.socket] + bad)
+            XCTAssertEqual(r.code, 2, "\(bad): \(r.stderr)")
+            XCTAssertTrue(r.stderr.contains("threads"), r.stderr)
+        }
+        XCTAssertFalse(m.isMounted)
         // A corrupt keybag is reported, not crashed on.
         try Data("{ not json".utf8).write(to: URL(fileURLWithPath: m.store + "/keybag"))
         let corrupt = MountFixture.run(bin + "/keybagfs", ["mount", m.store, m.mnt, "--device-key", m.deviceKey, "--socket", m.socket])
         XCTAssertEqual(corrupt.code, 1)
         XCTAssertTrue(corrupt.stderr.contains("keybag"), corrupt.stderr)
         try keybag.write(to: URL(fileURLWithPath: m.store + "/keybag"))
-        try m.mount()
+        try m.mount(extra: ["-o", "threads=2"])
         XCTAssertEqual(m.state, "beforeFirstUnlock")
+        m.unlock()
+        XCTAssertEqual(writeFile(m.path("two-threads"), bytes("served")), 0)
+        XCTAssertEqual(try readFile(m.path("two-threads")).get(), bytes("served"))
         // Help that a person can follow.
         let help = MountFixture.run(bin + "/keybagfs", ["mount", "--help"])
         XCTAssertEqual(help.code, 0)
