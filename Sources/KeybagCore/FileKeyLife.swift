@@ -105,14 +105,15 @@ public struct FileKeyLife: Sendable {
         openCount += 1
     }
 
-    /// A handle closed; true at the last close. The last close of a class B file wipes its
-    /// key while class B cannot open.
-    public mutating func release(keyring: ClassKeyring) -> Bool {
+    /// A handle closed. The last close of a class B file wipes its key while class B cannot
+    /// open; `pagesMustGo` then says the inode's cached plaintext must leave the kernel too.
+    public mutating func release(keyring: ClassKeyring) -> (lastClose: Bool, pagesMustGo: Bool) {
         openCount = max(0, openCount - 1)
         if openCount == 0, header?.protectionClass == .completeUnlessOpen, !keyring.access.canOpen(.completeUnlessOpen) {
             dropKey()
+            return (true, true)
         }
-        return openCount == 0
+        return (openCount == 0, false)
     }
 
     /// Whether a lock must drop this inode's cached pages: class A, or class B with no

@@ -20,6 +20,8 @@ final class Controller: Sendable {
     let defaultGrace: Double
     /// The FUSE session (bit pattern), for page-cache invalidation.
     let session = Atomic<UInt>(0)
+    /// Serial queue for invalidations asked by request handlers (`dropPagesSoon`).
+    private let pageDrops = DispatchQueue(label: "keybagfs.page-drops")
     /// The mount point, for `status`.
     let mountpoint: String
 
@@ -238,6 +240,13 @@ final class Controller: Sendable {
         }
     }
 
+    /// Drops the cached pages of an inode whose class B key died with its last close, on a
+    /// queue of its own: never from a FUSE thread, which the kernel may need to serve a
+    /// write-back while it invalidates.
+    func dropPagesSoon(_ id: UInt64) {
+        pageDrops.async { self.invalidatePageCache([id], pass: "last close of a class B file") }
+    }
+
     /// Asks the kernel to write back and drop the cached pages of `ids`; failures other
     /// than "the kernel no longer knows this inode" are logged.
     private func invalidatePageCache(_ ids: [UInt64], pass: String) {
@@ -255,8 +264,10 @@ final class Controller: Sendable {
         }
     }
 
-    /// Daemon exit: every key zeroed.
+    /// Daemon exit: every key zeroed (after the queued page drops, which may still hold
+    /// the session: the caller cleared `session` first).
     func shutdown() {
+        pageDrops.sync {}
         transitions.withLock { _ in keyring.wipeAll() }
         fs.wipeFileKeys()
         deviceKey.wipe()

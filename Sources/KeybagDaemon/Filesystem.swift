@@ -62,6 +62,9 @@ final class Filesystem: Sendable {
     let policy: ClassPolicy
     /// Open file handles (for `status`).
     let openFiles = Atomic<Int>(0)
+    /// Asks the kernel to drop an inode's cached pages, soon and from another thread (set
+    /// by the daemon once the FUSE session exists).
+    let dropPages = Locked<(@Sendable (UInt64) -> Void)?>(nil)
     /// Whether created objects are chowned to the caller (the daemon runs as root).
     let chownToCaller: Bool
 
@@ -451,10 +454,14 @@ final class Filesystem: Sendable {
         }
     }
 
-    /// The last close of a handle: class B file keys die with the last handle once locked.
+    /// The last close of a handle: class B file keys die with the last handle once locked,
+    /// and the inode's cached pages are handed to `dropPages` (which tells the kernel from
+    /// a thread of its own, not this FUSE thread).
     func release(_ h: FileHandle) {
         HeapTrimmer.shared.note()
-        let (lastClose, header) = h.node.io.write { st in (st.release(keyring: keyring), st.header) }
+        let (closed, header) = h.node.io.write { st in (st.release(keyring: keyring), st.header) }
+        let lastClose = closed.lastClose
+        if closed.pagesMustGo { dropPages.withLock { $0 }?(h.node.id) }
         openFiles.subtract(1, ordering: .relaxed)
         // The last close of a file unlinked while open takes its xattr set with it.
         if lastClose, let header, hasStoredXattrs {

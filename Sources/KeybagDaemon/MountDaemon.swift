@@ -198,6 +198,7 @@ public enum MountDaemon {
         FuseChannel.noteReadaheadFile(mountpoint: mountpoint)
         if !FuseChannel.install(se) { log("cannot install the FUSE I/O hooks; class A handles keep page-cache I/O") }
         controller.session.store(UInt(bitPattern: Int(bitPattern: UnsafeRawPointer(se))), ordering: .releasing)
+        fs.dropPages.withLock { $0 = { [controller] id in controller.dropPagesSoon(id) } }
         server.start()
         HeapTrimmer.shared.start()
         report(cfg, "OK")
@@ -214,6 +215,7 @@ public enum MountDaemon {
         let rc = fuse_session_loop_mt(se, loopCfg)
         fuse_loop_cfg_destroy(loopCfg)
 
+        fs.dropPages.withLock { $0 = nil }
         controller.session.store(0, ordering: .releasing)
         HeapTrimmer.shared.stop()
         server.stop()

@@ -107,11 +107,16 @@ final class FileKeyLifeTests: XCTestCase {
             assertUnavailable(try b.changeClass(to: target, keyring: ring, cipher: cipher) { _ in XCTFail("persisted") }, "B -> \(target) while locked")
         }
         XCTAssertEqual(b.protectionClass, .completeUnlessOpen)
-        XCTAssertTrue(b.release(keyring: ring))
+        let closed = b.release(keyring: ring)
+        XCTAssertTrue(closed.lastClose)
+        XCTAssertTrue(closed.pagesMustGo, "the kernel's cached plaintext must go with the key")
         XCTAssertTrue(k.isWiped, "the last close while locked wipes the key")
         assertUnavailable(try b.open(keyring: ring, cipher: cipher), "reopen while locked")
         ring.install(try freshUnlock())
         _ = try b.open(keyring: ring, cipher: cipher)
+        let unlockedClose = b.release(keyring: ring)
+        XCTAssertTrue(unlockedClose.lastClose)
+        XCTAssertFalse(unlockedClose.pagesMustGo, "unlocked, the key and the pages stay")
     }
 
     func testClassChangesNeedTheCurrentClassOpenableAndTheTargetCreatable() throws {

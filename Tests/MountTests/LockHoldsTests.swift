@@ -156,6 +156,43 @@ final class LockHoldsTests: XCTestCase {
         }
     }
 
+    /// The page cache in MiB (`Cached:` of /proc/meminfo): FUSE pages are counted there.
+    func cachedMiB() -> Int {
+        let line = (ProcFile.read("/proc/meminfo") ?? "").split(separator: "\n").first { $0.hasPrefix("Cached:") } ?? ""
+        return (Int(line.split(separator: " ").dropFirst().first ?? "") ?? 0) / 1024
+    }
+
+    // The last close of a class B file while locked takes its plaintext out of the kernel's
+    // page cache too, not only its key out of the daemon: for a file open through the lock,
+    // and for one created while locked. (A root memory dump after the close finds neither.)
+    func testLastCloseOfClassBFileWhileLockedDropsItsPageCache() throws {
+        let m = try unlockedMount(["b": "completeUnlessOpen"])
+        let size = 64 << 20
+        let data = [UInt8](repeating: 0x5a, count: size)
+        func dropAfterClose(_ fd: Int32, _ what: String) {
+            XCTAssertEqual(try sysPwrite(fd, data, 0).get(), size, what)
+            XCTAssertEqual(fsync(fd), 0, what)
+            XCTAssertEqual(try sysPread(fd, size, 0).get().count, size, "\(what): read back while locked")
+            let before = cachedMiB()
+            close(fd)
+            let dropped = waitUntil(5) { before - self.cachedMiB() >= 48 }
+            XCTAssertTrue(dropped, "\(what): page cache \(before) MiB before the last close, \(cachedMiB()) MiB after")
+            XCTAssertEqual(sysOpen(m.path("b/\(what)"), O_RDONLY), -EACCES, "\(what): open while locked")
+        }
+        let open = sysOpen(m.path("b/open"), O_RDWR | O_CREAT | O_EXCL)
+        XCTAssertGreaterThanOrEqual(open, 0)
+        m.lock(grace: 0)
+        XCTAssertEqual(m.state, "locked")
+        dropAfterClose(open, "open")
+        let created = sysOpen(m.path("b/created"), O_RDWR | O_CREAT | O_EXCL)
+        XCTAssertGreaterThanOrEqual(created, 0, "class B create while locked")
+        dropAfterClose(created, "created")
+        m.unlock()
+        for name in ["open", "created"] {
+            XCTAssertEqual(try readFile(m.path("b/\(name)")).get(), data, "\(name) after unlock")
+        }
+    }
+
     // Item 2: dirty pages of a shared mapping are written back by the lock, not dropped.
     func testDirtySharedMappingOfClassAFileSurvivesALock() throws {
         let m = try unlockedMount(["a": "complete"])
