@@ -1,8 +1,8 @@
 import Glibc
 
 /// Named pauses at the daemon's race windows, for tests only: `KEYBAGFS_TEST_FAILPOINTS`
-/// lists `name=sleep:MILLISECONDS` or `name=stop` (the daemon stops itself with SIGSTOP,
-/// so a test can SIGKILL it at exactly that instant). Unset in production: every hit
+/// lists `name=sleep:MILLISECONDS`, `name=stop` (the daemon stops itself with SIGSTOP,
+/// so a test can SIGKILL it at exactly that instant) or `name=on` (a switch). Unset in production: every hit
 /// is one dictionary lookup in an empty table.
 enum Failpoint: String, Sendable {
     /// In create, after the header is sealed and before the file key joins its inode.
@@ -16,9 +16,12 @@ enum Failpoint: String, Sendable {
     /// In a read, write or open whose file key is refused, before EACCES goes back (a
     /// pause here is what a daemon that waits for keys would do).
     case keyRefused = "key-refused"
+    /// A switch: the INIT reply ignores the kernel's offer of FUSE_DIRECT_IO_ALLOW_MMAP, as
+    /// on kernels before 6.6.
+    case kernelWithoutDirectIOMmap = "kernel-without-direct-io-mmap"
 
     /// What a failpoint does when reached.
-    enum Action: Sendable, Equatable { case sleep(UInt32), stop }
+    enum Action: Sendable, Equatable { case sleep(UInt32), stop, on }
 
     /// The actions configured for this process.
     static let actions: [String: Action] = {
@@ -28,6 +31,7 @@ enum Failpoint: String, Sendable {
             let parts = item.split(separator: "=", maxSplits: 1).map(String.init)
             guard parts.count == 2 else { continue }
             if parts[1] == "stop" { table[parts[0]] = .stop }
+            else if parts[1] == "on" { table[parts[0]] = .on }
             else if parts[1].hasPrefix("sleep:"), let ms = UInt32(parts[1].dropFirst(6)) { table[parts[0]] = .sleep(ms) }
         }
         return table
@@ -39,6 +43,10 @@ enum Failpoint: String, Sendable {
         switch action {
         case .sleep(let ms): usleep(ms * 1000)
         case .stop: raise(SIGSTOP)
+        case .on: break
         }
     }
+
+    /// Whether a switch is on.
+    var isOn: Bool { !Self.actions.isEmpty && Self.actions[rawValue] == .on }
 }

@@ -209,7 +209,27 @@ final class Filesystem: Sendable {
     }
 
     /// getattr.
-    func getattr(_ id: UInt64) throws -> stat { try node(id).withPathFD { try attributes(fd: $0) } }
+    func getattr(_ id: UInt64, handle: FileHandle? = nil) throws -> stat {
+        let n = try node(id)
+        // The kernel names a handle when it needs fresh attributes before using it — with
+        // the write-back cache, before every write() into the page cache. For a class A file
+        // while class A cannot open, that is refused: a handle opened while the file was of
+        // another class has page-cache I/O, and a full page written through it would
+        // otherwise stay in the kernel, in plaintext, without reaching us.
+        if handle != nil, !keyring.access.canOpen(.complete), n.io.read({ $0.protectionClass }) == .complete {
+            throw FSError(EACCES)
+        }
+        return try n.withPathFD { try attributes(fd: $0) }
+    }
+
+    /// Seconds the kernel may keep a node's attributes: `normal`, but none for a class A file
+    /// while class A cannot open, so that every write the kernel would take into its page
+    /// cache asks for them first (see `getattr`).
+    func attributeSeconds(_ id: UInt64, normal: Double) -> Double {
+        guard !keyring.access.canOpen(.complete), let n = table.node(id), n.isRegular,
+              n.io.read({ $0.protectionClass }) == .complete else { return normal }
+        return 0
+    }
 
     /// access(2). The kernel asks only on mounts without `default_permissions` (root's
     /// private mount): the mode bits decide as the kernel would, root may read and write

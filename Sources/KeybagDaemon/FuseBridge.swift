@@ -53,7 +53,7 @@ enum FuseBridge {
         var e = fuse_entry_param()
         e.ino = node.id
         e.attr = st
-        e.attr_timeout = ctx.cacheTimeout
+        e.attr_timeout = ctx.fs.attributeSeconds(node.id, normal: ctx.cacheTimeout)
         e.entry_timeout = ctx.cacheTimeout
         fuse_reply_entry(req, &e)
     }
@@ -88,7 +88,7 @@ enum FuseBridge {
                 guard let parent, let (n, st) = try? ctx.fs.lookupBacking(parent, e.backing) else { i += 1; continue }
                 entry.ino = n.id
                 entry.attr = st
-                entry.attr_timeout = ctx.cacheTimeout
+                entry.attr_timeout = ctx.fs.attributeSeconds(n.id, normal: ctx.cacheTimeout)
                 entry.entry_timeout = ctx.cacheTimeout
                 counted = n.id
             }
@@ -162,9 +162,12 @@ enum FuseBridge {
             if let forgets { for i in 0..<count { fs.table.forget(forgets[i].ino, count: forgets[i].nlookup) } }
             fuse_reply_none(req)
         }
-        ops.getattr = { req, ino, _ in
-            do { var st = try FuseBridge.context(req).fs.getattr(ino); fuse_reply_attr(req, &st, FuseBridge.context(req).cacheTimeout) }
-            catch { FuseBridge.fail(req, error) }
+        ops.getattr = { req, ino, fi in
+            let ctx = FuseBridge.context(req)
+            do {
+                var st = try ctx.fs.getattr(ino, handle: FuseBridge.handle(fi))
+                fuse_reply_attr(req, &st, ctx.fs.attributeSeconds(ino, normal: ctx.cacheTimeout))
+            } catch { FuseBridge.fail(req, error) }
         }
         ops.access = { req, ino, mask in
             let caller = FuseBridge.caller(req)   // groups come from /proc: only read when they can matter
@@ -188,7 +191,7 @@ enum FuseBridge {
                     size: s & FUSE_SET_ATTR_SIZE != 0 ? Int(a.st_size) : nil,
                     atime: ts(FUSE_SET_ATTR_ATIME, FUSE_SET_ATTR_ATIME_NOW, a.st_atim),
                     mtime: ts(FUSE_SET_ATTR_MTIME, FUSE_SET_ATTR_MTIME_NOW, a.st_mtim), clearSetID: killsSetID)
-                fuse_reply_attr(req, &st, FuseBridge.context(req).cacheTimeout)
+                fuse_reply_attr(req, &st, FuseBridge.context(req).fs.attributeSeconds(ino, normal: FuseBridge.context(req).cacheTimeout))
             } catch { FuseBridge.fail(req, error) }
         }
         ops.readlink = { req, ino in
@@ -242,7 +245,7 @@ enum FuseBridge {
                 var e = fuse_entry_param()
                 e.ino = n.id
                 e.attr = st
-                e.attr_timeout = FuseBridge.context(req).cacheTimeout
+                e.attr_timeout = FuseBridge.context(req).fs.attributeSeconds(n.id, normal: FuseBridge.context(req).cacheTimeout)
                 e.entry_timeout = FuseBridge.context(req).cacheTimeout
                 if fuse_reply_create(req, &e, fi) != 0 { FuseBridge.context(req).fs.release(h); Unmanaged<FileHandle>.fromOpaque(UnsafeRawPointer(bitPattern: UInt(fi.pointee.fh))!).release() }
             } catch { FuseBridge.fail(req, error) }

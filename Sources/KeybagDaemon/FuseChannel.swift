@@ -23,6 +23,8 @@ enum FuseChannel {
     static let initExt: UInt32 = 1 << 30
     /// FUSE_HANDLE_KILLPRIV_V2 (first flag word).
     static let killPrivV2: UInt32 = 1 << 28
+    /// FUSE_WRITEBACK_CACHE (first flag word).
+    static let writebackCacheFlag: UInt32 = 1 << 16
     /// FUSE_DIRECT_IO_ALLOW_MMAP (flag bit 36) as a bit of the second word.
     static let allowMmap: UInt32 = 1 << 4
     /// Largest read and write request asked for, and the readahead window to match.
@@ -40,8 +42,14 @@ enum FuseChannel {
     /// Whether the kernel was told direct-I/O handles may be mapped shared.
     private static let granted = Atomic<Bool>(false)
 
+    /// Whether the kernel's write-back cache is in effect (set with the INIT reply).
+    private static let writeback = Atomic<Bool>(false)
+
     /// Whether direct-I/O handles may be mapped shared on this mount.
     static var directIOMappable: Bool { granted.load(ordering: .acquiring) }
+
+    /// Whether writes through cached handles land in the kernel's page cache first.
+    static var writebackInEffect: Bool { writeback.load(ordering: .acquiring) }
 
     /// Installs the hooks on a mounted session (same descriptor); false if libfuse refuses.
     static func install(_ se: OpaquePointer) -> Bool {
@@ -119,15 +127,15 @@ enum FuseChannel {
         guard let offered else { return false }
         initPending.store(false, ordering: .relaxed)
         guard head.loadUnaligned(fromByteOffset: 4, as: Int32.self) == 0, iov[1].iov_len >= 36, let body = iov[1].iov_base else { return true }
-        let flags = body.loadUnaligned(fromByteOffset: 12, as: UInt32.self)
-        if offered.flags & killPrivV2 != 0 {
-            body.storeBytes(of: flags | killPrivV2, toByteOffset: 12, as: UInt32.self)
-        }
-        if offered.flags2 & allowMmap != 0, flags & initExt != 0 {
+        var flags = body.loadUnaligned(fromByteOffset: 12, as: UInt32.self)
+        if offered.flags & killPrivV2 != 0 { flags |= killPrivV2 }
+        if offered.flags2 & allowMmap != 0, flags & initExt != 0, !Failpoint.kernelWithoutDirectIOMmap.isOn {
             let flags2 = body.loadUnaligned(fromByteOffset: 32, as: UInt32.self)
             body.storeBytes(of: flags2 | allowMmap, toByteOffset: 32, as: UInt32.self)
             granted.store(true, ordering: .releasing)
         }
+        body.storeBytes(of: flags, toByteOffset: 12, as: UInt32.self)
+        writeback.store(flags & writebackCacheFlag != 0, ordering: .releasing)
         return true
     }
 }

@@ -193,6 +193,51 @@ final class LockHoldsTests: XCTestCase {
         }
     }
 
+    /// Opens `path` read-write (a cached handle unless the file is class A), writes one full
+    /// page at 0 and syncs; after `lock`, a full-page write through it must be refused and
+    /// never appear, and the file must read as before once unlocked.
+    func assertFullPageWriteRefusedAfterLock(_ m: MountFixture, _ path: String, makeComplete: Bool,
+                                             file: StaticString = #filePath, line: UInt = #line) {
+        let original = [UInt8](repeating: 0x41, count: 4 * 4096)
+        XCTAssertEqual(writeFile(path, original), 0, file: file, line: line)
+        let fd = sysOpen(path, O_RDWR)
+        XCTAssertGreaterThanOrEqual(fd, 0, file: file, line: line)
+        defer { close(fd) }
+        XCTAssertEqual(try sysPread(fd, 4096, 0).get(), Array(original[0..<4096]), file: file, line: line)
+        if makeComplete { XCTAssertEqual(setXattr(path, "complete"), 0, "class change with the handle open", file: file, line: line) }
+        XCTAssertEqual(try getXattr(path).get(), "complete", file: file, line: line)
+        m.lock(grace: 0)
+        XCTAssertEqual(m.state, "locked", file: file, line: line)
+        for round in 0..<3 {
+            // A stat by anyone refreshes the kernel's attributes between the writes.
+            var st = stat()
+            XCTAssertEqual(stat(path, &st), 0, file: file, line: line)
+            let w = sysPwrite(fd, [UInt8](repeating: 0x5a, count: 4096), 8192)
+            XCTAssertEqual(errnoOf(w), EACCES, "round \(round): a full-page write to a class A file through an old descriptor after the lock (returned \(w))", file: file, line: line)
+            XCTAssertEqual(errnoOf(sysPread(fd, 4096, 8192)), EACCES, file: file, line: line)
+        }
+        m.unlock()
+        XCTAssertEqual(try readFile(path).get(), original, "the file after unlock", file: file, line: line)
+    }
+
+    // A handle opened while the file was class C uses the page cache; when the file becomes
+    // `complete` while it is open, a full page written through it after the lock must still
+    // be refused (the kernel would otherwise keep it, as plaintext, without asking us).
+    func testFileMadeCompleteWhileOpenRefusesPageCacheWritesAfterALock() throws {
+        let m = try unlockedMount()
+        assertFullPageWriteRefusedAfterLock(m, m.path("f"), makeComplete: true)
+    }
+
+    // On a kernel that cannot map direct-I/O handles (before 6.6, Debian 12's 6.1), class A
+    // handles use the page cache; a full-page write through one after the lock must be
+    // refused all the same (seen accepted before: 4096 bytes, read back while locked).
+    func testClassAOnAKernelWithoutDirectIOMmapRefusesWritesAfterALock() throws {
+        let m = try unlockedMount(["a": "complete"], environment: ["KEYBAGFS_TEST_FAILPOINTS": "kernel-without-direct-io-mmap=on"])
+        XCTAssertEqual(m.status()["classADirectIO"] as? Bool, false, "the switch takes effect")
+        XCTAssertEqual(m.status()["writebackCache"] as? Bool, true)
+        assertFullPageWriteRefusedAfterLock(m, m.path("a/f"), makeComplete: false)
+    }
+
     // Item 2: dirty pages of a shared mapping are written back by the lock, not dropped.
     func testDirtySharedMappingOfClassAFileSurvivesALock() throws {
         let m = try unlockedMount(["a": "complete"])
