@@ -46,13 +46,16 @@ public final class ClassKeyring: Sendable {
         var d: SecureKey?
         var epoch: UInt64 = 1
         var evicting = false
+        /// Between `beginReturnToBeforeFirstUnlock` and `returnToBeforeFirstUnlock`: class B
+        /// and C keys only write back dirty pages.
+        var returning = false
 
         /// The snapshot these keys allow.
         var access: KeyAccess {
             var open: UInt8 = 0, create: UInt8 = 0
             if d != nil { open |= KeyAccess.bit(.none); create |= KeyAccess.bit(.none) }
-            if c != nil { open |= KeyAccess.bit(.completeUntilFirstUserAuthentication); create |= KeyAccess.bit(.completeUntilFirstUserAuthentication) }
-            if bPublic != nil { create |= KeyAccess.bit(.completeUnlessOpen) }
+            if c != nil && !returning { open |= KeyAccess.bit(.completeUntilFirstUserAuthentication); create |= KeyAccess.bit(.completeUntilFirstUserAuthentication) }
+            if bPublic != nil && !returning { create |= KeyAccess.bit(.completeUnlessOpen) }
             if !evicting {
                 if bSecret != nil && bPublic != nil { open |= KeyAccess.bit(.completeUnlessOpen) }
                 if a != nil { open |= KeyAccess.bit(.complete); create |= KeyAccess.bit(.complete) }
@@ -118,15 +121,27 @@ public final class ClassKeyring: Sendable {
         finishEviction()
     }
 
-    /// Return to `beforeFirstUnlock` (inactivity): zeroes the class C key and the class B
-    /// public key too, in a new epoch; only class D stays. Open class B and C handles stop
-    /// working (`FileKeyLife.allows`).
+    /// Return to `beforeFirstUnlock` (inactivity), step 1: a new epoch; class B and C can no
+    /// longer be opened, read or created, while their keys stay in memory for writing back
+    /// dirty pages (as `beginEviction` does for a lock).
+    public func beginReturnToBeforeFirstUnlock() {
+        update { k in
+            k.epoch &+= 1
+            k.evicting = true
+            k.returning = true
+        }
+    }
+
+    /// Return to `beforeFirstUnlock`, step 2: zeroes the class C key and the class B public
+    /// key too; only class D stays. Open class B and C handles stop working
+    /// (`FileKeyLife.allows`).
     public func returnToBeforeFirstUnlock() {
         update { k in
             for key in [k.a, k.bSecret, k.c] { key?.wipe() }
             k.a = nil; k.bSecret = nil; k.c = nil; k.bPublic = nil
-            k.epoch &+= 1
+            if !k.returning { k.epoch &+= 1 }
             k.evicting = false
+            k.returning = false
         }
     }
 

@@ -12,7 +12,8 @@
 ///   through a lock; the last close while B cannot open wipes it; so does an eviction when
 ///   no handle is open.
 /// - `completeUntilFirstUserAuthentication` (C), `none` (D): not touched by a lock. A return
-///   to `beforeFirstUnlock` (inactivity) wipes C and B keys, open handles or not.
+///   to `beforeFirstUnlock` (inactivity) first lets C and B keys only write back dirty
+///   pages, then wipes them, open handles or not.
 /// - A class change needs the current class openable now — not merely a key some handle
 ///   holds — and the target class's wrapping key.
 public struct FileKeyLife: Sendable {
@@ -52,8 +53,10 @@ public struct FileKeyLife: Sendable {
     static func allows(_ cls: ProtectionClass, use: Use, keyEpoch: UInt64, _ access: KeyAccess) -> Bool {
         switch cls {
         case .none: return true
-        case .completeUntilFirstUserAuthentication: return access.canOpen(cls)   // outlives a lock, not a return to beforeFirstUnlock
-        case .completeUnlessOpen: return access.canCreate(cls)   // lives with its handles while the public key does
+        // C outlives a lock, not a return to beforeFirstUnlock; B lives with its handles while
+        // the public key does. Both still write back dirty pages while that return evicts.
+        case .completeUntilFirstUserAuthentication: return access.canOpen(cls) || (use == .write && access.evicting)
+        case .completeUnlessOpen: return access.canCreate(cls) || (use == .write && access.evicting)
         case .complete: break
         }
         if access.canOpen(.complete) { return keyEpoch == access.epoch }

@@ -92,8 +92,9 @@ final class Controller: Sendable {
         }
         transitions.withLock { _ in
             guard machine.withLock({ $0.state == .locked && $0.ticket == ticket }) else { return }
-            // Write back what the page cache holds while the keys exist, then drop every
-            // key but class D's, then drop what was cached in between.
+            // Refuse class B and C at once, write back what the page cache holds while the
+            // keys exist, then drop every key but class D's and what was cached in between.
+            keyring.beginReturnToBeforeFirstUnlock()
             invalidatePageCache(fs.inodesHoldingKeysButNone(), pass: "inactivity write-back")
             keyring.returnToBeforeFirstUnlock()
             let evicted = fs.evictAllFileKeysButNone()

@@ -212,22 +212,28 @@ final class Filesystem: Sendable {
     func getattr(_ id: UInt64, handle: FileHandle? = nil) throws -> stat {
         let n = try node(id)
         // The kernel names a handle when it needs fresh attributes before using it — with
-        // the write-back cache, before every write() into the page cache. For a class A file
-        // while class A cannot open, that is refused: a handle opened while the file was of
-        // another class has page-cache I/O, and a full page written through it would
-        // otherwise stay in the kernel, in plaintext, without reaching us.
-        if handle != nil, !keyring.access.canOpen(.complete), n.io.read({ $0.protectionClass }) == .complete {
-            throw FSError(EACCES)
-        }
+        // the write-back cache, before every write() into the page cache. For a file whose
+        // handles are refused now, so is that: a cached handle (class B or C, or one opened
+        // before the file became class A) would otherwise take a full page into the kernel,
+        // in plaintext, without reaching us.
+        if handle != nil, handlesRefused(n) { throw FSError(EACCES) }
         return try n.withPathFD { try attributes(fd: $0) }
     }
 
-    /// Seconds the kernel may keep a node's attributes: `normal`, but none for a class A file
-    /// while class A cannot open, so that every write the kernel would take into its page
-    /// cache asks for them first (see `getattr`).
+    /// Whether I/O through the file's open handles is refused now: class A while locked,
+    /// classes B and C once back in (or returning to) `beforeFirstUnlock`. Class B handles
+    /// opened before a lock keep working.
+    func handlesRefused(_ n: Node) -> Bool {
+        guard n.isRegular, let cls = n.io.read({ $0.protectionClass }), cls != .none else { return false }
+        let access = keyring.access
+        return !access.canOpen(cls) && (cls == .complete || !access.canCreate(cls))
+    }
+
+    /// Seconds the kernel may keep a node's attributes: `normal`, but none while its
+    /// handles are refused, so that every write the kernel would take into its page cache
+    /// asks for them first (see `getattr`).
     func attributeSeconds(_ id: UInt64, normal: Double) -> Double {
-        guard !keyring.access.canOpen(.complete), let n = table.node(id), n.isRegular,
-              n.io.read({ $0.protectionClass }) == .complete else { return normal }
+        guard let n = table.node(id), handlesRefused(n) else { return normal }
         return 0
     }
 

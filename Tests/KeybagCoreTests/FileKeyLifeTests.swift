@@ -138,6 +138,31 @@ final class FileKeyLifeTests: XCTestCase {
         XCTAssertEqual(c.protectionClass, .completeUnlessOpen)
     }
 
+    // The inactivity return in two steps, like a lock: first nothing of class B or C may be
+    // opened, read or created while their keys still write back dirty pages; then the keys go.
+    func testReturnToBeforeFirstUnlockWritesBackFirstAndRefusesReadsAtOnce() throws {
+        let ring = try unlockedKeyring()
+        var b = try file(.completeUnlessOpen, ring), c = try file(.completeUntilFirstUserAuthentication, ring)
+        let kb = try b.open(keyring: ring, cipher: cipher), kc = try c.open(keyring: ring, cipher: cipher)
+        ring.evictForLock()
+        XCTAssertTrue(b.readyKey(for: .read, ring.access) === kb, "locked: the open class B handle keeps reading")
+        ring.beginReturnToBeforeFirstUnlock()
+        XCTAssertTrue(ring.access.evicting)
+        for cls in [ProtectionClass.completeUnlessOpen, .completeUntilFirstUserAuthentication] {
+            XCTAssertFalse(ring.access.canOpen(cls), "\(cls)"); XCTAssertFalse(ring.access.canCreate(cls), "\(cls)")
+        }
+        XCTAssertTrue(ring.access.canOpen(.none))
+        XCTAssertNil(b.readyKey(for: .read, ring.access)); XCTAssertNil(c.readyKey(for: .read, ring.access))
+        XCTAssertTrue(b.readyKey(for: .write, ring.access) === kb, "dirty class B pages are written back")
+        XCTAssertTrue(c.readyKey(for: .write, ring.access) === kc, "dirty class C pages are written back")
+        assertUnavailable(try c.key(for: .read, keyring: ring, cipher: cipher), "class C read while returning")
+        ring.returnToBeforeFirstUnlock()
+        XCTAssertFalse(ring.access.evicting)
+        XCTAssertTrue(b.evictAllButNone()); XCTAssertTrue(c.evictAllButNone())
+        XCTAssertTrue(kb.isWiped); XCTAssertTrue(kc.isWiped)
+        assertUnavailable(try c.key(for: .write, keyring: ring, cipher: cipher), "class C write after the return")
+    }
+
     func testKeyringPublishesWhatEachStepAllows() throws {
         let ring = ClassKeyring(classD: SecureKey(random: 32))
         XCTAssertEqual(ProtectionClass.allCases.filter { ring.access.canOpen($0) }, [.none])

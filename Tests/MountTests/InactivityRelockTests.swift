@@ -62,6 +62,37 @@ final class InactivityRelockTests: XCTestCase {
         XCTAssertEqual(try sysPread(heldC, 64, 0).get(), bytes("data of completeUntilFirstUserAuthentication"), "the old handle reads again")
     }
 
+    // The kernel takes a full-page write through a cached handle into its page cache without
+    // asking the daemon; after the return to beforeFirstUnlock, old class B and C handles
+    // must still be refused (and nothing written read back), as class A's are after a lock.
+    func testFullPageWritesThroughOldHandlesAreRefusedAfterTheReturn() throws {
+        let m = try classedMount()
+        addTeardownBlock { m.close() }
+        var held: [String: Int32] = [:]
+        for dir in ["b", "c"] {
+            let fd = sysOpen(m.path(dir + "/f"), O_RDWR)
+            XCTAssertGreaterThanOrEqual(fd, 0)
+            held[dir] = fd
+        }
+        defer { held.values.forEach { close($0) } }
+        m.lock()
+        XCTAssertTrue(waitUntil(10) { m.status()["state"] as? String == "beforeFirstUnlock" }, "back to beforeFirstUnlock")
+        for (dir, fd) in held.sorted(by: { $0.key < $1.key }) {
+            for round in 0..<3 {
+                var st = stat()
+                XCTAssertEqual(stat(m.path(dir + "/f"), &st), 0, "metadata stays")
+                let w = sysPwrite(fd, [UInt8](repeating: 0x5a, count: 4096), 8192)
+                XCTAssertEqual(errnoOf(w), EACCES, "\(dir) round \(round): a full-page write through an old handle (returned \(w))")
+                XCTAssertEqual(errnoOf(sysPread(fd, 4096, 8192)), EACCES, "\(dir) round \(round): read back")
+            }
+        }
+        m.unlock()
+        for dir in ["b", "c"] {
+            let cls = dir == "b" ? "completeUnlessOpen" : "completeUntilFirstUserAuthentication"
+            XCTAssertEqual(try readFile(m.path(dir + "/f")).get(), bytes("data of " + cls), "\(dir) after unlock")
+        }
+    }
+
     func testAnUnlockBeforeTheLimitCancelsIt() throws {
         let m = try classedMount()
         addTeardownBlock { m.close() }
