@@ -224,8 +224,9 @@ final class Filesystem: Sendable {
     /// classes B and C once back in (or returning to) `beforeFirstUnlock`. Class B handles
     /// opened before a lock keep working.
     func handlesRefused(_ n: Node) -> Bool {
-        guard n.isRegular, let cls = n.io.read({ $0.protectionClass }), cls != .none else { return false }
         let access = keyring.access
+        // Unlocked (class A opens), nothing is refused: one atomic load on the hot path.
+        guard !access.canOpen(.complete), n.isRegular, let cls = n.io.read({ $0.protectionClass }), cls != .none else { return false }
         return !access.canOpen(cls) && (cls == .complete || !access.canCreate(cls))
     }
 
@@ -233,7 +234,7 @@ final class Filesystem: Sendable {
     /// handles are refused, so that every write the kernel would take into its page cache
     /// asks for them first (see `getattr`).
     func attributeSeconds(_ id: UInt64, normal: Double) -> Double {
-        guard let n = table.node(id), handlesRefused(n) else { return normal }
+        guard !keyring.access.canOpen(.complete), let n = table.node(id), handlesRefused(n) else { return normal }
         return 0
     }
 
