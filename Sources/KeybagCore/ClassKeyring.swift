@@ -132,14 +132,13 @@ public final class ClassKeyring: Sendable {
         }
     }
 
-    /// Return to `beforeFirstUnlock`, step 2: zeroes the class C key and the class B public
-    /// key too; only class D stays. Open class B and C handles stop working
-    /// (`FileKeyLife.allows`).
+    /// Return to `beforeFirstUnlock`, step 2 (after step 1, which began the new epoch):
+    /// zeroes the class C key and the class B public key too; only class D stays. Open
+    /// class B and C handles stop working (`FileKeyLife.allows`).
     public func returnToBeforeFirstUnlock() {
         update { k in
             for key in [k.a, k.bSecret, k.c] { key?.wipe() }
             k.a = nil; k.bSecret = nil; k.c = nil; k.bPublic = nil
-            if !k.returning { k.epoch &+= 1 }
             k.evicting = false
             k.returning = false
         }
