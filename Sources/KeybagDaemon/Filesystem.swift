@@ -259,6 +259,9 @@ final class Filesystem: Sendable {
 
     /// setattr: mode, owner, size, times; returns the new attributes.
     /// `clearSetID`: the kernel marked a truncate as coming from a caller without CAP_FSETID.
+    /// A regular file with an open handle (the kernel names it only for a truncate; tar's
+    /// fchown, fchmod and futimens after writing come without) is changed through that
+    /// handle's descriptor, else through an `O_PATH` descriptor opened for the call.
     func setattr(_ id: UInt64, handle: FileHandle?, mode: mode_t?, uid: uid_t?, gid: gid_t?, size: Int?,
                  atime: timespec?, mtime: timespec?, clearSetID: Bool = false) throws -> stat {
         let n = try node(id)
@@ -266,28 +269,60 @@ final class Filesystem: Sendable {
             guard n.isRegular else { throw FSError(n.isDirectory ? EISDIR : EINVAL) }
             try truncate(n, handle: handle, to: size)
         }
-        return try n.withPathFD { pfd in
+        let change = AttributeChange(mode: mode, uid: uid, gid: gid, atime: atime, mtime: mtime,
+                                     clearSetID: clearSetID && size != nil && n.isRegular)
+        if let handle { return try change.apply(open: handle.fd, self) }
+        if n.isRegular, let st = try n.withOpenFD({ try change.apply(open: $0, self) }) { return st }
+        return try n.withPathFD { try change.apply(path: $0, type: n.type, self) }
+    }
+
+    /// The attribute changes of one setattr (all but the size).
+    struct AttributeChange {
+        let mode: mode_t?, uid: uid_t?, gid: gid_t?, atime: timespec?, mtime: timespec?
+        /// Clear the set-ID bits (a truncate by a caller without CAP_FSETID) unless `mode` is set.
+        let clearSetID: Bool
+
+        /// The times for utimensat/futimens (UTIME_OMIT for the one not changed), or nil.
+        private var times: [timespec]? {
+            guard atime != nil || mtime != nil else { return nil }
+            let omit = timespec(tv_sec: 0, tv_nsec: kbfs_UTIME_OMIT)
+            return [atime ?? omit, mtime ?? omit]
+        }
+
+        /// Applies the change through a regular file's open (not `O_PATH`) descriptor.
+        func apply(open fd: Int32, _ fs: Filesystem) throws -> stat {
+            if let mode {
+                try check(fchmod(fd, mode & 0o7777))
+            } else if clearSetID {
+                var st = stat()
+                if fstat(fd, &st) == 0, let cleared = Filesystem.modeWithoutSetID(st.st_mode) { try check(fchmod(fd, cleared)) }
+            }
+            if uid != nil || gid != nil { try check(fchown(fd, uid ?? uid_t.max, gid ?? gid_t.max)) }
+            if var t = times { try check(futimens(fd, &t)) }
+            return try fs.attributes(fd: fd)
+        }
+
+        /// Applies the change through an `O_PATH` descriptor of an object of `type`.
+        func apply(path pfd: Int32, type: mode_t, _ fs: Filesystem) throws -> stat {
             let path = "/proc/self/fd/\(pfd)"
             if let mode {
-                if n.type == S_IFLNK { throw FSError(EOPNOTSUPP) }
+                if type == S_IFLNK { throw FSError(EOPNOTSUPP) }
                 try check(chmod(path, mode & 0o7777))
-            } else if clearSetID && size != nil && n.isRegular {
+            } else if clearSetID {
                 var st = stat()
-                if fstat(pfd, &st) == 0, let cleared = Self.modeWithoutSetID(st.st_mode) { try check(chmod(path, cleared)) }
+                if fstat(pfd, &st) == 0, let cleared = Filesystem.modeWithoutSetID(st.st_mode) { try check(chmod(path, cleared)) }
             }
             if uid != nil || gid != nil {
                 try check(fchownat(pfd, "", uid ?? uid_t.max, gid ?? gid_t.max, kbfs_AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW))
             }
-            if atime != nil || mtime != nil {
-                let omit = timespec(tv_sec: 0, tv_nsec: kbfs_UTIME_OMIT)
-                var times = [atime ?? omit, mtime ?? omit]
-                if n.type == S_IFLNK {
-                    try check(utimensat(pfd, "", &times, kbfs_AT_EMPTY_PATH))   // the link itself
+            if var t = times {
+                if type == S_IFLNK {
+                    try check(utimensat(pfd, "", &t, kbfs_AT_EMPTY_PATH))   // the link itself
                 } else {
-                    try check(utimensat(AT_FDCWD, path, &times, 0))
+                    try check(utimensat(AT_FDCWD, path, &t, 0))
                 }
             }
-            return try attributes(fd: pfd)
+            return try fs.attributes(fd: pfd)
         }
     }
 

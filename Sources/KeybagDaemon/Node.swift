@@ -29,6 +29,9 @@ final class Node: Sendable {
     let dirMeta = Locked<DirectoryMeta?>(nil)
     /// Directories: the inherited default class and the class generation it was computed in.
     let inherited = Locked<(generation: UInt64, cls: ProtectionClass)?>(nil)
+    /// Regular files: the descriptors of the open handles. A handle leaves the list before
+    /// its descriptor is closed, under the lock `withOpenFD` holds while it uses one.
+    private let openFDs = Locked<[Int32]>([])
 
     init(id: UInt64, fd: Int32, handle: [UInt8]? = nil, mountFD: Int32 = -1, dev: UInt64, ino: UInt64, type: mode_t) {
         self.id = id
@@ -59,6 +62,21 @@ final class Node: Sendable {
         guard f >= 0 else { throw FSError(errno == ESTALE ? ENOENT : errno) }
         defer { close(f) }
         return try body(f)
+    }
+
+    /// Runs `body` with the descriptor of one of the node's open handles (a real descriptor,
+    /// not `O_PATH`: fchmod, fchown and futimens work on it), or returns nil when none is
+    /// open. Saves opening the node by handle for the attribute changes that follow a create.
+    func withOpenFD<R>(_ body: (Int32) throws -> R) rethrows -> R? {
+        try openFDs.withLock { fds in try fds.last.map(body) }
+    }
+
+    /// A handle of this node was opened on `fd`.
+    fileprivate func handleOpened(_ fd: Int32) { openFDs.withLock { $0.append(fd) } }
+
+    /// A handle of this node is about to close `fd`.
+    fileprivate func handleClosing(_ fd: Int32) {
+        openFDs.withLock { fds in if let i = fds.lastIndex(of: fd) { fds.remove(at: i) } }
     }
 
     /// True for regular files.
@@ -199,9 +217,13 @@ final class FileHandle: Sendable {
         self.fd = fd
         self.writable = writable
         self.directIO = directIO
+        node.handleOpened(fd)
     }
 
-    deinit { close(fd) }
+    deinit {
+        node.handleClosing(fd)
+        close(fd)
+    }
 }
 
 /// An open directory: a snapshot of its entries taken at opendir.

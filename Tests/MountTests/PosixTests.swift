@@ -161,6 +161,46 @@ final class PosixTests: XCTestCase {
         XCTAssertEqual(expected["w-ug"], 0o775, "the reference folder clears both bits on an owner's write")
     }
 
+    /// A file removed while open keeps its attributes changeable through its descriptors,
+    /// as on a local filesystem (programs do open, unlink, fchmod for private scratch files),
+    /// also after the descriptor it was opened with first is closed.
+    func testAttributesOfAnUnlinkedOpenFileChangeThroughItsDescriptors() throws {
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        XCTAssertEqual(writeFile(m.path("scratch"), bytes("kept while open")), 0)
+        let rw = sysOpen(m.path("scratch"), O_RDWR), ro = sysOpen(m.path("scratch"), O_RDONLY)
+        defer { close(ro) }
+        XCTAssertEqual(unlink(m.path("scratch")), 0)
+        XCTAssertEqual(fchmod(rw, 0o600), 0, "fchmod after unlink: errno \(errno)")
+        XCTAssertEqual(fchown(rw, 1234, 4321), 0, "fchown after unlink: errno \(errno)")
+        var times = [timespec(tv_sec: 1_000_000_000, tv_nsec: 0), timespec(tv_sec: 1_200_000_000, tv_nsec: 0)]
+        XCTAssertEqual(futimens(rw, &times), 0, "futimens after unlink: errno \(errno)")
+        var st = stat()
+        XCTAssertEqual(fstat(rw, &st), 0)
+        XCTAssertEqual(st.st_mode & 0o7777, 0o600)
+        XCTAssertEqual(st.st_uid, 1234)
+        XCTAssertEqual(st.st_gid, 4321)
+        XCTAssertEqual(st.st_mtim.tv_sec, 1_200_000_000)
+        XCTAssertEqual(st.st_nlink, 0)
+        close(rw)
+        // Only the read-only descriptor is left.
+        XCTAssertEqual(fchmod(ro, 0o640), 0, "fchmod through the read-only descriptor: errno \(errno)")
+        XCTAssertEqual(fstat(ro, &st), 0)
+        XCTAssertEqual(st.st_mode & 0o7777, 0o640)
+        var buf = [UInt8](repeating: 0, count: 64)
+        XCTAssertEqual(pread(ro, &buf, 64, 0), 15)
+        XCTAssertEqual(Array(buf[0..<15]), bytes("kept while open"))
+        // A linked file: attributes change by path while open and after its last close.
+        XCTAssertEqual(writeFile(m.path("linked"), bytes("x")), 0)
+        let fd = sysOpen(m.path("linked"), O_RDONLY)
+        XCTAssertEqual(chmod(m.path("linked"), 0o604), 0)
+        close(fd)
+        XCTAssertEqual(chmod(m.path("linked"), 0o614), 0)
+        XCTAssertEqual(stat(m.path("linked"), &st), 0)
+        XCTAssertEqual(st.st_mode & 0o7777, 0o614)
+    }
+
     func testMoreFilesThanTheDaemonHasDescriptors() throws {
         // The daemon may hold 256 descriptors; the kernel keeps 3,000 inodes cached.
         let m = try MountFixture(defaultClass: "none", mount: false)
