@@ -31,7 +31,7 @@ final class Node: Sendable {
     let inherited = Locked<(generation: UInt64, cls: ProtectionClass)?>(nil)
     /// Regular files: the descriptors of the open handles. A handle leaves the list before
     /// its descriptor is closed, under the lock `withOpenFD` holds while it uses one.
-    private let openFDs = Locked<[Int32]>([])
+    private let openFDs = Mutex<[Int32]>([])   // inline: no allocation per node
 
     init(id: UInt64, fd: Int32, handle: [UInt8]? = nil, mountFD: Int32 = -1, dev: UInt64, ino: UInt64, type: mode_t) {
         self.id = id
@@ -67,8 +67,11 @@ final class Node: Sendable {
     /// Runs `body` with the descriptor of one of the node's open handles (a real descriptor,
     /// not `O_PATH`: fchmod, fchown and futimens work on it), or returns nil when none is
     /// open. Saves opening the node by handle for the attribute changes that follow a create.
-    func withOpenFD<R>(_ body: (Int32) throws -> R) rethrows -> R? {
-        try openFDs.withLock { fds in try fds.last.map(body) }
+    func withOpenFD<R: Sendable>(_ body: (Int32) throws -> R) throws -> R? {
+        try openFDs.withLock { fds throws -> R? in
+            guard let fd = fds.last else { return nil }
+            return try body(fd)
+        }
     }
 
     /// A handle of this node was opened on `fd`.
