@@ -55,9 +55,12 @@ final class Node: Sendable {
         return Glibc.open(procPath, flags | O_CLOEXEC)
     }
 
-    /// Runs `body` with an `O_PATH` descriptor of the backing object.
-    func withPathFD<R>(_ body: (Int32) throws -> R) throws -> R {
+    /// Runs `body` with a descriptor of the backing object: the node's own `O_PATH` one, an
+    /// open handle's, or an `O_PATH` one opened for the call (only `body`'s `fstat`,
+    /// `AT_EMPTY_PATH` and `/proc/self/fd` uses work on all three).
+    func withPathFD<R: Sendable>(_ body: (Int32) throws -> R) throws -> R {
         if fd >= 0 { return try body(fd) }
+        if let r = try withOpenFD(body) { return r }
         let f = open(kbfs_O_PATH)
         guard f >= 0 else { throw FSError(errno == ESTALE ? ENOENT : errno) }
         defer { close(f) }
