@@ -20,6 +20,7 @@ const long kbfs_UTIME_NOW = UTIME_NOW;
 const long kbfs_UTIME_OMIT = UTIME_OMIT;
 const unsigned int kbfs_RENAME_NOREPLACE = RENAME_NOREPLACE;
 const unsigned int kbfs_RENAME_EXCHANGE = RENAME_EXCHANGE;
+const unsigned int kbfs_RENAME_WHITEOUT = RENAME_WHITEOUT;
 
 const int kbfs_HANDLE_BUFFER = (int)(sizeof(struct file_handle) + MAX_HANDLE_SZ);
 

@@ -137,6 +137,15 @@ public final class NameCipher: Sendable {
         Base64URL.encode(try seal(target, purpose: "keybagfs-symlink-v1"))
     }
 
+    /// Length of a symlink that keeps its target in the store's `targets/` folder: the
+    /// prefix and the base64url BLAKE2b-256 id. Shorter than any directly stored target
+    /// (the smallest, one byte, seals to 41 bytes: 55 characters).
+    public static let longTargetLinkLength = longTargetPrefix.utf8.count + 43
+
+    /// The plaintext length of a symlink target stored as `storedLength` characters
+    /// (base64url without padding of nonce, ciphertext and tag).
+    public static func targetLength(storedLength: Int) -> Int { max(0, storedLength * 3 / 4 - 40) }
+
     /// The plaintext of a stored symlink target.
     public func decryptTarget(_ stored: String) throws -> [UInt8] {
         guard let raw = Base64URL.decode(stored) else { throw KeybagError.corrupt("not an encrypted symlink target") }

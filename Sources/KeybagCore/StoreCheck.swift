@@ -146,6 +146,12 @@ public final class StoreCheck {
                 }
                 continue
             }
+            if NameCipher.isLongName(e) && !present.contains(e + NameCipher.longSuffix) && Self.isWhiteout(dirFD: fd, e) {
+                fix("whiteout-without-name", path, nil, "a whiteout (left by a rename of keybagfs before 2026-11) without its side file: it has no name and hides nothing") {
+                    try unlinkOrThrow(fd, e)
+                }
+                continue
+            }
             let name = plaintextName(dirFD: fd, backing: e, meta: meta, path: path).map { plain + "/" + $0 }
             var st = stat()
             guard fstatat(fd, e, &st, AT_SYMLINK_NOFOLLOW) == 0 else { continue }
@@ -166,6 +172,12 @@ public final class StoreCheck {
                 break
             }
         }
+    }
+
+    /// Whether entry `name` of `dirFD` is a whiteout: a character device 0:0.
+    static func isWhiteout(dirFD: Int32, _ name: String) -> Bool {
+        var st = stat()
+        return fstatat(dirFD, name, &st, AT_SYMLINK_NOFOLLOW) == 0 && st.st_mode & S_IFMT == S_IFCHR && st.st_rdev == 0
     }
 
     /// The plaintext name of an entry, recording a name problem when it does not decrypt.

@@ -104,37 +104,49 @@ final class Filesystem: Sendable {
         /// Whether the caller holds CAP_FSETID (keeps set-ID bits through writes and
         /// truncates); read from /proc only when a file has such bits.
         var mayKeepSetID: Bool {
-            guard pid > 0, let status = ProcFile.read("/proc/\(pid)/status"),
-                  let line = status.split(separator: "\n").first(where: { $0.hasPrefix("CapEff:") }),
-                  let caps = UInt64(line.dropFirst(7).trimmingCharacters(in: .whitespaces), radix: 16) else { return uid == 0 }
+            guard let caps = statusField("CapEff:").flatMap({ UInt64($0, radix: 16) }) else { return uid == 0 }
             return caps & (1 << 4) != 0   // CAP_FSETID
+        }
+
+        /// Whether the caller is in group `g`: its own, or a supplementary one (from /proc).
+        func isInGroup(_ g: gid_t) -> Bool {
+            if gid == g { return true }
+            return statusField("Groups:")?.split(separator: " ").contains { gid_t($0) == g } ?? false
+        }
+
+        /// A field of the calling process's /proc status, trimmed; nil when unknown.
+        private func statusField(_ key: String) -> String? {
+            guard pid > 0, let status = ProcFile.read("/proc/\(pid)/status"),
+                  let line = status.split(separator: "\n").first(where: { $0.hasPrefix(key) }) else { return nil }
+            return line.dropFirst(key.count).trimmingCharacters(in: .whitespaces).replacingOccurrences(of: "\t", with: " ")
         }
     }
 
-    /// The mode a regular file keeps after a write or truncate by `caller`, as the kernel
-    /// rules it: set-user-ID goes, and set-group-ID when group-executable, unless the caller
-    /// holds CAP_FSETID. nil when nothing changes.
-    static func modeAfterModification(_ mode: mode_t, by caller: Caller) -> mode_t? {
-        guard let cleared = modeWithoutSetID(mode), !caller.mayKeepSetID else { return nil }
-        return cleared
+    /// The mode a regular file keeps after a modification (write, truncate, fallocate) by
+    /// `caller`, as the kernel rules it: nothing changes for a caller with CAP_FSETID, else
+    /// `modeWithoutSetID`. nil when nothing changes.
+    static func modeAfterModification(_ st: stat, by caller: Caller) -> mode_t? {
+        guard st.st_mode & (S_ISUID | S_ISGID) != 0, !caller.mayKeepSetID else { return nil }
+        return modeWithoutSetID(st, by: caller)
     }
 
-    /// `mode` without set-user-ID, and without set-group-ID when group-executable (a
-    /// set-group-ID bit without group execute marks mandatory locking and stays); nil when
-    /// nothing changes.
-    static func modeWithoutSetID(_ mode: mode_t) -> mode_t? {
+    /// The mode after a modification by `caller`, who lacks CAP_FSETID: set-user-ID goes;
+    /// set-group-ID goes when group-executable, or when the caller is not in the file's
+    /// group (without group execute it marks mandatory locking, which the group may keep).
+    /// nil when nothing changes.
+    static func modeWithoutSetID(_ st: stat, by caller: Caller) -> mode_t? {
+        let mode = st.st_mode
         var kill: mode_t = mode & S_ISUID
-        if mode & (S_ISGID | S_IXGRP) == (S_ISGID | S_IXGRP) { kill |= S_ISGID }
+        if mode & S_ISGID != 0 && (mode & S_IXGRP != 0 || !caller.isInGroup(st.st_gid)) { kill |= S_ISGID }
         return kill == 0 ? nil : mode & 0o7777 & ~kill
     }
 
-    /// Clears the set-ID bits of an open regular file after a write or truncate the kernel
-    /// marked as coming from a caller without CAP_FSETID (FUSE_HANDLE_KILLPRIV_V2).
-    func clearSetID(fd: Int32) {
+    /// Clears the set-ID bits of an open regular file after a write the kernel marked as
+    /// coming from a caller without CAP_FSETID (FUSE_HANDLE_KILLPRIV_V2).
+    func clearSetID(fd: Int32, by caller: Caller) {
         var st = stat()
-        if fstat(fd, &st) == 0, let mode = Self.modeWithoutSetID(st.st_mode) { _ = fchmod(fd, mode) }
+        if fstat(fd, &st) == 0, st.st_mode & (S_ISUID | S_ISGID) != 0, let mode = Self.modeWithoutSetID(st, by: caller) { _ = fchmod(fd, mode) }
     }
-
 
     /// The group a new object of `caller` gets in a directory: unchanged (the directory's,
     /// set by the backing filesystem) in a setgid directory, else the caller's.
@@ -161,20 +173,39 @@ final class Filesystem: Sendable {
         if name.isEmpty || name == "." || name == ".." || name.utf8.contains(UInt8(ascii: "/")) { throw FSError(EINVAL) }
     }
 
-    /// Attributes with the plaintext size for regular files.
+    /// Attributes with the plaintext size for regular files and symlinks.
     func attributes(fd: Int32) throws -> stat {
         var st = stat()
         try check(fstat(fd, &st))
-        return plaintextAttributes(st)
+        return plaintextAttributes(st, linkAt: fd, "")
     }
 
-    /// Backing attributes with the size turned into the plaintext size.
-    func plaintextAttributes(_ backing: stat) -> stat {
+    /// Backing attributes with the size turned into the plaintext size: of the contents for
+    /// a regular file, of the target for a symlink (`linkAt`/`name` reach the link when its
+    /// target is kept in the store's `targets/` folder).
+    func plaintextAttributes(_ backing: stat, linkAt dirFD: Int32, _ name: String) -> stat {
         var st = backing
-        if (st.st_mode & S_IFMT) == S_IFREG {
-            st.st_size = off_t(content.layout.plainSize(backingSize: Int(st.st_size)))
+        switch st.st_mode & S_IFMT {
+        case S_IFREG: st.st_size = off_t(content.layout.plainSize(backingSize: Int(st.st_size)))
+        case S_IFLNK: st.st_size = off_t(targetLength(storedLength: Int(st.st_size), linkAt: dirFD, name))
+        default: break
         }
         return st
+    }
+
+    /// A symlink target's plaintext length, from the length of what the link stores (no
+    /// decryption); a target kept in `targets/` is measured there.
+    private func targetLength(storedLength: Int, linkAt dirFD: Int32, _ name: String) -> Int {
+        guard storedLength == NameCipher.longTargetLinkLength else { return NameCipher.targetLength(storedLength: storedLength) }
+        var buf = [UInt8](repeating: 0, count: storedLength + 1)
+        let n = readlinkat(dirFD, name, &buf, buf.count)
+        let link = n > 0 ? String(decoding: buf[0..<n], as: UTF8.self) : ""
+        var t = stat()
+        guard link.hasPrefix(NameCipher.longTargetPrefix),
+              fstatat(targetsFD, String(link.dropFirst(NameCipher.longTargetPrefix.count)), &t, AT_SYMLINK_NOFOLLOW) == 0 else {
+            return NameCipher.targetLength(storedLength: storedLength)
+        }
+        return NameCipher.targetLength(storedLength: Int(t.st_size))
     }
 
     /// Looks up `name` in `parent`: counts one kernel lookup.
@@ -193,19 +224,19 @@ final class Filesystem: Sendable {
             if (st.st_mode & S_IFMT) != S_IFDIR {
                 var buf = [UInt8](repeating: 0, count: Int(kbfs_HANDLE_BUFFER))
                 let len = kbfs_handle_at(p.fd, backing, &buf, Int32(buf.count))
-                if len > 0 { return remembered(table.remember(handle: Array(buf[0..<Int(len)]), stat: st), st, parent: p) }
+                if len > 0 { return remembered(table.remember(handle: Array(buf[0..<Int(len)]), stat: st), st, parent: p, backing) }
             }
         }
         let fd = try check(openat(p.fd, backing, kbfs_O_PATH | O_NOFOLLOW | O_CLOEXEC))
         var st = stat()
         guard fstat(fd, &st) == 0 else { let e = errno; close(fd); throw FSError(e) }
-        return remembered(table.remember(fd: fd, stat: st), st, parent: p)
+        return remembered(table.remember(fd: fd, stat: st), st, parent: p, backing)
     }
 
     /// A looked-up node with its attributes; a headerless empty file gets its header first.
-    private func remembered(_ n: Node, _ st: stat, parent p: Node) -> (Node, stat) {
+    private func remembered(_ n: Node, _ st: stat, parent p: Node, _ backing: String) -> (Node, stat) {
         if (st.st_mode & S_IFMT) == S_IFREG && st.st_size == 0 { giveHeaderToEmptyFile(n, parent: p) }
-        return (n, plaintextAttributes(st))
+        return (n, plaintextAttributes(st, linkAt: p.fd, backing))
     }
 
     /// getattr.
@@ -258,19 +289,20 @@ final class Filesystem: Sendable {
     }
 
     /// setattr: mode, owner, size, times; returns the new attributes.
-    /// `clearSetID`: the kernel marked a truncate as coming from a caller without CAP_FSETID.
+    /// `clearSetIDFor`: the caller of a truncate the kernel marked as coming from one without
+    /// CAP_FSETID.
     /// A regular file with an open handle (the kernel names it only for a truncate; tar's
     /// fchown, fchmod and futimens after writing come without) is changed through that
     /// handle's descriptor, else through an `O_PATH` descriptor opened for the call.
     func setattr(_ id: UInt64, handle: FileHandle?, mode: mode_t?, uid: uid_t?, gid: gid_t?, size: Int?,
-                 atime: timespec?, mtime: timespec?, clearSetID: Bool = false) throws -> stat {
+                 atime: timespec?, mtime: timespec?, clearSetIDFor: Caller? = nil) throws -> stat {
         let n = try node(id)
         if let size {
             guard n.isRegular else { throw FSError(n.isDirectory ? EISDIR : EINVAL) }
             try truncate(n, handle: handle, to: size)
         }
         let change = AttributeChange(mode: mode, uid: uid, gid: gid, atime: atime, mtime: mtime,
-                                     clearSetID: clearSetID && size != nil && n.isRegular)
+                                     clearSetIDFor: size != nil && n.isRegular ? clearSetIDFor : nil)
         if let handle { return try change.apply(open: handle.fd, self) }
         if n.isRegular, let st = try n.withOpenFD({ try change.apply(open: $0, self) }) { return st }
         return try n.withPathFD { try change.apply(path: $0, type: n.type, self) }
@@ -279,8 +311,9 @@ final class Filesystem: Sendable {
     /// The attribute changes of one setattr (all but the size).
     struct AttributeChange {
         let mode: mode_t?, uid: uid_t?, gid: gid_t?, atime: timespec?, mtime: timespec?
-        /// Clear the set-ID bits (a truncate by a caller without CAP_FSETID) unless `mode` is set.
-        let clearSetID: Bool
+        /// Clear the set-ID bits as after a truncate by this caller, who lacks CAP_FSETID
+        /// (unless `mode` is set).
+        let clearSetIDFor: Caller?
 
         /// The times for utimensat/futimens (UTIME_OMIT for the one not changed), or nil.
         private var times: [timespec]? {
@@ -293,9 +326,9 @@ final class Filesystem: Sendable {
         func apply(open fd: Int32, _ fs: Filesystem) throws -> stat {
             if let mode {
                 try check(fchmod(fd, mode & 0o7777))
-            } else if clearSetID {
+            } else if let caller = clearSetIDFor {
                 var st = stat()
-                if fstat(fd, &st) == 0, let cleared = Filesystem.modeWithoutSetID(st.st_mode) { try check(fchmod(fd, cleared)) }
+                if fstat(fd, &st) == 0, let cleared = Filesystem.modeWithoutSetID(st, by: caller) { try check(fchmod(fd, cleared)) }
             }
             if uid != nil || gid != nil { try check(fchown(fd, uid ?? uid_t.max, gid ?? gid_t.max)) }
             if var t = times { try check(futimens(fd, &t)) }
@@ -308,9 +341,9 @@ final class Filesystem: Sendable {
             if let mode {
                 if type == S_IFLNK { throw FSError(EOPNOTSUPP) }
                 try check(chmod(path, mode & 0o7777))
-            } else if clearSetID {
+            } else if let caller = clearSetIDFor {
                 var st = stat()
-                if fstat(pfd, &st) == 0, let cleared = Filesystem.modeWithoutSetID(st.st_mode) { try check(chmod(path, cleared)) }
+                if fstat(pfd, &st) == 0, let cleared = Filesystem.modeWithoutSetID(st, by: caller) { try check(chmod(path, cleared)) }
             }
             if uid != nil || gid != nil {
                 try check(fchownat(pfd, "", uid ?? uid_t.max, gid ?? gid_t.max, kbfs_AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW))
@@ -408,7 +441,7 @@ final class Filesystem: Sendable {
         // when it hands O_TRUNC over (atomic O_TRUNC).
         if flags & O_TRUNC != 0 && writable, let caller {
             var st = stat()
-            if fstat(fd, &st) == 0, let mode = Self.modeAfterModification(st.st_mode, by: caller) { _ = fchmod(fd, mode) }
+            if fstat(fd, &st) == 0, let mode = Self.modeAfterModification(st, by: caller) { _ = fchmod(fd, mode) }
         }
         openFiles.add(1, ordering: .relaxed)
         return FileHandle(node: n, fd: fd, writable: writable, directIO: usesDirectIO(cls))
@@ -436,7 +469,12 @@ final class Filesystem: Sendable {
             throw FSError(error)
         }
         do {
-            if chownToCaller { fchown(bfd, caller.uid, groupFor(caller, dirFD: p.fd)) }
+            if chownToCaller {
+                fchown(bfd, caller.uid, groupFor(caller, dirFD: p.fd))
+                // The chown cleared set-ID bits the kernel let the caller ask for (it already
+                // dropped those the caller may not set): put them back.
+                if mode & (S_ISUID | S_ISGID) != 0 { fchmod(bfd, mode & 0o7777) }
+            }
             let raw = SecureKey(random: 32)
             let header = try FileHeader.create(fileKey: raw, class: cls, cipher: cipher, using: wrapKey)
             try EncryptedContent.writeNewHeader(fd: bfd, header)
@@ -463,7 +501,7 @@ final class Filesystem: Sendable {
                 throw error
             }
             openFiles.add(1, ordering: .relaxed)
-            return (n, plaintextAttributes(st), FileHandle(node: n, fd: bfd, writable: true, directIO: usesDirectIO(cls)))
+            return (n, plaintextAttributes(st, linkAt: -1, ""), FileHandle(node: n, fd: bfd, writable: true, directIO: usesDirectIO(cls)))
         } catch {
             if linked { unlinkat(p.fd, entry.name, 0) }
             if let temp { unlinkat(p.fd, temp, 0) }
@@ -574,7 +612,9 @@ final class Filesystem: Sendable {
 
     /// fallocate: mode 0 (allocate, growing the size), KEEP_SIZE, PUNCH_HOLE|KEEP_SIZE,
     /// ZERO_RANGE (optionally KEEP_SIZE); other modes are EOPNOTSUPP.
-    func fallocate(_ h: FileHandle, mode: Int32, offset: Int, length: Int) throws {
+    /// The kernel leaves set-ID bits to us here (no per-request flag, as for writes), so they
+    /// go as after a write by `caller`.
+    func fallocate(_ h: FileHandle, mode: Int32, offset: Int, length: Int, caller: Caller) throws {
         let keepSize: Int32 = 0x01, punchHole: Int32 = 0x02, zeroRange: Int32 = 0x10
         guard offset >= 0, length > 0 else { throw FSError(EINVAL) }
         guard offset <= Self.maxFileSize - length else { throw FSError(EFBIG) }
@@ -604,6 +644,8 @@ final class Filesystem: Sendable {
                 }
             }
         }
+        var st = stat()
+        if fstat(h.fd, &st) == 0, let cleared = Self.modeAfterModification(st, by: caller) { _ = fchmod(h.fd, cleared) }
     }
 
     /// fsync of a handle.

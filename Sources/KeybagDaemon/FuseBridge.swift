@@ -74,12 +74,19 @@ enum FuseBridge {
         let ctx = context(req)
         let d = Unmanaged<DirHandle>.fromOpaque(UnsafeRawPointer(bitPattern: UInt(fi.pointee.fh))!).takeUnretainedValue()
         let parent = ctx.fs.table.node(ino)
+        let entries: [DirHandle.Entry]
+        do {
+            entries = try d.entries(from: Int(off)) {
+                guard let parent else { throw FSError(ESTALE) }
+                return try ctx.fs.listing(parent)
+            }
+        } catch { return fail(req, error) }
         let buf = UnsafeMutablePointer<CChar>.allocate(capacity: max(size, 1))
         defer { buf.deallocate() }
         var used = 0
         var i = max(0, Int(off))
-        while i < d.entries.count {
-            let e = d.entries[i]
+        while i < entries.count {
+            let e = entries[i]
             var entry = fuse_entry_param()
             entry.attr.st_ino = UInt(e.ino)
             entry.attr.st_mode = mode_t(e.type) << 12
@@ -190,7 +197,8 @@ enum FuseBridge {
                     gid: s & FUSE_SET_ATTR_GID != 0 ? a.st_gid : nil,
                     size: s & FUSE_SET_ATTR_SIZE != 0 ? Int(a.st_size) : nil,
                     atime: ts(FUSE_SET_ATTR_ATIME, FUSE_SET_ATTR_ATIME_NOW, a.st_atim),
-                    mtime: ts(FUSE_SET_ATTR_MTIME, FUSE_SET_ATTR_MTIME_NOW, a.st_mtim), clearSetID: killsSetID)
+                    mtime: ts(FUSE_SET_ATTR_MTIME, FUSE_SET_ATTR_MTIME_NOW, a.st_mtim),
+                    clearSetIDFor: killsSetID ? FuseBridge.caller(req) : nil)
                 fuse_reply_attr(req, &st, FuseBridge.context(req).fs.attributeSeconds(ino, normal: FuseBridge.context(req).cacheTimeout))
             } catch { FuseBridge.fail(req, error) }
         }
@@ -265,7 +273,7 @@ enum FuseBridge {
             do {
                 let killsSetID = kbfs_request_kills_setid() != 0
                 try FuseBridge.context(req).fs.write(h, offset: Int(off), data: UnsafeRawBufferPointer(start: data, count: size))
-                if killsSetID { FuseBridge.context(req).fs.clearSetID(fd: h.fd) }
+                if killsSetID { FuseBridge.context(req).fs.clearSetID(fd: h.fd, by: FuseBridge.caller(req)) }
                 fuse_reply_write(req, size)
             } catch { FuseBridge.fail(req, error) }
         }
@@ -275,7 +283,7 @@ enum FuseBridge {
         ops.flush = nil
         ops.fallocate = { req, _, mode, off, length, fi in
             guard let h = FuseBridge.handle(fi) else { return FuseBridge.err(req, EBADF) }
-            do { try FuseBridge.context(req).fs.fallocate(h, mode: mode, offset: Int(off), length: Int(length)); FuseBridge.err(req, 0) }
+            do { try FuseBridge.context(req).fs.fallocate(h, mode: mode, offset: Int(off), length: Int(length), caller: FuseBridge.caller(req)); FuseBridge.err(req, 0) }
             catch { FuseBridge.fail(req, error) }
         }
         ops.release = { req, _, fi in

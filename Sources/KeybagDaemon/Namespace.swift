@@ -235,9 +235,14 @@ extension Filesystem {
         }
     }
 
-    /// mknod (FIFOs, sockets, and device nodes as root).
+    /// mknod: regular files (through `create`), FIFOs, sockets, and device nodes as root.
     func mknod(parent: UInt64, name: String, mode: mode_t, rdev: dev_t, caller: Caller) throws -> (Node, stat) {
-        if (mode & S_IFMT) == S_IFREG { throw FSError(EPERM) }   // regular files go through create (header)
+        if (mode & S_IFMT) == S_IFREG {
+            // A regular file needs its header: made as create makes it, then its handle closed.
+            let (n, st, h) = try create(parent: parent, name: name, mode: mode, flags: O_WRONLY | O_EXCL, caller: caller)
+            release(h)
+            return (n, st)
+        }
         return try makeEntry(parent: parent, name: name, caller: caller) { dirFD, backing in
             try check(mknodat(dirFD, backing, mode, rdev))
         }
@@ -333,18 +338,22 @@ extension Filesystem {
         dropXattrs(ofDirectory: saved)
     }
 
-    /// rename (flags: RENAME_NOREPLACE, RENAME_EXCHANGE): the name is re-encrypted for the
-    /// target directory; the target's side file is written first, the source's removed last.
+    /// rename (flags: RENAME_NOREPLACE, RENAME_EXCHANGE, RENAME_WHITEOUT): the name is
+    /// re-encrypted for the target directory; the target's side file is written first, the
+    /// source's removed last unless an entry stays under the source name (the other file of
+    /// an exchange, or the whiteout the backing filesystem leaves there). A replaced file's
+    /// xattr set goes with it, whatever the flags.
     func rename(parent: UInt64, name: String, newParent: UInt64, newName: String, flags: UInt32) throws {
         let p = try node(parent), np = try node(newParent)
         let src = try backingName(p, name)
         let dst = try backingName(np, newName)
+        let exchange = flags & kbfs_RENAME_EXCHANGE != 0, noReplace = flags & kbfs_RENAME_NOREPLACE != 0
         let created = try ensureSideFile(np, dst)
-        let replacedXattrs = flags == 0 ? xattrIDOfReplaced(p, src.name, np, dst.name) : nil
+        let replacedXattrs = exchange || noReplace ? nil : xattrIDOfReplaced(p, src.name, np, dst.name)
         var rc = kbfs_renameat2(p.fd, src.name, np.fd, dst.name, flags)
-        if rc != 0 && (errno == ENOTEMPTY || errno == EEXIST) && flags == 0 {
+        if rc != 0 && (errno == ENOTEMPTY || errno == EEXIST) && !exchange && !noReplace {
             // The target is a directory; one holding only the store's own files is empty.
-            rc = try renameOverEmptyDirectory(p, src.name, np, dst.name)
+            rc = try renameOverEmptyDirectory(p, src.name, np, dst.name, flags: flags)
         }
         if rc != 0 {
             let e = errno
@@ -354,7 +363,7 @@ extension Filesystem {
         if let replacedXattrs { dropXattrs(replacedXattrs) }
         classGeneration.add(1, ordering: .relaxed)   // a moved directory may inherit differently
         let same = p.id == np.id && src.name == dst.name
-        if flags & kbfs_RENAME_EXCHANGE == 0 && !same { removeSideFile(p, src) }
+        if !exchange && flags & kbfs_RENAME_WHITEOUT == 0 && !same { removeSideFile(p, src) }
     }
 
     /// The xattr id of a regular file that renaming `from` over `to` would delete (nil when
@@ -369,7 +378,7 @@ extension Filesystem {
 
     /// Retries a rename whose target directory holds only the store's own files, after
     /// removing them (restored if the rename still fails). Returns the rename's result.
-    private func renameOverEmptyDirectory(_ p: Node, _ from: String, _ np: Node, _ to: String) throws -> Int32 {
+    private func renameOverEmptyDirectory(_ p: Node, _ from: String, _ np: Node, _ to: String, flags: UInt32) throws -> Int32 {
         let dfd = openat(np.fd, to, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
         guard dfd >= 0 else { errno = ENOTEMPTY; return -1 }
         defer { close(dfd) }
@@ -377,7 +386,7 @@ extension Filesystem {
         guard Self.holdsOnlyStoreFiles(entries.map(\.name)) else { errno = ENOTEMPTY; return -1 }
         let saved = try? readMeta(dirFD: dfd)
         for r in entries { unlinkat(dfd, r.name, 0) }
-        let rc = kbfs_renameat2(p.fd, from, np.fd, to, 0)
+        let rc = kbfs_renameat2(p.fd, from, np.fd, to, flags)
         if rc != 0 {
             let e = errno
             if let saved { _ = try? createFileIfAbsent(dirFD: dfd, DirectoryMeta.fileName, try saved.encode(names)) }
@@ -420,15 +429,24 @@ extension Filesystem {
         return out
     }
 
-    /// opendir: decrypts the names once; entries that do not decrypt are skipped and logged.
+    /// opendir: decrypts the names once (see `listing`).
     func opendir(_ id: UInt64) throws -> DirHandle {
-        let n = try node(id)
+        DirHandle(entries: try listing(try node(id)))
+    }
+
+    /// The entries of directory `n` with plaintext names, `.` and `..` first; entries that do
+    /// not decrypt are skipped and logged.
+    func listing(_ n: Node) throws -> [DirHandle.Entry] {
         guard n.isDirectory else { throw FSError(ENOTDIR) }
         let iv = try meta(of: n).iv
         let dfd = try check(openat(n.fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC))
         defer { close(dfd) }
+        // `..` needs an inode number (readdir(3) skips entries with 0): the backing parent's,
+        // and the mount root's own at the root, as the root of any filesystem lists it.
+        var up = stat()
+        let upIno = n.id != 1 && fstatat(dfd, "..", &up, 0) == 0 ? UInt64(up.st_ino) : n.backingIno
         var entries = [DirHandle.Entry(name: ".", backing: ".", ino: n.backingIno, type: UInt8(DT_DIR)),
-                       DirHandle.Entry(name: "..", backing: "..", ino: 0, type: UInt8(DT_DIR))]
+                       DirHandle.Entry(name: "..", backing: "..", ino: upIno, type: UInt8(DT_DIR))]
         for e in try backingEntries(dirFD: dfd) {
             do {
                 guard let name = try plaintextName(dirFD: dfd, backing: e.name, iv: iv) else { continue }
@@ -437,6 +455,6 @@ extension Filesystem {
                 MountDaemon.log("skipping a store entry that does not decrypt (\(e.name.prefix(24))…): \(error)")
             }
         }
-        return DirHandle(entries: entries)
+        return entries
     }
 }

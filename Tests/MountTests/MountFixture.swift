@@ -17,6 +17,11 @@ struct ToolResult {
     let stderr: String
 }
 
+/// Runs a shell command as another user (no supplementary groups).
+func asUser(_ uid: Int, _ script: String) -> ToolResult {
+    MountFixture.run("/usr/bin/setpriv", ["--reuid=\(uid)", "--regid=\(uid)", "--clear-groups", "/bin/sh", "-c", script])
+}
+
 /// A temporary store mounted by the real daemon binary in its own process. Tests act on
 /// `mnt` with real syscalls; `close()` always unmounts and reaps the daemon.
 final class MountFixture {

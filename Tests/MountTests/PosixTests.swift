@@ -6,11 +6,6 @@ import XCTest
 
 /// POSIX behaviour a program relies on: modes at creation, symlink times, several users.
 final class PosixTests: XCTestCase {
-    /// Runs a shell command as another user.
-    func asUser(_ uid: Int, _ script: String) -> ToolResult {
-        MountFixture.run("/usr/bin/setpriv", ["--reuid=\(uid)", "--regid=\(uid)", "--clear-groups", "/bin/sh", "-c", script])
-    }
-
     func testModesAtCreationAndSymlinkTimes() throws {
         let m = try MountFixture()
         addTeardownBlock { m.close() }
@@ -110,39 +105,49 @@ final class PosixTests: XCTestCase {
         XCTAssertNotEqual(st.st_mode & S_ISGID, 0, "setgid inherited by subdirectories")
     }
 
-    /// Setuid and setgid bits after writes, truncates and chowns by the owner and by root
-    /// end up as on a local file system (the kernel's rules: write and truncate by a caller
-    /// without CAP_FSETID clear set-user-ID, and set-group-ID when group-executable; chown
-    /// clears both), same steps in the mount and in a plain folder.
+    /// Setuid and setgid bits after writes, truncates, fallocate and chowns by the owner, by
+    /// another user and by root, and those root gives a new file in a set-group-ID
+    /// directory, end up as on a local file system (the kernel's rules: a modification by a
+    /// caller without CAP_FSETID clears set-user-ID, and set-group-ID when group-executable
+    /// or when the caller is not in the file's group; chown clears both), same steps in the
+    /// mount and in a plain folder. xfstests generic/355 (direct I/O), 683-685 (fallocate
+    /// modes) and 633 (setgid directory) are among them.
     func testSetuidAndSetgidBitsLikeALocalFileSystem() throws {
         let m = try MountFixture(mount: false)
         addTeardownBlock { m.close() }
         try m.mount(extra: ["-o", "allow_other"])
         m.unlock()
-        let plain = m.root + "/plain"
-        XCTAssertEqual(mkdir(plain, 0o777), 0)
-        XCTAssertEqual(chmod(plain, 0o777), 0)
-        XCTAssertEqual(mkdir(m.path("d"), 0o777), 0)
-        XCTAssertEqual(chmod(m.path("d"), 0o777), 0)
-        // (file, mode, who acts, what it does)
-        let steps: [(String, mode_t, Int, String)] = [
-            ("w-ug", 0o6775, 65534, "echo x >> F"),
-            ("w-g-noexec", 0o2664, 65534, "echo x >> F"),
-            ("w-u-root", 0o4755, 0, "echo x >> F"),
-            ("w-u-pwrite", 0o4777, 65534, "dd if=/dev/zero of=F bs=1 count=1 seek=2 conv=notrunc status=none"),
-            ("t-u", 0o4755, 65534, "truncate -s 1 F"),
-            ("t-ug-root", 0o6775, 0, "truncate -s 1 F"),
-            ("o-trunc", 0o4775, 65534, ": > F"),
-            ("chown-root", 0o6755, 0, "chown 65533 F"),
-            ("chgrp-owner", 0o6755, 65534, "chgrp 65534 F"),
-            ("chmod-keeps", 0o6755, 65534, "chmod 6750 F"),
+        let direct = "dd if=/dev/zero of=F bs=4096 count=1 oflag=direct conv=notrunc status=none"
+        // (file, owner, mode, who acts, what it does)
+        let steps: [(String, uid_t, mode_t, Int, String)] = [
+            ("w-ug", 65534, 0o6775, 65534, "echo x >> F"),
+            ("w-g-noexec", 65534, 0o2664, 65534, "echo x >> F"),
+            ("w-u-root", 65534, 0o4755, 0, "echo x >> F"),
+            ("w-u-pwrite", 65534, 0o4777, 65534, "dd if=/dev/zero of=F bs=1 count=1 seek=2 conv=notrunc status=none"),
+            ("t-u", 65534, 0o4755, 65534, "truncate -s 1 F"),
+            ("t-ug-root", 65534, 0o6775, 0, "truncate -s 1 F"),
+            ("o-trunc", 65534, 0o4775, 65534, ": > F"),
+            ("chown-root", 65534, 0o6755, 0, "chown 65533 F"),
+            ("chgrp-owner", 65534, 0o6755, 65534, "chgrp 65534 F"),
+            ("chmod-keeps", 65534, 0o6755, 65534, "chmod 6750 F"),
+            ("direct-ug", 0, 0o6777, 65534, direct),
+            ("direct-g-noexec-other", 0, 0o2666, 65534, direct),
+            ("direct-u-root", 0, 0o4777, 0, direct),
+            ("falloc-ug", 0, 0o6777, 65534, "fallocate -l 65536 F"),
+            ("falloc-keep-u", 0, 0o4777, 65534, "fallocate -n -l 65536 F"),
+            ("punch-ug", 0, 0o6777, 65534, "fallocate -p -o 0 -l 4096 F"),
+            ("zero-ug", 0, 0o6777, 65534, "fallocate -z -o 0 -l 4096 F"),
+            ("zero-g-noexec-other", 0, 0o2666, 65534, "fallocate -z -o 0 -l 4096 F"),
+            ("falloc-ug-root", 0, 0o6777, 0, "fallocate -l 65536 F"),
         ]
         func run(_ dir: String) -> [String: mode_t] {
+            XCTAssertEqual(mkdir(dir, 0o777), 0)
+            XCTAssertEqual(chmod(dir, 0o777), 0)
             var out: [String: mode_t] = [:]
-            for (name, mode, uid, cmd) in steps {
+            for (name, owner, mode, uid, cmd) in steps {
                 let f = dir + "/" + name
-                XCTAssertEqual(writeFile(f, bytes("data")), 0)
-                XCTAssertEqual(chown(f, 65534, 65534), 0)
+                XCTAssertEqual(writeFile(f, [UInt8](repeating: 7, count: 8192)), 0)
+                XCTAssertEqual(chown(f, owner, owner), 0)
                 XCTAssertEqual(chmod(f, mode), 0)
                 let script = cmd.replacingOccurrences(of: "F", with: f)
                 let r = uid == 0 ? MountFixture.run("/bin/sh", ["-c", script]) : asUser(uid, script)
@@ -151,14 +156,34 @@ final class PosixTests: XCTestCase {
                 XCTAssertEqual(stat(f, &st), 0)
                 out[name] = st.st_mode & 0o7777
             }
+            // Root creates a group-executable set-group-ID file (and a directory) in a
+            // set-group-ID directory of a group it is not in.
+            let sg = dir + "/sg"
+            XCTAssertEqual(mkdir(sg, 0o777), 0)
+            XCTAssertEqual(chown(sg, 0, 4242), 0)
+            XCTAssertEqual(chmod(sg, 0o2777), 0)
+            let old = umask(0)
+            let fd = open(sg + "/file", O_CREAT | O_EXCL | O_WRONLY, 0o2010)
+            XCTAssertGreaterThanOrEqual(fd, 0)
+            close(fd)
+            XCTAssertEqual(mkdir(sg + "/sub", 0o2755), 0)
+            umask(old)
+            for n in ["file", "sub"] {
+                var st = stat()
+                XCTAssertEqual(stat(sg + "/" + n, &st), 0)
+                out["sg/" + n] = st.st_mode & 0o7777
+                out["sg/" + n + " gid"] = mode_t(st.st_gid)
+            }
             return out
         }
-        let expected = run(plain)
+        let expected = run(m.root + "/plain")
         let got = run(m.path("d"))
-        for (name, _, _, _) in steps {
-            XCTAssertEqual(String(got[name] ?? 0, radix: 8), String(expected[name] ?? 0, radix: 8), name)
+        for key in expected.keys.sorted() {
+            XCTAssertEqual(String(got[key] ?? 0, radix: 8), String(expected[key] ?? 0, radix: 8), key)
         }
         XCTAssertEqual(expected["w-ug"], 0o775, "the reference folder clears both bits on an owner's write")
+        XCTAssertEqual(expected["direct-ug"], 0o777, "and on another user's direct write")
+        XCTAssertEqual(expected["sg/file"], 0o2010, "it keeps root's set-group-ID")
     }
 
     /// A file removed while open keeps its attributes changeable through its descriptors,

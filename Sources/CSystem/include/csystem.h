@@ -15,6 +15,7 @@ extern const long kbfs_UTIME_NOW;
 extern const long kbfs_UTIME_OMIT;
 extern const unsigned int kbfs_RENAME_NOREPLACE;
 extern const unsigned int kbfs_RENAME_EXCHANGE;
+extern const unsigned int kbfs_RENAME_WHITEOUT;
 
 /* Bytes a file handle buffer needs. */
 extern const int kbfs_HANDLE_BUFFER;

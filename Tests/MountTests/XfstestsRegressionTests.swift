@@ -1,0 +1,192 @@
+import CSystem
+import Foundation
+import Glibc
+import XCTest
+
+/// Failures xfstests (`./check -g quick`) found in keybagfs, each as a short test in the form
+/// the xfstests case uses (docs/TESTING.md tells how to run xfstests itself). The set-ID
+/// cases (generic/355, 633, 683-685) are in `PosixTests`.
+final class XfstestsRegressionTests: XCTestCase {
+    /// A name longer than the store keeps in a directory entry (hashed, with a side file).
+    let long = String(repeating: "l", count: 200)
+
+    /// `keybagfs fsck --json` of an unmounted store: exit code, the problems' kinds and what
+    /// became of each.
+    func fsck(_ m: MountFixture, _ extra: [String] = []) -> (code: Int32, kinds: [String], repairs: [String]) {
+        let r = MountFixture.run(MountFixture.binDir + "/keybagfs", ["fsck", m.store, "--device-key", m.deviceKey, "--json", "--passcode-stdin"] + extra,
+                                 stdin: m.passcode + "\n")
+        let o = (try? JSONSerialization.jsonObject(with: Data(r.stdout.utf8))) as? [String: Any] ?? [:]
+        let problems = o["problems"] as? [[String: Any]] ?? []
+        return (r.code, problems.map { $0["kind"] as? String ?? "?" }.sorted(), problems.map { $0["repair"] as? String ?? "?" })
+    }
+
+    /// Whether `path` is a whiteout: a character device 0:0.
+    func isWhiteout(_ path: String) -> Bool {
+        var st = stat()
+        return lstat(path, &st) == 0 && st.st_mode & S_IFMT == S_IFCHR && st.st_rdev == 0
+    }
+
+    /// generic/013, generic/078: renameat2 with each flag, on short and long names, over
+    /// files with xattrs and over empty directories, leaves a store fsck finds clean.
+    func testRenameWithEveryFlagKeepsTheStoreWhole() throws {
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        XCTAssertEqual(mkdir(m.path("d"), 0o755), 0)
+        // RENAME_WHITEOUT of a long name to another long name: the whiteout keeps the old name.
+        XCTAssertEqual(writeFile(m.path("d/" + long), bytes("one")), 0)
+        XCTAssertEqual(kbfs_renameat2(AT_FDCWD, m.path("d/" + long), AT_FDCWD, m.path("d/" + long + "2"), kbfs_RENAME_WHITEOUT), 0, "errno \(errno)")
+        XCTAssertTrue(isWhiteout(m.path("d/" + long)), "a whiteout under the old name")
+        XCTAssertEqual(try readFile(m.path("d/" + long + "2")).get(), bytes("one"))
+        XCTAssertTrue(try FileManager.default.contentsOfDirectory(atPath: m.path("d")).sorted() == [long, long + "2"].sorted())
+        // RENAME_WHITEOUT over a file with a user xattr: that file's xattr set goes with it.
+        XCTAssertEqual(writeFile(m.path("d/target"), bytes("old")), 0)
+        XCTAssertEqual(setXattr(m.path("d/target"), "kept?", "user.note"), 0)
+        XCTAssertEqual(writeFile(m.path("d/src"), bytes("new")), 0)
+        XCTAssertEqual(kbfs_renameat2(AT_FDCWD, m.path("d/src"), AT_FDCWD, m.path("d/target"), kbfs_RENAME_WHITEOUT), 0)
+        XCTAssertEqual(try readFile(m.path("d/target")).get(), bytes("new"))
+        XCTAssertEqual(errnoOf(getXattr(m.path("d/target"), "user.note")), ENODATA)
+        XCTAssertTrue(isWhiteout(m.path("d/src")))
+        // RENAME_WHITEOUT of a directory over an empty directory.
+        XCTAssertEqual(mkdir(m.path("d/e1"), 0o755), 0)
+        XCTAssertEqual(writeFile(m.path("d/e1/inside"), bytes("in")), 0)
+        XCTAssertEqual(mkdir(m.path("d/e2"), 0o755), 0)
+        XCTAssertEqual(kbfs_renameat2(AT_FDCWD, m.path("d/e1"), AT_FDCWD, m.path("d/e2"), kbfs_RENAME_WHITEOUT), 0, "errno \(errno)")
+        XCTAssertEqual(try readFile(m.path("d/e2/inside")).get(), bytes("in"))
+        XCTAssertTrue(isWhiteout(m.path("d/e1")))
+        // RENAME_EXCHANGE and RENAME_NOREPLACE on long names, and plain rename over a file
+        // with an xattr set.
+        XCTAssertEqual(writeFile(m.path("d/" + long + "x"), bytes("x")), 0)
+        XCTAssertEqual(writeFile(m.path("d/" + long + "y"), bytes("y")), 0)
+        XCTAssertEqual(kbfs_renameat2(AT_FDCWD, m.path("d/" + long + "x"), AT_FDCWD, m.path("d/" + long + "y"), kbfs_RENAME_EXCHANGE), 0)
+        XCTAssertEqual(try readFile(m.path("d/" + long + "x")).get(), bytes("y"))
+        XCTAssertEqual(kbfs_renameat2(AT_FDCWD, m.path("d/" + long + "x"), AT_FDCWD, m.path("d/" + long + "y"), kbfs_RENAME_NOREPLACE), -1)
+        XCTAssertEqual(errno, EEXIST)
+        XCTAssertEqual(kbfs_renameat2(AT_FDCWD, m.path("d/" + long + "x"), AT_FDCWD, m.path("d/" + long + "z"), kbfs_RENAME_NOREPLACE), 0)
+        XCTAssertEqual(setXattr(m.path("d/" + long + "y"), "v", "user.note"), 0)
+        XCTAssertEqual(rename(m.path("d/" + long + "z"), m.path("d/" + long + "y")), 0)
+        XCTAssertEqual(try readFile(m.path("d/" + long + "y")).get(), bytes("y"))
+        m.unmount()
+        let check = fsck(m)
+        XCTAssertEqual(check.code, 0, "fsck after the renames: \(check.kinds)")
+        XCTAssertEqual(check.kinds, [])
+        // The whiteouts go like any entry, and the directory is then empty.
+        try m.mount()
+        for name in try FileManager.default.contentsOfDirectory(atPath: m.path("d")) {
+            var st = stat()
+            XCTAssertEqual(lstat(m.path("d/" + name), &st), 0)
+            if st.st_mode & S_IFMT == S_IFDIR {
+                XCTAssertEqual(MountFixture.run("/bin/rm", ["-rf", m.path("d/" + name)]).code, 0)
+            } else {
+                XCTAssertEqual(unlink(m.path("d/" + name)), 0, name)
+            }
+        }
+        XCTAssertEqual(rmdir(m.path("d")), 0, "errno \(errno)")
+    }
+
+    /// The store left by the old rename code (a whiteout under a long name, without its side
+    /// file, and the replaced file's xattr set) is repaired by `fsck --repair`.
+    func testFsckRepairsWhatTheOldWhiteoutRenameLeft() throws {
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        XCTAssertEqual(mkdir(m.path("d"), 0o755), 0)
+        XCTAssertEqual(writeFile(m.path("d/" + long), bytes("gone")), 0)
+        XCTAssertEqual(setXattr(m.path("d/" + long), "v", "user.note"), 0)
+        let entry = m.backing("d/" + long)
+        XCTAssertTrue(FileManager.default.fileExists(atPath: entry + ".name"), entry)
+        m.unmount()
+        // What the old code left: the entry replaced by a whiteout, its side file removed
+        // (and with it the file and its xattr set gone from the tree).
+        XCTAssertEqual(unlink(entry + ".name"), 0)
+        XCTAssertEqual(unlink(entry), 0)
+        XCTAssertEqual(mknod(entry, S_IFCHR | 0o000, 0), 0)
+        let before = fsck(m)
+        XCTAssertEqual(before.code, 1)
+        XCTAssertEqual(before.kinds, ["whiteout-without-name", "xattr-orphan"])
+        let repaired = fsck(m, ["--repair"])
+        XCTAssertEqual(repaired.repairs, ["repaired", "repaired"], "\(repaired.kinds)")
+        let after = fsck(m)
+        XCTAssertEqual(after.code, 0, "clean after the repair: \(after.kinds)")
+        try m.mount()
+        XCTAssertEqual(rmdir(m.path("d")), 0, "the directory is empty again: errno \(errno)")
+    }
+
+    /// generic/423: a symlink's size is its target's length.
+    func testSymlinkSizeIsTheTargetLength() throws {
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        let short = "/some/target/of/thirty-seven/bytes.x"
+        let longTarget = String(repeating: "t/", count: 2000) + "end"
+        XCTAssertEqual(symlink(short, m.path("s")), 0)
+        XCTAssertEqual(symlink(longTarget, m.path("l")), 0)
+        for (name, target) in [("s", short), ("l", longTarget)] {
+            var st = stat()
+            XCTAssertEqual(lstat(m.path(name), &st), 0)
+            XCTAssertEqual(Int(st.st_size), target.utf8.count, name)
+            var buf = [UInt8](repeating: 0, count: 8192)
+            let n = readlink(m.path(name), &buf, buf.count)
+            XCTAssertEqual(n, target.utf8.count, name)
+            XCTAssertEqual(String(decoding: buf[0..<max(n, 0)], as: UTF8.self), target, name)
+        }
+        try m.restart()   // sizes from the store, not from what the daemon remembers
+        var st = stat()
+        XCTAssertEqual(lstat(m.path("s"), &st), 0)
+        XCTAssertEqual(Int(st.st_size), short.utf8.count)
+    }
+
+    /// Names of a directory stream from the start.
+    func names(_ dir: OpaquePointer) -> [String] {
+        var out: [String] = []
+        while let e = readdir(dir) {
+            out.append(withUnsafePointer(to: &e.pointee.d_name) { $0.withMemoryRebound(to: CChar.self, capacity: 256) { String(cString: $0) } })
+        }
+        return out
+    }
+
+    /// generic/471 and generic/736: `rewinddir` shows names created since `opendir`, and a
+    /// listing holds `.` and `..`.
+    func testRewinddirSeesNewNamesAndListingsHoldDotDot() throws {
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        XCTAssertEqual(mkdir(m.path("d"), 0o755), 0)
+        XCTAssertEqual(writeFile(m.path("d/first"), []), 0)
+        guard let dir = opendir(m.path("d")) else { return XCTFail("opendir: errno \(errno)") }
+        defer { closedir(dir) }
+        XCTAssertEqual(names(dir).sorted(), [".", "..", "first"])
+        XCTAssertEqual(writeFile(m.path("d/second"), []), 0)
+        XCTAssertEqual(unlink(m.path("d/first")), 0)
+        rewinddir(dir)
+        XCTAssertEqual(names(dir).sorted(), [".", "..", "second"], "after rewinddir")
+        guard let root = opendir(m.mnt) else { return XCTFail("opendir") }
+        defer { closedir(root) }
+        XCTAssertEqual(names(root).sorted(), [".", "..", "d"], "the mount root lists .. too")
+    }
+
+    /// generic/696: mknod of a regular file makes an empty file of the inherited class.
+    func testMknodOfARegularFile() throws {
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        XCTAssertEqual(mkdir(m.path("docs"), 0o755), 0)
+        XCTAssertEqual(setXattr(m.path("docs"), "complete"), 0)
+        XCTAssertEqual(mknod(m.path("docs/node"), S_IFREG | 0o640, 0), 0, "errno \(errno)")
+        var st = stat()
+        XCTAssertEqual(lstat(m.path("docs/node"), &st), 0)
+        XCTAssertEqual(st.st_mode, S_IFREG | 0o640)
+        XCTAssertEqual(st.st_size, 0)
+        XCTAssertEqual(try getXattr(m.path("docs/node")).get(), "complete")
+        XCTAssertEqual(mknod(m.path("docs/node"), S_IFREG | 0o640, 0), -1)
+        XCTAssertEqual(errno, EEXIST)
+        let fd = sysOpen(m.path("docs/node"), O_RDWR)
+        XCTAssertGreaterThanOrEqual(fd, 0)
+        XCTAssertEqual(try sysPwrite(fd, bytes("made by mknod"), 0).get(), 13)
+        close(fd)
+        XCTAssertEqual(m.status()["openFiles"] as? Int, 0, "mknod leaves no handle open")
+        try m.restart()
+        m.unlock()
+        XCTAssertEqual(try readFile(m.path("docs/node")).get(), bytes("made by mknod"))
+    }
+}
