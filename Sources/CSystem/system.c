@@ -96,3 +96,5 @@ int kbfs_request_kills_setid(void) { return kbfs_kills_setid; }
 int kbfs_reserve(int fd, long long offset, long long len) {
     return fallocate(fd, FALLOC_FL_KEEP_SIZE, (off_t)offset, (off_t)len);
 }
+
+int kbfs_syncfs(int fd) { return syncfs(fd); }

@@ -1,4 +1,5 @@
 import CFuse
+import Dispatch
 import CSodium
 import CSystem
 import Glibc
@@ -60,11 +61,24 @@ final class Filesystem: Sendable {
     let defaultClass: ProtectionClass
     /// Default classes given to directories created at matching paths.
     let policy: ClassPolicy
+    /// Requests waiting for space that deleted files are about to give back.
+    let spaceWaiters = Atomic<Int>(0)
+    /// Most requests that wait for space at a time (see `retryingWhileSpaceReturns`).
+    static let maxSpaceWaiters = 4
     /// Open file handles (for `status`).
     let openFiles = Atomic<Int>(0)
     /// Asks the kernel to drop an inode's cached pages, soon and from another thread (set
     /// by the daemon once the FUSE session exists).
     let dropPages = Locked<(@Sendable (UInt64) -> Void)?>(nil)
+    /// Asks the kernel to fetch the attributes of these inodes again, soon and from another
+    /// thread (set by the daemon once the FUSE session exists).
+    let refreshAttributes = Locked<(@Sendable ([UInt64]) -> Void)?>(nil)
+    /// Whether the store ran out of space and has not got `fullStoreMargin` free since:
+    /// see `noteStoreFull`.
+    let storeFull = Atomic<Bool>(false)
+    /// Free bytes the store needs before writes into the page cache are accepted again
+    /// after it ran full: 4 MiB, or a 16th of a smaller store.
+    static func fullStoreMargin(_ s: statvfs) -> Int { min(4 << 20, Int(s.f_blocks) * Int(s.f_frsize) / 16) }
     /// Whether created objects are chowned to the caller (the daemon runs as root).
     let chownToCaller: Bool
 
@@ -248,6 +262,7 @@ final class Filesystem: Sendable {
         // before the file became class A) would otherwise take a full page into the kernel,
         // in plaintext, without reaching us.
         if handle != nil, handlesRefused(n) { throw FSError(EACCES) }
+        if let handle, handle.writable, storeFull.load(ordering: .relaxed) { try refuseWhileStoreFull() }
         return try n.withPathFD { try attributes(fd: $0) }
     }
 
@@ -262,9 +277,10 @@ final class Filesystem: Sendable {
     }
 
     /// Seconds the kernel may keep a node's attributes: `normal`, but none while its
-    /// handles are refused, so that every write the kernel would take into its page cache
-    /// asks for them first (see `getattr`).
+    /// handles are refused or the store is full, so that every write the kernel would take
+    /// into its page cache asks for them first (see `getattr`).
     func attributeSeconds(_ id: UInt64, normal: Double) -> Double {
+        if storeFull.load(ordering: .relaxed) { return 0 }
         guard !keyring.access.canOpen(.complete), let n = table.node(id), handlesRefused(n) else { return normal }
         return 0
     }
@@ -456,6 +472,11 @@ final class Filesystem: Sendable {
     /// now). Atomic: the header is written to an unnamed file that is then linked under its
     /// name, so a crash never leaves a named file without a header.
     func create(parent: UInt64, name: String, mode: mode_t, flags: Int32, caller: Caller) throws -> (Node, stat, FileHandle) {
+        try retryingWhileSpaceReturns { try createOnce(parent: parent, name: name, mode: mode, flags: flags, caller: caller) }
+    }
+
+    /// One attempt of `create`; undoes what it did when it fails.
+    private func createOnce(parent: UInt64, name: String, mode: mode_t, flags: Int32, caller: Caller) throws -> (Node, stat, FileHandle) {
         try Self.checkName(name)
         let p = try node(parent)
         let cls = try inheritedClass(p)
@@ -593,9 +614,95 @@ final class Filesystem: Sendable {
         guard offset >= 0 else { throw FSError(EINVAL) }
         guard offset <= Self.maxFileSize - data.count else { throw FSError(EFBIG) }
         defer { Self.wipe(data) }
-        try withContentKey(h.node, .write) { key in
-            try content.write(fd: h.fd, key: key, offset: offset, data: data)
+        try retryingWhileSpaceReturns {
+            try withContentKey(h.node, .write) { key in
+                try content.write(fd: h.fd, key: key, offset: offset, data: data)
+            }
         }
+    }
+
+    /// A write the store had no space for. With the kernel's write-back cache, write(2)
+    /// puts data into the page cache without asking the daemon, so a program would write on
+    /// (gigabytes, believing it) while every write-back fails. From now until the store has
+    /// `fullStoreMargin` free again, attribute replies have timeout 0 and a GETATTR naming a
+    /// writable handle answers ENOSPC when the store is still that full: the kernel asks it
+    /// before each write(2) into the page cache, which then fails with ENOSPC itself.
+    func noteStoreFull() {
+        guard !storeFull.exchange(true, ordering: .relaxed) else { return }
+        let ids = table.regularFiles().map(\.id)
+        refreshAttributes.withLock { $0 }?(ids)
+    }
+
+    /// While the store is full (`storeFull`): ENOSPC unless it has `fullStoreMargin` free
+    /// again, which ends the full state.
+    private func refuseWhileStoreFull() throws {
+        var s = statvfs()
+        guard fstatvfs(table.root.fd, &s) == 0 else { return }
+        if Int(s.f_bfree) * Int(s.f_frsize) < Self.fullStoreMargin(s) { throw FSError(ENOSPC) }
+        storeFull.store(false, ordering: .relaxed)
+    }
+
+    /// Runs `body`, and again when it failed for want of space, as long as space is coming
+    /// back (2 s at most):
+    /// - files deleted while open hold their blocks until their last handle's release, which
+    ///   the kernel sends in the background, behind the write-back queued for other files
+    ///   (a program that deletes a file and writes the next one meets a full store that is
+    ///   not): each such release is waited for;
+    /// - a journaling filesystem (ext4) reuses freed blocks only after its next commit: the
+    ///   store's filesystem is committed before each retry.
+    /// At most `maxSpaceWaiters` requests wait at a time, so that FUSE threads stay free for
+    /// the releases they wait for; the others fail at once. A failure that stays puts the
+    /// store in its full state (`noteStoreFull`). `body` must leave nothing half done when
+    /// it throws.
+    func retryingWhileSpaceReturns<R>(_ body: () throws -> R) throws -> R {
+        do { return try body() } catch where [ENOSPC, EDQUOT].contains(FSError(error).errno) {
+            do { return try waitingForSpace(body) } catch {
+                if [ENOSPC, EDQUOT].contains(FSError(error).errno) { noteStoreFull() }
+                throw error
+            }
+        }
+    }
+
+    /// The retries of `retryingWhileSpaceReturns`: wait for each release of a deleted file,
+    /// commit the store, try again; until nothing was held at the last commit or 2 s passed.
+    private func waitingForSpace<R>(_ body: () throws -> R) throws -> R {
+        guard spaceWaiters.add(1, ordering: .relaxed).newValue <= Self.maxSpaceWaiters else {
+            spaceWaiters.subtract(1, ordering: .relaxed)
+            throw FSError(ENOSPC)
+        }
+        defer { spaceWaiters.subtract(1, ordering: .relaxed) }
+        let deadline = DispatchTime.now().uptimeNanoseconds + 2_000_000_000
+        var held = bytesHeldByDeletedOpenFiles()
+        while true {
+            while held > 0 && bytesHeldByDeletedOpenFiles() >= held {
+                guard DispatchTime.now().uptimeNanoseconds < deadline else { throw FSError(ENOSPC) }
+                usleep(5_000)
+            }
+            let heldAtSync = bytesHeldByDeletedOpenFiles()
+            kbfs_syncfs(table.root.fd)
+            do { return try body() } catch where [ENOSPC, EDQUOT].contains(FSError(error).errno) {
+                held = bytesHeldByDeletedOpenFiles()
+                if held == 0 && heldAtSync == 0 { throw error }   // no more space is coming
+            }
+        }
+    }
+
+    /// Backing bytes of files deleted while open (they return with their last close): every
+    /// descriptor of the daemon's is looked at, since the kernel may forget a node before it
+    /// releases the node's last handle.
+    private func bytesHeldByDeletedOpenFiles() -> Int {
+        let dfd = Glibc.open("/proc/self/fd", O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+        guard dfd >= 0, let dir = fdopendir(dfd) else { if dfd >= 0 { close(dfd) }; return 0 }
+        defer { closedir(dir) }
+        var held = 0
+        while let ent = readdir(dir) {
+            guard let fd = Int32(String(cString: Self.entryName(ent))) else { continue }
+            var st = stat()
+            if fstat(fd, &st) == 0 && st.st_nlink == 0 && st.st_mode & S_IFMT == S_IFREG && UInt64(st.st_dev) == table.root.backingDev {
+                held += Int(st.st_blocks) * 512
+            }
+        }
+        return held
     }
 
     /// Truncates through a handle when given, else through a fresh backing descriptor.
@@ -605,8 +712,10 @@ final class Filesystem: Sendable {
         let fd: Int32
         if let handle, handle.writable { fd = handle.fd } else { fd = try check(n.open(O_RDWR)) }
         defer { if fd != handle?.fd { close(fd) } }
-        try withContentKey(n, .write) { key in
-            try content.truncate(fd: fd, key: key, to: size)
+        try retryingWhileSpaceReturns {
+            try withContentKey(n, .write) { key in
+                try content.truncate(fd: fd, key: key, to: size)
+            }
         }
     }
 
@@ -622,7 +731,7 @@ final class Filesystem: Sendable {
         if mode & punchHole != 0 && (mode & keepSize == 0 || mode & zeroRange != 0) { throw FSError(EOPNOTSUPP) }
         guard h.writable else { throw FSError(EBADF) }
         let layout = content.layout
-        try withContentKey(h.node, .write) { key in
+        try retryingWhileSpaceReturns { try withContentKey(h.node, .write) { key in
             let size = try content.plainSize(fd: h.fd)
             let end = offset + length
             if mode & (punchHole | zeroRange) != 0 {
@@ -643,7 +752,7 @@ final class Filesystem: Sendable {
                     throw FSError(ENOSPC)
                 }
             }
-        }
+        } }
         var st = stat()
         if fstat(h.fd, &st) == 0, let cleared = Self.modeAfterModification(st, by: caller) { _ = fchmod(h.fd, cleared) }
     }

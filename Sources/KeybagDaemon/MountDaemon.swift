@@ -199,6 +199,7 @@ public enum MountDaemon {
         if !FuseChannel.install(se) { log("cannot install the FUSE I/O hooks; class A handles keep page-cache I/O") }
         controller.session.store(UInt(bitPattern: Int(bitPattern: UnsafeRawPointer(se))), ordering: .releasing)
         fs.dropPages.withLock { $0 = { [controller] id in controller.dropPagesSoon(id) } }
+        fs.refreshAttributes.withLock { $0 = { [controller] ids in controller.invalidateAttributesSoon(ids) } }
         server.start()
         HeapTrimmer.shared.start()
         report(cfg, "OK")
@@ -216,6 +217,7 @@ public enum MountDaemon {
         fuse_loop_cfg_destroy(loopCfg)
 
         fs.dropPages.withLock { $0 = nil }
+        fs.refreshAttributes.withLock { $0 = nil }
         controller.session.store(0, ordering: .releasing)
         HeapTrimmer.shared.stop()
         server.stop()

@@ -51,4 +51,6 @@ int kbfs_request_kills_setid(void);
 /* Reserves [offset, offset+len) of fd without changing its size (fallocate with
    FALLOC_FL_KEEP_SIZE); 0 or -1 with errno. */
 int kbfs_reserve(int fd, long long offset, long long len);
+/* syncfs(2): commits the filesystem holding fd. */
+int kbfs_syncfs(int fd);
 #endif
