@@ -199,6 +199,25 @@ final class MountFixture {
     }
 }
 
+extension XCTestCase {
+    /// A new store on a tmpfs of `size` (e.g. "3m"), mounted and unlocked; torn down with
+    /// the test.
+    func mountedSmallStore(_ size: String) throws -> MountFixture {
+        let m = try MountFixture(mount: false)
+        XCTAssertEqual(MountFixture.run("/bin/cp", ["-a", m.store, m.root + "/store.orig"]).code, 0)
+        XCTAssertEqual(MountFixture.run("/bin/mount", ["-t", "tmpfs", "-o", "size=" + size, "tmpfs", m.store]).code, 0, "a small store (needs root)")
+        addTeardownBlock {
+            m.unmount()
+            _ = MountFixture.run("/bin/umount", [m.store])
+            m.close()
+        }
+        XCTAssertEqual(MountFixture.run("/bin/cp", ["-a", m.root + "/store.orig/.", m.store]).code, 0)
+        try m.mount()
+        m.unlock()
+        return m
+    }
+}
+
 // MARK: syscall helpers returning errno
 
 /// open(2): the descriptor or -errno.

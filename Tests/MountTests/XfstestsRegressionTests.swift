@@ -190,27 +190,11 @@ final class XfstestsRegressionTests: XCTestCase {
         XCTAssertEqual(try readFile(m.path("docs/node")).get(), bytes("made by mknod"))
     }
 
-    /// A store on a tmpfs of `size`, mounted (and unlocked) by a new fixture.
-    func smallStore(_ size: String) throws -> MountFixture {
-        let m = try MountFixture(mount: false)
-        XCTAssertEqual(MountFixture.run("/bin/cp", ["-a", m.store, m.root + "/store.orig"]).code, 0)
-        XCTAssertEqual(MountFixture.run("/bin/mount", ["-t", "tmpfs", "-o", "size=" + size, "tmpfs", m.store]).code, 0)
-        addTeardownBlock {
-            m.unmount()
-            _ = MountFixture.run("/bin/umount", [m.store])
-            m.close()
-        }
-        XCTAssertEqual(MountFixture.run("/bin/cp", ["-a", m.root + "/store.orig/.", m.store]).code, 0)
-        try m.mount()
-        m.unlock()
-        return m
-    }
-
     /// generic/015: with the kernel's write-back cache on, a program filling the store gets
     /// ENOSPC from write(2) itself, not only from fsync or close (it used to write on for
     /// gigabytes); once space is freed, writes work again.
     func testWriteIntoAFullStoreFailsWithENOSPC() throws {
-        let m = try smallStore("16m")
+        let m = try mountedSmallStore("16m")
         XCTAssertEqual(m.status()["writebackCache"] as? Bool, true, "the case needs the write-back cache")
         let fd = sysOpen(m.path("fill"), O_WRONLY | O_CREAT | O_EXCL)
         XCTAssertGreaterThanOrEqual(fd, 0)
