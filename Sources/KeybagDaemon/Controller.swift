@@ -248,13 +248,12 @@ final class Controller: Sendable {
         pageDrops.async { self.invalidatePageCache([id], pass: "last close of a class B file") }
     }
 
-    /// Makes the kernel ask again for the attributes of `ids` (no page is dropped), on the
-    /// same queue as page drops: never from a FUSE thread.
-    func invalidateAttributesSoon(_ ids: [UInt64]) {
-        pageDrops.async {
-            guard let se = OpaquePointer(bitPattern: self.session.load(ordering: .acquiring)) else { return }
-            for id in ids { _ = fuse_lowlevel_notify_inval_inode(se, id, -1, 0) }
-        }
+    /// Makes the kernel ask again for the attributes of `ids` before it answers from them,
+    /// at once: no page is dropped (offset -1), so the kernel writes nothing back and the
+    /// call may come from a FUSE thread, with no lock held.
+    func invalidateAttributes(_ ids: [UInt64]) {
+        guard let se = OpaquePointer(bitPattern: session.load(ordering: .acquiring)) else { return }
+        for id in ids { _ = fuse_lowlevel_notify_inval_inode(se, id, -1, 0) }
     }
 
     /// Asks the kernel to write back and drop the cached pages of `ids`; failures other

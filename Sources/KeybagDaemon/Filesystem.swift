@@ -65,13 +65,15 @@ final class Filesystem: Sendable {
     let spaceWaiters = Atomic<Int>(0)
     /// Most requests that wait for space at a time (see `retryingWhileSpaceReturns`).
     static let maxSpaceWaiters = 4
+    /// Tries, 10 ms apart, while no deleted file is held (see `waitingForSpace`).
+    static let settleTries = 3
     /// Open file handles (for `status`).
     let openFiles = Atomic<Int>(0)
     /// Asks the kernel to drop an inode's cached pages, soon and from another thread (set
     /// by the daemon once the FUSE session exists).
     let dropPages = Locked<(@Sendable (UInt64) -> Void)?>(nil)
-    /// Asks the kernel to fetch the attributes of these inodes again, soon and from another
-    /// thread (set by the daemon once the FUSE session exists).
+    /// Tells the kernel to fetch the attributes of these inodes again before it uses them
+    /// (set by the daemon once the FUSE session exists). Call it with no lock held.
     let refreshAttributes = Locked<(@Sendable ([UInt64]) -> Void)?>(nil)
     /// Whether the store ran out of space and has not got `fullStoreMargin` free since:
     /// see `noteStoreFull`.
@@ -155,11 +157,21 @@ final class Filesystem: Sendable {
         return kill == 0 ? nil : mode & 0o7777 & ~kill
     }
 
-    /// Clears the set-ID bits of an open regular file after a write the kernel marked as
-    /// coming from a caller without CAP_FSETID (FUSE_HANDLE_KILLPRIV_V2).
-    func clearSetID(fd: Int32, by caller: Caller) {
+    /// Clears the set-ID bits of an open file after a write the kernel marked as coming from
+    /// a caller without CAP_FSETID (FUSE_HANDLE_KILLPRIV_V2).
+    func clearSetID(_ h: FileHandle, by caller: Caller) {
         var st = stat()
-        if fstat(fd, &st) == 0, st.st_mode & (S_ISUID | S_ISGID) != 0, let mode = Self.modeWithoutSetID(st, by: caller) { _ = fchmod(fd, mode) }
+        if fstat(h.fd, &st) == 0, st.st_mode & (S_ISUID | S_ISGID) != 0, let mode = Self.modeWithoutSetID(st, by: caller) {
+            setModeBehindTheKernel(h, mode)
+        }
+    }
+
+    /// Changes the mode of an open file on a request that does not answer with attributes
+    /// (write, fallocate): the kernel keeps the mode it has cached (the attributes it took
+    /// just before, when it updated the times) until told to ask again.
+    private func setModeBehindTheKernel(_ h: FileHandle, _ mode: mode_t) {
+        guard fchmod(h.fd, mode) == 0 else { return }
+        refreshAttributes.withLock { $0 }?([h.node.id])
     }
 
     /// The group a new object of `caller` gets in a directory: unchanged (the directory's,
@@ -634,11 +646,16 @@ final class Filesystem: Sendable {
     }
 
     /// While the store is full (`storeFull`): ENOSPC unless it has `fullStoreMargin` free
-    /// again, which ends the full state.
+    /// again (waiting, as `retryingWhileSpaceReturns` does, for space deleted files are
+    /// about to give back), which ends the full state.
     private func refuseWhileStoreFull() throws {
-        var s = statvfs()
-        guard fstatvfs(table.root.fd, &s) == 0 else { return }
-        if Int(s.f_bfree) * Int(s.f_frsize) < Self.fullStoreMargin(s) { throw FSError(ENOSPC) }
+        func hasRoom() -> Bool {
+            var s = statvfs()
+            return fstatvfs(table.root.fd, &s) != 0 || Int(s.f_bfree) * Int(s.f_frsize) >= Self.fullStoreMargin(s)
+        }
+        if !hasRoom() {
+            try waitingForSpace { if !hasRoom() { throw FSError(ENOSPC) } }
+        }
         storeFull.store(false, ordering: .relaxed)
     }
 
@@ -664,7 +681,9 @@ final class Filesystem: Sendable {
     }
 
     /// The retries of `retryingWhileSpaceReturns`: wait for each release of a deleted file,
-    /// commit the store, try again; until nothing was held at the last commit or 2 s passed.
+    /// commit the store, try again. A file whose descriptor is closed is still being freed
+    /// for a moment (its last close truncates it), so the last tries are 10 ms apart.
+    /// Ends when nothing was held for `settleTries` tries, or after 2 s.
     private func waitingForSpace<R>(_ body: () throws -> R) throws -> R {
         guard spaceWaiters.add(1, ordering: .relaxed).newValue <= Self.maxSpaceWaiters else {
             spaceWaiters.subtract(1, ordering: .relaxed)
@@ -673,16 +692,18 @@ final class Filesystem: Sendable {
         defer { spaceWaiters.subtract(1, ordering: .relaxed) }
         let deadline = DispatchTime.now().uptimeNanoseconds + 2_000_000_000
         var held = bytesHeldByDeletedOpenFiles()
+        var settling = 0
         while true {
             while held > 0 && bytesHeldByDeletedOpenFiles() >= held {
                 guard DispatchTime.now().uptimeNanoseconds < deadline else { throw FSError(ENOSPC) }
                 usleep(5_000)
             }
-            let heldAtSync = bytesHeldByDeletedOpenFiles()
+            if held == 0 && settling > 0 { usleep(10_000) }
             kbfs_syncfs(table.root.fd)
             do { return try body() } catch where [ENOSPC, EDQUOT].contains(FSError(error).errno) {
                 held = bytesHeldByDeletedOpenFiles()
-                if held == 0 && heldAtSync == 0 { throw error }   // no more space is coming
+                settling = held == 0 ? settling + 1 : 0
+                if settling > Self.settleTries || DispatchTime.now().uptimeNanoseconds >= deadline { throw error }
             }
         }
     }
@@ -754,7 +775,7 @@ final class Filesystem: Sendable {
             }
         } }
         var st = stat()
-        if fstat(h.fd, &st) == 0, let cleared = Self.modeAfterModification(st, by: caller) { _ = fchmod(h.fd, cleared) }
+        if fstat(h.fd, &st) == 0, let cleared = Self.modeAfterModification(st, by: caller) { setModeBehindTheKernel(h, cleared) }
     }
 
     /// fsync of a handle.

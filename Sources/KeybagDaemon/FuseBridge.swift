@@ -273,7 +273,7 @@ enum FuseBridge {
             do {
                 let killsSetID = kbfs_request_kills_setid() != 0
                 try FuseBridge.context(req).fs.write(h, offset: Int(off), data: UnsafeRawBufferPointer(start: data, count: size))
-                if killsSetID { FuseBridge.context(req).fs.clearSetID(fd: h.fd, by: FuseBridge.caller(req)) }
+                if killsSetID { FuseBridge.context(req).fs.clearSetID(h, by: FuseBridge.caller(req)) }
                 fuse_reply_write(req, size)
             } catch { FuseBridge.fail(req, error) }
         }

@@ -199,7 +199,7 @@ public enum MountDaemon {
         if !FuseChannel.install(se) { log("cannot install the FUSE I/O hooks; class A handles keep page-cache I/O") }
         controller.session.store(UInt(bitPattern: Int(bitPattern: UnsafeRawPointer(se))), ordering: .releasing)
         fs.dropPages.withLock { $0 = { [controller] id in controller.dropPagesSoon(id) } }
-        fs.refreshAttributes.withLock { $0 = { [controller] ids in controller.invalidateAttributesSoon(ids) } }
+        fs.refreshAttributes.withLock { $0 = { [controller] ids in controller.invalidateAttributes(ids) } }
         server.start()
         HeapTrimmer.shared.start()
         report(cfg, "OK")

@@ -216,4 +216,27 @@ final class XfstestsRegressionTests: XCTestCase {
         close(after)
         XCTAssertEqual(try readFile(m.path("after")).get().count, 8 << 20)
     }
+
+    /// generic/355, in its own steps: the owner's direct-I/O writes clear set-user-ID, and
+    /// set-group-ID where group-executable, as `stat` shows right after each write.
+    func testDirectWriteClearsSetIDBitsAsStatShowsAtOnce() throws {
+        let m = try MountFixture(mount: false)
+        addTeardownBlock { m.close() }
+        try m.mount(extra: ["-o", "allow_other"])
+        m.unlock()
+        XCTAssertEqual(chmod(m.mnt, 0o777), 0)
+        let f = m.path("355.test")
+        let write = "setpriv --reuid=65534 --regid=65534 --clear-groups dd if=/dev/zero of=\(f) bs=4k count=1 oflag=direct conv=notrunc status=none"
+        let script = """
+            echo "this is a test" >> \(f); chmod 644 \(f); chown 65534:65534 \(f)
+            chmod ug+s \(f); stat -c %A \(f); \(write); stat -c %A \(f)
+            chmod ug+s \(f); chmod u+x \(f); stat -c %A \(f); \(write); stat -c %A \(f)
+            chmod ug+s \(f); chmod g+x \(f); chmod u-x \(f); stat -c %A \(f); \(write); stat -c %A \(f)
+            chmod ug+s \(f); chmod u+x \(f); stat -c %A \(f); \(write); stat -c %A \(f)
+            """
+        let r = MountFixture.run("/bin/sh", ["-c", script])
+        XCTAssertEqual(r.code, 0, r.stderr)
+        XCTAssertEqual(r.stdout.split(separator: "\n"), ["-rwSr-Sr--", "-rw-r-Sr--", "-rwsr-Sr--", "-rwxr-Sr--",
+                                                         "-rwSr-sr--", "-rw-r-xr--", "-rwsr-sr--", "-rwxr-xr--"])
+    }
 }
