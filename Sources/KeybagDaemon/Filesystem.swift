@@ -651,7 +651,9 @@ final class Filesystem: Sendable {
     private func refuseWhileStoreFull() throws {
         func hasRoom() -> Bool {
             var s = statvfs()
-            return fstatvfs(table.root.fd, &s) != 0 || Int(s.f_bfree) * Int(s.f_frsize) >= Self.fullStoreMargin(s)
+            // f_bavail: ext4 keeps blocks out of f_bfree's reach even for root (its reserve for
+            // metadata), so f_bfree can show megabytes free on a store no write fits in.
+            return fstatvfs(table.root.fd, &s) != 0 || Int(s.f_bavail) * Int(s.f_frsize) >= Self.fullStoreMargin(s)
         }
         if !hasRoom() {
             try waitingForSpace { if !hasRoom() { throw FSError(ENOSPC) } }

@@ -200,12 +200,19 @@ final class MountFixture {
 }
 
 extension XCTestCase {
-    /// A new store on a tmpfs of `size` (e.g. "3m"), mounted and unlocked; torn down with
-    /// the test.
-    func mountedSmallStore(_ size: String) throws -> MountFixture {
+    /// A new store on a tmpfs of `size` (e.g. "3m"), or on an ext4 image of that size
+    /// (without a root reserve) on a loop device, mounted and unlocked; torn down with the test.
+    func mountedSmallStore(_ size: String, ext4: Bool = false) throws -> MountFixture {
         let m = try MountFixture(mount: false)
         XCTAssertEqual(MountFixture.run("/bin/cp", ["-a", m.store, m.root + "/store.orig"]).code, 0)
-        XCTAssertEqual(MountFixture.run("/bin/mount", ["-t", "tmpfs", "-o", "size=" + size, "tmpfs", m.store]).code, 0, "a small store (needs root)")
+        if ext4 {
+            let image = m.root + "/store.img"
+            XCTAssertEqual(MountFixture.run("/usr/bin/truncate", ["-s", size, image]).code, 0)
+            XCTAssertEqual(MountFixture.run("/sbin/mkfs.ext4", ["-q", "-F", "-m", "0", image]).code, 0)
+            XCTAssertEqual(MountFixture.run("/bin/mount", ["-o", "loop", image, m.store]).code, 0, "an ext4 image on a loop device (needs root)")
+        } else {
+            XCTAssertEqual(MountFixture.run("/bin/mount", ["-t", "tmpfs", "-o", "size=" + size, "tmpfs", m.store]).code, 0, "a small store (needs root)")
+        }
         addTeardownBlock {
             m.unmount()
             _ = MountFixture.run("/bin/umount", [m.store])

@@ -194,7 +194,17 @@ final class XfstestsRegressionTests: XCTestCase {
     /// ENOSPC from write(2) itself, not only from fsync or close (it used to write on for
     /// gigabytes); once space is freed, writes work again.
     func testWriteIntoAFullStoreFailsWithENOSPC() throws {
-        let m = try mountedSmallStore("16m")
+        try writeIntoAFullStore(try mountedSmallStore("16m"))
+    }
+
+    /// The same on ext4, which keeps blocks for its metadata that even root cannot write into
+    /// (statvfs counts them in f_bfree, not in f_bavail).
+    func testWriteIntoAFullExt4StoreFailsWithENOSPC() throws {
+        try writeIntoAFullStore(try mountedSmallStore("256m", ext4: true))
+    }
+
+    /// Fills the store of `m` through one descriptor, then frees it and writes again.
+    func writeIntoAFullStore(_ m: MountFixture) throws {
         XCTAssertEqual(m.status()["writebackCache"] as? Bool, true, "the case needs the write-back cache")
         let fd = sysOpen(m.path("fill"), O_WRONLY | O_CREAT | O_EXCL)
         XCTAssertGreaterThanOrEqual(fd, 0)
