@@ -61,12 +61,6 @@ final class Filesystem: Sendable {
     let defaultClass: ProtectionClass
     /// Default classes given to directories created at matching paths.
     let policy: ClassPolicy
-    /// Requests waiting for space that deleted files are about to give back.
-    let spaceWaiters = Atomic<Int>(0)
-    /// Most requests that wait for space at a time (see `retryingWhileSpaceReturns`).
-    static let maxSpaceWaiters = 4
-    /// Tries, 10 ms apart, while no deleted file is held (see `waitingForSpace`).
-    static let settleTries = 3
     /// Open file handles (for `status`).
     let openFiles = Atomic<Int>(0)
     /// Asks the kernel to drop an inode's cached pages, soon and from another thread (set
@@ -75,17 +69,14 @@ final class Filesystem: Sendable {
     /// Tells the kernel to fetch the attributes of these inodes again before it uses them
     /// (set by the daemon once the FUSE session exists). Call it with no lock held.
     let refreshAttributes = Locked<(@Sendable ([UInt64]) -> Void)?>(nil)
-    /// Whether the store ran out of space and has not got `fullStoreMargin` free since:
-    /// see `noteStoreFull`.
-    let storeFull = Atomic<Bool>(false)
-    /// Free bytes the store needs before writes into the page cache are accepted again
-    /// after it ran full: 4 MiB, or a 16th of a smaller store.
-    static func fullStoreMargin(_ s: statvfs) -> Int { min(4 << 20, Int(s.f_blocks) * Int(s.f_frsize) / 16) }
+    /// The store's free space as the write path sees it (see `StoreSpace`).
+    let space: StoreSpace
     /// Whether created objects are chowned to the caller (the daemon runs as root).
     let chownToCaller: Bool
 
     init(dataFD: Int32, targetsFD: Int32, xattrsFD: Int32, names: NameCipher, keyring: ClassKeyring, cipher: ContentCipher, defaultClass: ProtectionClass, policy: ClassPolicy = ClassPolicy()) throws {
         table = try NodeTable(rootFD: dataFD)
+        space = StoreSpace(storeFD: dataFD)
         self.names = names
         self.targetsFD = targetsFD
         self.xattrsFD = xattrsFD
@@ -274,7 +265,7 @@ final class Filesystem: Sendable {
         // before the file became class A) would otherwise take a full page into the kernel,
         // in plaintext, without reaching us.
         if handle != nil, handlesRefused(n) { throw FSError(EACCES) }
-        if let handle, handle.writable, storeFull.load(ordering: .relaxed) { try refuseWhileStoreFull() }
+        if let handle, handle.writable, space.isTight { try space.checkBeforeCachedWrite() }
         return try n.withPathFD { try attributes(fd: $0) }
     }
 
@@ -289,10 +280,10 @@ final class Filesystem: Sendable {
     }
 
     /// Seconds the kernel may keep a node's attributes: `normal`, but none while its
-    /// handles are refused or the store is full, so that every write the kernel would take
-    /// into its page cache asks for them first (see `getattr`).
+    /// handles are refused or the store is (nearly) full, so that every write the kernel
+    /// would take into its page cache asks for them first (see `getattr`).
     func attributeSeconds(_ id: UInt64, normal: Double) -> Double {
-        if storeFull.load(ordering: .relaxed) { return 0 }
+        if space.isTight { return 0 }
         guard !keyring.access.canOpen(.complete), let n = table.node(id), handlesRefused(n) else { return normal }
         return 0
     }
@@ -446,6 +437,7 @@ final class Filesystem: Sendable {
         let n = try node(id)
         guard n.isRegular else { throw FSError(n.isDirectory ? EISDIR : EINVAL) }
         let writable = (flags & O_ACCMODE) != O_RDONLY
+        if writable && space.noteWritten() { refreshAttributesOfKnownFiles() }   // nearly full: tight before the first write
         let fd = try check(n.open(writable ? O_RDWR : O_RDONLY))
         let cls: ProtectionClass
         do {
@@ -633,99 +625,24 @@ final class Filesystem: Sendable {
         }
     }
 
-    /// A write the store had no space for. With the kernel's write-back cache, write(2)
-    /// puts data into the page cache without asking the daemon, so a program would write on
-    /// (gigabytes, believing it) while every write-back fails. From now until the store has
-    /// `fullStoreMargin` free again, attribute replies have timeout 0 and a GETATTR naming a
-    /// writable handle answers ENOSPC when the store is still that full: the kernel asks it
-    /// before each write(2) into the page cache, which then fails with ENOSPC itself.
-    func noteStoreFull() {
-        guard !storeFull.exchange(true, ordering: .relaxed) else { return }
+    /// Runs `body` (which must leave nothing half done when it throws) through
+    /// `StoreSpace.retryingWhileSpaceReturns`; a failure for want of space makes the store
+    /// full, and the kernel is told to ask for the attributes of every known file again.
+    func retryingWhileSpaceReturns<R>(_ body: () throws -> R) throws -> R {
+        do {
+            let r = try space.retryingWhileSpaceReturns(body)
+            if space.noteWritten() { refreshAttributesOfKnownFiles() }
+            return r
+        } catch {
+            if [ENOSPC, EDQUOT].contains(FSError(error).errno), space.noteFull() { refreshAttributesOfKnownFiles() }
+            throw error
+        }
+    }
+
+    /// Tells the kernel to ask again for the attributes of every regular file it knows.
+    func refreshAttributesOfKnownFiles() {
         let ids = table.regularFiles().map(\.id)
         refreshAttributes.withLock { $0 }?(ids)
-    }
-
-    /// While the store is full (`storeFull`): ENOSPC unless it has `fullStoreMargin` free
-    /// again (waiting, as `retryingWhileSpaceReturns` does, for space deleted files are
-    /// about to give back), which ends the full state.
-    private func refuseWhileStoreFull() throws {
-        func hasRoom() -> Bool {
-            var s = statvfs()
-            // f_bavail: ext4 keeps blocks out of f_bfree's reach even for root (its reserve for
-            // metadata), so f_bfree can show megabytes free on a store no write fits in.
-            return fstatvfs(table.root.fd, &s) != 0 || Int(s.f_bavail) * Int(s.f_frsize) >= Self.fullStoreMargin(s)
-        }
-        if !hasRoom() {
-            try waitingForSpace { if !hasRoom() { throw FSError(ENOSPC) } }
-        }
-        storeFull.store(false, ordering: .relaxed)
-    }
-
-    /// Runs `body`, and again when it failed for want of space, as long as space is coming
-    /// back (2 s at most):
-    /// - files deleted while open hold their blocks until their last handle's release, which
-    ///   the kernel sends in the background, behind the write-back queued for other files
-    ///   (a program that deletes a file and writes the next one meets a full store that is
-    ///   not): each such release is waited for;
-    /// - a journaling filesystem (ext4) reuses freed blocks only after its next commit: the
-    ///   store's filesystem is committed before each retry.
-    /// At most `maxSpaceWaiters` requests wait at a time, so that FUSE threads stay free for
-    /// the releases they wait for; the others fail at once. A failure that stays puts the
-    /// store in its full state (`noteStoreFull`). `body` must leave nothing half done when
-    /// it throws.
-    func retryingWhileSpaceReturns<R>(_ body: () throws -> R) throws -> R {
-        do { return try body() } catch where [ENOSPC, EDQUOT].contains(FSError(error).errno) {
-            do { return try waitingForSpace(body) } catch {
-                if [ENOSPC, EDQUOT].contains(FSError(error).errno) { noteStoreFull() }
-                throw error
-            }
-        }
-    }
-
-    /// The retries of `retryingWhileSpaceReturns`: wait for each release of a deleted file,
-    /// commit the store, try again. A file whose descriptor is closed is still being freed
-    /// for a moment (its last close truncates it), so the last tries are 10 ms apart.
-    /// Ends when nothing was held for `settleTries` tries, or after 2 s.
-    private func waitingForSpace<R>(_ body: () throws -> R) throws -> R {
-        guard spaceWaiters.add(1, ordering: .relaxed).newValue <= Self.maxSpaceWaiters else {
-            spaceWaiters.subtract(1, ordering: .relaxed)
-            throw FSError(ENOSPC)
-        }
-        defer { spaceWaiters.subtract(1, ordering: .relaxed) }
-        let deadline = DispatchTime.now().uptimeNanoseconds + 2_000_000_000
-        var held = bytesHeldByDeletedOpenFiles()
-        var settling = 0
-        while true {
-            while held > 0 && bytesHeldByDeletedOpenFiles() >= held {
-                guard DispatchTime.now().uptimeNanoseconds < deadline else { throw FSError(ENOSPC) }
-                usleep(5_000)
-            }
-            if held == 0 && settling > 0 { usleep(10_000) }
-            kbfs_syncfs(table.root.fd)
-            do { return try body() } catch where [ENOSPC, EDQUOT].contains(FSError(error).errno) {
-                held = bytesHeldByDeletedOpenFiles()
-                settling = held == 0 ? settling + 1 : 0
-                if settling > Self.settleTries || DispatchTime.now().uptimeNanoseconds >= deadline { throw error }
-            }
-        }
-    }
-
-    /// Backing bytes of files deleted while open (they return with their last close): every
-    /// descriptor of the daemon's is looked at, since the kernel may forget a node before it
-    /// releases the node's last handle.
-    private func bytesHeldByDeletedOpenFiles() -> Int {
-        let dfd = Glibc.open("/proc/self/fd", O_RDONLY | O_DIRECTORY | O_CLOEXEC)
-        guard dfd >= 0, let dir = fdopendir(dfd) else { if dfd >= 0 { close(dfd) }; return 0 }
-        defer { closedir(dir) }
-        var held = 0
-        while let ent = readdir(dir) {
-            guard let fd = Int32(String(cString: Self.entryName(ent))) else { continue }
-            var st = stat()
-            if fstat(fd, &st) == 0 && st.st_nlink == 0 && st.st_mode & S_IFMT == S_IFREG && UInt64(st.st_dev) == table.root.backingDev {
-                held += Int(st.st_blocks) * 512
-            }
-        }
-        return held
     }
 
     /// Truncates through a handle when given, else through a fresh backing descriptor.

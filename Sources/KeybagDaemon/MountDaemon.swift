@@ -196,6 +196,7 @@ public enum MountDaemon {
             fuse_remove_signal_handlers(se); fuse_session_destroy(se); server.stop(); controller.shutdown(); return 1
         }
         FuseChannel.noteReadaheadFile(mountpoint: mountpoint)
+        if let file = FuseChannel.readAheadFile.withLock({ $0 }) { fs.space.attach(bdi: String(file.dropLast("/read_ahead_kb".count))) }
         if !FuseChannel.install(se) { log("cannot install the FUSE I/O hooks; class A handles keep page-cache I/O") }
         controller.session.store(UInt(bitPattern: Int(bitPattern: UnsafeRawPointer(se))), ordering: .releasing)
         fs.dropPages.withLock { $0 = { [controller] id in controller.dropPagesSoon(id) } }
