@@ -774,10 +774,17 @@ final class Filesystem: Sendable {
         for n in table.regularFiles() { n.io.write { $0.wipe() } }
     }
 
-    /// statfs of the store's filesystem.
+    /// statfs of the store's filesystem, in plaintext: each 4096-byte block of content takes
+    /// `cipherBlockSize` bytes of the store, so the space a program can fill is that much
+    /// smaller than the store's (a program that fallocates what df says is free must fit).
     func statfs() throws -> statvfs {
         var s = statvfs()
         try check(fstatvfs(table.root.fd, &s))
+        let plain = UInt64(BlockLayout.plainBlockSize), cipher = UInt64(content.layout.cipherBlockSize)
+        func scaled(_ n: fsblkcnt_t) -> fsblkcnt_t { fsblkcnt_t(UInt64(n) / cipher * plain + UInt64(n) % cipher * plain / cipher) }
+        s.f_blocks = scaled(s.f_blocks)
+        s.f_bfree = scaled(s.f_bfree)
+        s.f_bavail = scaled(s.f_bavail)
         return s
     }
 }

@@ -192,13 +192,20 @@ extension Filesystem {
     // MARK: namespace operations
 
     /// Chowns a new object to the caller when running as root (the group stays the
-    /// directory's where it is setgid, as the backing filesystem already set it).
-    private func own(_ dirFD: Int32, _ backing: String, _ caller: Caller) {
-        if chownToCaller { fchownat(dirFD, backing, caller.uid, groupFor(caller, dirFD: dirFD), AT_SYMLINK_NOFOLLOW) }
+    /// directory's where it is setgid, as the backing filesystem already set it). A chown
+    /// clears set-ID bits of what is not a directory, so those of `mode` (which the kernel
+    /// already let the caller ask for) are set again.
+    private func own(_ dirFD: Int32, _ backing: String, _ caller: Caller, mode: mode_t) {
+        guard chownToCaller else { return }
+        fchownat(dirFD, backing, caller.uid, groupFor(caller, dirFD: dirFD), AT_SYMLINK_NOFOLLOW)
+        if mode & (S_ISUID | S_ISGID) != 0 && mode & S_IFMT != S_IFLNK && mode & S_IFMT != S_IFDIR {
+            fchmodat(dirFD, backing, mode & 0o7777, 0)
+        }
     }
 
     /// Creates an entry with `make`, its side file first; undoes the side file on failure.
-    private func makeEntry(parent: UInt64, name: String, caller: Caller, _ make: (Int32, String) throws -> Void) throws -> (Node, stat) {
+    /// A new object (`caller` given) is owned by the caller, with `mode`'s set-ID bits.
+    private func makeEntry(parent: UInt64, name: String, caller: Caller?, mode: mode_t = 0, _ make: (Int32, String) throws -> Void) throws -> (Node, stat) {
         let p = try node(parent)
         let e = try backingName(p, name)
         let created = try ensureSideFile(p, e)
@@ -208,7 +215,7 @@ extension Filesystem {
             if created { removeSideFile(p, e) }
             throw FSError(error)
         }
-        own(p.fd, e.name, caller)
+        if let caller { own(p.fd, e.name, caller, mode: mode) }
         return try lookupBacking(p, e.name)
     }
 
@@ -243,7 +250,7 @@ extension Filesystem {
             release(h)
             return (n, st)
         }
-        return try makeEntry(parent: parent, name: name, caller: caller) { dirFD, backing in
+        return try makeEntry(parent: parent, name: name, caller: caller, mode: mode) { dirFD, backing in
             try check(mknodat(dirFD, backing, mode, rdev))
         }
     }
@@ -401,7 +408,7 @@ extension Filesystem {
     func link(_ id: UInt64, newParent: UInt64, newName: String) throws -> (Node, stat) {
         let n = try node(id)
         guard !n.isDirectory else { throw FSError(EPERM) }
-        return try makeEntry(parent: newParent, name: newName, caller: Caller(uid: uid_t.max, gid: gid_t.max)) { dirFD, backing in
+        return try makeEntry(parent: newParent, name: newName, caller: nil) { dirFD, backing in
             try n.withPathFD { try check(linkat(AT_FDCWD, "/proc/self/fd/\($0)", dirFD, backing, AT_SYMLINK_FOLLOW)) }
         }
     }
@@ -429,9 +436,12 @@ extension Filesystem {
         return out
     }
 
-    /// opendir: decrypts the names once (see `listing`).
+    /// opendir: the names are listed by the first read (see `DirHandle`).
     func opendir(_ id: UInt64) throws -> DirHandle {
-        DirHandle(entries: try listing(try node(id)))
+        let n = try node(id)
+        guard n.isDirectory else { throw FSError(ENOTDIR) }
+        _ = try meta(of: n)
+        return DirHandle()
     }
 
     /// The entries of directory `n` with plaintext names, `.` and `..` first; entries that do

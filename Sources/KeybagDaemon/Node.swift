@@ -232,22 +232,20 @@ final class FileHandle: Sendable {
     }
 }
 
-/// An open directory: a snapshot of its entries, taken at opendir and again when a read
-/// starts over from offset 0 (rewinddir) after a page was served.
+/// An open directory: a snapshot of its entries, taken by each read from offset 0 (the start
+/// of a listing, or a rewinddir), so that names created since opendir appear.
 final class DirHandle: Sendable {
     /// One listed entry: plaintext name and the backing entry it came from.
     struct Entry: Sendable { let name: String; let backing: String; let ino: UInt64; let type: UInt8 }
-    /// The entries (without reserved names), and whether a page of them was served.
-    private let snapshot: Mutex<(entries: [Entry], served: Bool)>
-    init(entries: [Entry]) { snapshot = Mutex((entries, false)) }
+    /// The entries (without reserved names) of the last read from offset 0.
+    private let snapshot = Mutex<[Entry]?>(nil)
 
-    /// The entries to serve a page from `offset`: those of opendir, or, for a read from
-    /// offset 0 after a page was served, those `list` finds now.
+    /// The entries to serve a page from `offset`: those `list` finds now for a read from
+    /// offset 0 (or when none were taken yet), else the snapshot the listing started with.
     func entries(from offset: Int, list: () throws -> [Entry]) rethrows -> [Entry] {
         try snapshot.withLock { s in
-            if offset == 0 && s.served { s.entries = try list() }
-            s.served = true
-            return s.entries
+            if offset == 0 || s == nil { s = try list() }
+            return s ?? []
         }
     }
 }

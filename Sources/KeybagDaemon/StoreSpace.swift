@@ -54,8 +54,10 @@ final class StoreSpace: Sendable {
     private let waiters = Atomic<Int>(0)
     /// Most requests that wait for space at a time (see `retryingWhileSpaceReturns`).
     static let maxWaiters = 4
-    /// Tries, 10 ms apart, while no deleted file is held (see `waitingForSpace`).
-    static let settleTries = 3
+    /// Tries, 20 ms apart, while no deleted file is held (see `waitingForSpace`).
+    static let settleTries = 5
+    /// Longest wait for space (ns).
+    static let longestWait: UInt64 = 5_000_000_000
     /// How often (ns) writes look at the free space.
     static let lookInterval: UInt64 = 10_000_000
 
@@ -126,7 +128,7 @@ final class StoreSpace: Sendable {
     // MARK: waiting for space
 
     /// Runs `body`, and again when it failed for want of space, as long as space is coming
-    /// back (2 s at most):
+    /// back (`longestWait`, 5 s, at most):
     /// - files deleted while open hold their blocks until their last handle's release, which
     ///   the kernel sends in the background, behind the write-back queued for other files
     ///   (a program that deletes a file and writes the next one meets a full store that is
@@ -144,15 +146,15 @@ final class StoreSpace: Sendable {
 
     /// The retries of `retryingWhileSpaceReturns`: wait for each release of a deleted file,
     /// commit the store, try again. A file whose descriptor is closed is still being freed
-    /// for a moment (its last close truncates it), so the last tries are 10 ms apart.
-    /// Ends when nothing was held for `settleTries` tries, or after 2 s.
+    /// for a moment (its last close truncates it), so the last tries are 20 ms apart.
+    /// Ends when nothing was held for `settleTries` tries, or after `longestWait`.
     private func waitingForSpace<R>(_ body: () throws -> R) throws -> R {
         guard waiters.add(1, ordering: .relaxed).newValue <= Self.maxWaiters else {
             waiters.subtract(1, ordering: .relaxed)
             throw FSError(ENOSPC)
         }
         defer { waiters.subtract(1, ordering: .relaxed) }
-        let deadline = DispatchTime.now().uptimeNanoseconds + 2_000_000_000
+        let deadline = DispatchTime.now().uptimeNanoseconds + Self.longestWait
         var held = bytesHeldByDeletedOpenFiles()
         var settling = 0
         while true {
@@ -160,7 +162,7 @@ final class StoreSpace: Sendable {
                 guard DispatchTime.now().uptimeNanoseconds < deadline else { throw FSError(ENOSPC) }
                 usleep(5_000)
             }
-            if held == 0 && settling > 0 { usleep(10_000) }
+            if held == 0 && settling > 0 { usleep(20_000) }
             kbfs_syncfs(storeFD)
             do { return try body() } catch where [ENOSPC, EDQUOT].contains(FSError(error).errno) {
                 held = bytesHeldByDeletedOpenFiles()

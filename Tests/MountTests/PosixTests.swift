@@ -167,8 +167,14 @@ final class PosixTests: XCTestCase {
             XCTAssertGreaterThanOrEqual(fd, 0)
             close(fd)
             XCTAssertEqual(mkdir(sg + "/sub", 0o2755), 0)
+            XCTAssertEqual(mknod(sg + "/chr", S_IFCHR | 0o2010, (5 << 8) | 1), 0, "errno \(errno)")
+            XCTAssertEqual(mknod(sg + "/node", S_IFREG | 0o2010, 0), 0, "errno \(errno)")
             umask(old)
-            for n in ["file", "sub"] {
+            // A hard link keeps the set-ID bits of its file.
+            XCTAssertEqual(writeFile(sg + "/suid", []), 0)
+            XCTAssertEqual(chmod(sg + "/suid", 0o4755), 0)
+            XCTAssertEqual(link(sg + "/suid", sg + "/suid-link"), 0)
+            for n in ["file", "sub", "chr", "node", "suid-link"] {
                 var st = stat()
                 XCTAssertEqual(stat(sg + "/" + n, &st), 0)
                 out["sg/" + n] = st.st_mode & 0o7777
