@@ -144,7 +144,7 @@ public final class NameCipher: Sendable {
 
     /// The plaintext length of a symlink target stored as `storedLength` characters
     /// (base64url without padding of nonce, ciphertext and tag).
-    public static func targetLength(storedLength: Int) -> Int { max(0, storedLength * 3 / 4 - 40) }
+    public static func targetLength(storedLength: Int) -> Int { max(0, storedLength / 4 * 3 + storedLength % 4 * 3 / 4 - 40) }
 
     /// The plaintext of a stored symlink target.
     public func decryptTarget(_ stored: String) throws -> [UInt8] {

@@ -248,6 +248,9 @@ final class Controller: Sendable {
         pageDrops.async { self.invalidatePageCache([id], pass: "last close of a class B file") }
     }
 
+    /// Runs `work` on the queue of page drops (a thread of the daemon's, not a FUSE worker).
+    func runSoon(_ work: @escaping @Sendable () -> Void) { pageDrops.async(execute: work) }
+
     /// Makes the kernel ask again for the attributes of `ids` before it answers from them,
     /// at once: no page is dropped (offset -1), so the kernel writes nothing back and the
     /// call may come from a FUSE thread, with no lock held.

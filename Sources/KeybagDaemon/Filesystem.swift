@@ -66,6 +66,14 @@ final class Filesystem: Sendable {
     /// Asks the kernel to drop an inode's cached pages, soon and from another thread (set
     /// by the daemon once the FUSE session exists).
     let dropPages = Locked<(@Sendable (UInt64) -> Void)?>(nil)
+    /// Runs work on the daemon's own queue, not a FUSE thread (set with `dropPages`; runs
+    /// the work at once until then).
+    let onDaemonQueue = Locked<(@Sendable (@escaping @Sendable () -> Void) -> Void)?>(nil)
+
+    /// Runs `work` on the daemon's own queue.
+    func soon(_ work: @escaping @Sendable () -> Void) {
+        if let q = onDaemonQueue.withLock({ $0 }) { q(work) } else { work() }
+    }
     /// Tells the kernel to fetch the attributes of these inodes again before it uses them
     /// (set by the daemon once the FUSE session exists). Call it with no lock held.
     let refreshAttributes = Locked<(@Sendable ([UInt64]) -> Void)?>(nil)
@@ -74,9 +82,10 @@ final class Filesystem: Sendable {
     /// Whether created objects are chowned to the caller (the daemon runs as root).
     let chownToCaller: Bool
 
-    init(dataFD: Int32, targetsFD: Int32, xattrsFD: Int32, names: NameCipher, keyring: ClassKeyring, cipher: ContentCipher, defaultClass: ProtectionClass, policy: ClassPolicy = ClassPolicy()) throws {
+    init(dataFD: Int32, targetsFD: Int32, xattrsFD: Int32, names: NameCipher, keyring: ClassKeyring, cipher: ContentCipher, defaultClass: ProtectionClass,
+         policy: ClassPolicy = ClassPolicy(), threads: Int = 16) throws {
         table = try NodeTable(rootFD: dataFD)
-        space = StoreSpace(storeFD: dataFD)
+        space = StoreSpace(storeFD: dataFD, threads: threads) { [keyring] in keyring.access.canOpen(.complete) }
         self.names = names
         self.targetsFD = targetsFD
         self.xattrsFD = xattrsFD
@@ -495,10 +504,11 @@ final class Filesystem: Sendable {
         }
         do {
             if chownToCaller {
-                fchown(bfd, caller.uid, groupFor(caller, dirFD: p.fd))
-                // The chown cleared set-ID bits the kernel let the caller ask for (it already
-                // dropped those the caller may not set): put them back.
-                if mode & (S_ISUID | S_ISGID) != 0 { fchmod(bfd, mode & 0o7777) }
+                // The chown clears set-ID bits the kernel let the caller ask for (it already
+                // dropped those the caller may not set, Linux 6.0+): put them back.
+                if fchown(bfd, caller.uid, groupFor(caller, dirFD: p.fd)) == 0 && mode & (S_ISUID | S_ISGID) != 0 {
+                    fchmod(bfd, mode & 0o7777)
+                }
             }
             let raw = SecureKey(random: 32)
             let header = try FileHeader.create(fileKey: raw, class: cls, cipher: cipher, using: wrapKey)
@@ -639,10 +649,13 @@ final class Filesystem: Sendable {
         }
     }
 
-    /// Tells the kernel to ask again for the attributes of every regular file it knows.
+    /// Tells the kernel to ask again for the attributes of every regular file it knows, from
+    /// the daemon's own queue (not this FUSE thread: the kernel may wait there for an inode
+    /// being evicted, whose write-back needs a FUSE thread).
     func refreshAttributesOfKnownFiles() {
         let ids = table.regularFiles().map(\.id)
-        refreshAttributes.withLock { $0 }?(ids)
+        guard let refresh = refreshAttributes.withLock({ $0 }) else { return }
+        soon { refresh(ids) }
     }
 
     /// Truncates through a handle when given, else through a fresh backing descriptor.

@@ -150,7 +150,8 @@ public enum MountDaemon {
         let keyring = ClassKeyring(classD: classD)
         let fs: Filesystem
         do {
-            fs = try Filesystem(dataFD: dataFD, targetsFD: targetsFD, xattrsFD: xattrsFD, names: names, keyring: keyring, cipher: keybag.cipher, defaultClass: cfg.defaultClass, policy: cfg.policy)
+            fs = try Filesystem(dataFD: dataFD, targetsFD: targetsFD, xattrsFD: xattrsFD, names: names, keyring: keyring, cipher: keybag.cipher, defaultClass: cfg.defaultClass, policy: cfg.policy,
+                                threads: cfg.threads)
             _ = try fs.meta(of: fs.table.root)   // the root's name IV exists before the first request
         } catch {
             log("\(error)"); report(cfg, "ERR \(error)"); return 1
@@ -201,6 +202,7 @@ public enum MountDaemon {
         controller.session.store(UInt(bitPattern: Int(bitPattern: UnsafeRawPointer(se))), ordering: .releasing)
         fs.dropPages.withLock { $0 = { [controller] id in controller.dropPagesSoon(id) } }
         fs.refreshAttributes.withLock { $0 = { [controller] ids in controller.invalidateAttributes(ids) } }
+        fs.onDaemonQueue.withLock { $0 = { [controller] work in controller.runSoon(work) } }
         server.start()
         HeapTrimmer.shared.start()
         report(cfg, "OK")
@@ -219,6 +221,7 @@ public enum MountDaemon {
 
         fs.dropPages.withLock { $0 = nil }
         fs.refreshAttributes.withLock { $0 = nil }
+        fs.onDaemonQueue.withLock { $0 = nil }
         controller.session.store(0, ordering: .releasing)
         HeapTrimmer.shared.stop()
         server.stop()

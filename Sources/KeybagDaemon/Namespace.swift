@@ -197,9 +197,9 @@ extension Filesystem {
     /// already let the caller ask for) are set again.
     private func own(_ dirFD: Int32, _ backing: String, _ caller: Caller, mode: mode_t) {
         guard chownToCaller else { return }
-        fchownat(dirFD, backing, caller.uid, groupFor(caller, dirFD: dirFD), AT_SYMLINK_NOFOLLOW)
-        if mode & (S_ISUID | S_ISGID) != 0 && mode & S_IFMT != S_IFLNK && mode & S_IFMT != S_IFDIR {
-            fchmodat(dirFD, backing, mode & 0o7777, 0)
+        let owned = fchownat(dirFD, backing, caller.uid, groupFor(caller, dirFD: dirFD), AT_SYMLINK_NOFOLLOW) == 0
+        if owned && mode & (S_ISUID | S_ISGID) != 0 && mode & S_IFMT != S_IFLNK && mode & S_IFMT != S_IFDIR {
+            fchmodat(dirFD, backing, mode & 0o7777, AT_SYMLINK_NOFOLLOW)
         }
     }
 

@@ -52,16 +52,24 @@ final class StoreSpace: Sendable {
     private let saved = Mutex<(ratio: String, bytes: Int)?>(nil)
     /// Requests waiting for space that deleted files are about to give back.
     private let waiters = Atomic<Int>(0)
-    /// Most requests that wait for space at a time (see `retryingWhileSpaceReturns`).
-    static let maxWaiters = 4
+    /// Most requests that wait for space at a time (see `retryingWhileSpaceReturns`): a
+    /// quarter of the FUSE threads, at most 4, so that threads stay free for the releases.
+    private let maxWaiters: Int
+    /// Whether a request may wait for space now (false while a lock is evicting or done:
+    /// no request waits then, and a write's plaintext must not outlive its request).
+    private let mayWait: @Sendable () -> Bool
     /// Tries, 20 ms apart, while no deleted file is held (see `waitingForSpace`).
     static let settleTries = 5
-    /// Longest wait for space (ns).
-    static let longestWait: UInt64 = 5_000_000_000
+    /// Longest wait for space (ns), and longest wait for the next release of a deleted file.
+    static let longestWait: UInt64 = 5_000_000_000, longestWaitForARelease: UInt64 = 300_000_000
     /// How often (ns) writes look at the free space.
     static let lookInterval: UInt64 = 10_000_000
 
-    init(storeFD: Int32) { self.storeFD = storeFD }
+    init(storeFD: Int32, threads: Int, mayWait: @escaping @Sendable () -> Bool) {
+        self.storeFD = storeFD
+        self.maxWaiters = min(4, threads / 4)
+        self.mayWait = mayWait
+    }
 
     /// Tells where the mount's dirty limit lives (`/sys/class/bdi/MAJ:MIN`).
     func attach(bdi folder: String) { bdi.withLock { $0 = folder } }
@@ -100,11 +108,15 @@ final class StoreSpace: Sendable {
     private func measure() -> (available: Int, thresholds: Thresholds)? {
         var s = statvfs()
         guard fstatvfs(storeFD, &s) == 0 else { return nil }
-        let size = Int(s.f_blocks) * Int(s.f_frsize)
+        func bytes(_ blocks: fsblkcnt_t) -> Int {   // saturating: some filesystems report "unlimited"
+            let (b, over) = UInt64(blocks).multipliedReportingOverflow(by: UInt64(s.f_frsize))
+            return over || b > UInt64(Int.max) ? Int.max : Int(b)
+        }
         let folder = bdi.withLock { $0 }
-        let dirty = saved.withLock { $0?.bytes } ?? folder.flatMap { Self.readNumber($0 + "/max_bytes") } ?? (64 << 20)
-        let t = Thresholds(size: size, dirty: dirty, canLowerDirty: folder != nil && geteuid() == 0)
-        return (Int(s.f_bavail) * Int(s.f_frsize), t)
+        let loose = folder.flatMap { Self.readNumber($0 + "/max_bytes") }   // absent before Linux 6.2
+        let dirty = saved.withLock { $0?.bytes } ?? loose ?? (64 << 20)
+        let t = Thresholds(size: bytes(s.f_blocks), dirty: dirty, canLowerDirty: loose != nil && geteuid() == 0)
+        return (bytes(s.f_bavail), t)
     }
 
     /// Turns tight and lowers the kernel's dirty limit for the mount; true if it was loose.
@@ -149,7 +161,7 @@ final class StoreSpace: Sendable {
     /// for a moment (its last close truncates it), so the last tries are 20 ms apart.
     /// Ends when nothing was held for `settleTries` tries, or after `longestWait`.
     private func waitingForSpace<R>(_ body: () throws -> R) throws -> R {
-        guard waiters.add(1, ordering: .relaxed).newValue <= Self.maxWaiters else {
+        guard mayWait(), waiters.add(1, ordering: .relaxed).newValue <= maxWaiters else {
             waiters.subtract(1, ordering: .relaxed)
             throw FSError(ENOSPC)
         }
@@ -158,16 +170,19 @@ final class StoreSpace: Sendable {
         var held = bytesHeldByDeletedOpenFiles()
         var settling = 0
         while true {
+            // A file kept open after its deletion (by a program that wants it) gives nothing
+            // back: a release that does not come within `longestWaitForARelease` ends the wait.
+            let releaseDeadline = min(deadline, DispatchTime.now().uptimeNanoseconds + Self.longestWaitForARelease)
             while held > 0 && bytesHeldByDeletedOpenFiles() >= held {
-                guard DispatchTime.now().uptimeNanoseconds < deadline else { throw FSError(ENOSPC) }
-                usleep(5_000)
+                guard DispatchTime.now().uptimeNanoseconds < releaseDeadline, mayWait() else { throw FSError(ENOSPC) }
+                usleep(20_000)
             }
             if held == 0 && settling > 0 { usleep(20_000) }
             kbfs_syncfs(storeFD)
             do { return try body() } catch where [ENOSPC, EDQUOT].contains(FSError(error).errno) {
                 held = bytesHeldByDeletedOpenFiles()
                 settling = held == 0 ? settling + 1 : 0
-                if settling > Self.settleTries || DispatchTime.now().uptimeNanoseconds >= deadline { throw error }
+                if settling > Self.settleTries || DispatchTime.now().uptimeNanoseconds >= deadline || !mayWait() { throw error }
             }
         }
     }
