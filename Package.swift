@@ -22,12 +22,14 @@ let package = Package(
                        providers: [.apt(["libsodium-dev"])]),
         // Linux calls and constants that need _GNU_SOURCE.
         .target(name: "CSystem", path: "Sources/CSystem"),
+        // Hardware AES for file contents: OpenSSL 3's libcrypto (AES-256-GCM, XAES-256-GCM).
+        .target(name: "CCrypto", path: "Sources/CCrypto", linkerSettings: [.linkedLibrary("crypto")]),
         // systemd-logind's signals and sleep inhibitors through sd-bus, for `keybagctl follow`.
         .target(name: "CLogind", path: "Sources/CLogind", linkerSettings: [.linkedLibrary("systemd")]),
         // The control socket's paths, line protocol and client: Foundation and Glibc only.
         .target(name: "KeybagProtocol"),
         // The core: formats, keybag, class rules, lock state. No FUSE here.
-        .target(name: "KeybagCore", dependencies: ["CSodium", "CSystem", "KeybagProtocol"]),
+        .target(name: "KeybagCore", dependencies: ["CSodium", "CSystem", "CCrypto", "KeybagProtocol"]),
         // The library programs use: FileProtectionType, protected writes, ProtectedData events.
         .target(name: "FileProtection", dependencies: ["KeybagProtocol", "CSystem"]),
         // The example of the library: a notes store that follows the lock.
@@ -48,9 +50,11 @@ let package = Package(
             .product(name: "ArgumentParser", package: "swift-argument-parser"),
         ]),
         // Micro-benchmarks and lock latency; built, not run, in CI.
-        .executableTarget(name: "keybagfs-bench", dependencies: ["KeybagCore", "KeybagProtocol", "CSystem", "CSodium"]),
-        .testTarget(name: "KeybagCoreTests", dependencies: ["KeybagCore"]),
-        .testTarget(name: "MountTests", dependencies: ["KeybagCore", "KeybagProtocol", "CFuse", "CSystem", "FileProtection", "keybagfs", "keybagctl", "SecureNotes"]),
+        .executableTarget(name: "keybagfs-bench", dependencies: ["KeybagCore", "KeybagProtocol", "CSystem", "CSodium", "CCrypto"]),
+        // AES-256 round keys and blocks from OpenSSL, for the tests' memory scans and vectors.
+        .target(name: "CTestSupport", path: "Tests/CTestSupport", linkerSettings: [.linkedLibrary("crypto")]),
+        .testTarget(name: "KeybagCoreTests", dependencies: ["KeybagCore", "CCrypto", "CSodium", "CTestSupport"]),
+        .testTarget(name: "MountTests", dependencies: ["KeybagCore", "KeybagProtocol", "CFuse", "CSystem", "FileProtection", "keybagfs", "keybagctl", "SecureNotes", "CTestSupport", "CCrypto"]),
     ],
     swiftLanguageModes: [.v6]
 )

@@ -1,30 +1,42 @@
+import CCrypto
 import CSodium
 import Glibc
 import Synchronization
 
-/// The AEAD that encrypts file contents, chosen once per store and recorded in the keybag.
+/// The AEAD that encrypts a file's contents, named in each file header. The keybag names
+/// the cipher of new files; a store's files may mix ciphers of one nonce size (one layout).
 public enum ContentCipher: UInt8, Sendable, CaseIterable {
-    /// AES-256-GCM (libsodium, needs AES-NI): 12-byte random nonce per block, so at most
-    /// 2^32 block writes per file key (NIST SP 800-38D); chosen only with `init --cipher`.
+    /// AES-256-GCM (OpenSSL): 12-byte random nonce per block, so at most 2^32 block writes
+    /// per file key (NIST SP 800-38D). Stores made with it keep it; new stores never get it.
     case aes256gcm = 1
-    /// XChaCha20-Poly1305-IETF: 24-byte random nonce per block; the portable fallback.
+    /// XChaCha20-Poly1305-IETF (libsodium): 24-byte random nonce per block; the portable cipher.
     case xchacha20poly1305 = 2
+    /// XAES-256-GCM (c2sp.org/XAES-256-GCM, on OpenSSL): 24-byte random nonce per block, a
+    /// per-block AES-256-GCM key derived with AES-CMAC from the nonce's first half.
+    case xaes256gcm = 3
 
-    /// The cipher of new stores: XChaCha20-Poly1305, whose 192-bit random nonces put no
-    /// practical limit on writes per file key (AES-GCM's 96-bit ones: 2^32 block writes).
-    public static let `default`: ContentCipher = .xchacha20poly1305
+    /// The cipher of new stores: XAES-256-GCM where the CPU has AES instructions,
+    /// XChaCha20-Poly1305 elsewhere. Both take 192-bit random nonces (no practical limit on
+    /// block writes per file key) and share one block layout.
+    public static var `default`: ContentCipher { HardwareAES.isAvailable ? .xaes256gcm : .xchacha20poly1305 }
 
-    /// Whether this machine can use the cipher.
-    public var isAvailable: Bool {
-        Sodium.ensureInitialized()
-        return self == .xchacha20poly1305 || crypto_aead_aes256gcm_is_available() == 1
-    }
+    /// Whether this machine can use the cipher at a useful speed.
+    public var isAvailable: Bool { self == .xchacha20poly1305 || HardwareAES.isAvailable }
 
     /// Nonce length in bytes.
     public var nonceSize: Int { self == .aes256gcm ? 12 : 24 }
 
+    /// Whether files of `other` can live in a store of this cipher: the same block layout.
+    public func sharesLayout(with other: ContentCipher) -> Bool { nonceSize == other.nonceSize }
+
     /// The name stored in the keybag.
-    public var name: String { self == .aes256gcm ? "aes256gcm" : "xchacha20poly1305" }
+    public var name: String {
+        switch self {
+        case .aes256gcm: return "aes256gcm"
+        case .xchacha20poly1305: return "xchacha20poly1305"
+        case .xaes256gcm: return "xaes256gcm"
+        }
+    }
 
     /// Parses a keybag name.
     public init?(name: String) {
@@ -76,15 +88,15 @@ public struct BlockLayout: Sendable, Equatable {
     }
 }
 
-/// A file's content key with its precomputed cipher state in guarded memory.
-/// Encrypts and authenticates one block at a time with the file id and block number
-/// as associated data. Wiping it makes every later use throw `keyUnavailable`.
+/// A file's content key in guarded memory (with XAES-256-GCM's CMAC subkey). Encrypts and
+/// authenticates one block at a time with the file id and block number as associated
+/// data. Wiping it makes every later use throw `keyUnavailable`.
 public final class FileContentKey: Sendable {
     /// The raw 32-byte file key (needed to rewrap it on a class change).
     public let key: SecureKey
-    /// AES-GCM expanded state (`beforenm`), present for the AES cipher.
-    private let aesState: SecureKey?
-    /// The store's cipher.
+    /// XAES-256-GCM's subkey K1 (16 bytes), present for that cipher.
+    private let subkey: SecureKey?
+    /// The file's cipher.
     public let cipher: ContentCipher
     /// The file's 16-byte id, bound into every block.
     public let fileID: [UInt8]
@@ -101,7 +113,7 @@ public final class FileContentKey: Sendable {
         try self.init(key: key, cipher: header.cipher, fileID: header.fileID, sealsEnd: header.endIsSealed)
     }
 
-    /// Wraps a raw key; precomputes the AES state when needed.
+    /// Wraps a raw key; derives XAES-256-GCM's subkey when needed.
     public init(key: SecureKey, cipher: ContentCipher, fileID: [UInt8], sealsEnd: Bool) throws {
         self.key = key
         self.cipher = cipher
@@ -109,26 +121,26 @@ public final class FileContentKey: Sendable {
         self.sealsEnd = sealsEnd
         precondition(fileID.count == 16)
         self.idWords = fileID.withUnsafeBytes { ($0.loadUnaligned(fromByteOffset: 0, as: UInt64.self), $0.loadUnaligned(fromByteOffset: 8, as: UInt64.self)) }
-        if cipher == .aes256gcm {
-            let size = MemoryLayout<crypto_aead_aes256gcm_state>.size
-            let state = SecureKey(zeroed: size)
-            try key.withBytes { k in
-                _ = try state.withBytes { s in
-                    crypto_aead_aes256gcm_beforenm(
-                        UnsafeMutableRawPointer(mutating: s.baseAddress!).assumingMemoryBound(to: crypto_aead_aes256gcm_state.self),
-                        k.baseAddress!.assumingMemoryBound(to: UInt8.self))
+        if cipher == .xaes256gcm {
+            defer { kbfs_scrub_stack() }
+            let k1 = SecureKey(zeroed: 16)
+            let rc = try key.withBytes { k in
+                try k1.withBytes { s in
+                    kbfs_xaes_subkey(k.baseAddress!.assumingMemoryBound(to: UInt8.self),
+                                     UnsafeMutablePointer(mutating: s.baseAddress!.assumingMemoryBound(to: UInt8.self)))
                 }
             }
-            self.aesState = state
+            guard rc == 0 else { k1.wipe(); throw KeybagError.corrupt("the AES library failed to derive a subkey") }
+            self.subkey = k1
         } else {
-            self.aesState = nil
+            self.subkey = nil
         }
     }
 
-    /// Zeroes the key and its expanded state.
+    /// Zeroes the key and its subkey.
     public func wipe() {
         key.wipe()
-        aesState?.wipe()
+        subkey?.wipe()
     }
 
     /// True once wiped.
@@ -151,17 +163,21 @@ public final class FileContentKey: Sendable {
         let o = out.baseAddress!.assumingMemoryBound(to: UInt8.self)
         NonceStream.fill(o, count: ns)
         let m = plain.baseAddress?.assumingMemoryBound(to: UInt8.self)
-        var clen: UInt64 = 0
         let rc: Int32 = try withAD(block, last: last) { ad in
-            if let st = aesState {
-                return try st.withBytes { s in
-                    crypto_aead_aes256gcm_encrypt_afternm(o + ns, &clen, m, UInt64(plain.count), ad, 24, nil, o,
-                        s.baseAddress!.assumingMemoryBound(to: crypto_aead_aes256gcm_state.self))
+            try key.withBytes { kb in
+                let k = kb.baseAddress!.assumingMemoryBound(to: UInt8.self)
+                let c = o + ns, tag = o + ns + plain.count
+                switch cipher {
+                case .xchacha20poly1305:
+                    var clen: UInt64 = 0
+                    return crypto_aead_xchacha20poly1305_ietf_encrypt(c, &clen, m, UInt64(plain.count), ad, 24, nil, o, k)
+                case .aes256gcm:
+                    return kbfs_aes256gcm_seal(k, o, ad, 24, m, plain.count, c, tag)
+                case .xaes256gcm:
+                    return try subkey!.withBytes { k1 in
+                        kbfs_xaes256gcm_seal(k, k1.baseAddress!.assumingMemoryBound(to: UInt8.self), o, ad, 24, m, plain.count, c, tag)
+                    }
                 }
-            }
-            return try key.withBytes { k in
-                crypto_aead_xchacha20poly1305_ietf_encrypt(o + ns, &clen, m, UInt64(plain.count), ad, 24, nil, o,
-                    k.baseAddress!.assumingMemoryBound(to: UInt8.self))
             }
         }
         guard rc == 0 else { throw KeybagError.corrupt("encryption failed") }
@@ -234,19 +250,24 @@ public final class FileContentKey: Sendable {
         let ns = cipher.nonceSize
         let s0 = sealed.baseAddress!.assumingMemoryBound(to: UInt8.self)
         let o = out.baseAddress!.assumingMemoryBound(to: UInt8.self)
-        var mlen: UInt64 = 0
+        let clen = sealed.count - ns - BlockLayout.tagSize
         let rc: Int32 = try withAD(block, last: last) { ad in
-            if let st = aesState {
-                return try st.withBytes { s in
-                    crypto_aead_aes256gcm_decrypt_afternm(o, &mlen, nil, s0 + ns, UInt64(sealed.count - ns), ad, 24, s0,
-                        s.baseAddress!.assumingMemoryBound(to: crypto_aead_aes256gcm_state.self))
+            try key.withBytes { kb in
+                let k = kb.baseAddress!.assumingMemoryBound(to: UInt8.self)
+                switch cipher {
+                case .xchacha20poly1305:
+                    var mlen: UInt64 = 0
+                    return crypto_aead_xchacha20poly1305_ietf_decrypt(o, &mlen, nil, s0 + ns, UInt64(sealed.count - ns), ad, 24, s0, k)
+                case .aes256gcm:
+                    return kbfs_aes256gcm_open(k, s0, ad, 24, s0 + ns, clen, s0 + ns + clen, o)
+                case .xaes256gcm:
+                    return try subkey!.withBytes { k1 in
+                        kbfs_xaes256gcm_open(k, k1.baseAddress!.assumingMemoryBound(to: UInt8.self), s0, ad, 24, s0 + ns, clen, s0 + ns + clen, o)
+                    }
                 }
             }
-            return try key.withBytes { k in
-                crypto_aead_xchacha20poly1305_ietf_decrypt(o, &mlen, nil, s0 + ns, UInt64(sealed.count - ns), ad, 24, s0,
-                    k.baseAddress!.assumingMemoryBound(to: UInt8.self))
-            }
         }
+        if rc < -1 { throw KeybagError.corrupt("the AES library failed") }
         return rc == 0
     }
 

@@ -1,3 +1,4 @@
+import CCrypto
 import CSodium
 import CSystem
 import Glibc
@@ -65,6 +66,7 @@ public struct EncryptedContent: Sendable {
     /// Reads up to `out.count` plaintext bytes at `offset`; returns the count (0 at EOF).
     /// A read of `parallelBlocks` blocks or more decrypts its two halves on two threads.
     public func read(fd: Int32, key: FileContentKey, offset: Int, into out: UnsafeMutableRawBufferPointer) throws -> Int {
+        defer { kbfs_scrub_stack() }   // cipher locals left below this frame
         let size = try plainSize(fd: fd)
         guard offset < size, out.count > 0 else { return 0 }
         let end = min(offset + out.count, size)
@@ -82,6 +84,7 @@ public struct EncryptedContent: Sendable {
             defer { halves.deallocate() }
             let shared = SplitRead(cbuf: cbuf, out: out, plain: plain, results: halves)
             DispatchQueue.concurrentPerform(iterations: 2) { i in
+                defer { kbfs_scrub_stack() }
                 let r = Result {
                     if i == 0 { return try openBlocks(first...(mid - 1), of: span, key: key, cbuf: shared.cbuf, out: shared.out, plain: shared.plain) }
                     return try ScratchBuffers.shared.withBlock(0) { _, plain2 in
@@ -150,6 +153,7 @@ public struct EncryptedContent: Sendable {
     /// new data when adjacent, else before it (so a crash in between leaves a cut end that
     /// `fsck` re-seals, never a block of the wrong length).
     public func write(fd: Int32, key: FileContentKey, offset: Int, data: UnsafeRawBufferPointer) throws {
+        defer { kbfs_scrub_stack() }   // cipher locals left below this frame
         guard data.count > 0 else { return }
         let size = try plainSize(fd: fd)
         let end = offset + data.count
@@ -211,6 +215,7 @@ public struct EncryptedContent: Sendable {
                 defer { lengths.deallocate() }
                 let shared = SplitWrite(out: out, plain: plain, results: lengths)
                 DispatchQueue.concurrentPerform(iterations: 2) { i in
+                defer { kbfs_scrub_stack() }
                     let r = Result {
                         if i == 0 { return try sealBlocks(blocks.lowerBound...(mid - 1), of: geometry, fd: fd, key: key, data: data, out: shared.out, plain: shared.plain) }
                         return try ScratchBuffers.shared.withBlock(0) { _, plain2 in
@@ -274,6 +279,7 @@ public struct EncryptedContent: Sendable {
     /// its re-sealed copy replaces it (cut after it first, then rewrite it in place); growing
     /// writes a sealed last block, so the end is never a hole.
     public func truncate(fd: Int32, key: FileContentKey, to newSize: Int) throws {
+        defer { kbfs_scrub_stack() }   // cipher locals left below this frame
         let size = try plainSize(fd: fd)
         if newSize < size {
             let oldLast = Self.lastBlock(ofSize: size), newLast = Self.lastBlock(ofSize: newSize)
@@ -311,6 +317,7 @@ public struct EncryptedContent: Sendable {
     /// size): whole blocks inside the file become backing holes (all zero bytes read as
     /// zeros), the partial blocks at the edges and a sealed last block are re-sealed with zeros.
     public func zeroRange(fd: Int32, key: FileContentKey, offset: Int, length: Int, punch: (Int, Int) -> Bool) throws {
+        defer { kbfs_scrub_stack() }   // cipher locals left below this frame
         let size = try plainSize(fd: fd)
         let end = min(offset + length, size)
         guard offset < end else { return }
@@ -334,6 +341,7 @@ public struct EncryptedContent: Sendable {
 
     /// How every block of the file checks (`fsck`).
     public func blockChecks(fd: Int32, key: FileContentKey) throws -> [FileContentKey.BlockCheck] {
+        defer { kbfs_scrub_stack() }   // cipher locals left below this frame
         let size = try plainSize(fd: fd)
         let last = Self.lastBlock(ofSize: size)
         guard last >= 0 else { return [] }
@@ -350,6 +358,7 @@ public struct EncryptedContent: Sendable {
     /// Re-seals block `block` (authentic under end mark `from`) with end mark `to`, same
     /// length: the repair of an end mark an interrupted write or truncate left wrong.
     public func resealEndMark(fd: Int32, key: FileContentKey, block: Int, from: Bool, to: Bool) throws {
+        defer { kbfs_scrub_stack() }   // cipher locals left below this frame
         let size = try plainSize(fd: fd)
         let len = min(Self.B, size - block * Self.B)
         try ScratchBuffers.shared.withBlock(len + layout.overhead) { sealed, plain in

@@ -73,7 +73,7 @@ public struct FileKeyLife: Sendable {
         guard access.canOpen(h.protectionClass), let classKey = keyring.unwrappingKey(for: h.protectionClass) else {
             throw KeybagError.keyUnavailable
         }
-        guard h.cipher == cipher else { throw KeybagError.corrupt("file header names another cipher than the store's") }
+        guard h.cipher.sharesLayout(with: cipher) else { throw KeybagError.corrupt("the file's cipher \(h.cipher.name) has another block layout than the store's \(cipher.name)") }
         let raw = try h.unwrap(using: classKey)
         let k: FileContentKey
         do { k = try FileContentKey(key: raw, header: h) } catch { raw.wipe(); throw error }

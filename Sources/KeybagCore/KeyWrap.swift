@@ -1,3 +1,4 @@
+import CCrypto
 import CSodium
 
 /// Key wrapping: XChaCha20-Poly1305-IETF with a random 24-byte nonce and a purpose
@@ -8,6 +9,7 @@ public enum KeyWrap {
 
     /// Encrypts `secret` under `kek`, binding `ad`.
     public static func wrap(_ secret: SecureKey, with kek: SecureKey, ad: [UInt8]) throws -> [UInt8] {
+        defer { kbfs_scrub_stack() }   // libsodium's XChaCha20 subkey of `kek` stays below this frame
         var out = [UInt8](repeating: 0, count: secret.count + overhead)
         try secret.withBytes { s in
             try kek.withBytes { k in
@@ -28,6 +30,7 @@ public enum KeyWrap {
     public static func unwrap(_ blob: [UInt8], with kek: SecureKey, ad: [UInt8]) throws -> SecureKey {
         guard blob.count > overhead else { throw KeybagError.corrupt("wrapped key too short") }
         let n = blob.count - overhead
+        defer { kbfs_scrub_stack() }
         return try SecureKey(count: n) { out in
             let rc: Int32 = try kek.withBytes { k in
                 blob.withUnsafeBufferPointer { b in

@@ -31,7 +31,7 @@ public struct KeybagFile: Codable, Sendable, Equatable {
     public var format: Int
     /// Random 16-byte store id, hex; names the default device key file.
     public var storeID: String
-    /// Content cipher name (`aes256gcm` or `xchacha20poly1305`).
+    /// The cipher of new files (`xaes256gcm`, `xchacha20poly1305` or `aes256gcm`).
     public var cipher: String
     /// Argon2id13 opslimit.
     public var kdfOpsLimit: UInt64
@@ -240,7 +240,7 @@ public struct Keybag: Sendable {
         guard f.storeID.utf8.count == 32, f.storeID.utf8.allSatisfy({ (0x30...0x39).contains($0) || (0x61...0x66).contains($0) }) else {
             throw bad("storeID", "not 32 lowercase hex digits")
         }
-        guard ContentCipher(name: f.cipher) != nil else { throw bad("cipher", "unknown cipher") }
+        guard ContentCipher(name: f.cipher) != nil else { throw bad("cipher", "unknown cipher \(f.cipher.prefix(40)) (written by a newer keybagfs?)") }
         guard f.kdfOpsLimit >= UInt64(crypto_pwhash_opslimit_min()), f.kdfOpsLimit <= maxOpsLimit else { throw bad("kdfOpsLimit", "out of range") }
         guard f.kdfMemLimit >= UInt64(crypto_pwhash_memlimit_min()), f.kdfMemLimit <= maxMemLimit else { throw bad("kdfMemLimit", "out of range") }
         guard let salt = Data(base64Encoded: f.kdfSalt), salt.count == Int(crypto_pwhash_SALTBYTES) else { throw bad("kdfSalt", "not a salt") }
@@ -304,6 +304,13 @@ public struct Keybag: Sendable {
         let expected = [UInt8](Data(base64Encoded: try Keybag.counterMAC(file, key: key)) ?? Data())
         guard let stored = file.counterMAC.flatMap({ Data(base64Encoded: $0) }).map([UInt8].init), stored.count == expected.count else { return false }
         return sodium_memcmp(stored, expected, expected.count) == 0
+    }
+
+    /// Names the cipher of new files and saves; the failed-attempt counter's MAC does not
+    /// cover the name, so no device key is needed.
+    public mutating func setCipherOfNewFiles(_ cipher: ContentCipher) throws {
+        file.cipher = cipher.name
+        try saveWithoutCounter()
     }
 
     /// Writes the keybag atomically: temp file, fsync, rename, fsync of the folder.

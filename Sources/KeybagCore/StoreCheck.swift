@@ -282,7 +282,9 @@ public final class StoreCheck {
             return note("header-damaged", path, name, "\(error): the file key is lost", "not-repairable")
         }
         xattrIDs.insert(Base64URL.encode(header.fileID))
-        guard header.cipher == keybag.cipher else { return note("header-cipher", path, name, "the header names another cipher than the store's", "not-repairable") }
+        guard header.cipher.sharesLayout(with: keybag.cipher) else {
+            return note("header-cipher", path, name, "the header names \(header.cipher.name), whose blocks have another layout than the store's \(keybag.cipher.name)", "not-repairable")
+        }
         let layout = content.layout
         let rest = (size - FileHeader.size) % layout.cipherBlockSize
         if rest > 0 && rest <= layout.overhead {

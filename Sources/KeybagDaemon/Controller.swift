@@ -98,6 +98,7 @@ final class Controller: Sendable {
             invalidatePageCache(fs.inodesHoldingKeysButNone(), pass: "inactivity write-back")
             keyring.returnToBeforeFirstUnlock()
             let evicted = fs.evictAllFileKeysButNone()
+            HardwareAES.forgetKeySchedules()
             invalidatePageCache(evicted, pass: "inactivity")
             relockDeadline.withLock { $0 = nil }
             let evs = machine.withLock { $0.returnToBeforeFirstUnlock(ticket: ticket) }
@@ -231,6 +232,7 @@ final class Controller: Sendable {
         invalidatePageCache(cached, pass: "write-back")
         keyring.finishEviction()
         let evicted = fs.evictFileKeys()
+        HardwareAES.forgetKeySchedules()
         invalidatePageCache(evicted, pass: "after eviction")
         Failpoint.evictionBeforeLocked.hit()
         let evs = machine.withLock { $0.evicted(ticket: ticket) }
@@ -245,6 +247,7 @@ final class Controller: Sendable {
     /// queue of its own: never from a FUSE thread, which the kernel may need to serve a
     /// write-back while it invalidates.
     func dropPagesSoon(_ id: UInt64) {
+        HardwareAES.forgetKeySchedules()
         pageDrops.async { self.invalidatePageCache([id], pass: "last close of a class B file") }
     }
 
@@ -282,6 +285,7 @@ final class Controller: Sendable {
         pageDrops.sync {}
         transitions.withLock { _ in keyring.wipeAll() }
         fs.wipeFileKeys()
+        HardwareAES.forgetKeySchedules()
         deviceKey.wipe()
         fs.names.wipe()
     }

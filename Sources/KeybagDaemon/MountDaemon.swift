@@ -100,6 +100,7 @@ public enum MountDaemon {
         _ = kbfs_fix_malloc_thresholds(128 * 1024, 1 << 20)   // request buffers of exiting loop threads go back by munmap
         umask(0)
         Sodium.ensureInitialized()
+        HardwareAES.start()   // OpenSSL's allocator must be in place before its first allocation
         // One daemon per store: the lock lives as long as this process.
         let storeLock = open(cfg.store, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
         guard storeLock >= 0 else {
@@ -114,7 +115,9 @@ public enum MountDaemon {
         let deviceKey: SecureKey, keybag: Keybag, classD: SecureKey, names: NameCipher
         do {
             var kb = try Keybag.load(storePath: cfg.store)
-            guard kb.cipher.isAvailable else { throw KeybagError.invalid("this CPU cannot run the store's cipher \(kb.cipher.name)") }
+            guard kb.cipher.isAvailable || kb.cipher.sharesLayout(with: .xchacha20poly1305) else {
+                throw KeybagError.invalid("this CPU cannot run the store's cipher \(kb.cipher.name)")
+            }
             let dkPath = cfg.deviceKeyPath ?? Self.credentialPath("device-key") ?? DeviceKeyFile.defaultPath(storeID: kb.file.storeID)
             deviceKey = try DeviceKeyFile.load(from: dkPath)
             classD = try kb.unwrapDeviceKeySlot("D", deviceKey: deviceKey)
@@ -150,7 +153,7 @@ public enum MountDaemon {
         let keyring = ClassKeyring(classD: classD)
         let fs: Filesystem
         do {
-            fs = try Filesystem(dataFD: dataFD, targetsFD: targetsFD, xattrsFD: xattrsFD, names: names, keyring: keyring, cipher: keybag.cipher, defaultClass: cfg.defaultClass, policy: cfg.policy,
+            fs = try Filesystem(dataFD: dataFD, targetsFD: targetsFD, xattrsFD: xattrsFD, names: names, keyring: keyring, cipher: keybag.cipher.isAvailable ? keybag.cipher : .xchacha20poly1305, defaultClass: cfg.defaultClass, policy: cfg.policy,
                                 threads: cfg.threads)
             _ = try fs.meta(of: fs.table.root)   // the root's name IV exists before the first request
         } catch {

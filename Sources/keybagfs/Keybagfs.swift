@@ -17,7 +17,7 @@ struct Keybagfs: ParsableCommand {
         with `keybagctl`. Each file's class is the xattr user.protection (none, \
         completeUntilFirstUserAuthentication, completeUnlessOpen, complete).
         """,
-        subcommands: [Init.self, Mount.self, Fsck.self, Recover.self, RecoveryKeyCommand.self])
+        subcommands: [Init.self, Mount.self, Fsck.self, Recover.self, RecoveryKeyCommand.self, CipherCommand.self])
 
     /// Runs the command; usage errors exit 2, refusals 1.
     static func main() {
@@ -66,7 +66,7 @@ struct Init: ParsableCommand {
     @Option(help: "Argon2id cost: interactive, moderate or sensitive.")
     var kdf: KDFStrength = .moderate
 
-    @Option(help: "Content cipher: xchacha20poly1305 (default; no practical limit on writes per file) or aes256gcm (at most 2^32 block writes per file key).")
+    @Option(help: "Content cipher: xaes256gcm (the default where the CPU has AES instructions), xchacha20poly1305 (the default elsewhere) or aes256gcm (at most 2^32 block writes per file key; for compatibility only).")
     var cipher: ContentCipher = .default
 
     @Option(help: "Write the recovery key to this new file (mode 0600) instead of printing it.")
@@ -404,6 +404,40 @@ func lockUnmountedStore(_ store: String) throws -> Int32 {
         throw KeybagError.invalid("the store \(store) is mounted (a keybagfs daemon holds it); unmount it first")
     }
     return lock
+}
+
+/// `keybagfs cipher`: shows or changes the cipher of new files.
+struct CipherCommand: ParsableCommand {
+    static let configuration = CommandConfiguration(
+        commandName: "cipher",
+        abstract: "Show the cipher new files get, or change it; the store must not be mounted to change it.",
+        discussion: """
+        Each file names its cipher in its header, so files keep theirs and keep reading. After a change, new         files and files saved by replacing them (how editors and most programs save) get the new one.         xaes256gcm and xchacha20poly1305 can replace each other; aes256gcm stores keep aes256gcm (its blocks         have another layout). A keybagfs older than xaes256gcm refuses to mount a store set to it         ("keybag field cipher: unknown cipher"); it changes nothing in the store.
+        """)
+
+    @Argument(help: "The store directory.")
+    var store: String
+
+    @Argument(help: "The cipher for new files: xaes256gcm or xchacha20poly1305.")
+    var cipher: ContentCipher?
+
+    func run() throws {
+        guard let cipher else {
+            print(try Keybag.load(storePath: store).cipher.name)
+            return
+        }
+        let lock = try lockUnmountedStore(store)
+        defer { close(lock) }
+        var kb = try Keybag.load(storePath: store)
+        let old = kb.cipher
+        guard cipher.sharesLayout(with: old) else {
+            throw KeybagError.invalid("\(old.name) stores cannot change to \(cipher.name): their blocks have another layout; copy the files into a new store instead")
+        }
+        guard cipher.isAvailable else { throw KeybagError.invalid("this CPU cannot run \(cipher.name)") }
+        guard cipher != old else { print("new files already get \(cipher.name)"); return }
+        try kb.setCipherOfNewFiles(cipher)
+        print("new files get \(cipher.name) (was \(old.name)); existing files keep theirs")
+    }
 }
 
 /// `keybagfs recover`.

@@ -6,16 +6,6 @@ import XCTest
 /// exactly that damage, repairs what loses nothing, drops data only with --yes, and
 /// leaves a store the daemon reads.
 final class FsckTests: XCTestCase {
-    /// Runs fsck with the JSON output; returns the exit code and the problems (kind → repair).
-    func fsck(_ m: MountFixture, _ extra: [String] = [], passcode: Bool = true) -> (code: Int32, problems: [(kind: String, repair: String)], out: [String: Any]) {
-        var args = ["fsck", m.store, "--device-key", m.deviceKey, "--json"] + extra
-        if passcode { args.append("--passcode-stdin") }
-        let r = MountFixture.run(MountFixture.binDir + "/keybagfs", args, stdin: passcode ? m.passcode + "\n" : nil)
-        let o = (try? JSONSerialization.jsonObject(with: Data(r.stdout.utf8))) as? [String: Any] ?? ["stderr": r.stderr]
-        let ps = (o["problems"] as? [[String: Any]] ?? []).map { ($0["kind"] as? String ?? "?", $0["repair"] as? String ?? "?") }
-        return (r.code, ps.sorted { $0.0 < $1.0 }, o)
-    }
-
     /// Sorted kinds of problems.
     func kinds(_ ps: [(kind: String, repair: String)]) -> [String] { ps.map(\.kind).sorted() }
 
@@ -39,12 +29,12 @@ final class FsckTests: XCTestCase {
         XCTAssertEqual(busy.code, 1)
         XCTAssertTrue(busy.stderr.contains("mounted"), busy.stderr)
         m.unmount()
-        let r = fsck(m)
+        let r = m.fsck()
         XCTAssertEqual(r.code, 0, "\(r.out)")
         XCTAssertEqual(r.out["clean"] as? Bool, true)
         XCTAssertEqual(r.out["files"] as? Int, 2)
         XCTAssertEqual(r.out["blocks"] as? Int, 13)
-        let keyless = fsck(m, passcode: false)
+        let keyless = m.fsck(passcode: false)
         XCTAssertEqual(keyless.code, 0)
         XCTAssertEqual(keyless.out["filesWithoutKey"] as? Int, 2, "class C contents need the passcode")
     }
@@ -92,7 +82,7 @@ final class FsckTests: XCTestCase {
         XCTAssertTrue(FileManager.default.createFile(atPath: m.store + "/data/.kbfs-tmp-leftover", contents: Data([1, 2, 3])))
         let expected = ["block-damaged", "end-not-sealed", "header-damaged", "no-header", "side-file-orphan", "temporary", "torn-fragment", "torn-tail", "xattr-orphan"]
 
-        let check = fsck(m)
+        let check = m.fsck()
         XCTAssertEqual(check.code, 1)
         XCTAssertEqual(kinds(check.problems), expected)
         XCTAssertTrue(check.problems.allSatisfy { ["repairable", "drops-data", "not-repairable"].contains($0.repair) }, "\(check.problems)")
@@ -100,10 +90,10 @@ final class FsckTests: XCTestCase {
         XCTAssertEqual(check.problems.first { $0.kind == "torn-tail" }?.repair, "drops-data")
         XCTAssertEqual(check.problems.first { $0.kind == "header-damaged" }?.repair, "not-repairable")
         // Without the passcode the class C contents are not read: no block problems.
-        XCTAssertEqual(kinds(fsck(m, passcode: false).problems), ["header-damaged", "no-header", "side-file-orphan", "temporary", "torn-fragment", "xattr-orphan"])
+        XCTAssertEqual(kinds(m.fsck(passcode: false).problems), ["header-damaged", "no-header", "side-file-orphan", "temporary", "torn-fragment", "xattr-orphan"])
 
         // --repair: everything that loses nothing.
-        let r1 = fsck(m, ["--repair"])
+        let r1 = m.fsck(["--repair"])
         XCTAssertEqual(r1.code, 1)
         for (k, rep) in r1.problems {
             let want = ["torn-tail", "block-damaged"].contains(k) ? "drops-data" : ["header-damaged", "xattr-orphan"].contains(k) ? "not-repairable" : "repaired"
@@ -120,10 +110,10 @@ final class FsckTests: XCTestCase {
         m.unmount()
 
         // --repair --yes: the data-dropping repairs too; then the store is clean.
-        let r2 = fsck(m, ["--repair", "--yes"])
+        let r2 = m.fsck(["--repair", "--yes"])
         XCTAssertEqual(kinds(r2.problems), ["block-damaged", "torn-tail", "xattr-orphan"])
         XCTAssertTrue(r2.problems.allSatisfy { $0.repair == "repaired" }, "\(r2.problems)")
-        XCTAssertEqual(fsck(m).code, 0, "clean after repair")
+        XCTAssertEqual(m.fsck().code, 0, "clean after repair")
         try m.mount()
         m.unlock()
         XCTAssertEqual(try readFile(m.path("torn")).get(), Array(data[0..<(7 * 4096)]), "cut after the last good block")

@@ -1,3 +1,5 @@
+import CSodium
+import CTestSupport
 import Foundation
 import KeybagProtocol
 import Synchronization
@@ -10,8 +12,8 @@ import XCTest
 /// memory after a lock.
 final class LockHoldsTests: XCTestCase {
     /// A mount with one directory per class given (its default class), unlocked.
-    func unlockedMount(_ dirs: [String: String] = [:], environment: [String: String] = [:]) throws -> MountFixture {
-        let m = try MountFixture(mount: false)
+    func unlockedMount(_ dirs: [String: String] = [:], environment: [String: String] = [:], cipher: String? = nil) throws -> MountFixture {
+        let m = try MountFixture(cipher: cipher, mount: false)
         addTeardownBlock { m.close() }
         try m.mount(environment: environment)
         m.unlock()
@@ -328,9 +330,25 @@ final class LockHoldsTests: XCTestCase {
         XCTAssertEqual(Array(done[other..<(other + FileHeader.slotSize)]), [UInt8](repeating: 0, count: FileHeader.slotSize), "the class A wrap is gone")
     }
 
-    // Item 6: after a lock, the daemon's memory holds no class A plaintext and no passcode.
-    func testNoClassAPlaintextOrPasscodeInDaemonMemoryAfterALock() throws {
-        let m = try unlockedMount(["a": "complete"])
+    // Item 6: after a lock, the daemon's memory holds no class A plaintext, key or passcode.
+    func testNoClassAPlaintextKeyOrPasscodeInDaemonMemoryAfterALock() throws {
+        try checkDaemonMemoryAfterALock(cipher: "xaes256gcm")
+    }
+
+    /// The same for stores made before XAES-256-GCM: AES-256-GCM (whose round keys
+    /// libsodium's AES-NI code once left on worker stacks) and XChaCha20-Poly1305.
+    func testNoClassAKeyAfterALockInAES256GCMAndXChaChaStores() throws {
+        try checkDaemonMemoryAfterALock(cipher: "aes256gcm")
+        try checkDaemonMemoryAfterALock(cipher: "xchacha20poly1305")
+    }
+
+    /// Writes and reads class A files (one held open across the lock, two made `complete`
+    /// after class C traffic), passes passcodes through every request that carries one,
+    /// locks, and scans the daemon's memory for plaintext, passcodes and 16-byte pieces of
+    /// every file key, its AES round keys and per-block derived keys.
+    func checkDaemonMemoryAfterALock(cipher: String) throws {
+        let m = try unlockedMount(["a": "complete"], cipher: cipher)
+        defer { m.close() }
         var rng = SeededBytes(seed: 4242)
         let read = rng.bytes(192 * 1024), held = rng.bytes(64 * 1024 + 123)
         XCTAssertEqual(writeFile(m.path("a/read"), read), 0)
@@ -348,6 +366,16 @@ final class LockHoldsTests: XCTestCase {
         XCTAssertEqual(writeFile(m.path("was-c-read"), changedRead), 0)
         XCTAssertEqual(try readFile(m.path("was-c-read")).get(), changedRead)
         for f in ["was-c-written", "was-c-read"] { XCTAssertEqual(setXattr(m.path(f), "complete"), 0) }
+        XCTAssertEqual(try sysPread(fd, held.count, 0).get(), held)
+        XCTAssertEqual(fsync(fd), 0)
+        sync()   // every block's nonce is in the store before the needles are computed
+        let files = ["a/read", "a/held", "was-c-written", "was-c-read"].map { m.backing($0) }
+        let pid = try daemonPID(m)
+        let needles = try KeyNeedles(store: m.store, passcode: m.passcode, deviceKey: m.deviceKey, files: files)
+        XCTAssertGreaterThan(needles.all.count, 4 * 2, "\(cipher): key pieces to look for")
+        // Positive control: before the lock the daemon holds the open file's key.
+        let before = MemoryScan.find(pid: pid, pieces: needles.fileKeys)
+        XCTAssertFalse(before.isEmpty, "\(cipher): the scanner finds the held file's key while unlocked")
         // Passcodes through every request that carries one: a wrong unlock, passwd, unlock.
         let wrong = "not the passcode 4242", second = "second passcode 4242"
         XCTAssertEqual(m.ctl(["unlock", "--passcode-stdin"], stdin: wrong + "\n").code, 1)
@@ -355,20 +383,21 @@ final class LockHoldsTests: XCTestCase {
         XCTAssertEqual(m.ctl(["unlock", "--passcode-stdin"], stdin: second + "\n").code, 0)
         m.lock(grace: 0)
         XCTAssertEqual(m.state, "locked")
-        let pid = try daemonPID(m)
         let scan = try MemoryScan(pid: pid, secrets: [read, held, changed, changedRead])
-        print("memory scan: \(scan.bytesScanned) bytes in \(scan.regions) regions")
+        print("memory scan (\(cipher)): \(scan.bytesScanned) bytes in \(scan.regions) regions, \(needles.all.count) key pieces")
         // Mappings to the end of maps are considered (the scan once saw only
         // the first 4 KiB of /proc/PID/maps: 30 of 68 regions).
         let stackLine = MountFixture.run("/bin/grep", ["-F", "[stack]", "/proc/\(pid)/maps"]).stdout
         let stackStart = Int(stackLine.prefix { $0 != "-" }, radix: 16) ?? -1
         XCTAssertTrue(MemoryScan.regions(pid).contains { $0.0 == stackStart }, "the main thread's stack, near the end of maps, is scanned: \(stackLine)")
         XCTAssertGreaterThan(scan.bytesScanned, 1 << 20)
-        XCTAssertEqual(scan.plaintextHits, [], "32-byte pieces of class A plaintext (file offset, address)")
+        XCTAssertEqual(scan.plaintextHits, [], "\(cipher): 32-byte pieces of class A plaintext (file offset, address)")
+        XCTAssertEqual(MemoryScan.find(pid: pid, pieces: needles.all), [], "\(cipher): pieces of class A keys after the lock")
         // Positive control: the same scanner finds the secrets in this process, which holds them.
         let control = try MemoryScan(pid: getpid(), secrets: [held])
         XCTAssertFalse(control.plaintextHits.isEmpty, "the scanner finds plaintext where it is")
         XCTAssertGreaterThan(control.count(of: Array(wrong.utf8)), 0, "the scanner finds a passcode where it is")
+        XCTAssertFalse(MemoryScan.find(pid: getpid(), pieces: needles.all).isEmpty, "the scanner finds key pieces where they are")
         for p in [m.passcode, wrong, second] {
             XCTAssertEqual(scan.count(of: Array(p.utf8)), 0, "copies of \(p)")
             XCTAssertEqual(scan.count(of: p.utf8.flatMap { [$0, 0] }), 0, "UTF-16 copies of \(p)")
@@ -381,6 +410,81 @@ final class LockHoldsTests: XCTestCase {
         guard fd >= 0 else { throw Errno(errno) }
         defer { close(fd) }
         guard pwrite(fd, b, b.count, off_t(offset)) == b.count, fsync(fd) == 0 else { throw Errno(errno) }
+    }
+}
+
+/// 16-byte pieces of the key material of class A files, computed from the store with the
+/// passcode and device key: each file key's halves; for AES, every round key of its
+/// schedule and its GHASH key; for XAES-256-GCM also the CMAC subkeys and, for each block
+/// in the file, the derived key, its round keys and GHASH key; for XChaCha20-Poly1305 each
+/// block's HChaCha20 subkey.
+struct KeyNeedles {
+    /// Every piece, labelled.
+    private(set) var all: [(String, [UInt8])] = []
+    /// The halves of the file keys only.
+    private(set) var fileKeys: [(String, [UInt8])] = []
+
+    init(store: String, passcode: String, deviceKey: String, files: [String]) throws {
+        let kb = try Keybag.load(storePath: store)
+        let dk = try DeviceKeyFile.load(from: deviceKey)
+        let pc = SecureKey(count: passcode.utf8.count) { b in _ = b.copyBytes(from: Array(passcode.utf8)) }
+        let keys = try kb.unlock(passcode: pc, deviceKey: dk)
+        defer { keys.wipe(); pc.wipe(); dk.wipe() }
+        let classA = try keys.classA.withBytes { Array($0) }
+        all += [("class A key[0..<16]", Array(classA[0..<16])), ("class A key[16..<32]", Array(classA[16..<32]))]
+        for path in files {
+            let name = (path as NSString).lastPathComponent.prefix(8)
+            let data = [UInt8](try Data(contentsOf: URL(fileURLWithPath: path)))
+            let h = try FileHeader.parse(Array(data.prefix(FileHeader.size)))
+            let raw = try h.unwrap(using: .symmetric(keys.classA))
+            defer { raw.wipe() }
+            var wrapSubkey = [UInt8](repeating: 0, count: 32)   // XChaCha20's subkey of the file key's wrap
+            crypto_core_hchacha20(&wrapSubkey, Array(h.wrappedKey[0..<16]), classA, nil)
+            all += [("\(name) wrap subkey[0..<16]", Array(wrapSubkey[0..<16])), ("\(name) wrap subkey[16..<32]", Array(wrapSubkey[16..<32]))]
+            let k = try raw.withBytes { Array($0) }
+            fileKeys += [("\(name) key[0..<16]", Array(k[0..<16])), ("\(name) key[16..<32]", Array(k[16..<32]))]
+            all += fileKeys.suffix(2)
+            let layout = BlockLayout(cipher: h.cipher)
+            let blocks = (data.count - FileHeader.size + layout.cipherBlockSize - 1) / layout.cipherBlockSize
+            switch h.cipher {
+            case .aes256gcm:
+                all += Self.aesPieces(k, "\(name)")
+            case .xaes256gcm:
+                all += Self.aesPieces(k, "\(name)")
+                let l = Self.block(k, [UInt8](repeating: 0, count: 16))
+                var k1 = (0..<16).map { i in UInt8(truncatingIfNeeded: (l[i] << 1) | (i < 15 ? l[i + 1] >> 7 : 0)) }
+                if l[0] & 0x80 != 0 { k1[15] ^= 0x87 }
+                all += [("\(name) L", l), ("\(name) K1", k1)]
+                for b in 0..<blocks {
+                    let n = Array(data[layout.cipherOffset(ofBlock: b)..<(layout.cipherOffset(ofBlock: b) + 12)])
+                    let kx = Self.block(k, zip([0, 1, 0x58, 0] + n, k1).map { $0 ^ $1 }) + Self.block(k, zip([0, 2, 0x58, 0] + n, k1).map { $0 ^ $1 })
+                    all += [("\(name) block \(b) derived[0..<16]", Array(kx[0..<16])), ("\(name) block \(b) derived[16..<32]", Array(kx[16..<32]))]
+                    all += Self.aesPieces(kx, "\(name) block \(b) derived")
+                }
+            case .xchacha20poly1305:
+                for b in 0..<blocks {
+                    let n = Array(data[layout.cipherOffset(ofBlock: b)..<(layout.cipherOffset(ofBlock: b) + 16)])
+                    var sub = [UInt8](repeating: 0, count: 32)
+                    crypto_core_hchacha20(&sub, n, k, nil)
+                    all += [("\(name) block \(b) subkey[0..<16]", Array(sub[0..<16])), ("\(name) block \(b) subkey[16..<32]", Array(sub[16..<32]))]
+                }
+            }
+        }
+    }
+
+    /// AES-256 round keys 2...14 of `key` (0 and 1 are the key) and the GHASH key AES_K(0).
+    static func aesPieces(_ key: [UInt8], _ label: String) -> [(String, [UInt8])] {
+        var rk = [UInt8](repeating: 0, count: 240)
+        precondition(kbfs_test_aes256_round_keys(key, &rk) == 0)
+        return (2..<15).map { ("\(label) round key \($0)", Array(rk[(16 * $0)..<(16 * $0 + 16)])) }
+            + [("\(label) GHASH key", block(key, [UInt8](repeating: 0, count: 16)))]
+    }
+
+    /// One AES-256 block.
+    static func block(_ key: [UInt8], _ input: [UInt8]) -> [UInt8] {
+        var out = [UInt8](repeating: 0, count: 16)
+        precondition(kbfs_test_aes256_block(key, input, &out) == 0)
+        return out
     }
 }
 
@@ -444,6 +548,26 @@ struct MemoryScan {
             if regionRead { readable += 1 }
         }
         return (total, readable)
+    }
+
+    /// Where 16-byte `pieces` (label, bytes) occur in `pid`'s scanned memory: "label at address".
+    static func find(pid: pid_t, pieces: [(String, [UInt8])]) -> [String] {
+        guard let scan = try? MemoryScan(pid: pid, secrets: []) else { return ["cannot read /proc/\(pid)/mem"] }
+        var byWord: [UInt64: [(String, [UInt8])]] = [:]
+        for p in pieces where p.1.count == 16 {
+            byWord[p.1.withUnsafeBytes { $0.loadUnaligned(as: UInt64.self) }, default: []].append(p)
+        }
+        var found: [String] = []
+        _ = scan.forEachChunk(overlap: 15) { b, addr in
+            guard b.count >= 16 else { return }
+            for j in 0...(b.count - 16) {
+                guard let cands = byWord[b.loadUnaligned(fromByteOffset: j, as: UInt64.self)] else { continue }
+                for (label, bytes) in cands where memcmp(b.baseAddress! + j, bytes, 16) == 0 {
+                    found.append("\(label) at 0x\(String(addr + j, radix: 16))")
+                }
+            }
+        }
+        return found
     }
 
     /// How many times `needle` occurs in the scanned memory.

@@ -47,7 +47,9 @@ final class MountFixture {
     private var closed = false
 
     /// Creates a store (Argon2id interactive, for speed) and mounts it in the foreground.
-    init(passcode: String = "correct horse battery", grace: Double = 0, defaultClass: String? = nil, kdf: String = "interactive", mount: Bool = true) throws {
+    /// `cipher`: `init --cipher` (nil: the default of this machine).
+    init(passcode: String = "correct horse battery", grace: Double = 0, defaultClass: String? = nil, kdf: String = "interactive",
+         cipher: String? = nil, mount: Bool = true) throws {
         guard FileManager.default.fileExists(atPath: "/dev/fuse") else { throw NSError(domain: "/dev/fuse is missing: the mount tests need FUSE (they fail rather than skip)", code: 1) }
         let template = "/tmp/kbfs-test.XXXXXX"
         var buf = Array(template.utf8CString)
@@ -62,8 +64,8 @@ final class MountFixture {
         self.grace = grace
         self.defaultClass = defaultClass
         try FileManager.default.createDirectory(atPath: mnt, withIntermediateDirectories: true)
-        let r = Self.run(Self.binDir + "/keybagfs", ["init", store, "--passcode-stdin", "--device-key", deviceKey, "--kdf", kdf],
-                         stdin: passcode + "\n")
+        let r = Self.run(Self.binDir + "/keybagfs", ["init", store, "--passcode-stdin", "--device-key", deviceKey, "--kdf", kdf]
+                         + (cipher.map { ["--cipher", $0] } ?? []), stdin: passcode + "\n")
         guard r.code == 0 else { throw NSError(domain: "keybagfs init failed: \(r.stderr)", code: Int(r.code)) }
         if mount { try self.mount() }
     }
@@ -146,6 +148,17 @@ final class MountFixture {
         closed = true
         unmount()
         try? FileManager.default.removeItem(atPath: root)
+    }
+
+    /// `keybagfs fsck --json` of the store (with the passcode unless told not to): the exit
+    /// code, the problems (kind, repair) sorted by kind, and the whole report.
+    func fsck(_ extra: [String] = [], passcode: Bool = true) -> (code: Int32, problems: [(kind: String, repair: String)], out: [String: Any]) {
+        var args = ["fsck", store, "--device-key", deviceKey, "--json"] + extra
+        if passcode { args.append("--passcode-stdin") }
+        let r = Self.run(Self.binDir + "/keybagfs", args, stdin: passcode ? self.passcode + "\n" : nil)
+        let o = (try? JSONSerialization.jsonObject(with: Data(r.stdout.utf8))) as? [String: Any] ?? ["stderr": r.stderr]
+        let ps = (o["problems"] as? [[String: Any]] ?? []).map { ($0["kind"] as? String ?? "?", $0["repair"] as? String ?? "?") }
+        return (r.code, ps.sorted { $0.0 < $1.0 }, o)
     }
 
     /// Runs keybagctl against this mount's socket.

@@ -10,16 +10,6 @@ final class XfstestsRegressionTests: XCTestCase {
     /// A name longer than the store keeps in a directory entry (hashed, with a side file).
     let long = String(repeating: "l", count: 200)
 
-    /// `keybagfs fsck --json` of an unmounted store: exit code, the problems' kinds and what
-    /// became of each.
-    func fsck(_ m: MountFixture, _ extra: [String] = []) -> (code: Int32, kinds: [String], repairs: [String]) {
-        let r = MountFixture.run(MountFixture.binDir + "/keybagfs", ["fsck", m.store, "--device-key", m.deviceKey, "--json", "--passcode-stdin"] + extra,
-                                 stdin: m.passcode + "\n")
-        let o = (try? JSONSerialization.jsonObject(with: Data(r.stdout.utf8))) as? [String: Any] ?? [:]
-        let problems = o["problems"] as? [[String: Any]] ?? []
-        return (r.code, problems.map { $0["kind"] as? String ?? "?" }.sorted(), problems.map { $0["repair"] as? String ?? "?" })
-    }
-
     /// Whether `path` is a whiteout: a character device 0:0.
     func isWhiteout(_ path: String) -> Bool {
         var st = stat()
@@ -67,9 +57,9 @@ final class XfstestsRegressionTests: XCTestCase {
         XCTAssertEqual(rename(m.path("d/" + long + "z"), m.path("d/" + long + "y")), 0)
         XCTAssertEqual(try readFile(m.path("d/" + long + "y")).get(), bytes("y"))
         m.unmount()
-        let check = fsck(m)
-        XCTAssertEqual(check.code, 0, "fsck after the renames: \(check.kinds)")
-        XCTAssertEqual(check.kinds, [])
+        let check = m.fsck()
+        XCTAssertEqual(check.code, 0, "fsck after the renames: \(check.problems)")
+        XCTAssertEqual(check.problems.map(\.kind), [])
         // The whiteouts go like any entry, and the directory is then empty.
         try m.mount()
         for name in try FileManager.default.contentsOfDirectory(atPath: m.path("d")) {
@@ -101,13 +91,13 @@ final class XfstestsRegressionTests: XCTestCase {
         XCTAssertEqual(unlink(entry + ".name"), 0)
         XCTAssertEqual(unlink(entry), 0)
         XCTAssertEqual(mknod(entry, S_IFCHR | 0o000, 0), 0)
-        let before = fsck(m)
+        let before = m.fsck()
         XCTAssertEqual(before.code, 1)
-        XCTAssertEqual(before.kinds, ["whiteout-without-name", "xattr-orphan"])
-        let repaired = fsck(m, ["--repair"])
-        XCTAssertEqual(repaired.repairs, ["repaired", "repaired"], "\(repaired.kinds)")
-        let after = fsck(m)
-        XCTAssertEqual(after.code, 0, "clean after the repair: \(after.kinds)")
+        XCTAssertEqual(before.problems.map(\.kind), ["whiteout-without-name", "xattr-orphan"])
+        let repaired = m.fsck(["--repair"])
+        XCTAssertEqual(repaired.problems.map(\.repair), ["repaired", "repaired"], "\(repaired.problems)")
+        let after = m.fsck()
+        XCTAssertEqual(after.code, 0, "clean after the repair: \(after.problems)")
         try m.mount()
         XCTAssertEqual(rmdir(m.path("d")), 0, "the directory is empty again: errno \(errno)")
     }

@@ -1,0 +1,293 @@
+/* Hardware AES for file contents: OpenSSL 3 EVP contexts from a pool, XAES-256-GCM's key
+   derivation on top, and the allocator OpenSSL uses in keybagfs. See kbfs_crypto.h. */
+#define _GNU_SOURCE
+#include "kbfs_crypto.h"
+
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+#if defined(__aarch64__)
+#include <sys/auxv.h>
+#include <asm/hwcap.h>
+#endif
+
+/* ---- The allocator: a size header before each block, pages locked, zeroed on free. ---- */
+
+/* Bytes before each block: its size, padded to keep 16-byte alignment. */
+#define HEADER 16
+
+static atomic_long unlocked_allocations;
+
+/* Locks the pages under [p, p+n); counts a failure instead of failing the allocation. */
+static void lock_pages(void *p, size_t n) {
+    static long page;
+    if (page == 0) page = sysconf(_SC_PAGESIZE);
+    uintptr_t start = (uintptr_t)p & ~(uintptr_t)(page - 1);
+    uintptr_t end = ((uintptr_t)p + n + page - 1) & ~(uintptr_t)(page - 1);
+    if (mlock((void *)start, end - start) != 0) atomic_fetch_add(&unlocked_allocations, 1);
+}
+
+/* OpenSSL's malloc. */
+static void *kb_malloc(size_t n, const char *file, int line) {
+    (void)file; (void)line;
+    if (n > SIZE_MAX - HEADER) return NULL;
+    unsigned char *b = malloc(n + HEADER);
+    if (b == NULL) return NULL;
+    memcpy(b, &n, sizeof n);
+    lock_pages(b, n + HEADER);
+    return b + HEADER;
+}
+
+/* OpenSSL's free: the whole block, header included, is zeroed first. */
+static void kb_free(void *p, const char *file, int line) {
+    (void)file; (void)line;
+    if (p == NULL) return;
+    unsigned char *b = (unsigned char *)p - HEADER;
+    size_t n;
+    memcpy(&n, b, sizeof n);
+    explicit_bzero(b, n + HEADER);
+    free(b);
+}
+
+/* OpenSSL's realloc: always a new block, so the old one is zeroed, never left behind. */
+static void *kb_realloc(void *p, size_t n, const char *file, int line) {
+    if (p == NULL) return kb_malloc(n, file, line);
+    if (n == 0) { kb_free(p, file, line); return NULL; }
+    void *q = kb_malloc(n, file, line);
+    if (q == NULL) return NULL;
+    size_t old;
+    memcpy(&old, (unsigned char *)p - HEADER, sizeof old);
+    memcpy(q, p, old < n ? old : n);
+    kb_free(p, file, line);
+    return q;
+}
+
+/* ---- Init ---- */
+
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+static int owns_memory, init_ok;
+static EVP_CIPHER *gcm_cipher, *ecb_cipher;
+
+static void init_once(void) {
+    owns_memory = CRYPTO_set_mem_functions(kb_malloc, kb_realloc, kb_free);
+    gcm_cipher = EVP_CIPHER_fetch(NULL, "AES-256-GCM", NULL);
+    ecb_cipher = EVP_CIPHER_fetch(NULL, "AES-256-ECB", NULL);
+    init_ok = gcm_cipher != NULL && ecb_cipher != NULL;
+}
+
+int kbfs_crypto_init(void) { pthread_once(&once, init_once); return init_ok; }
+int kbfs_crypto_owns_memory(void) { kbfs_crypto_init(); return owns_memory; }
+long kbfs_crypto_unlocked_allocations(void) { return atomic_load(&unlocked_allocations); }
+
+int kbfs_cpu_has_aes(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("aes") && __builtin_cpu_supports("pclmul");
+#elif defined(__aarch64__)
+    unsigned long hw = getauxval(AT_HWCAP);
+    return (hw & HWCAP_AES) && (hw & HWCAP_PMULL);
+#else
+    return 0;
+#endif
+}
+
+/* ---- The context pool ---- */
+
+/* One call's working set: a GCM and an ECB context and 64 bytes of scratch, all in
+   OpenSSL-allocated (locked, zeroed-on-free) memory. */
+struct kb_ctx {
+    EVP_CIPHER_CTX *gcm;
+    EVP_CIPHER_CTX *ecb;
+    unsigned char scratch[64];   /* [0,32): CMAC inputs, [32,64): XAES derived key */
+    uint64_t epoch;          /* the pool's epoch when taken */
+    struct kb_ctx *next;
+};
+
+/* Lock order: `pool_lock` is a leaf; OpenSSL is never called with it held. */
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct kb_ctx *pool_head;
+static uint64_t pool_epoch;
+static atomic_long contexts;
+
+static void ctx_free(struct kb_ctx *c) {
+    EVP_CIPHER_CTX_free(c->gcm);
+    EVP_CIPHER_CTX_free(c->ecb);
+    OPENSSL_clear_free(c, sizeof *c);
+    atomic_fetch_sub(&contexts, 1);
+}
+
+static struct kb_ctx *ctx_new(void) {
+    if (!kbfs_crypto_init()) return NULL;
+    struct kb_ctx *c = OPENSSL_zalloc(sizeof *c);
+    if (c == NULL) return NULL;
+    atomic_fetch_add(&contexts, 1);
+    c->gcm = EVP_CIPHER_CTX_new();
+    c->ecb = EVP_CIPHER_CTX_new();
+    if (c->gcm == NULL || c->ecb == NULL
+        || EVP_EncryptInit_ex(c->gcm, gcm_cipher, NULL, NULL, NULL) != 1
+        || EVP_EncryptInit_ex(c->ecb, ecb_cipher, NULL, NULL, NULL) != 1
+        || EVP_CIPHER_CTX_set_padding(c->ecb, 0) != 1) {
+        ctx_free(c);
+        return NULL;
+    }
+    return c;
+}
+
+/* Takes an idle context or makes one. */
+static struct kb_ctx *ctx_take(void) {
+    pthread_mutex_lock(&pool_lock);
+    struct kb_ctx *c = pool_head;
+    if (c != NULL) pool_head = c->next;
+    uint64_t epoch = pool_epoch;
+    pthread_mutex_unlock(&pool_lock);
+    if (c == NULL && (c = ctx_new()) == NULL) return NULL;
+    c->epoch = epoch;
+    c->next = NULL;
+    return c;
+}
+
+/* Returns a context; one taken before the last forget is freed instead. */
+static void ctx_give(struct kb_ctx *c) {
+    pthread_mutex_lock(&pool_lock);
+    int keep = c->epoch == pool_epoch;
+    if (keep) { c->next = pool_head; pool_head = c; }
+    pthread_mutex_unlock(&pool_lock);
+    if (!keep) ctx_free(c);
+}
+
+void kbfs_crypto_forget(void) {
+    pthread_mutex_lock(&pool_lock);
+    struct kb_ctx *c = pool_head;
+    pool_head = NULL;
+    pool_epoch++;
+    pthread_mutex_unlock(&pool_lock);
+    while (c != NULL) { struct kb_ctx *n = c->next; ctx_free(c); c = n; }
+}
+
+long kbfs_crypto_contexts(void) { return atomic_load(&contexts); }
+
+/* ---- AES-256-GCM on one context ---- */
+
+static int gcm_seal(struct kb_ctx *c, const uint8_t *key, const uint8_t *n12, const uint8_t *ad, size_t adlen,
+                    const uint8_t *m, size_t mlen, uint8_t *out, uint8_t *tag) {
+    int len = 0, fin = 0;
+    if (mlen > INT32_MAX || adlen > INT32_MAX) return -2;
+    if (EVP_EncryptInit_ex(c->gcm, NULL, NULL, key, n12) != 1) return -2;
+    if (adlen > 0 && EVP_EncryptUpdate(c->gcm, NULL, &len, ad, (int)adlen) != 1) return -2;
+    if (mlen > 0 && EVP_EncryptUpdate(c->gcm, out, &len, m, (int)mlen) != 1) return -2;
+    if (EVP_EncryptFinal_ex(c->gcm, out + len, &fin) != 1) return -2;
+    return EVP_CIPHER_CTX_ctrl(c->gcm, EVP_CTRL_GCM_GET_TAG, 16, tag) == 1 ? 0 : -2;
+}
+
+static int gcm_open(struct kb_ctx *c, const uint8_t *key, const uint8_t *n12, const uint8_t *ad, size_t adlen,
+                    const uint8_t *in, size_t clen, const uint8_t *tag, uint8_t *m) {
+    int len = 0, fin = 0;
+    if (clen > INT32_MAX || adlen > INT32_MAX) return -2;
+    if (EVP_DecryptInit_ex(c->gcm, NULL, NULL, key, n12) != 1) return -2;
+    if (EVP_CIPHER_CTX_ctrl(c->gcm, EVP_CTRL_GCM_SET_TAG, 16, (void *)tag) != 1) return -2;
+    if (adlen > 0 && EVP_DecryptUpdate(c->gcm, NULL, &len, ad, (int)adlen) != 1) return -2;
+    if (clen > 0 && EVP_DecryptUpdate(c->gcm, m, &len, in, (int)clen) != 1) return -2;
+    if (EVP_DecryptFinal_ex(c->gcm, m + len, &fin) != 1) {
+        if (clen > 0) explicit_bzero(m, clen);   /* GCM decrypts before it verifies */
+        return -1;
+    }
+    return 0;
+}
+
+int kbfs_aes256gcm_seal(const uint8_t *key, const uint8_t *n12, const uint8_t *ad, size_t adlen,
+                        const uint8_t *m, size_t mlen, uint8_t *out, uint8_t *tag) {
+    struct kb_ctx *c = ctx_take();
+    if (c == NULL) return -2;
+    int rc = gcm_seal(c, key, n12, ad, adlen, m, mlen, out, tag);
+    ctx_give(c);
+    return rc;
+}
+
+int kbfs_aes256gcm_open(const uint8_t *key, const uint8_t *n12, const uint8_t *ad, size_t adlen,
+                        const uint8_t *in, size_t clen, const uint8_t *tag, uint8_t *m) {
+    struct kb_ctx *c = ctx_take();
+    if (c == NULL) return -2;
+    int rc = gcm_open(c, key, n12, ad, adlen, in, clen, tag, m);
+    ctx_give(c);
+    return rc;
+}
+
+/* ---- XAES-256-GCM ---- */
+
+/* AES-256 of the 32 bytes in c->scratch[0..<32] under `key`, into `out`. */
+static int ecb2(struct kb_ctx *c, const uint8_t *key, size_t n, uint8_t *out) {
+    int len = 0;
+    if (EVP_EncryptInit_ex(c->ecb, NULL, NULL, key, NULL) != 1) return -2;
+    if (EVP_EncryptUpdate(c->ecb, out, &len, c->scratch, (int)n) != 1 || (size_t)len != n) return -2;
+    return 0;
+}
+
+int kbfs_xaes_subkey(const uint8_t *key, uint8_t *k1) {
+    struct kb_ctx *c = ctx_take();
+    if (c == NULL) return -2;
+    memset(c->scratch, 0, 16);
+    uint8_t *l = c->scratch + 16;                 /* L = AES-256_K(0^128) */
+    int rc = ecb2(c, key, 16, l);
+    if (rc == 0) {
+        uint8_t msb = l[0] >> 7;                  /* K1 = L << 1, xor 0x87 on carry */
+        for (int i = 0; i < 15; i++) k1[i] = (uint8_t)((l[i] << 1) | (l[i + 1] >> 7));
+        k1[15] = (uint8_t)((l[15] << 1) ^ (msb ? 0x87 : 0));
+    }
+    explicit_bzero(c->scratch, sizeof c->scratch);
+    ctx_give(c);
+    return rc;
+}
+
+/* The derived key of `nonce24`'s first 12 bytes into `kx` (32 bytes):
+   AES-256_K(M1 ^ K1) || AES-256_K(M2 ^ K1), Mi = 0x00 || i || 'X' || 0x00 || N[0..<12]. */
+static int xaes_derive(struct kb_ctx *c, const uint8_t *key, const uint8_t *k1, const uint8_t *nonce24, uint8_t *kx) {
+    uint8_t *m = c->scratch;
+    for (int i = 0; i < 2; i++) {
+        uint8_t *mi = m + 16 * i;
+        mi[0] = 0; mi[1] = (uint8_t)(i + 1); mi[2] = 'X'; mi[3] = 0;
+        memcpy(mi + 4, nonce24, 12);
+        for (int j = 0; j < 16; j++) mi[j] ^= k1[j];
+    }
+    int rc = ecb2(c, key, 32, kx);
+    explicit_bzero(m, 32);
+    return rc;
+}
+
+/* One XAES-256-GCM seal (`tag` written) or open (`tag` checked) of `len` bytes. */
+static int xaes(int seal, const uint8_t *key, const uint8_t *k1, const uint8_t *nonce24, const uint8_t *ad,
+                size_t adlen, const uint8_t *in, size_t len, uint8_t *tag, uint8_t *out) {
+    struct kb_ctx *c = ctx_take();
+    if (c == NULL) return -2;
+    uint8_t *kx = c->scratch + 32;
+    int rc = xaes_derive(c, key, k1, nonce24, kx);
+    if (rc == 0) {
+        rc = seal ? gcm_seal(c, kx, nonce24 + 12, ad, adlen, in, len, out, tag)
+                  : gcm_open(c, kx, nonce24 + 12, ad, adlen, in, len, tag, out);
+    }
+    explicit_bzero(kx, 32);
+    ctx_give(c);
+    return rc;
+}
+
+int kbfs_xaes256gcm_seal(const uint8_t *key, const uint8_t *k1, const uint8_t *nonce24, const uint8_t *ad,
+                         size_t adlen, const uint8_t *m, size_t mlen, uint8_t *out, uint8_t *tag) {
+    return xaes(1, key, k1, nonce24, ad, adlen, m, mlen, tag, out);
+}
+
+int kbfs_xaes256gcm_open(const uint8_t *key, const uint8_t *k1, const uint8_t *nonce24, const uint8_t *ad,
+                         size_t adlen, const uint8_t *in, size_t clen, const uint8_t *tag, uint8_t *m) {
+    return xaes(0, key, k1, nonce24, ad, adlen, in, clen, (uint8_t *)tag, m);
+}
+
+/* ---- Stack scrubbing ---- */
+
+__attribute__((noinline)) void kbfs_scrub_stack(void) {
+    unsigned char area[16384];
+    explicit_bzero(area, sizeof area);
+    __asm__ __volatile__("" : : "r"(area) : "memory");
+}

@@ -1,0 +1,27 @@
+/* Test support: AES-256 key schedules and single blocks from OpenSSL's low-level API, so a
+   memory scan can look for every round key of a file key. */
+#define OPENSSL_SUPPRESS_DEPRECATED
+#include "kbfs_test_support.h"
+#include <openssl/aes.h>
+#include <string.h>
+
+int kbfs_test_aes256_round_keys(const uint8_t *key, uint8_t *out240) {
+    AES_KEY k;
+    if (AES_set_encrypt_key(key, 256, &k) != 0) return -1;
+    /* OpenSSL's portable schedule keeps each 32-bit word as a big-endian load. */
+    for (int i = 0; i < 60; i++) {
+        uint32_t w = k.rd_key[i];
+        out240[4 * i] = (uint8_t)(w >> 24); out240[4 * i + 1] = (uint8_t)(w >> 16);
+        out240[4 * i + 2] = (uint8_t)(w >> 8); out240[4 * i + 3] = (uint8_t)w;
+    }
+    memset(&k, 0, sizeof k);
+    return 0;
+}
+
+int kbfs_test_aes256_block(const uint8_t *key, const uint8_t *in16, uint8_t *out16) {
+    AES_KEY k;
+    if (AES_set_encrypt_key(key, 256, &k) != 0) return -1;
+    AES_encrypt(in16, out16, &k);
+    memset(&k, 0, sizeof k);
+    return 0;
+}
