@@ -50,15 +50,16 @@ enum ProtectionErrors {
     /// (the device is locked), not from file permissions.
     static let unavailableKey = "KeybagfsProtectedDataUnavailable"
 
-    /// Maps `errno` of an operation on `path` (`writing` or reading) to a `CocoaError`.
-    static func error(_ code: Int32, path: String, writing: Bool, what: String) -> CocoaError {
+    /// Maps `errno` of an operation on `path` (`writing` or reading) to a `CocoaError`;
+    /// `classOf`: where the class that may have denied it is read (default `path`).
+    static func error(_ code: Int32, path: String, writing: Bool, what: String, classOf: String? = nil) -> CocoaError {
         var info: [String: Any] = [NSFilePathErrorKey: path, NSUnderlyingErrorKey: NSError(domain: NSPOSIXErrorDomain, code: Int(code))]
         let reason = String(cString: strerror(code))
         let cocoa: CocoaError.Code
         switch code {
         case EACCES, EPERM:
             cocoa = writing ? .fileWriteNoPermission : .fileReadNoPermission
-            if code == EACCES, ProtectedData.isLockedClassDenial(path: path) {
+            if code == EACCES, ProtectedData.isLockedClassDenial(path: classOf ?? path) {
                 info[unavailableKey] = true
                 info[NSLocalizedDescriptionKey] = "\(what) \(path): protected data is not available (the device is locked and the file's class needs its key)"
             } else {

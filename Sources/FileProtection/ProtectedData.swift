@@ -73,10 +73,14 @@ public enum ProtectedData {
         return (st["protectedDataAvailable"] as? Bool) == true
     }
 
-    /// Whether EACCES on `path` comes from a locked class rather than permissions.
+    /// Whether EACCES on `path` comes from a locked class rather than permissions. A path
+    /// that does not exist yet (a create) has the class its directory gives new files.
     static func isLockedClassDenial(path: String) -> Bool {
         var buf = [UInt8](repeating: 0, count: 128)
-        let n = getxattr(path, protectionAttribute, &buf, buf.count)
+        var n = getxattr(path, protectionAttribute, &buf, buf.count)
+        if n < 0 && errno == ENOENT {
+            n = getxattr((path as NSString).deletingLastPathComponent, protectionAttribute, &buf, buf.count)
+        }
         guard n > 0 else { return false }
         let name = String(decoding: buf[0..<n], as: UTF8.self)
         guard name == "complete" || name == "completeUnlessOpen" || name == "completeUntilFirstUserAuthentication" else { return false }

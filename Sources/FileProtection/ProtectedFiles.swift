@@ -68,7 +68,8 @@ extension Data {
         let mask = umask(0)
         umask(mask)
         let fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0o666 & ~mask)
-        guard fd >= 0 else { throw fail(errno, "creating") }
+        // Judged on the file being created, whose folder carries the class asked for.
+        guard fd >= 0 else { throw ProtectionErrors.error(errno, path: path, writing: true, what: "creating", classOf: tmp) }
         var linked = false
         defer { if !linked { unlink(tmp) } }
         let err: Int32 = withUnsafeBytes { b -> Int32 in

@@ -132,6 +132,12 @@ final class ConnectionSlots: Sendable {
         }
     }
 
+    /// Takes a privileged slot past the limit: room was just made by closing another
+    /// privileged connection, which gives its slot back when its thread ends.
+    func takeOverLimit() {
+        counts.withLock { $0.privileged += 1 }
+    }
+
     /// Gives a slot back.
     func give(_ peer: Peer) {
         counts.withLock { c in
@@ -139,6 +145,49 @@ final class ConnectionSlots: Sendable {
             c.unprivileged -= 1
             let left = c.byUID[peer.uid, default: 1] - 1
             c.byUID[peer.uid] = left > 0 ? left : nil
+        }
+    }
+}
+
+/// Root's and the owner's open connections, so that room can be made for a new one: a lock
+/// only takes access away, and is never refused to them, even when a leaking agent of
+/// theirs holds every privileged slot. Lock order: taken alone, never with `counts`.
+final class PrivilegedConnections: Sendable {
+    private struct Entry { let fd: Int32; var lastRequest: UInt64; var subscribed: Bool }
+    private struct Registry { var next: UInt64 = 0; var clock: UInt64 = 0; var entries: [UInt64: Entry] = [:] }
+    private let registry = Locked(Registry())
+
+    /// Registers a connection; returns its id.
+    func add(_ fd: Int32) -> UInt64 {
+        registry.withLock { r in
+            r.next += 1; r.clock += 1
+            r.entries[r.next] = Entry(fd: fd, lastRequest: r.clock, subscribed: false)
+            return r.next
+        }
+    }
+
+    /// Notes a request (or a subscription) on connection `id`.
+    func touch(_ id: UInt64, subscribed: Bool) {
+        registry.withLock { r in
+            r.clock += 1
+            r.entries[id]?.lastRequest = r.clock
+            if subscribed { r.entries[id]?.subscribed = true }
+        }
+    }
+
+    /// Forgets connection `id`; called before its descriptor is closed, so `closeLongestIdle`
+    /// never shuts down a reused descriptor.
+    func remove(_ id: UInt64) { registry.withLock { _ = $0.entries.removeValue(forKey: id) } }
+
+    /// Shuts down the connection idle the longest (subscribers last); its thread then ends
+    /// and gives its slot back. False when there is none.
+    func closeLongestIdle() -> Bool {
+        registry.withLock { r in
+            guard let (id, e) = r.entries.min(by: { ($0.value.subscribed ? 1 : 0, $0.value.lastRequest) < ($1.value.subscribed ? 1 : 0, $1.value.lastRequest) })
+            else { return false }
+            r.entries[id] = nil
+            shutdown(e.fd, Int32(SHUT_RDWR))
+            return true
         }
     }
 }
@@ -155,6 +204,7 @@ final class ControlServer: Sendable {
     /// Uid allowed to lock, unlock and passwd besides root.
     let ownerUID: uid_t
     private let slots = ConnectionSlots()
+    private let privileged = PrivilegedConnections()
     /// Seconds a client may stay silent before it is disconnected (not subscribers).
     static let idleTimeout = 30
 
@@ -193,8 +243,9 @@ final class ControlServer: Sendable {
         close(listenFD)
     }
 
-    /// Accepts clients: credentials first, then a slot from the peer's own pool, or a
-    /// `busy` line and an immediate close.
+    /// Accepts clients: credentials first, then a slot from the peer's own pool, or (root
+    /// and the owner) room made by closing their connection idle the longest, or a `busy`
+    /// line and an immediate close.
     private func acceptLoop() {
         while true {
             let fd = accept(listenFD, nil, nil)
@@ -206,14 +257,19 @@ final class ControlServer: Sendable {
             var uid: UInt32 = 0, gid: UInt32 = 0, pid: Int32 = 0
             guard kbfs_peercred(fd, &uid, &gid, &pid) == 0 else { close(fd); continue }
             let peer = Peer(uid: uid, privileged: uid == 0 || uid == ownerUID)
-            guard slots.take(peer) else {
-                let refused = Connection(fd: fd)
-                _ = refused.sendEvent(ControlProtocol.encode(Controller.refusal("busy", "too many control connections for uid \(uid)")))   // never waits
-                refused.close()
-                continue
+            if !slots.take(peer) {
+                // Root and the owner are never refused: their connection idle the longest makes room.
+                guard peer.privileged, privileged.closeLongestIdle() else {
+                    let refused = Connection(fd: fd)
+                    _ = refused.sendEvent(ControlProtocol.encode(Controller.refusal("busy", "too many control connections for uid \(uid)")))   // never waits
+                    refused.close()
+                    continue
+                }
+                slots.takeOverLimit()
             }
+            let id = peer.privileged ? privileged.add(fd) : nil
             let t = Thread { [self] in
-                serve(Connection(fd: fd), peer)
+                serve(Connection(fd: fd), peer, registered: id)
                 slots.give(peer)
             }
             t.start()
@@ -226,8 +282,13 @@ final class ControlServer: Sendable {
     }
 
     /// Reads request lines into guarded memory until EOF, timeout, or a line over the limit.
-    private func serve(_ c: Connection, _ peer: Peer) {
-        defer { controller.events.remove(c); c.close() }
+    /// `registered`: the connection's id among the privileged ones.
+    private func serve(_ c: Connection, _ peer: Peer, registered: UInt64?) {
+        defer {
+            if let registered { privileged.remove(registered) }   // before the descriptor closes
+            controller.events.remove(c)
+            c.close()
+        }
         Self.setTimeout(c.fd, SO_RCVTIMEO, seconds: Self.idleTimeout)
         Self.setTimeout(c.fd, SO_SNDTIMEO, seconds: 5)
         let capacity = ControlProtocol.maxLine + 1
@@ -259,6 +320,7 @@ final class ControlServer: Sendable {
                     sodium_memzero(base + rest, length + 1)
                     used = rest
                 }
+                if let registered { privileged.touch(registered, subscribed: subscribed) }
                 if subscribed { Failpoint.subscribeBeforeReply.hit() }
                 if reply.isEmpty {
                     // A subscribe: its reply is queued; send it (and what followed) now.

@@ -181,7 +181,19 @@ struct Report: ParsableCommand {
         var unreadable: [String] = [], unreadableCount = 0
         var differing: [[String: String]] = [], differingCount = 0
         var dirClass: [String: String] = [:]
-        var other = 0, failures = 0
+        var other = 0, failures = 0, inheriting = 0
+        /// The class the walk's top directory inherits: its nearest ancestor's own default,
+        /// else the mount's (`--default-class`).
+        func inheritedAtRoot(_ p: String) -> String {
+            var d = (p as NSString).deletingLastPathComponent
+            let mount = status?["mountpoint"] as? String ?? "/"
+            while d.hasPrefix(mount) && d.count >= mount.count {
+                if let c = TreeWalk.protection(d) { return c }
+                if d == mount || d == "/" { break }
+                d = (d as NSString).deletingLastPathComponent
+            }
+            return status?["defaultClass"] as? String ?? ProtectionClass.completeUntilFirstUserAuthentication.name
+        }
         let progress = ProgressLine("report")
         TreeWalk.walk(root, recursive: true, visit: { p, st, depth in
             progress.tick()
@@ -193,11 +205,14 @@ struct Report: ParsableCommand {
                 if offPolicy.count < limit { offPolicy.append(["path": p, "class": kind == S_IFLNK ? "symlink" : "not a directory", "policyClass": rule.protectionClass.name, "pattern": rule.pattern]) }
             }
             guard kind == S_IFREG || kind == S_IFDIR else { other += 1; return }
-            let cls = TreeWalk.protection(p) ?? "unknown"
+            let parent = (p as NSString).deletingLastPathComponent
+            // A directory without its own default gives new files the one it inherits.
+            let own = TreeWalk.protection(p)
+            let cls = own ?? (kind == S_IFDIR ? dirClass[parent] ?? inheritedAtRoot(p) : "unknown")
             if kind == S_IFDIR {
                 dirsByClass[cls, default: 0] += 1
+                if own == nil { inheriting += 1 }
                 dirClass[p] = cls
-                let parent = (p as NSString).deletingLastPathComponent
                 if let policy, let rule = policy.rule(forPath: p) {
                     policyMatched[rule.pattern, default: 0] += 1
                     if cls != rule.protectionClass.name {
@@ -227,7 +242,7 @@ struct Report: ParsableCommand {
             var o: [String: Any] = [
                 "path": root, "seconds": (seconds * 1000).rounded() / 1000,
                 "classes": byClass.mapValues { ["files": $0.files, "bytes": $0.bytes] },
-                "directories": dirsByClass, "otherEntries": other,
+                "directories": dirsByClass, "directoriesInheriting": inheriting, "otherEntries": other,
                 "differingDirectories": differing, "differingDirectoryCount": differingCount,
                 "failures": failures,
             ]
@@ -252,6 +267,7 @@ struct Report: ParsableCommand {
                 for p in unreadable { print("  \(p)") }
                 if unreadableCount > unreadable.count { print("  … and \(unreadableCount - unreadable.count) more") }
             }
+            print("directories counted under the class they inherit (no default of their own): \(inheriting)")
             print("directories whose default differs from their parent's: \(differingCount)")
             for d in differing { print("  \(d["path"]!): \(d["class"]!) (parent \(d["parentClass"]!))") }
             if differingCount > differing.count { print("  … and \(differingCount - differing.count) more") }

@@ -20,7 +20,7 @@ final class CommandLineTests: XCTestCase {
         let pid = (try? JSONSerialization.jsonObject(with: Data(byMount.stdout.utf8)) as? [String: Any])?["pid"] as? Int ?? 0
         XCTAssertGreaterThan(pid, 0)
         // The only keybagfs mount is found without --socket or --mount.
-        let auto = MountFixture.run(bin + "/keybagctl", ["unlock", "--passcode-stdin"], stdin: m.passcode + "\n")
+        let auto = MountFixture.runAlone(mount: m.mnt, bin + "/keybagctl", ["unlock", "--passcode-stdin"], stdin: m.passcode + "\n")
         XCTAssertEqual(auto.code, 0, auto.stderr)
         XCTAssertEqual(writeFile(m.path("f"), bytes("hello")), 0)
         XCTAssertEqual(try readFile(m.path("f")).get(), bytes("hello"))
@@ -70,24 +70,24 @@ final class CommandLineTests: XCTestCase {
         XCTAssertEqual(o?["state"] as? String, "beforeFirstUnlock", report.stdout)
         // pam-unlock: the wrong password, then the right one.
         let pam = ["PAM_TYPE": "auth", "PAM_USER": "nobody"]
-        let wrong = MountFixture.run(bin + "/keybagctl", ["pam-unlock"], stdin: "not the passcode\u{0}", environment: pam)
+        let wrong = MountFixture.runAlone(mount: m.mnt, bin + "/keybagctl", ["pam-unlock"], stdin: "not the passcode\u{0}", environment: pam)
         XCTAssertEqual(wrong.code, 0, "a wrong password never fails the login")
         XCTAssertTrue(wrong.stderr.contains("not unlocked"), wrong.stderr)
         XCTAssertFalse(wrong.stderr.contains("not the passcode"), "the password stays out of the log")
         XCTAssertEqual(MountFixture.run(bin + "/keybagctl", ["--mount", m.mnt, "status", "--json"]).stdout.contains("\"beforeFirstUnlock\""), true)
-        let other = MountFixture.run(bin + "/keybagctl", ["pam-unlock"], stdin: m.passcode + "\n", environment: ["PAM_TYPE": "auth", "PAM_USER": "root"])
+        let other = MountFixture.runAlone(mount: m.mnt, bin + "/keybagctl", ["pam-unlock"], stdin: m.passcode + "\n", environment: ["PAM_TYPE": "auth", "PAM_USER": "root"])
         XCTAssertEqual(other.code, 0)
         XCTAssertTrue(other.stderr.contains("no keybagfs mount belongs to root"), other.stderr)
         // After a failure pam-unlock leaves the mount alone (a login password that differs
         // from the passcode costs one attempt, never a lockout).
-        let after = MountFixture.run(bin + "/keybagctl", ["pam-unlock"], stdin: m.passcode + "\u{0}", environment: pam)
+        let after = MountFixture.runAlone(mount: m.mnt, bin + "/keybagctl", ["pam-unlock"], stdin: m.passcode + "\u{0}", environment: pam)
         XCTAssertEqual(after.code, 0)
         XCTAssertTrue(after.stderr.contains("1 failed attempt(s) since the last unlock; not tried"), after.stderr)
         XCTAssertEqual(MountFixture.run(bin + "/keybagctl", ["--mount", m.mnt, "status", "--json"]).stdout.contains("\"failedAttempts\":1"), true)
         // A deliberate unlock resets the count; after a lock the login password unlocks again.
         XCTAssertEqual(MountFixture.run(bin + "/keybagctl", ["--mount", m.mnt, "unlock", "--passcode-stdin"], stdin: m.passcode + "\n").code, 0)
         XCTAssertEqual(MountFixture.run(bin + "/keybagctl", ["--mount", m.mnt, "lock", "--grace", "0"]).code, 0)
-        let right = MountFixture.run(bin + "/keybagctl", ["pam-unlock"], stdin: m.passcode + "\u{0}", environment: pam)
+        let right = MountFixture.runAlone(mount: m.mnt, bin + "/keybagctl", ["pam-unlock"], stdin: m.passcode + "\u{0}", environment: pam)
         XCTAssertEqual(right.code, 0, right.stderr)
         XCTAssertTrue(right.stderr.contains("unlocked \(m.mnt) for nobody"), right.stderr)
         XCTAssertEqual(MountFixture.run(bin + "/keybagctl", ["--mount", m.mnt, "status", "--json"]).stdout.contains("\"unlocked\""), true)
@@ -95,7 +95,7 @@ final class CommandLineTests: XCTestCase {
         XCTAssertEqual(MountFixture.run(bin + "/keybagctl", ["--mount", m.mnt, "lock", "--grace", "0"]).code, 0)
         XCTAssertEqual(kill(pid_t(pid), SIGSTOP), 0)
         let t0 = Date()
-        let stuck = MountFixture.run(bin + "/keybagctl", ["pam-unlock"], stdin: m.passcode + "\u{0}", environment: pam)
+        let stuck = MountFixture.runAlone(mount: m.mnt, bin + "/keybagctl", ["pam-unlock"], stdin: m.passcode + "\u{0}", environment: pam)
         let waited = Date().timeIntervalSince(t0)
         kill(pid_t(pid), SIGCONT)
         XCTAssertEqual(stuck.code, 0, stuck.stderr)

@@ -199,6 +199,32 @@ final class ControlSocketTests: XCTestCase {
         XCTAssertEqual(m.state, "unlocked")
     }
 
+    /// A lock only takes access away: root is never refused one, even when its own leaking
+    /// agent holds every privileged connection (the idle one makes room).
+    func testRootLocksWhenItsOwnConnectionsAreAllTaken() throws {
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        var mine: [Int32] = []
+        defer { mine.forEach { close($0) } }
+        for _ in 0..<600 { if let fd = try? ControlClient.connect(path: m.socket) { mine.append(fd) } }
+        XCTAssertEqual(mine.count, 600)
+        usleep(300_000)   // every connection accepted
+        var lockReply = ""
+        let lockTime = timed { lockReply = request(m, #"{"op":"lock","grace":0}"#) }
+        XCTAssertTrue(lockReply.contains("\"ok\":true"), "root's lock with 600 idle root connections: \(lockReply)")
+        XCTAssertLessThan(lockTime, 2)
+        XCTAssertEqual(m.state, "locked", "status too")
+        // The room came from the oldest idle connections: closed by the daemon (EOF).
+        var closedByDaemon = 0
+        for fd in mine.prefix(20) {
+            var pfd = pollfd(fd: fd, events: Int16(POLLIN), revents: 0)
+            var b: UInt8 = 0
+            if poll(&pfd, 1, 0) == 1 && recv(fd, &b, 1, Int32(MSG_DONTWAIT)) == 0 { closedByDaemon += 1 }
+        }
+        XCTAssertGreaterThan(closedByDaemon, 0, "the oldest idle root connections made room")
+    }
+
     func testStatusAnswersWhileAnUnlockRunsItsKDF() throws {
         let m = try MountFixture(kdf: "moderate")
         addTeardownBlock { m.close() }

@@ -71,6 +71,11 @@ final class FileProtectionTests: XCTestCase {
             XCTAssertEqual(c?.isProtectedDataUnavailable, true, "\(e)")
             XCTAssertTrue("\(c?.userInfo[NSLocalizedDescriptionKey] ?? "")".contains("protected data is not available"), "\(e)")
         }
+        // A new `complete` file while locked: the lock is the reason, not permissions
+        // (the target does not exist yet, so the class is the one the create asked for).
+        XCTAssertThrowsError(try Data("new".utf8).writeProtected(to: URL(fileURLWithPath: m.path("locked-new.txt")), options: .completeFileProtection)) { e in
+            XCTAssertEqual((e as? CocoaError)?.isProtectedDataUnavailable, true, "\(e)")
+        }
         XCTAssertEqual(try String(contentsOfFile: m.path("open.txt"), encoding: .utf8), "open")
         XCTAssertFalse(ProtectedData.isAvailable(for: URL(fileURLWithPath: m.mnt), socket: m.socket))
         m.unlock()

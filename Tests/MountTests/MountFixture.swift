@@ -190,6 +190,17 @@ final class MountFixture {
     /// The lock state name.
     var state: String { status()["state"] as? String ?? "?" }
 
+    /// Runs a tool in a mount namespace of its own in which `mount` is the only keybagfs
+    /// mount: the others are detached in that namespace only, and the machine's mounts are
+    /// not touched. Tests of discovery (`keybagctl` without `--mount`, `pam-unlock`) then
+    /// pass whatever keybagfs mounts the user has up.
+    static func runAlone(mount: String, _ exe: String, _ args: [String], stdin: String? = nil, environment: [String: String] = [:]) -> ToolResult {
+        let detachOthers = #"keep="$1"; shift; awk -v keep="$keep" '$3 == "fuse.keybagfs" && $2 != keep {print $2}' /proc/self/mounts | "#
+            + #"sort -r | while read -r m; do umount -l "$(printf '%b' "$m")" || exit 97; done; exec "$@""#
+        return run("/usr/bin/unshare", ["--mount", "--propagation", "private", "/bin/sh", "-c", detachOthers, "sh", mount, exe] + args,
+                   stdin: stdin, environment: environment)
+    }
+
     /// Runs a program, feeding `stdin`, and collects its output.
     static func run(_ exe: String, _ args: [String], stdin: String? = nil, timeout: Double = 60, environment: [String: String] = [:]) -> ToolResult {
         let p = Process()

@@ -58,6 +58,12 @@ final class TreeToolsTests: XCTestCase {
         XCTAssertEqual(o["otherEntries"] as? Int, 1, "the symlink, counted and not followed")
         let differing = (o["differingDirectories"] as? [[String: String]])?.map { $0["path"]! }.sorted()
         XCTAssertEqual(differing, [m.path("t/d0"), m.path("t/d1")])
+        // Directories without a default of their own are counted under what they inherit.
+        let dirs = o["directories"] as? [String: Int] ?? [:]
+        XCTAssertNil(dirs["unknown"], "\(dirs)")
+        XCTAssertEqual(dirs["completeUntilFirstUserAuthentication"], 19, "t and d2…d19 inherit the mount's default: \(dirs)")
+        XCTAssertEqual(dirs["complete"], 2)
+        XCTAssertEqual(o["directoriesInheriting"] as? Int, 19)
 
         XCTAssertEqual(m.ctl(["lock", "--grace", "0"]).code, 0)
         o = try report(m, m.path("t"))
