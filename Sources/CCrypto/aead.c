@@ -284,10 +284,32 @@ int kbfs_xaes256gcm_open(const uint8_t *key, const uint8_t *k1, const uint8_t *n
     return xaes(0, key, k1, nonce24, ad, adlen, in, clen, (uint8_t *)tag, m);
 }
 
-/* ---- Stack scrubbing ---- */
+/* ---- Stack and register scrubbing ---- */
+
+#if defined(__x86_64__)
+/* Zeroes ymm0-15 (their xmm halves too): OpenSSL's GCM and GHASH code leaves values of
+   the GHASH key table there, which a core dump or ptrace would show. */
+__attribute__((target("avx"), noinline)) static void zero_vector_registers_avx(void) {
+    __asm__ __volatile__("vzeroall" ::: "memory");
+}
+
+/* The same without AVX: xmm0-15. */
+__attribute__((noinline)) static void zero_vector_registers_sse(void) {
+    __asm__ __volatile__(
+        "pxor %%xmm0, %%xmm0\n pxor %%xmm1, %%xmm1\n pxor %%xmm2, %%xmm2\n pxor %%xmm3, %%xmm3\n"
+        "pxor %%xmm4, %%xmm4\n pxor %%xmm5, %%xmm5\n pxor %%xmm6, %%xmm6\n pxor %%xmm7, %%xmm7\n"
+        "pxor %%xmm8, %%xmm8\n pxor %%xmm9, %%xmm9\n pxor %%xmm10, %%xmm10\n pxor %%xmm11, %%xmm11\n"
+        "pxor %%xmm12, %%xmm12\n pxor %%xmm13, %%xmm13\n pxor %%xmm14, %%xmm14\n pxor %%xmm15, %%xmm15\n"
+        ::: "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7",
+            "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "memory");
+}
+#endif
 
 __attribute__((noinline)) void kbfs_scrub_stack(void) {
     unsigned char area[16384];
     explicit_bzero(area, sizeof area);
     __asm__ __volatile__("" : : "r"(area) : "memory");
+#if defined(__x86_64__)
+    if (__builtin_cpu_supports("avx")) zero_vector_registers_avx(); else zero_vector_registers_sse();
+#endif
 }

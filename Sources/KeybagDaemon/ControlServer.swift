@@ -151,40 +151,61 @@ final class ConnectionSlots: Sendable {
 
 /// Root's and the owner's open connections, so that room can be made for a new one: a lock
 /// only takes access away, and is never refused to them, even when a leaking agent of
-/// theirs holds every privileged slot. Lock order: taken alone, never with `counts`.
+/// theirs holds every privileged slot. A newcomer closes only a connection of its own uid
+/// (root: of any privileged uid), never one serving a request; one younger than
+/// `graceSeconds` (that may not have sent its request yet) only when no other is left, and a
+/// subscriber only after every idle non-subscriber: the newest one (a leak is the latest
+/// subscriptions; the oldest is an app's long-lived feed). Lock order: taken alone, never
+/// with `ConnectionSlots.counts`.
 final class PrivilegedConnections: Sendable {
-    private struct Entry { let fd: Int32; var lastRequest: UInt64; var subscribed: Bool }
-    private struct Registry { var next: UInt64 = 0; var clock: UInt64 = 0; var entries: [UInt64: Entry] = [:] }
+    /// Seconds in which a new connection is closed for room only when no older one is left.
+    static let graceSeconds = 2.0
+    private struct Entry {
+        let fd: Int32, uid: uid_t, connected: Double
+        var lastRequest: Double, busy = false, subscribed = false
+    }
+    private struct Registry { var next: UInt64 = 0; var entries: [UInt64: Entry] = [:] }
     private let registry = Locked(Registry())
 
-    /// Registers a connection; returns its id.
-    func add(_ fd: Int32) -> UInt64 {
-        registry.withLock { r in
-            r.next += 1; r.clock += 1
-            r.entries[r.next] = Entry(fd: fd, lastRequest: r.clock, subscribed: false)
+    /// Seconds on the monotonic clock.
+    private static func now() -> Double { Double(DispatchTime.now().uptimeNanoseconds) / 1e9 }
+
+    /// Registers a connection of `uid`; returns its id.
+    func add(_ fd: Int32, uid: uid_t) -> UInt64 {
+        let t = Self.now()
+        return registry.withLock { r in
+            r.next += 1
+            r.entries[r.next] = Entry(fd: fd, uid: uid, connected: t, lastRequest: t)
             return r.next
         }
     }
 
-    /// Notes a request (or a subscription) on connection `id`.
-    func touch(_ id: UInt64, subscribed: Bool) {
+    /// Connection `id` is serving a request (`true`), or has answered it.
+    func serving(_ id: UInt64, _ busy: Bool, subscribed: Bool) {
+        let t = Self.now()
         registry.withLock { r in
-            r.clock += 1
-            r.entries[id]?.lastRequest = r.clock
+            r.entries[id]?.busy = busy
+            r.entries[id]?.lastRequest = t
             if subscribed { r.entries[id]?.subscribed = true }
         }
     }
 
-    /// Forgets connection `id`; called before its descriptor is closed, so `closeLongestIdle`
+    /// Forgets connection `id`; called before its descriptor is closed, so `makeRoom`
     /// never shuts down a reused descriptor.
     func remove(_ id: UInt64) { registry.withLock { _ = $0.entries.removeValue(forKey: id) } }
 
-    /// Shuts down the connection idle the longest (subscribers last); its thread then ends
-    /// and gives its slot back. False when there is none.
-    func closeLongestIdle() -> Bool {
-        registry.withLock { r in
-            guard let (id, e) = r.entries.min(by: { ($0.value.subscribed ? 1 : 0, $0.value.lastRequest) < ($1.value.subscribed ? 1 : 0, $1.value.lastRequest) })
-            else { return false }
+    /// Shuts down one connection a newcomer of `uid` may take the place of; its thread
+    /// then ends and gives its slot back. False when there is none.
+    func makeRoom(for uid: uid_t) -> Bool {
+        let t = Self.now()
+        return registry.withLock { r in
+            // Preference: older than the grace first, then idle non-subscribers (idle the
+            // longest first), then subscribers (newest first).
+            func rank(_ e: Entry) -> (Int, Int, Double) {
+                (t - e.connected < Self.graceSeconds ? 1 : 0, e.subscribed ? 1 : 0, e.subscribed ? -e.connected : e.lastRequest)
+            }
+            let candidates = r.entries.filter { _, e in !e.busy && (e.uid == uid || uid == 0) }
+            guard let (id, e) = candidates.min(by: { rank($0.value) < rank($1.value) }) else { return false }
             r.entries[id] = nil
             shutdown(e.fd, Int32(SHUT_RDWR))
             return true
@@ -244,8 +265,8 @@ final class ControlServer: Sendable {
     }
 
     /// Accepts clients: credentials first, then a slot from the peer's own pool, or (root
-    /// and the owner) room made by closing their connection idle the longest, or a `busy`
-    /// line and an immediate close.
+    /// and the owner) room made by closing an idle connection (`PrivilegedConnections`),
+    /// or a `busy` line and an immediate close.
     private func acceptLoop() {
         while true {
             let fd = accept(listenFD, nil, nil)
@@ -259,7 +280,7 @@ final class ControlServer: Sendable {
             let peer = Peer(uid: uid, privileged: uid == 0 || uid == ownerUID)
             if !slots.take(peer) {
                 // Root and the owner are never refused: their connection idle the longest makes room.
-                guard peer.privileged, privileged.closeLongestIdle() else {
+                guard peer.privileged, privileged.makeRoom(for: peer.uid) else {
                     let refused = Connection(fd: fd)
                     _ = refused.sendEvent(ControlProtocol.encode(Controller.refusal("busy", "too many control connections for uid \(uid)")))   // never waits
                     refused.close()
@@ -267,7 +288,7 @@ final class ControlServer: Sendable {
                 }
                 slots.takeOverLimit()
             }
-            let id = peer.privileged ? privileged.add(fd) : nil
+            let id = peer.privileged ? privileged.add(fd, uid: peer.uid) : nil
             let t = Thread { [self] in
                 serve(Connection(fd: fd), peer, registered: id)
                 slots.give(peer)
@@ -309,6 +330,7 @@ final class ControlServer: Sendable {
                     guard let nl = UnsafeRawBufferPointer(rebasing: b[0..<used]).firstIndex(of: UInt8(ascii: "\n")) else { return nil }
                     let raw = UnsafeRawBufferPointer(rebasing: b[0..<nl])
                     if raw.allSatisfy({ $0 == 0x20 || $0 == 0x0D || $0 == 0x09 }) { return ([:], nl) }
+                    if let registered { privileged.serving(registered, true, subscribed: false) }
                     return (handle(raw, peer: peer, connection: c, subscribed: &subscribed), nl)
                 }
                 guard case .some(.some(let (reply, length))) = line else { break }
@@ -320,14 +342,14 @@ final class ControlServer: Sendable {
                     sodium_memzero(base + rest, length + 1)
                     used = rest
                 }
-                if let registered { privileged.touch(registered, subscribed: subscribed) }
                 if subscribed { Failpoint.subscribeBeforeReply.hit() }
                 if reply.isEmpty {
                     // A subscribe: its reply is queued; send it (and what followed) now.
                     if subscribed { guard c.drain(), !c.isDropped else { return } }
-                    continue
+                } else {
+                    guard c.send(ControlProtocol.encode(reply)), !c.isDropped else { return }
                 }
-                guard c.send(ControlProtocol.encode(reply)), !c.isDropped else { return }
+                if let registered { privileged.serving(registered, false, subscribed: subscribed) }
             }
             if used == capacity {
                 _ = c.send(ControlProtocol.encode(Controller.refusal("badRequest", "line longer than 64 KiB")))

@@ -59,7 +59,8 @@ final class Controller: Sendable {
                 "openFiles": fs.openFiles.load(ordering: .relaxed), "pid": Int(getpid()), "mountpoint": mountpoint,
                 "failedAttempts": failures, "retryAfter": Self.seconds(retry),
                 "classADirectIO": FuseChannel.directIOMappable, "writebackCache": FuseChannel.writebackInEffect, "subscribers": events.count,
-                "owner": Int(owner), "defaultClass": fs.defaultClass.name, "inactivityRelock": inactivityRelock.map { $0 / 3600 } ?? NSNull(),
+                "owner": Int(owner), "defaultClass": fs.defaultClass.name,
+                "aesMemoryLocked": HardwareAES.ownsMemory && HardwareAES.unlockedAllocations == 0, "inactivityRelock": inactivityRelock.map { $0 / 3600 } ?? NSNull(),
                 "relockIn": relockDeadline.withLock { $0 }.map { Self.seconds($0 - Self.bootTime()) } ?? NSNull()]
     }
 

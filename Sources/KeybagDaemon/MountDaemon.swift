@@ -101,6 +101,9 @@ public enum MountDaemon {
         umask(0)
         Sodium.ensureInitialized()
         HardwareAES.start()   // OpenSSL's allocator must be in place before its first allocation
+        if !HardwareAES.ownsMemory {
+            log("warning: OpenSSL was set up before keybagfs' allocator: its key schedules live in memory that may be swapped (freed contexts are still zeroed)")
+        }
         // One daemon per store: the lock lives as long as this process.
         let storeLock = open(cfg.store, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
         guard storeLock >= 0 else {

@@ -8,12 +8,9 @@
 int kbfs_test_aes256_round_keys(const uint8_t *key, uint8_t *out240) {
     AES_KEY k;
     if (AES_set_encrypt_key(key, 256, &k) != 0) return -1;
-    /* OpenSSL's portable schedule keeps each 32-bit word as a big-endian load. */
-    for (int i = 0; i < 60; i++) {
-        uint32_t w = k.rd_key[i];
-        out240[4 * i] = (uint8_t)(w >> 24); out240[4 * i + 1] = (uint8_t)(w >> 16);
-        out240[4 * i + 2] = (uint8_t)(w >> 8); out240[4 * i + 3] = (uint8_t)w;
-    }
+    /* The schedule's bytes as OpenSSL keeps them (x86-64: AES's own byte order, as the
+       AES-NI code stores it); the caller also looks for each word byte-reversed. */
+    memcpy(out240, k.rd_key, 240);
     memset(&k, 0, sizeof k);
     return 0;
 }

@@ -22,6 +22,7 @@ final class CipherStoreTests: XCTestCase {
         XCTAssertEqual(writeFile(m.path("f"), bytes("hello")), 0)
         XCTAssertEqual(try cipherOf(m, "f"), HardwareAES.isAvailable ? .xaes256gcm : .xchacha20poly1305)
         XCTAssertEqual(keybagfs(["cipher", m.store]).stdout, (HardwareAES.isAvailable ? "xaes256gcm" : "xchacha20poly1305") + "\n")
+        XCTAssertEqual(m.status()["aesMemoryLocked"] as? Bool, true, "OpenSSL's memory is keybagfs' and locked")
     }
 
     func testAnXChaChaStoreMovesToXAESWithoutCopyingItsFiles() throws {

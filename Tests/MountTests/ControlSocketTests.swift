@@ -37,6 +37,19 @@ final class ControlSocketTests: XCTestCase {
     sys.stdin.read()
     """
 
+    /// A python program that connects and subscribes every 2 ms for 6 s, holding its last 50.
+    static let churn = #"""
+    import socket, sys, time
+    end = time.time() + 6
+    held = []
+    while time.time() < end:
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(sys.argv[1])
+        s.sendall(b'{"op":"subscribe"}\n')
+        held = (held + [s])[-50:]
+        time.sleep(0.002)
+    """#
+
     /// Starts the crowd as uid 65534; returns the process, its stdin and its first line.
     func startCrowd(_ m: MountFixture, count: Int, line: String) throws -> (Process, Pipe, String) {
         let p = Process()
@@ -223,6 +236,33 @@ final class ControlSocketTests: XCTestCase {
             if poll(&pfd, 1, 0) == 1 && recv(fd, &b, 1, Int32(MSG_DONTWAIT)) == 0 { closedByDaemon += 1 }
         }
         XCTAssertGreaterThan(closedByDaemon, 0, "the oldest idle root connections made room")
+    }
+
+    /// The owner's leaking agent (subscribers filling every privileged slot, and more
+    /// connections arriving all the time) can neither keep root from locking nor close
+    /// root's connection before it sends its request.
+    func testTheOwnersFloodNeverKeepsRootFromLocking() throws {
+        let m = try MountFixture(mount: false)
+        addTeardownBlock { m.close() }
+        try m.mount(extra: ["--owner", "nobody"])
+        m.unlock()
+        let (crowd, stdin, summary) = try startCrowd(m, count: 600, line: #"{"op":"subscribe"}"#)
+        defer { try? stdin.fileHandleForWriting.close(); crowd.waitUntilExit() }
+        XCTAssertTrue(summary.hasPrefix("accepted"), summary)
+        // More owner subscribers keep arriving, each making room for itself.
+        let churn = Process()
+        churn.executableURL = URL(fileURLWithPath: "/usr/bin/setpriv")
+        churn.arguments = ["--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c",
+                           Self.churn, m.socket]
+        try churn.run()
+        defer { churn.terminate(); churn.waitUntilExit() }
+        usleep(500_000)
+        for i in 0..<6 {
+            let reply = request(m, i % 2 == 0 ? #"{"op":"lock","grace":0}"# : #"{"op":"status"}"#)
+            XCTAssertTrue(reply.contains("\"ok\":true"), "root's request \(i) during the owner's flood: \(reply)")
+            usleep(300_000)
+        }
+        XCTAssertEqual(m.state, "locked")
     }
 
     func testStatusAnswersWhileAnUnlockRunsItsKDF() throws {

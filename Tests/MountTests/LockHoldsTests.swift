@@ -376,6 +376,12 @@ final class LockHoldsTests: XCTestCase {
         // Positive control: before the lock the daemon holds the open file's key.
         let before = MemoryScan.find(pid: pid, pieces: needles.fileKeys)
         XCTAssertFalse(before.isEmpty, "\(cipher): the scanner finds the held file's key while unlocked")
+        if cipher != "xchacha20poly1305" {
+            // The key schedule of the last file read sits in an idle OpenSSL context until the lock.
+            XCTAssertEqual(try readFile(m.path("a/read")).get(), read)
+            XCTAssertFalse(MemoryScan.find(pid: pid, pieces: needles.fileKeySchedules).isEmpty,
+                           "\(cipher): the scanner finds a round key or GHASH key while unlocked")
+        }
         // Passcodes through every request that carries one: a wrong unlock, passwd, unlock.
         let wrong = "not the passcode 4242", second = "second passcode 4242"
         XCTAssertEqual(m.ctl(["unlock", "--passcode-stdin"], stdin: wrong + "\n").code, 1)
@@ -393,6 +399,12 @@ final class LockHoldsTests: XCTestCase {
         XCTAssertGreaterThan(scan.bytesScanned, 1 << 20)
         XCTAssertEqual(scan.plaintextHits, [], "\(cipher): 32-byte pieces of class A plaintext (file offset, address)")
         XCTAssertEqual(MemoryScan.find(pid: pid, pieces: needles.all), [], "\(cipher): pieces of class A keys after the lock")
+        // A core dump (gcore) holds the memory and every thread's registers, vector ones included.
+        let core = m.root + "/daemon.core"
+        let dump = MountFixture.run("/usr/bin/gcore", ["-o", core, String(pid)], timeout: 120)
+        XCTAssertEqual(dump.code, 0, "gcore: \(dump.stderr.suffix(300))")
+        XCTAssertEqual(MemoryScan.find(file: core + ".\(pid)", pieces: needles.all), [], "\(cipher): pieces of class A keys in a core dump after the lock")
+        unlink(core + ".\(pid)")
         // Positive control: the same scanner finds the secrets in this process, which holds them.
         let control = try MemoryScan(pid: getpid(), secrets: [held])
         XCTAssertFalse(control.plaintextHits.isEmpty, "the scanner finds plaintext where it is")
@@ -423,6 +435,8 @@ struct KeyNeedles {
     private(set) var all: [(String, [UInt8])] = []
     /// The halves of the file keys only.
     private(set) var fileKeys: [(String, [UInt8])] = []
+    /// The AES schedules and GHASH keys of the file keys themselves (AES ciphers).
+    private(set) var fileKeySchedules: [(String, [UInt8])] = []
 
     init(store: String, passcode: String, deviceKey: String, files: [String]) throws {
         let kb = try Keybag.load(storePath: store)
@@ -448,8 +462,10 @@ struct KeyNeedles {
             let blocks = (data.count - FileHeader.size + layout.cipherBlockSize - 1) / layout.cipherBlockSize
             switch h.cipher {
             case .aes256gcm:
+                fileKeySchedules += Self.aesPieces(k, "\(name)")
                 all += Self.aesPieces(k, "\(name)")
             case .xaes256gcm:
+                fileKeySchedules += Self.aesPieces(k, "\(name)")
                 all += Self.aesPieces(k, "\(name)")
                 let l = Self.block(k, [UInt8](repeating: 0, count: 16))
                 var k1 = (0..<16).map { i in UInt8(truncatingIfNeeded: (l[i] << 1) | (i < 15 ? l[i + 1] >> 7 : 0)) }
@@ -472,12 +488,19 @@ struct KeyNeedles {
         }
     }
 
-    /// AES-256 round keys 2...14 of `key` (0 and 1 are the key) and the GHASH key AES_K(0).
+    /// AES-256 round keys 2...14 of `key` (0 and 1 are the key) and the GHASH key AES_K(0),
+    /// each also in the other byte orders implementations keep them in (32-bit words
+    /// reversed; GHASH's two 64-bit halves reversed, as OpenSSL's GCM context holds H).
     static func aesPieces(_ key: [UInt8], _ label: String) -> [(String, [UInt8])] {
         var rk = [UInt8](repeating: 0, count: 240)
         precondition(kbfs_test_aes256_round_keys(key, &rk) == 0)
-        return (2..<15).map { ("\(label) round key \($0)", Array(rk[(16 * $0)..<(16 * $0 + 16)])) }
-            + [("\(label) GHASH key", block(key, [UInt8](repeating: 0, count: 16)))]
+        func words(_ b: [UInt8]) -> [UInt8] { stride(from: 0, to: 16, by: 4).flatMap { b[$0..<($0 + 4)].reversed() } }
+        func halves(_ b: [UInt8]) -> [UInt8] { Array(b[0..<8].reversed()) + Array(b[8..<16].reversed()) }
+        let h = block(key, [UInt8](repeating: 0, count: 16))
+        return (2..<15).flatMap { i -> [(String, [UInt8])] in
+            let r = Array(rk[(16 * i)..<(16 * i + 16)])
+            return [("\(label) round key \(i)", r), ("\(label) round key \(i) (words reversed)", words(r))]
+        } + [("\(label) GHASH key", h), ("\(label) GHASH key (halves reversed)", halves(h))]
     }
 
     /// One AES-256 block.
@@ -550,24 +573,40 @@ struct MemoryScan {
         return (total, readable)
     }
 
-    /// Where 16-byte `pieces` (label, bytes) occur in `pid`'s scanned memory: "label at address".
-    static func find(pid: pid_t, pieces: [(String, [UInt8])]) -> [String] {
-        guard let scan = try? MemoryScan(pid: pid, secrets: []) else { return ["cannot read /proc/\(pid)/mem"] }
+    /// 16-byte pieces (label, bytes) by their first 8 bytes.
+    static func pieceIndex(_ pieces: [(String, [UInt8])]) -> [UInt64: [(String, [UInt8])]] {
         var byWord: [UInt64: [(String, [UInt8])]] = [:]
         for p in pieces where p.1.count == 16 {
             byWord[p.1.withUnsafeBytes { $0.loadUnaligned(as: UInt64.self) }, default: []].append(p)
         }
+        return byWord
+    }
+
+    /// The pieces of `index` found in `b`, each as "label at " + `place(offset)`.
+    static func matches(_ b: UnsafeRawBufferPointer, _ index: [UInt64: [(String, [UInt8])]], place: (Int) -> String) -> [String] {
+        guard b.count >= 16 else { return [] }
         var found: [String] = []
-        _ = scan.forEachChunk(overlap: 15) { b, addr in
-            guard b.count >= 16 else { return }
-            for j in 0...(b.count - 16) {
-                guard let cands = byWord[b.loadUnaligned(fromByteOffset: j, as: UInt64.self)] else { continue }
-                for (label, bytes) in cands where memcmp(b.baseAddress! + j, bytes, 16) == 0 {
-                    found.append("\(label) at 0x\(String(addr + j, radix: 16))")
-                }
-            }
+        for j in 0...(b.count - 16) {
+            guard let cands = index[b.loadUnaligned(fromByteOffset: j, as: UInt64.self)] else { continue }
+            for (label, bytes) in cands where memcmp(b.baseAddress! + j, bytes, 16) == 0 { found.append("\(label) at \(place(j))") }
         }
         return found
+    }
+
+    /// Where 16-byte `pieces` occur in `pid`'s scanned memory.
+    static func find(pid: pid_t, pieces: [(String, [UInt8])]) -> [String] {
+        guard let scan = try? MemoryScan(pid: pid, secrets: []) else { return ["cannot read /proc/\(pid)/mem"] }
+        let index = pieceIndex(pieces)
+        var found: [String] = []
+        _ = scan.forEachChunk(overlap: 15) { b, addr in found += matches(b, index) { "0x" + String(addr + $0, radix: 16) } }
+        return found
+    }
+
+    /// Where 16-byte `pieces` occur in a file (a core dump).
+    static func find(file: String, pieces: [(String, [UInt8])]) -> [String] {
+        guard let data = FileManager.default.contents(atPath: file) else { return ["cannot read \(file)"] }
+        let index = pieceIndex(pieces)
+        return data.withUnsafeBytes { matches($0, index) { "offset \($0)" } }
     }
 
     /// How many times `needle` occurs in the scanned memory.

@@ -40,8 +40,9 @@ void kbfs_crypto_forget(void);
 /* Contexts that exist (idle or busy), for tests and the bench. */
 long kbfs_crypto_contexts(void);
 
-/* Zeroes 16 KiB of this thread's stack below the caller's frame: where the cipher calls the
-   caller just made kept their locals (libsodium's XChaCha20 subkeys, for one). */
+/* Zeroes 16 KiB of this thread's stack below the caller's frame, where the cipher calls
+   the caller just made kept their locals (libsodium's XChaCha20 subkeys, for one), and
+   the vector registers (OpenSSL's GHASH code leaves key-table values in them). */
 void kbfs_scrub_stack(void);
 
 #endif

@@ -2,7 +2,7 @@
 #define KEYBAGFS_TEST_SUPPORT_H
 /* What the tests need from OpenSSL to know what a key looks like in memory. */
 #include <stdint.h>
-/* The 15 round keys of AES-256 under `key`, each in the byte order AES works in (240 bytes). */
+/* The 15 round keys of AES-256 under `key`, as OpenSSL's AES_KEY holds them (240 bytes). */
 int kbfs_test_aes256_round_keys(const uint8_t *key, uint8_t *out240);
 /* One AES-256 block encryption. */
 int kbfs_test_aes256_block(const uint8_t *key, const uint8_t *in16, uint8_t *out16);
