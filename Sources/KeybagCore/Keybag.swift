@@ -50,6 +50,10 @@ public struct KeybagFile: Codable, Sendable, Equatable {
     /// Format 2: keyed BLAKE2b of storeID, failedAttempts and lockoutUntil under a key
     /// derived from the device key (base64), so the counter cannot be edited offline.
     public var counterMAC: String?
+    /// Keyed BLAKE2b of storeID and `cipher` under the counter key (base64), so that the
+    /// cipher of new files cannot be edited offline (absent in keybags written before it:
+    /// added at the next daemon start).
+    public var cipherMAC: String? = nil
     /// Wrong recovery keys in a row (absent: none). Not under the counter MAC: recovery
     /// must work without the device key; the key's 256 bits are the real defence.
     public var recoveryFailedAttempts: Int? = nil
@@ -154,6 +158,23 @@ public struct Keybag: Sendable {
         return Data(mac).base64EncodedString()
     }
 
+    /// The MAC of the cipher name of `f`.
+    static func cipherMAC(_ f: KeybagFile, key: SecureKey) throws -> String {
+        let msg = Array("keybagfs-cipher-v1|\(f.storeID)|\(f.cipher)".utf8)
+        var mac = [UInt8](repeating: 0, count: 32)
+        try key.withBytes { k in
+            _ = crypto_generichash(&mac, 32, msg, UInt64(msg.count), k.baseAddress!.assumingMemoryBound(to: UInt8.self), k.count)
+        }
+        return Data(mac).base64EncodedString()
+    }
+
+    /// Whether the stored cipher MAC of `f` verifies under `key`; nil when there is none.
+    static func cipherIsAuthentic(_ f: KeybagFile, key: SecureKey) throws -> Bool? {
+        guard let stored = f.cipherMAC.flatMap({ Data(base64Encoded: $0) }).map([UInt8].init) else { return nil }
+        let expected = [UInt8](Data(base64Encoded: try cipherMAC(f, key: key)) ?? Data())
+        return stored.count == expected.count && sodium_memcmp(stored, expected, expected.count) == 0
+    }
+
     /// The key that wraps device-only keys: crypto_kdf subkey 1, context "kbfsdev1".
     public static func deviceWrapKey(_ deviceKey: SecureKey) throws -> SecureKey {
         try deviceKey.withBytes { dk in
@@ -251,6 +272,7 @@ public struct Keybag: Sendable {
         guard f.failedAttempts >= 0, f.failedAttempts <= maxFailedAttempts else { throw bad("failedAttempts", "out of range") }
         guard f.lockoutUntil.isFinite, f.lockoutUntil >= 0 else { throw bad("lockoutUntil", "not a time") }
         if let mac = f.counterMAC { guard let m = Data(base64Encoded: mac), m.count == 32 else { throw bad("counterMAC", "not a MAC") } }
+        if let mac = f.cipherMAC { guard let m = Data(base64Encoded: mac), m.count == 32 else { throw bad("cipherMAC", "not a MAC") } }
         let escrow = escrowedSlots.filter { f.wrapped["r" + $0] != nil }
         guard escrow.isEmpty || escrow.count == escrowedSlots.count else { throw bad("wrapped.r*", "some recovery slots are missing") }
         for slot in escrow {
@@ -284,6 +306,15 @@ public struct Keybag: Sendable {
             try save()
             return .upgraded
         }
+        switch try Keybag.cipherIsAuthentic(file, key: key) {
+        case false?:
+            throw KeybagError.corrupt("keybag field cipher (\(file.cipher.prefix(40))) was edited offline: its MAC does not match; set it again with `keybagfs cipher`")
+        case nil:
+            file.cipherMAC = try Keybag.cipherMAC(file, key: key)   // keybags written before the MAC
+            try saveWithoutCounter()
+        case true?:
+            break
+        }
         let expected = [UInt8](Data(base64Encoded: try Keybag.counterMAC(file, key: key)) ?? Data())
         if let stored = file.counterMAC.flatMap({ Data(base64Encoded: $0) }).map([UInt8].init),
            stored.count == expected.count, sodium_memcmp(stored, expected, expected.count) == 0 {
@@ -306,10 +337,20 @@ public struct Keybag: Sendable {
         return sodium_memcmp(stored, expected, expected.count) == 0
     }
 
-    /// Names the cipher of new files and saves; the failed-attempt counter's MAC does not
-    /// cover the name, so no device key is needed.
-    public mutating func setCipherOfNewFiles(_ cipher: ContentCipher) throws {
+    /// Whether the stored cipher name authenticates under the device key (nil: no MAC yet).
+    public func cipherIsAuthentic(deviceKey: SecureKey) throws -> Bool? {
+        let key = try Keybag.counterKey(deviceKey)
+        defer { key.wipe() }
+        return try Keybag.cipherIsAuthentic(file, key: key)
+    }
+
+    /// Names the cipher of new files, with its MAC under the device key, and saves; the
+    /// failed-attempt counter and its MAC stay as stored.
+    public mutating func setCipherOfNewFiles(_ cipher: ContentCipher, deviceKey: SecureKey) throws {
+        let key = try Keybag.counterKey(deviceKey)
+        defer { key.wipe() }
         file.cipher = cipher.name
+        file.cipherMAC = try Keybag.cipherMAC(file, key: key)
         try saveWithoutCounter()
     }
 
@@ -325,6 +366,7 @@ public struct Keybag: Sendable {
         if file.format >= 2 && recomputingCounterMAC {
             guard let counterKey else { throw KeybagError.invalid("keybag not bound to its device key; cannot authenticate the counter") }
             file.counterMAC = try Keybag.counterMAC(file, key: counterKey)
+            file.cipherMAC = try Keybag.cipherMAC(file, key: counterKey)
         }
         let enc = JSONEncoder()
         enc.outputFormatting = [.prettyPrinted, .sortedKeys]

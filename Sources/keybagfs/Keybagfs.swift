@@ -421,6 +421,9 @@ struct CipherCommand: ParsableCommand {
     @Argument(help: "The cipher for new files: xaes256gcm or xchacha20poly1305.")
     var cipher: ContentCipher?
 
+    @Option(help: "Device key file (default /var/lib/keybagfs/<store-id>.key): the cipher's name is authenticated with it.")
+    var deviceKey: String?
+
     func run() throws {
         guard let cipher else {
             print(try Keybag.load(storePath: store).cipher.name)
@@ -429,13 +432,18 @@ struct CipherCommand: ParsableCommand {
         let lock = try lockUnmountedStore(store)
         defer { close(lock) }
         var kb = try Keybag.load(storePath: store)
+        let dk = try DeviceKeyFile.load(from: deviceKey ?? DeviceKeyFile.defaultPath(storeID: kb.file.storeID))
+        defer { dk.wipe() }
+        try kb.unwrapDeviceKeySlot("D", deviceKey: dk).wipe()   // the right device key, or badDeviceKey
         let old = kb.cipher
-        guard cipher.sharesLayout(with: old) else {
+        let authentic = try kb.cipherIsAuthentic(deviceKey: dk)
+        // An edited name (its MAC fails) says nothing about the store's layout: any cipher may be set back.
+        guard authentic == false || cipher.sharesLayout(with: old) else {
             throw KeybagError.invalid("\(old.name) stores cannot change to \(cipher.name): their blocks have another layout; copy the files into a new store instead")
         }
         guard cipher.isAvailable else { throw KeybagError.invalid("this CPU cannot run \(cipher.name)") }
-        guard cipher != old else { print("new files already get \(cipher.name)"); return }
-        try kb.setCipherOfNewFiles(cipher)
+        guard cipher != old || authentic != true else { print("new files already get \(cipher.name)"); return }
+        try kb.setCipherOfNewFiles(cipher, deviceKey: dk)
         print("new files get \(cipher.name) (was \(old.name)); existing files keep theirs")
     }
 }

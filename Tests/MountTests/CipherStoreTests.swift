@@ -37,11 +37,11 @@ final class CipherStoreTests: XCTestCase {
         XCTAssertEqual(writeFile(m.path("a/kept"), kept), 0)
         XCTAssertEqual(writeFile(m.path("a/doc"), rng.bytes(100)), 0)
         XCTAssertEqual(try cipherOf(m, "old"), .xchacha20poly1305)
-        let busy = keybagfs(["cipher", m.store, "xaes256gcm"])
+        let busy = keybagfs(["cipher", m.store, "xaes256gcm", "--device-key", m.deviceKey])
         XCTAssertEqual(busy.code, 1, "refused while mounted")
         XCTAssertTrue(busy.stderr.contains("is mounted"), busy.stderr)
         m.unmount()
-        let r = keybagfs(["cipher", m.store, "xaes256gcm"])
+        let r = keybagfs(["cipher", m.store, "xaes256gcm", "--device-key", m.deviceKey])
         XCTAssertEqual(r.code, 0, r.stderr)
         XCTAssertTrue(r.stdout.contains("new files get xaes256gcm (was xchacha20poly1305)"), r.stdout)
         try m.mount()
@@ -79,7 +79,7 @@ final class CipherStoreTests: XCTestCase {
     func testAnAESGCMStoreKeepsItsCipherAndUnknownCiphersAreNamed() throws {
         let m = try MountFixture(cipher: "aes256gcm", mount: false)
         defer { m.close() }
-        let r = keybagfs(["cipher", m.store, "xaes256gcm"])
+        let r = keybagfs(["cipher", m.store, "xaes256gcm", "--device-key", m.deviceKey])
         XCTAssertEqual(r.code, 1)
         XCTAssertTrue(r.stderr.contains("another layout"), r.stderr)
         XCTAssertEqual(keybagfs(["cipher", m.store]).stdout, "aes256gcm\n")
@@ -91,5 +91,38 @@ final class CipherStoreTests: XCTestCase {
         XCTAssertNotEqual(mounted.code, 0)
         XCTAssertTrue(mounted.stderr.contains("unknown cipher aes512ocb"), mounted.stderr)
         XCTAssertFalse(m.isMounted)
+    }
+
+    /// The keybag's cipher name is authenticated with the device key: edited offline (to put
+    /// new files on 96-bit nonces), the mount refuses; `keybagfs cipher` sets it again.
+    /// A keybag written before the MAC gets one at the next start.
+    func testAnOfflineEditOfTheCipherIsRefused() throws {
+        let m = try MountFixture()
+        defer { m.close() }
+        m.unlock()
+        XCTAssertEqual(writeFile(m.path("f"), bytes("kept")), 0)
+        m.unmount()
+        let path = m.store + "/keybag"
+        let original = try String(contentsOfFile: path, encoding: .utf8)
+        let name = ContentCipher.default.name
+        XCTAssertTrue(original.contains("\"cipherMAC\""), original)
+        try original.replacingOccurrences(of: "\"\(name)\"", with: "\"aes256gcm\"").write(toFile: path, atomically: true, encoding: .utf8)
+        func mountOnce() -> ToolResult {
+            MountFixture.run(MountFixture.binDir + "/keybagfs", ["mount", m.store, m.mnt, "--socket", m.socket, "--device-key", m.deviceKey])
+        }
+        let refused = mountOnce()
+        XCTAssertNotEqual(refused.code, 0)
+        XCTAssertTrue(refused.stderr.contains("edited offline"), refused.stderr)
+        XCTAssertFalse(m.isMounted)
+        let set = keybagfs(["cipher", m.store, name, "--device-key", m.deviceKey])
+        XCTAssertEqual(set.code, 0, set.stderr)
+        // A keybag from before the MAC: accepted, and the MAC is added.
+        let current = try String(contentsOfFile: path, encoding: .utf8)
+        let withoutMAC = current.split(separator: "\n").filter { !$0.contains("\"cipherMAC\"") }.joined(separator: "\n")
+        try withoutMAC.write(toFile: path, atomically: true, encoding: .utf8)
+        try m.mount()
+        m.unlock()
+        XCTAssertEqual(try readFile(m.path("f")).get(), bytes("kept"))
+        XCTAssertTrue(try String(contentsOfFile: path, encoding: .utf8).contains("\"cipherMAC\""), "added at start")
     }
 }
