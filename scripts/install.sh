@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs keybagfs: release binaries in $PREFIX/bin (default /usr/local), the mount helper
-# for `mount -t fuse.keybagfs` and fstab, systemd units, man pages and shell completions.
+# for `mount -t fuse.keybagfs` and fstab, systemd units, man pages, shell completions and a
+# pam-auth-update profile (off until `pam-auth-update --enable keybagfs`).
 # With --demo it also creates and starts a demo mount under /srv/keybagfs (the passcode is
 # asked on the terminal, or read as one line from stdin), with the logind follower when
 # logind runs. Stores are never touched by install or uninstall.
@@ -43,7 +44,7 @@ for b in keybagfs keybagctl; do [[ -x $bin/$b ]] || { echo "install.sh: $bin/$b 
 root=$DESTDIR
 install -d "$root$PREFIX/bin" "$root$PREFIX/share/man/man1" "$root/etc/systemd/system" "$root/etc/keybagfs" \
   "$root/var/lib/keybagfs" "$root/sbin" "$root$PREFIX/share/bash-completion/completions" \
-  "$root$PREFIX/share/zsh/site-functions" "$root$PREFIX/share/fish/vendor_completions.d"
+  "$root$PREFIX/share/zsh/site-functions" "$root$PREFIX/share/fish/vendor_completions.d" "$root/usr/share/pam-configs"
 chmod 0700 "$root/var/lib/keybagfs"
 install -m 0755 "$bin/keybagfs" "$bin/keybagctl" "$root$PREFIX/bin/"
 # mount(8) runs /sbin/mount.fuse.keybagfs for `-t fuse.keybagfs` (fstab); fuse3's
@@ -54,6 +55,10 @@ for unit in systemd/*.service; do
   chmod 0644 "$root/etc/systemd/system/$(basename "$unit")"
 done
 if [[ -n $man && -d $man ]]; then cp "$man"/*.1 "$root$PREFIX/share/man/man1/"; fi
+# Unlock at login: a profile for Debian's pam-auth-update (pam-auth-update only reads
+# /usr/share/pam-configs), so common-auth stays generated and other profiles keep working.
+sed "s|/usr/local/bin/|$PREFIX/bin/|g" pam/keybagfs.pam-config > "$root/usr/share/pam-configs/keybagfs"
+chmod 0644 "$root/usr/share/pam-configs/keybagfs"
 for t in keybagfs keybagctl; do
   "$bin/$t" --generate-completion-script bash > "$root$PREFIX/share/bash-completion/completions/$t"
   "$bin/$t" --generate-completion-script zsh > "$root$PREFIX/share/zsh/site-functions/_$t"

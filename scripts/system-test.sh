@@ -229,9 +229,12 @@ ok "mount -t fuse.keybagfs with -o device-key=…,allow_other and an fstab line 
 # 11. PAM: the login password unlocks the mounts alice owns; a wrong password never blocks.
 inside bash -c 'mkdir -p /srv/alice && keybagfs init /srv/alice.store --device-key /var/lib/keybagfs/alice.key --kdf interactive --no-recovery-key --passcode-stdin <<<"alice-login-pw" >/dev/null'
 inside keybagfs mount /srv/alice.store /srv/alice --device-key /var/lib/keybagfs/alice.key --owner alice
-# At the end of common-auth: reached only after pam_unix accepted the password, so wrong
-# passwords never reach the mount's failed-attempt counter.
-inside bash -c 'echo "auth optional pam_exec.so expose_authtok quiet log=/var/log/keybagfs-pam.log /usr/local/bin/keybagctl pam-unlock" >> /etc/pam.d/common-auth'
+# The profile install.sh left in /usr/share/pam-configs, enabled as a user would: its line
+# goes after the primary block of common-auth, reached only after pam_unix accepted the
+# password, so wrong passwords never reach the mount's failed-attempt counter.
+inside bash -c 'DEBIAN_FRONTEND=noninteractive pam-auth-update --enable keybagfs' || fail "pam-auth-update --enable keybagfs failed"
+inside bash -c 'grep -A3 "pam_permit.so" /etc/pam.d/common-auth | grep -q "pam_exec.so .*keybagctl pam-unlock"' ||
+  fail "pam-auth-update did not put keybagfs after the primary block of common-auth: $(inside cat /etc/pam.d/common-auth | grep -v '^#' | tr '\n' ' ')"
 for _ in 1 2 3 4 5 6; do
   inside bash -c 'echo wrong-password | pamtester login alice authenticate' >/dev/null 2>&1 && fail "pamtester accepted a wrong password"
 done
@@ -241,11 +244,14 @@ inside bash -c 'echo alice-login-pw | pamtester login alice authenticate' >/dev/
 [[ $(inside keybagctl --mount /srv/alice status --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["state"])') == unlocked ]] ||
   fail "the login password did not unlock alice's mount"
 inside fusermount3 -u /srv/alice
-ok "PAM (pam_exec expose_authtok, end of common-auth): alice's login unlocks her mount; 6 wrong passwords fail only the login and count no failed unlock"
+ok "PAM (pam-auth-update profile, pam_exec expose_authtok after the primary block): alice's login unlocks her mount; 6 wrong passwords fail only the login and count no failed unlock"
 
 # 12. Uninstall keeps stores.
 inside bash /src/scripts/uninstall.sh 2>/dev/null
 inside bash -c '! command -v keybagctl && test -f /srv/keybagfs/demo.store/keybag && ! mountpoint -q /srv/keybagfs/demo' || fail "uninstall.sh left binaries or removed the store"
-ok "uninstall.sh: units stopped, binaries gone, stores kept"
+inside bash -c '! grep -q keybagctl /etc/pam.d/common-auth && ! test -e /usr/share/pam-configs/keybagfs' ||
+  fail "uninstall.sh left the PAM profile or its line in common-auth"
+inside bash -c 'echo alice-login-pw | pamtester login alice authenticate' >/dev/null 2>&1 || fail "login fails after uninstall"
+ok "uninstall.sh: units stopped, binaries gone, PAM profile out of common-auth, stores kept"
 
 echo "# system test passed: lock-session $lock_stats; suspend $sleep_stats; exposure keybagfs@ $score_mount, keybagfs-follow@ $score_follow"
