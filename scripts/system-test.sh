@@ -57,6 +57,9 @@ cleanup() {
 trap cleanup EXIT
 DESTDIR=$stage/root bash scripts/install.sh >"$stage.install.log" 2>&1 || { tail -20 "$stage.install.log" >&2; fail "install.sh (DESTDIR) failed"; }
 if ldd "$stage/root/usr/local/bin/keybagfs" | grep -q libswift; then fail "the installed keybagfs needs the Swift runtime"; fi
+# The Debian package from the same binaries and man pages (installed in step 13).
+KEYBAGFS_BIN=$stage/root/usr/local/bin KEYBAGFS_MAN=$stage/root/usr/local/share/man/man1 \
+  bash scripts/build-deb.sh "$stage/deb" >"$stage.deb.log" 2>&1 || { tail -20 "$stage.deb.log" >&2; fail "build-deb.sh failed"; }
 
 # 3. Boot (the overlay keeps the cached root file system clean).
 machine=kbfs$$
@@ -253,5 +256,26 @@ inside bash -c '! grep -q keybagctl /etc/pam.d/common-auth && ! test -e /usr/sha
   fail "uninstall.sh left the PAM profile or its line in common-auth"
 inside bash -c 'echo alice-login-pw | pamtester login alice authenticate' >/dev/null 2>&1 || fail "login fails after uninstall"
 ok "uninstall.sh: units stopped, binaries gone, PAM profile out of common-auth, stores kept"
+
+# 13. The Debian package: Debian's places, a working mount from it, PAM through its profile,
+# and dpkg -r taking everything out but stores and device keys.
+inside bash -c 'dpkg -i /stage/deb/keybagfs_*.deb' >/dev/null || fail "dpkg -i of the package failed"
+inside bash -c 'test -x /usr/bin/keybagfs && test -x /usr/bin/keybagctl && test -f /lib/systemd/system/keybagfs@.service &&
+  test -f /lib/systemd/system/keybagfs-follow@.service && test -e /sbin/mount.fuse.keybagfs && test -f /usr/share/pam-configs/keybagfs &&
+  test -f /usr/share/doc/keybagfs/README.Debian && ls /usr/share/man/man1/keybagfs*.1.gz >/dev/null &&
+  test -f /usr/share/bash-completion/completions/keybagctl' || fail "the package did not install its files in Debian's places"
+inside systemctl cat keybagfs@.service >/dev/null || fail "systemd does not know the packaged unit"
+inside bash -c 'mkdir -p /srv/pkg && keybagfs init /srv/pkg.store --device-key /var/lib/keybagfs/pkg.key --kdf interactive --no-recovery-key --passcode-stdin <<<"pkg-pass" >/dev/null &&
+  keybagfs mount /srv/pkg.store /srv/pkg --device-key /var/lib/keybagfs/pkg.key --owner alice && echo pkg-pass | keybagctl --mount /srv/pkg unlock --passcode-stdin &&
+  echo packaged > /srv/pkg/f && test "$(cat /srv/pkg/f)" = packaged && keybagctl --mount /srv/pkg lock --grace 0' || fail "the packaged keybagfs did not mount, unlock, write and lock"
+inside bash -c 'DEBIAN_FRONTEND=noninteractive pam-auth-update --enable keybagfs && grep -q "/usr/bin/keybagctl pam-unlock" /etc/pam.d/common-auth' ||
+  fail "the packaged PAM profile did not enable"
+inside fusermount3 -u /srv/pkg
+inside bash -c 'dpkg -r keybagfs' >/dev/null || fail "dpkg -r keybagfs failed"
+inside bash -c '! test -e /usr/bin/keybagfs && ! test -e /lib/systemd/system/keybagfs@.service && ! test -e /usr/share/pam-configs/keybagfs &&
+  ! grep -q keybagctl /etc/pam.d/common-auth && test -f /var/lib/keybagfs/pkg.key && test -f /srv/pkg.store/keybag' ||
+  fail "dpkg -r left files or its PAM line, or removed a store or device key"
+inside bash -c 'echo alice-login-pw | pamtester login alice authenticate' >/dev/null 2>&1 || fail "login fails after dpkg -r"
+ok "Debian package ($(dpkg-deb -f "$stage"/deb/keybagfs_*.deb Version)): files in Debian's places, mounts and locks, PAM profile enables; dpkg -r takes out files and the PAM line, keeps stores and device keys"
 
 echo "# system test passed: lock-session $lock_stats; suspend $sleep_stats; exposure keybagfs@ $score_mount, keybagfs-follow@ $score_follow"
