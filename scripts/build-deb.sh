@@ -26,7 +26,33 @@ if [[ -d $root/usr/share/zsh/site-functions ]]; then
   mv "$root"/usr/share/zsh/site-functions/* "$root/usr/share/zsh/vendor-completions/"
   rmdir "$root/usr/share/zsh/site-functions"
 fi
-gzip -9n "$root"/usr/share/man/man1/*.1 2>/dev/null || true
+install -d "$root/usr/share/man/man8"
+cat >"$root/usr/share/man/man8/mount.fuse.keybagfs.8" <<'TXT'
+.TH MOUNT.FUSE.KEYBAGFS 8 "" keybagfs "System Administration"
+.SH NAME
+mount.fuse.keybagfs \- mount helper for keybagfs stores
+.SH SYNOPSIS
+.B mount \-t fuse.keybagfs
+.I STORE MOUNTPOINT
+.B \-o
+.I OPTIONS
+.SH DESCRIPTION
+A link to
+.BR mount.fuse3 (8),
+which runs
+.B keybagfs
+.I STORE MOUNTPOINT
+.B \-o
+.IR OPTIONS ,
+so that keybagfs stores mount from
+.BR fstab (5)
+and
+.BR mount (8).
+Options are those of
+.BR keybagfs\-mount (1),
+for example device\-key=PATH.
+TXT
+gzip -9n "$root"/usr/share/man/man1/*.1 "$root"/usr/share/man/man8/*.8 2>/dev/null || true
 strip --remove-section=.comment --remove-section=.note --strip-unneeded "$root/usr/bin/keybagfs" "$root/usr/bin/keybagctl"
 doc=$root/usr/share/doc/keybagfs
 install -d "$doc"
@@ -66,11 +92,17 @@ Comment: Built from the keybagfs source tree with scripts/build-deb.sh.
  Swift runtime statically (Apache-2.0 with Runtime Library Exception).
 
 Files: *
-Copyright: keybagfs developers
+Copyright: 2026 keybagfs developers
 License: see the source tree
 TXT
-printf 'keybagfs (%s) unstable; urgency=medium\n\n  * Built from git %s.\n\n -- keybagfs developers <keybagfs@localhost>  %s\n' \
-  "$version" "$(git rev-parse --short HEAD 2>/dev/null || echo local)" "$(date -R)" | gzip -9n >"$doc/changelog.Debian.gz"
+printf 'keybagfs (%s) unstable; urgency=medium\n\n  * Built from git %s.\n\n -- keybagfs developers <keybagfs@example.org>  %s\n' \
+  "$version" "$(git rev-parse --short HEAD 2>/dev/null || echo local)" "$(date -R)" | gzip -9n >"$doc/changelog.gz"
+# Completions are sourced, not run: no #! line.
+sed -i '1{/^#!/d}' "$root"/usr/share/bash-completion/completions/*
+# The device keys' folder is 0700 on purpose; units with instances are disabled in prerm.
+install -d "$root/usr/share/lintian/overrides"
+printf '%s\n' 'keybagfs: non-standard-dir-perm 0700 != 0755 [var/lib/keybagfs/]' \
+  'keybagfs: maintainer-script-calls-systemctl [prerm:*]' >"$root/usr/share/lintian/overrides/keybagfs"
 
 # Control files.
 install -d "$root/DEBIAN"
@@ -81,18 +113,19 @@ cat >"$root/DEBIAN/control" <<TXT
 Package: keybagfs
 Version: $version
 Architecture: $arch
-Maintainer: keybagfs developers <keybagfs@localhost>
+Maintainer: keybagfs developers <keybagfs@example.org>
 Depends: fuse3, $shlibs
 Recommends: systemd, libpam-runtime
 Section: admin
 Priority: optional
 Installed-Size: $(du -sk --exclude=DEBIAN "$root" | cut -f1)
 Description: iOS-style Data Protection classes for a directory (FUSE)
- keybagfs mounts an encrypted store with the four iOS protection classes: complete files
- are unreadable while the device is locked, even through descriptors opened before;
- completeUnlessOpen files keep working while open; the default class stays readable from
- the first unlock. keybagctl locks and unlocks; systemd units follow logind, the screen
- lock and suspend; a pam-auth-update profile unlocks at login.
+ keybagfs mounts an encrypted store with the four iOS protection classes:
+ complete files are unreadable while the device is locked, even through
+ descriptors opened before; completeUnlessOpen files keep working while open;
+ the default class stays readable from the first unlock. keybagctl locks and
+ unlocks; systemd units follow logind, the screen lock and suspend; a
+ pam-auth-update profile unlocks at login.
 TXT
 cat >"$root/DEBIAN/postinst" <<'TXT'
 #!/bin/sh

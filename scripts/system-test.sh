@@ -60,6 +60,8 @@ if ldd "$stage/root/usr/local/bin/keybagfs" | grep -q libswift; then fail "the i
 # The Debian package from the same binaries and man pages (installed in step 13).
 KEYBAGFS_BIN=$stage/root/usr/local/bin KEYBAGFS_MAN=$stage/root/usr/local/share/man/man1 \
   bash scripts/build-deb.sh "$stage/deb" >"$stage.deb.log" 2>&1 || { tail -20 "$stage.deb.log" >&2; fail "build-deb.sh failed"; }
+lintian --tag-display-limit 0 "$stage"/deb/keybagfs_*.deb >"$stage.lintian.log" 2>&1 || true
+if grep -q "^E: " "$stage.lintian.log"; then grep "^E: " "$stage.lintian.log" >&2; fail "lintian reports errors in the package"; fi
 
 # 3. Boot (the overlay keeps the cached root file system clean).
 machine=kbfs$$
@@ -257,9 +259,12 @@ inside bash -c '! grep -q keybagctl /etc/pam.d/common-auth && ! test -e /usr/sha
 inside bash -c 'echo alice-login-pw | pamtester login alice authenticate' >/dev/null 2>&1 || fail "login fails after uninstall"
 ok "uninstall.sh: units stopped, binaries gone, PAM profile out of common-auth, stores kept"
 
-# 13. The Debian package: Debian's places, a working mount from it, PAM through its profile,
-# and dpkg -r taking everything out but stores and device keys.
-inside bash -c 'dpkg -i /stage/deb/keybagfs_*.deb' >/dev/null || fail "dpkg -i of the package failed"
+# 13. The Debian package, as a Debian user installs it: apt (the container has no Swift),
+# Debian's places, a working mount from it, PAM through its profile, and apt purge leaving
+# nothing of the package and every store and device key.
+inside bash -c 'DEBIAN_FRONTEND=noninteractive apt-get install -y -q /stage/deb/keybagfs_*.deb' >"$stage.apt.log" 2>&1 ||
+  { tail -20 "$stage.apt.log" >&2; fail "apt-get install of the package failed"; }
+inside bash -c '! command -v swift' >/dev/null || fail "the container has a Swift toolchain"
 inside bash -c 'test -x /usr/bin/keybagfs && test -x /usr/bin/keybagctl && test -f /lib/systemd/system/keybagfs@.service &&
   test -f /lib/systemd/system/keybagfs-follow@.service && test -e /sbin/mount.fuse.keybagfs && test -f /usr/share/pam-configs/keybagfs &&
   test -f /usr/share/doc/keybagfs/README.Debian && ls /usr/share/man/man1/keybagfs*.1.gz >/dev/null &&
@@ -271,11 +276,16 @@ inside bash -c 'mkdir -p /srv/pkg && keybagfs init /srv/pkg.store --device-key /
 inside bash -c 'DEBIAN_FRONTEND=noninteractive pam-auth-update --enable keybagfs && grep -q "/usr/bin/keybagctl pam-unlock" /etc/pam.d/common-auth' ||
   fail "the packaged PAM profile did not enable"
 inside fusermount3 -u /srv/pkg
-inside bash -c 'dpkg -r keybagfs' >/dev/null || fail "dpkg -r keybagfs failed"
-inside bash -c '! test -e /usr/bin/keybagfs && ! test -e /lib/systemd/system/keybagfs@.service && ! test -e /usr/share/pam-configs/keybagfs &&
-  ! grep -q keybagctl /etc/pam.d/common-auth && test -f /var/lib/keybagfs/pkg.key && test -f /srv/pkg.store/keybag' ||
-  fail "dpkg -r left files or its PAM line, or removed a store or device key"
-inside bash -c 'echo alice-login-pw | pamtester login alice authenticate' >/dev/null 2>&1 || fail "login fails after dpkg -r"
-ok "Debian package ($(dpkg-deb -f "$stage"/deb/keybagfs_*.deb Version)): files in Debian's places, mounts and locks, PAM profile enables; dpkg -r takes out files and the PAM line, keeps stores and device keys"
+store_sum=$(inside bash -c 'find /srv/pkg.store /srv/keybagfs/demo.store -type f -exec sha256sum {} + | sort | sha256sum')
+inside bash -c 'dpkg-deb -c /stage/deb/keybagfs_*.deb | awk "\$1 !~ /^d/ {print \$6}" | sed "s|^\\.||" > /tmp/kbfs-pkg-files'
+[[ $(inside bash -c 'wc -l < /tmp/kbfs-pkg-files') -gt 10 ]] || fail "could not list the package's files"
+inside bash -c 'DEBIAN_FRONTEND=noninteractive apt-get purge -y -q keybagfs' >>"$stage.apt.log" 2>&1 || { tail -20 "$stage.apt.log" >&2; fail "apt-get purge keybagfs failed"; }
+left=$(inside bash -c 'while read -r f; do [ -e "$f" ] || [ -L "$f" ] && echo "$f"; done < /tmp/kbfs-pkg-files; dpkg-query -W -f="\${Status}" keybagfs 2>/dev/null | grep -v "not-installed" || true')
+[[ -z $left ]] || fail "apt purge left parts of the package: $left"
+inside bash -c '! grep -q keybagctl /etc/pam.d/common-auth' || fail "apt purge left the PAM line in common-auth"
+[[ $(inside bash -c 'find /srv/pkg.store /srv/keybagfs/demo.store -type f -exec sha256sum {} + | sort | sha256sum') == "$store_sum" ]] &&
+  inside test -f /var/lib/keybagfs/pkg.key || fail "apt purge touched a store or a device key"
+inside bash -c 'echo alice-login-pw | pamtester login alice authenticate' >/dev/null 2>&1 || fail "login fails after the purge"
+ok "Debian package ($(dpkg-deb -f "$stage"/deb/keybagfs_*.deb Version), lintian: no errors): apt install without Swift, files in Debian's places, mounts and locks, PAM profile enables; apt purge leaves no file of the package nor its PAM line, stores and device keys untouched"
 
 echo "# system test passed: lock-session $lock_stats; suspend $sleep_stats; exposure keybagfs@ $score_mount, keybagfs-follow@ $score_follow"
