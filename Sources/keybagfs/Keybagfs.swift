@@ -412,7 +412,12 @@ struct CipherCommand: ParsableCommand {
         commandName: "cipher",
         abstract: "Show the cipher new files get, or change it; the store must not be mounted to change it.",
         discussion: """
-        Each file names its cipher in its header, so files keep theirs and keep reading. After a change, new         files and files saved by replacing them (how editors and most programs save) get the new one.         xaes256gcm and xchacha20poly1305 can replace each other; aes256gcm stores keep aes256gcm (its blocks         have another layout). A keybagfs older than xaes256gcm refuses to mount a store set to it         ("keybag field cipher: unknown cipher"); it changes nothing in the store.
+        Each file names its cipher in its header, so files keep theirs and keep reading. After a change, new \
+        files and files saved by replacing them (how editors and most programs save) get the new one. \
+        xaes256gcm and xchacha20poly1305 can replace each other; aes256gcm stores keep aes256gcm (its blocks \
+        have another layout). The name is authenticated with the device key: a keybag edited offline is \
+        refused at mount, and this command sets it again. A keybagfs older than xaes256gcm refuses to mount \
+        a store set to it ("keybag field cipher: unknown cipher"); it changes nothing in the store.
         """)
 
     @Argument(help: "The store directory.")
