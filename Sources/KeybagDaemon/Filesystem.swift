@@ -496,12 +496,73 @@ final class Filesystem: Sendable {
         guard let (wrapKey, epoch) = keyring.wrappingKey(for: cls) else { throw FSError(EACCES) }
         let entry = try backingName(p, name)
         let sideCreated = try ensureSideFile(p, entry)
-        var linked = false
-        let (bfd, temp): (Int32, String?)
-        do { (bfd, temp) = try unnamedFile(dirFD: p.fd, mode: mode & 0o7777) } catch {
+        let file: NewFile
+        do { file = try newFile(in: p, class: cls, wrapKey: wrapKey, mode: mode, caller: caller, nameless: false) } catch {
             if sideCreated { removeSideFile(p, entry) }
             throw FSError(error)
         }
+        var linked = false
+        do {
+            let rc = link(unnamed: file.fd, temp: file.temp, dirFD: p.fd, as: entry.name)
+            if rc == EEXIST && flags & O_EXCL == 0 {
+                file.key.wipe()
+                close(file.fd)
+                let (n, _) = try lookupBacking(p, entry.name)
+                let h = try open(n.id, flags: flags)
+                return (n, try attributes(fd: h.fd), h)
+            }
+            guard rc == 0 else { throw FSError(rc) }
+            linked = true
+            Failpoint.createBeforeKeyJoinsInode.hit()
+            let pathFD = try check(openat(p.fd, entry.name, kbfs_O_PATH | O_NOFOLLOW | O_CLOEXEC))
+            var st = stat()
+            try check(fstat(pathFD, &st))
+            return try adopt(file, node: table.remember(fd: pathFD, stat: st), stat: st, class: cls, epoch: epoch)
+        } catch {
+            if linked { unlinkat(p.fd, entry.name, 0) }
+            if sideCreated && (error as? FSError)?.errno != EEXIST { removeSideFile(p, entry) }
+            close(file.fd)
+            throw FSError(error)
+        }
+    }
+
+    /// `open(2)` with `O_TMPFILE` in `parent`: a file of the inherited class with no name,
+    /// gone at its last close unless `linkat(2)` gives it one (a backing O_TMPFILE file,
+    /// whose node keeps a descriptor: an unlinked inode cannot be reopened by handle).
+    /// EOPNOTSUPP where the store's filesystem has no O_TMPFILE.
+    func createUnnamed(parent: UInt64, mode: mode_t, caller: Caller) throws -> (Node, stat, FileHandle) {
+        try retryingWhileSpaceReturns {
+            let p = try node(parent)
+            let cls = try inheritedClass(p)
+            guard let (wrapKey, epoch) = keyring.wrappingKey(for: cls) else { throw FSError(EACCES) }
+            let file = try newFile(in: p, class: cls, wrapKey: wrapKey, mode: mode, caller: caller, nameless: true)
+            do {
+                let pathFD = try check(Glibc.open("/proc/self/fd/\(file.fd)", kbfs_O_PATH | O_CLOEXEC))
+                var st = stat()
+                guard fstat(pathFD, &st) == 0 else { let e = errno; close(pathFD); throw FSError(e) }
+                return try adopt(file, node: table.remember(keeping: pathFD, stat: st), stat: st, class: cls, epoch: epoch)
+            } catch {
+                close(file.fd)
+                throw FSError(error)
+            }
+        }
+    }
+
+    /// A new backing file with its header, not yet in the node table.
+    private struct NewFile {
+        /// Read-write descriptor of the backing file.
+        let fd: Int32
+        /// Its reserved temporary name where the store has no O_TMPFILE, else nil.
+        let temp: String?
+        let header: FileHeader
+        let key: FileContentKey
+    }
+
+    /// A backing file in `p` of class `cls` owned by `caller`, with its header written and
+    /// no name of its own (`unnamedFile`; `nameless` refuses the temporary-name fallback).
+    /// Leaves nothing behind when it throws.
+    private func newFile(in p: Node, class cls: ProtectionClass, wrapKey: FileHeader.ClassKey, mode: mode_t, caller: Caller, nameless: Bool) throws -> NewFile {
+        let (bfd, temp) = try unnamedFile(dirFD: p.fd, mode: mode & 0o7777, fallback: !nameless)
         do {
             if chownToCaller {
                 // The chown clears set-ID bits the kernel let the caller ask for (it already
@@ -513,45 +574,33 @@ final class Filesystem: Sendable {
             let raw = SecureKey(random: 32)
             let header = try FileHeader.create(fileKey: raw, class: cls, cipher: cipher, using: wrapKey)
             try EncryptedContent.writeNewHeader(fd: bfd, header)
-            let key = try FileContentKey(key: raw, header: header)
-            let rc = link(unnamed: bfd, temp: temp, dirFD: p.fd, as: entry.name)
-            if rc == EEXIST && flags & O_EXCL == 0 {
-                key.wipe()
-                close(bfd)
-                let (n, _) = try lookupBacking(p, entry.name)
-                let h = try open(n.id, flags: flags)
-                return (n, try attributes(fd: h.fd), h)
-            }
-            guard rc == 0 else { throw FSError(rc) }
-            linked = true
-            Failpoint.createBeforeKeyJoinsInode.hit()
-            let pathFD = try check(openat(p.fd, entry.name, kbfs_O_PATH | O_NOFOLLOW | O_CLOEXEC))
-            var st = stat()
-            try check(fstat(pathFD, &st))
-            let n = table.remember(fd: pathFD, stat: st)
-            do {
-                try n.io.write { s in try s.adoptCreated(header: header, key: key, epoch: epoch, keyring: keyring) }
-            } catch {
-                table.forget(n.id, count: 1)   // the kernel never learns of this node
-                throw error
-            }
-            openFiles.add(1, ordering: .relaxed)
-            return (n, plaintextAttributes(st, linkAt: -1, ""), FileHandle(node: n, fd: bfd, writable: true, directIO: usesDirectIO(cls)))
+            return NewFile(fd: bfd, temp: temp, header: header, key: try FileContentKey(key: raw, header: header))
         } catch {
-            if linked { unlinkat(p.fd, entry.name, 0) }
             if let temp { unlinkat(p.fd, temp, 0) }
-            if sideCreated && (error as? FSError)?.errno != EEXIST { removeSideFile(p, entry) }
             close(bfd)
             throw FSError(error)
         }
     }
 
+    /// Gives a new file's key to its node and opens the creator's handle on it.
+    private func adopt(_ file: NewFile, node n: Node, stat st: stat, class cls: ProtectionClass, epoch: UInt64) throws -> (Node, stat, FileHandle) {
+        do {
+            try n.io.write { s in try s.adoptCreated(header: file.header, key: file.key, epoch: epoch, keyring: keyring) }
+        } catch {
+            table.forget(n.id, count: 1)   // the kernel never learns of this node
+            throw error
+        }
+        openFiles.add(1, ordering: .relaxed)
+        return (n, plaintextAttributes(st, linkAt: -1, ""), FileHandle(node: n, fd: file.fd, writable: true, directIO: usesDirectIO(cls)))
+    }
+
     /// A new backing file without a name in `dirFD` (O_TMPFILE), or under a reserved
     /// temporary name where the backing filesystem has no O_TMPFILE.
-    private func unnamedFile(dirFD: Int32, mode: mode_t) throws -> (Int32, String?) {
+    private func unnamedFile(dirFD: Int32, mode: mode_t, fallback: Bool) throws -> (Int32, String?) {
         let fd = openat(dirFD, ".", kbfs_O_TMPFILE | O_RDWR | O_CLOEXEC, mode)
         if fd >= 0 { return (fd, nil) }
         guard errno == EOPNOTSUPP || errno == EISDIR || errno == EINVAL else { throw FSError(errno) }
+        guard fallback else { throw FSError(EOPNOTSUPP) }
         let temp = Self.reservedPrefix + "tmp-" + Base64URL.encode(Sodium.randomArray(9))
         return (try check(openat(dirFD, temp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode)), temp)
     }

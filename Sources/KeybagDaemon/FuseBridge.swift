@@ -248,7 +248,10 @@ enum FuseBridge {
         ops.create = { req, parent, name, mode, fi in
             guard let fi else { return FuseBridge.err(req, EINVAL) }
             do {
-                let (n, st, h) = try FuseBridge.context(req).fs.create(parent: parent, name: FuseBridge.name(name), mode: mode, flags: fi.pointee.flags, caller: FuseBridge.caller(req))
+                let fs = FuseBridge.context(req).fs, entryName = try FuseBridge.name(name)
+                let (n, st, h) = entryName == FuseChannel.unnamedFileName
+                    ? try fs.createUnnamed(parent: parent, mode: mode, caller: FuseBridge.caller(req))   // O_TMPFILE
+                    : try fs.create(parent: parent, name: entryName, mode: mode, flags: fi.pointee.flags, caller: FuseBridge.caller(req))
                 FuseBridge.attach(h, to: fi)
                 var e = fuse_entry_param()
                 e.ino = n.id

@@ -12,13 +12,19 @@ import Synchronization
 /// - ask for FUSE_HANDLE_KILLPRIV_V2: the daemon clears set-user-ID and set-group-ID bits
 ///   itself, so the kernel stops asking for `security.capability` (a GETXATTR round trip)
 ///   before every write; libfuse 3.14 does not pass the per-request "clear them" flags on,
-///   so the read hook notes them for the thread that handles the request.
+///   so the read hook notes them for the thread that handles the request;
+/// - take FUSE_TMPFILE (`open(2)` with `O_TMPFILE`, kernel 6.1+), which libfuse 3.14 answers
+///   ENOSYS: the request has CREATE's layout and its name is always "/" (the kernel's name
+///   for a file without one, never a real entry name), so the read hook relabels it CREATE
+///   and the create handler tells the two apart by that name.
 /// The hooks note the INIT request, set the bits the kernel offered in its reply, and pass
 /// every other buffer through.
 enum FuseChannel {
     /// Opcodes read by the hooks.
     static let opcodeSetattr: UInt32 = 4, opcodeOpen: UInt32 = 14, opcodeWrite: UInt32 = 16,
-               opcodeInit: UInt32 = 26, opcodeCreate: UInt32 = 35
+               opcodeInit: UInt32 = 26, opcodeCreate: UInt32 = 35, opcodeTmpfile: UInt32 = 51
+    /// The name a relabelled FUSE_TMPFILE request carries.
+    static let unnamedFileName = "/"
     /// FUSE_INIT_EXT: the second flag word is present.
     static let initExt: UInt32 = 1 << 30
     /// FUSE_HANDLE_KILLPRIV_V2 (first flag word).
@@ -56,7 +62,7 @@ enum FuseChannel {
         var io = fuse_custom_io()
         io.read = { fd, buf, len, _ in
             let n = Glibc.read(fd, buf, len)
-            if let buf, n >= FuseChannel.inHeaderSize { FuseChannel.noteRequest(UnsafeRawPointer(buf), count: n) }
+            if let buf, n >= FuseChannel.inHeaderSize { FuseChannel.noteRequest(buf, count: n) }
             return n
         }
         io.writev = { fd, iov, count, _ in
@@ -71,9 +77,13 @@ enum FuseChannel {
     }
 
     /// Notes, for the thread about to handle it, whether a request asks for set-ID bits to
-    /// be cleared; remembers an INIT request and the flags it offers.
-    private static func noteRequest(_ p: UnsafeRawPointer, count: Int) {
-        let opcode = p.loadUnaligned(fromByteOffset: 4, as: UInt32.self)
+    /// be cleared; remembers an INIT request and the flags it offers; relabels FUSE_TMPFILE.
+    private static func noteRequest(_ p: UnsafeMutableRawPointer, count: Int) {
+        var opcode = p.loadUnaligned(fromByteOffset: 4, as: UInt32.self)
+        if opcode == opcodeTmpfile {
+            p.storeBytes(of: opcodeCreate, toByteOffset: 4, as: UInt32.self)
+            opcode = opcodeCreate
+        }
         func word(_ offset: Int) -> UInt32 {
             count >= inHeaderSize + offset + 4 ? p.loadUnaligned(fromByteOffset: inHeaderSize + offset, as: UInt32.self) : 0
         }

@@ -159,6 +159,10 @@ final class NodeTable: Sendable {
         return insert(fd: fd, handle: nil, stat: st)
     }
 
+    /// Registers a new object that keeps the descriptor `fd` (`O_PATH`, taken over) instead
+    /// of a file handle: a file without a name (O_TMPFILE) cannot be reopened by handle.
+    func remember(keeping fd: Int32, stat st: stat) -> Node { insert(fd: fd, handle: nil, stat: st) }
+
     /// Registers a lookup of a non-directory known by its file handle (stat `st`).
     func remember(handle: [UInt8], stat st: stat) -> Node { insert(fd: -1, handle: handle, stat: st) }
 
@@ -169,8 +173,10 @@ final class NodeTable: Sendable {
         let type = st.st_mode & S_IFMT
         return tables.withLock { t -> Node in
             // The same object: same inode and, for handle nodes, the same handle (the
-            // handle carries the generation, so a reused inode number is a new object).
-            if let id = t.byBacking[key], let entry = t.byID[id], entry.node.handle == handle, entry.node.type == type {
+            // handle carries the generation, so a reused inode number is a new object). A
+            // node that keeps a descriptor holds its inode, whose number cannot be reused
+            // meanwhile: a linked O_TMPFILE file found under its new name is that node.
+            if let id = t.byBacking[key], let entry = t.byID[id], entry.node.handle == handle || entry.node.fd >= 0, entry.node.type == type {
                 t.byID[id] = (entry.node, entry.lookups + 1)
                 if nodeFD >= 0 && nodeFD != entry.node.fd { close(nodeFD) }
                 return entry.node

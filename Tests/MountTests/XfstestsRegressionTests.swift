@@ -275,4 +275,66 @@ final class XfstestsRegressionTests: XCTestCase {
         XCTAssertEqual(fstat(fd, &st), 0)
         XCTAssertEqual(Int(st.st_size), available - (512 << 10))
     }
+
+    /// generic/004, 389, 509, 530: `open(2)` with O_TMPFILE gives a file of the directory's
+    /// class without a name; `linkat(2)` names it (the same inode); O_EXCL forbids that; the
+    /// class rules hold for it; an unnamed file leaves nothing in the store.
+    func testOTmpfileFollowsTheClassAndLinkatNamesIt() throws {
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        XCTAssertEqual(mkdir(m.path("docs"), 0o755), 0)
+        XCTAssertEqual(setXattr(m.path("docs"), "complete"), 0)
+        let fd = open(m.path("docs"), kbfs_O_TMPFILE | O_RDWR, 0o640)
+        XCTAssertGreaterThanOrEqual(fd, 0, "O_TMPFILE: errno \(errno)")
+        guard fd >= 0 else { return }
+        var rng = SeededBytes(seed: 4)
+        let data = rng.bytes(70_000)
+        XCTAssertEqual(try sysPwrite(fd, data, 0).get(), data.count)
+        XCTAssertEqual(try sysPread(fd, data.count, 0).get(), data)
+        var st = stat()
+        XCTAssertEqual(fstat(fd, &st), 0)
+        XCTAssertEqual(st.st_size, off_t(data.count))
+        XCTAssertEqual(st.st_nlink, 0)
+        XCTAssertEqual(st.st_mode & 0o7777, 0o640)
+        XCTAssertEqual(try FileManager.default.contentsOfDirectory(atPath: m.path("docs")), [])
+        var value = [UInt8](repeating: 0, count: 64)
+        let n = fgetxattr(fd, "user.protection", &value, value.count)
+        XCTAssertEqual(n > 0 ? String(decoding: value[0..<n], as: UTF8.self) : "errno \(errno)", "complete")
+        // Named by linkat: the same inode, content and class under the new name.
+        XCTAssertEqual(linkat(AT_FDCWD, "/proc/self/fd/\(fd)", AT_FDCWD, m.path("docs/named"), AT_SYMLINK_FOLLOW), 0, "errno \(errno)")
+        var named = stat()
+        XCTAssertEqual(stat(m.path("docs/named"), &named), 0)
+        XCTAssertEqual(named.st_ino, st.st_ino)
+        XCTAssertEqual(named.st_nlink, 1)
+        XCTAssertEqual(try sysPwrite(fd, bytes("tail"), data.count).get(), 4)
+        XCTAssertEqual(try readFile(m.path("docs/named")).get(), data + bytes("tail"))
+        XCTAssertEqual(try getXattr(m.path("docs/named")).get(), "complete")
+        // Class A: the open descriptor answers EACCES once locked, and no new one is made.
+        m.lock()
+        XCTAssertEqual(errnoOf(sysPread(fd, 10, 0)), EACCES)
+        let locked = open(m.path("docs"), kbfs_O_TMPFILE | O_RDWR, 0o600)
+        XCTAssertEqual(locked, -1)
+        XCTAssertEqual(errno, EACCES)
+        if locked >= 0 { close(locked) }
+        close(fd)
+        m.unlock()
+        // O_EXCL: the file can never get a name; closed, it leaves nothing behind.
+        let before = try FileManager.default.contentsOfDirectory(atPath: m.backing("docs")).sorted()
+        let excl = open(m.path("docs"), kbfs_O_TMPFILE | O_EXCL | O_WRONLY, 0o600)
+        XCTAssertGreaterThanOrEqual(excl, 0, "errno \(errno)")
+        XCTAssertEqual(try sysPwrite(excl, bytes("gone"), 0).get(), 4)
+        XCTAssertEqual(linkat(AT_FDCWD, "/proc/self/fd/\(excl)", AT_FDCWD, m.path("docs/never"), AT_SYMLINK_FOLLOW), -1)
+        XCTAssertEqual(errno, ENOENT)
+        close(excl)
+        XCTAssertEqual(try FileManager.default.contentsOfDirectory(atPath: m.backing("docs")).sorted(), before)
+        // What linkat kept survives a remount; the store checks clean.
+        m.unmount()
+        let check = m.fsck()
+        XCTAssertEqual(check.code, 0, "fsck: \(check.problems)")
+        try m.mount()
+        m.unlock()
+        XCTAssertEqual(try readFile(m.path("docs/named")).get(), data + bytes("tail"))
+        XCTAssertEqual(try FileManager.default.contentsOfDirectory(atPath: m.path("docs")), ["named"])
+    }
 }
