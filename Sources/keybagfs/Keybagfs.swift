@@ -156,7 +156,7 @@ struct Mount: ParsableCommand {
     @Option(help: "Most threads serving FUSE requests at once (1-256); each waits in its own clone of /dev/fuse.")
     var threads: Int = MountConfiguration.defaultThreads
 
-    @Option(name: .customShort("o"), help: "FUSE mount options, comma separated (e.g. allow_other).")
+    @Option(name: .customShort("o"), help: "FUSE mount options, comma separated (e.g. allow_other; suid,dev: set-ID programs and device files work, root only, as on ext4; without them the mount is nosuid,nodev).")
     var options: [String] = []
 
     @Option(help: .hidden)
@@ -188,7 +188,8 @@ struct Mount: ParsableCommand {
                 guard let h = Double(value) else { throw ValidationError("-o inactivity-relock=\(value): not a number of hours") }
                 inactivityRelock = h
             // mount(8) and systemd words that are not FUSE's (mount.fuse3 passes some through).
-            case "defaults", "auto", "noauto", "user", "nouser", "users", "_netdev", "nofail", "rw", "dev", "suid", "exec", "atime", "relatime":
+            // `suid` and `dev` go on to FUSE: the mount is nosuid,nodev unless they are given.
+            case "defaults", "auto", "noauto", "user", "nouser", "users", "_netdev", "nofail", "rw", "exec", "atime", "relatime":
                 continue
             default:
                 if key.hasPrefix("x-") || key.hasPrefix("comment=") { continue }

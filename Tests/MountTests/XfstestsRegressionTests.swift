@@ -1,6 +1,7 @@
 import CSystem
 import Foundation
 import Glibc
+import KeybagProtocol
 import XCTest
 
 /// Failures xfstests (`./check -g quick`) found in keybagfs, each as a short test in the form
@@ -336,5 +337,31 @@ final class XfstestsRegressionTests: XCTestCase {
         m.unlock()
         XCTAssertEqual(try readFile(m.path("docs/named")).get(), data + bytes("tail"))
         XCTAssertEqual(try FileManager.default.contentsOfDirectory(atPath: m.path("docs")), ["named"])
+    }
+
+    /// generic/184, 434, 633: `-o suid,dev` mounts without nosuid,nodev (root's choice, as on
+    /// ext4), so device nodes in the mount open; without them the mount stays nosuid,nodev.
+    func testSuidAndDevOptionsReachTheMount() throws {
+        func flags(_ m: MountFixture) -> [Substring] {
+            let info = ProcFile.read("/proc/self/mountinfo") ?? ""
+            let line = info.split(separator: "\n").first { $0.split(separator: " ").count > 5 && $0.split(separator: " ")[4] == Substring(m.mnt) }
+            return line.map { $0.split(separator: " ")[5].split(separator: ",") } ?? []
+        }
+        let plain = try MountFixture()
+        addTeardownBlock { plain.close() }
+        XCTAssertTrue(flags(plain).contains("nosuid") && flags(plain).contains("nodev"), "\(flags(plain))")
+        plain.close()
+        let m = try MountFixture(mount: false)
+        addTeardownBlock { m.close() }
+        try m.mount(extra: ["-o", "suid,dev"])
+        m.unlock()
+        XCTAssertFalse(flags(m).contains("nosuid") || flags(m).contains("nodev"), "\(flags(m))")
+        XCTAssertEqual(mknod(m.path("null"), S_IFCHR | 0o666, dev_t((1 << 8) | 3)), 0, "errno \(errno)")
+        let fd = open(m.path("null"), O_RDWR)
+        XCTAssertGreaterThanOrEqual(fd, 0, "open of a device node: errno \(errno)")
+        if fd >= 0 {
+            XCTAssertEqual(Glibc.write(fd, "x", 1), 1)
+            close(fd)
+        }
     }
 }
