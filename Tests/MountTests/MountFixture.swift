@@ -225,8 +225,9 @@ final class MountFixture {
 
 extension XCTestCase {
     /// A new store on a tmpfs of `size` (e.g. "3m"), or on an ext4 image of that size
-    /// (without a root reserve) on a loop device, mounted and unlocked; torn down with the test.
-    func mountedSmallStore(_ size: String, ext4: Bool = false) throws -> MountFixture {
+    /// (without a root reserve) on a loop device, mounted (with `environment` for the daemon)
+    /// and unlocked; torn down with the test.
+    func mountedSmallStore(_ size: String, ext4: Bool = false, environment: [String: String] = [:]) throws -> MountFixture {
         let m = try MountFixture(mount: false)
         XCTAssertEqual(MountFixture.run("/bin/cp", ["-a", m.store, m.root + "/store.orig"]).code, 0)
         if ext4 {
@@ -243,7 +244,7 @@ extension XCTestCase {
             m.close()
         }
         XCTAssertEqual(MountFixture.run("/bin/cp", ["-a", m.root + "/store.orig/.", m.store]).code, 0)
-        try m.mount()
+        try m.mount(environment: environment)
         m.unlock()
         return m
     }

@@ -364,4 +364,47 @@ final class XfstestsRegressionTests: XCTestCase {
             close(fd)
         }
     }
+
+    /// A lock on a full store finishes at once: the kernel's write-back of class A pages at the
+    /// lock meets ENOSPC, and no request waits for space then (a file deleted while open, whose
+    /// release the daemon would otherwise wait for, is held throughout by this test). Class A
+    /// pages are cached where the kernel cannot map direct-I/O handles (before Linux 6.6),
+    /// which the failpoint makes this mount believe.
+    func testALockOnAFullStoreDoesNotWaitForSpace() throws {
+        let m = try mountedSmallStore("64m", environment: ["KEYBAGFS_TEST_FAILPOINTS": "kernel-without-direct-io-mmap=on"])
+        XCTAssertEqual(mkdir(m.path("a"), 0o755), 0)
+        XCTAssertEqual(setXattr(m.path("a"), "complete"), 0)
+        let chunk = [UInt8](repeating: 0x42, count: 1 << 20)
+        // A file deleted while open: its blocks come back only when this test closes it.
+        let held = sysOpen(m.path("held"), O_RDWR | O_CREAT | O_EXCL)
+        XCTAssertGreaterThanOrEqual(held, 0)
+        for i in 0..<2 { XCTAssertEqual(try sysPwrite(held, chunk, i << 20).get(), chunk.count) }
+        XCTAssertEqual(fsync(held), 0)
+        XCTAssertEqual(unlink(m.path("held")), 0)
+        // Dirty pages of an open class A file, still in the kernel's cache.
+        let dirty = sysOpen(m.path("a/dirty"), O_WRONLY | O_CREAT | O_EXCL)
+        XCTAssertGreaterThanOrEqual(dirty, 0)
+        for i in 0..<8 { XCTAssertEqual(try sysPwrite(dirty, chunk, i << 20).get(), chunk.count) }
+        // The store's filesystem fills up behind the mount (another writer of the disk).
+        let filler = open(m.store + "/.kbfs-test-filler", O_WRONLY | O_CREAT | O_EXCL, 0o600)
+        XCTAssertGreaterThanOrEqual(filler, 0)
+        while write(filler, chunk, chunk.count) > 0 {}
+        close(filler)
+        // The lock goes straight to the socket: a child process would close its copy of the
+        // descriptor at exec, and that close writes the dirty pages back before the lock.
+        let ctl = try ControlClient.connect(path: m.socket)
+        defer { Glibc.close(ctl) }
+        let started = Date()
+        try ControlClient.sendLine(ctl, #"{"op":"lock","grace":0}"#)
+        var buffer: [UInt8] = []
+        let reply = ControlClient.readLine(ctl, buffer: &buffer) ?? ""
+        let took = Date().timeIntervalSince(started)
+        XCTAssertTrue(reply.contains(#""ok":true"#), reply)
+        XCTAssertTrue(waitUntil { m.state == "locked" })
+        XCTAssertLessThan(took, 2, "the lock waited for space (\(took) s)")
+        XCTAssertEqual(fsync(dirty), -1, "the pages met the full store")
+        XCTAssertEqual(errno, ENOSPC)
+        close(dirty)
+        close(held)
+    }
 }
