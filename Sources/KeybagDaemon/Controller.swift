@@ -58,7 +58,7 @@ final class Controller: Sendable {
         return ["ok": true, "state": st.rawValue, "protectedDataAvailable": st == .unlocked, "grace": defaultGrace,
                 "openFiles": fs.openFiles.load(ordering: .relaxed), "pid": Int(getpid()), "mountpoint": mountpoint,
                 "failedAttempts": failures, "retryAfter": Self.seconds(retry),
-                "classADirectIO": FuseChannel.directIOMappable, "writebackCache": FuseChannel.writebackInEffect, "subscribers": events.count,
+                "classADirectIO": FuseChannel.directIOMappable, "writebackCache": FuseChannel.writebackInEffect, "posixACLs": fs.posixACLs.load(ordering: .relaxed), "subscribers": events.count,
                 "owner": Int(owner), "defaultClass": fs.defaultClass.name,
                 "aesMemoryLocked": HardwareAES.ownsMemory && HardwareAES.unlockedAllocations == 0, "inactivityRelock": inactivityRelock.map { $0 / 3600 } ?? NSNull(),
                 "relockIn": relockDeadline.withLock { $0 }.map { Self.seconds($0 - Self.bootTime()) } ?? NSNull()]

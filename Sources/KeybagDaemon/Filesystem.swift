@@ -52,6 +52,8 @@ final class Filesystem: Sendable {
     let xattrUpdates = Locked(())
     /// How many xattr sets are stored (while none are, removals skip looking for one).
     let storedXattrSets: Atomic<Int>
+    /// Whether the kernel enforces POSIX ACLs on this mount (set at INIT; see PosixACLs.swift).
+    let posixACLs = Atomic<Bool>(false)
     /// Bumped whenever a directory's class or the tree's shape changes; cached
     /// inherited classes of an older generation are recomputed.
     let classGeneration = Atomic<UInt64>(1)
@@ -116,6 +118,8 @@ final class Filesystem: Sendable {
         let gid: gid_t
         /// The calling process (0 when unknown).
         var pid: pid_t = 0
+        /// The caller's umask, for creations (0 when the kernel applied it already).
+        var umask: mode_t = 0
 
         /// Whether the caller holds CAP_FSETID (keeps set-ID bits through writes and
         /// truncates); read from /proc only when a file has such bits.
@@ -562,13 +566,14 @@ final class Filesystem: Sendable {
     /// no name of its own (`unnamedFile`; `nameless` refuses the temporary-name fallback).
     /// Leaves nothing behind when it throws.
     private func newFile(in p: Node, class cls: ProtectionClass, wrapKey: FileHeader.ClassKey, mode: mode_t, caller: Caller, nameless: Bool) throws -> NewFile {
-        let (bfd, temp) = try unnamedFile(dirFD: p.fd, mode: mode & 0o7777, fallback: !nameless)
+        let (bfd, temp) = try unnamedFile(dirFD: p.fd, mode: creationMode(mode, in: p, by: caller) & 0o7777, fallback: !nameless)
         do {
             if chownToCaller {
                 // The chown clears set-ID bits the kernel let the caller ask for (it already
                 // dropped those the caller may not set, Linux 6.0+): put them back.
-                if fchown(bfd, caller.uid, groupFor(caller, dirFD: p.fd)) == 0 && mode & (S_ISUID | S_ISGID) != 0 {
-                    fchmod(bfd, mode & 0o7777)
+                var st = stat()
+                if fchown(bfd, caller.uid, groupFor(caller, dirFD: p.fd)) == 0 && mode & (S_ISUID | S_ISGID) != 0 && fstat(bfd, &st) == 0 {
+                    fchmod(bfd, st.st_mode & 0o1777 | mode & (S_ISUID | S_ISGID))
                 }
             }
             let raw = SecureKey(random: 32)

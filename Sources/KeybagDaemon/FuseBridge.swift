@@ -12,8 +12,10 @@ final class FuseContext: Sendable {
     let cacheTimeout: Double
     /// Whether to ask for the kernel's write-back cache (cached handles: classes B, C, D).
     let writebackCache: Bool
-    init(fs: Filesystem, cacheTimeout: Double, writebackCache: Bool) {
-        self.fs = fs; self.cacheTimeout = cacheTimeout; self.writebackCache = writebackCache
+    /// Whether to ask the kernel to enforce POSIX ACLs.
+    let posixACL: Bool
+    init(fs: Filesystem, cacheTimeout: Double, writebackCache: Bool, posixACL: Bool) {
+        self.fs = fs; self.cacheTimeout = cacheTimeout; self.writebackCache = writebackCache; self.posixACL = posixACL
     }
 }
 
@@ -29,7 +31,7 @@ enum FuseBridge {
     /// The caller's uid and gid.
     static func caller(_ req: fuse_req_t?) -> Filesystem.Caller {
         let c = fuse_req_ctx(req)!.pointee
-        return .init(uid: c.uid, gid: c.gid, pid: c.pid)
+        return .init(uid: c.uid, gid: c.gid, pid: c.pid, umask: c.umask)
     }
 
     /// The caller's supplementary groups (read from /proc by libfuse; empty if unknown).
@@ -151,6 +153,12 @@ enum FuseBridge {
                 conn.pointee.want &= ~UInt32(FUSE_CAP_WRITEBACK_CACHE)
             }
             conn.pointee.want |= UInt32(FUSE_CAP_ATOMIC_O_TRUNC) & conn.pointee.capable
+            // POSIX ACLs, enforced by the kernel; modes then come unmasked (PosixACLs.swift).
+            let acl = UInt32(FUSE_CAP_POSIX_ACL), dontMask = UInt32(FUSE_CAP_DONT_MASK)
+            if ctx.posixACL && conn.pointee.capable & (acl | dontMask) == acl | dontMask {
+                conn.pointee.want |= acl | dontMask
+                ctx.fs.posixACLs.store(true, ordering: .relaxed)
+            }
             // 1 MiB requests (libfuse asks for max_pages to match): 8 times fewer round trips
             // for streaming I/O than the 128 KiB default. Readahead follows once the kernel
             // took the INIT reply (FuseChannel.raiseReadahead).
@@ -325,7 +333,9 @@ enum FuseBridge {
             let bytes = value.map { Array(UnsafeRawBufferPointer(start: $0, count: size)) } ?? []
             let fs = FuseBridge.context(req).fs
             do {
-                if n == Filesystem.protectionXattr {
+                if fs.isACL(n) {
+                    try fs.setACL(ino, name: n, value: bytes, flags: flags, caller: FuseBridge.caller(req))
+                } else if n == Filesystem.protectionXattr {
                     guard let cls = ProtectionClass(name: String(decoding: bytes, as: UTF8.self)) else { return FuseBridge.err(req, EINVAL) }
                     let current = try? fs.protection(of: ino)
                     if flags & kbfs_XATTR_CREATE != 0 && current != nil { return FuseBridge.err(req, EEXIST) }
@@ -338,12 +348,17 @@ enum FuseBridge {
             } catch { FuseBridge.fail(req, error) }
         }
         ops.getxattr = { req, ino, name, size in
-            // Only the user.* namespace exists (the kernel asks for security.capability before
-            // every write). EOPNOTSUPP, not ENODATA, for the others: ls -l then stops asking
-            // for SELinux labels and ACLs of every further file on this filesystem.
-            guard let name, strncmp(name, "user.", 5) == 0 else { return FuseBridge.err(req, EOPNOTSUPP) }
-            let n = FuseBridge.str(name)
+            // Only the user.* namespace exists, and ACLs where the kernel enforces them (the
+            // kernel asks for security.capability before every write). EOPNOTSUPP, not
+            // ENODATA, for the others: ls -l then stops asking for SELinux labels (and ACLs,
+            // where off) of every further file on this filesystem.
             let fs = FuseBridge.context(req).fs
+            let n = FuseBridge.str(name)
+            if fs.isACL(n) {
+                do { FuseBridge.replyXattr(req, try fs.getACL(ino, name: n), size: size) } catch { FuseBridge.fail(req, error) }
+                return
+            }
+            guard let name, strncmp(name, "user.", 5) == 0 else { return FuseBridge.err(req, EOPNOTSUPP) }
             do {
                 let value = n == Filesystem.protectionXattr ? Array(try fs.protection(of: ino).name.utf8) : try fs.getXattr(ino, name: n)
                 FuseBridge.replyXattr(req, value, size: size)
@@ -359,7 +374,8 @@ enum FuseBridge {
             let n = FuseBridge.str(name)
             let fs = FuseBridge.context(req).fs
             do {
-                if n == Filesystem.protectionXattr { try fs.removeProtection(of: ino) } else { try fs.removeXattr(ino, name: n) }
+                if fs.isACL(n) { try fs.removeACL(ino, name: n) }
+                else if n == Filesystem.protectionXattr { try fs.removeProtection(of: ino) } else { try fs.removeXattr(ino, name: n) }
                 FuseBridge.err(req, 0)
             } catch { FuseBridge.fail(req, error) }
         }

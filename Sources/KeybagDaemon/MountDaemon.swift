@@ -21,6 +21,9 @@ public struct MountConfiguration: Sendable {
     public var inactivityRelock: Double? = nil
     /// Whether the kernel may cache writes (write-back) for handles that are not class A.
     public var writebackCache = true
+    /// Whether the kernel enforces POSIX ACLs (`-o acl` / `-o noacl`); nil: where it checks
+    /// permissions anyway (`needsKernelPermissionChecks`).
+    public var posixACL: Bool? = nil
     /// Most FUSE loop threads (`fuse_loop_cfg_set_max_threads`).
     public var threads = MountConfiguration.defaultThreads
     /// The loop's thread limit unless `--threads` says otherwise.
@@ -175,13 +178,15 @@ public enum MountDaemon {
 
         let fsname = cfg.store.replacingOccurrences(of: ",", with: "_")
         var opts = ["fsname=\(fsname)", "subtype=keybagfs"]
-        if Self.needsKernelPermissionChecks(euid: geteuid(), options: cfg.fuseOptions) { opts.append("default_permissions") }
+        let kernelChecks = Self.needsKernelPermissionChecks(euid: geteuid(), options: cfg.fuseOptions)
+        let posixACL = cfg.posixACL ?? kernelChecks
+        if kernelChecks || posixACL { opts.append("default_permissions") }   // ACLs imply it (the kernel sets it too)
         opts += cfg.fuseOptions
         let argv: [String] = ["keybagfs", "-o", opts.joined(separator: ",")]
         let cargs = argv.map { strdup($0) }
         defer { cargs.forEach { free($0) } }
         var cArgv: [UnsafeMutablePointer<CChar>?] = cargs + [nil]
-        let context = FuseContext(fs: fs, cacheTimeout: Self.cacheTimeout, writebackCache: cfg.writebackCache)
+        let context = FuseContext(fs: fs, cacheTimeout: Self.cacheTimeout, writebackCache: cfg.writebackCache, posixACL: posixACL)
         let userdata = Unmanaged.passRetained(context).toOpaque()
         var ops = FuseBridge.operations()
         let se: OpaquePointer? = cArgv.withUnsafeMutableBufferPointer { buf in

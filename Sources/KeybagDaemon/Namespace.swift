@@ -198,8 +198,10 @@ extension Filesystem {
     private func own(_ dirFD: Int32, _ backing: String, _ caller: Caller, mode: mode_t) {
         guard chownToCaller else { return }
         let owned = fchownat(dirFD, backing, caller.uid, groupFor(caller, dirFD: dirFD), AT_SYMLINK_NOFOLLOW) == 0
-        if owned && mode & (S_ISUID | S_ISGID) != 0 && mode & S_IFMT != S_IFLNK && mode & S_IFMT != S_IFDIR {
-            fchmodat(dirFD, backing, mode & 0o7777, AT_SYMLINK_NOFOLLOW)
+        var st = stat()
+        if owned && mode & (S_ISUID | S_ISGID) != 0 && mode & S_IFMT != S_IFLNK && mode & S_IFMT != S_IFDIR,
+           fstatat(dirFD, backing, &st, AT_SYMLINK_NOFOLLOW) == 0 {
+            fchmodat(dirFD, backing, st.st_mode & 0o1777 | mode & (S_ISUID | S_ISGID), AT_SYMLINK_NOFOLLOW)
         }
     }
 
@@ -229,8 +231,8 @@ extension Filesystem {
             let (tail, fromRoot) = try (try? pathTail(of: p, upTo: policy.depth - 1)) ?? pathTail(of: p, upTo: policy.depth - 1)
             meta.defaultClass = policy.protectionClass(tail: tail + [name], fromRoot: fromRoot)
         }
-        return try makeEntry(parent: parent, name: name, caller: caller) { dirFD, backing in
-            try check(mkdirat(dirFD, backing, mode & 0o7777))
+        return try makeEntry(parent: parent, name: name, caller: caller) { [self] dirFD, backing in
+            try check(mkdirat(dirFD, backing, creationMode(mode, in: node(parent), by: caller) & 0o7777))
             do {
                 let d = try check(openat(dirFD, backing, kbfs_O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC))
                 defer { close(d) }
@@ -250,8 +252,8 @@ extension Filesystem {
             release(h)
             return (n, st)
         }
-        return try makeEntry(parent: parent, name: name, caller: caller, mode: mode) { dirFD, backing in
-            try check(mknodat(dirFD, backing, mode, rdev))
+        return try makeEntry(parent: parent, name: name, caller: caller, mode: mode) { [self] dirFD, backing in
+            try check(mknodat(dirFD, backing, mode & S_IFMT | creationMode(mode, in: node(parent), by: caller) & 0o7777, rdev))
         }
     }
 

@@ -89,6 +89,8 @@ final class Node: Sendable {
     var isRegular: Bool { type == S_IFREG }
     /// True for directories.
     var isDirectory: Bool { type == S_IFDIR }
+    /// True for symbolic links.
+    var isSymlink: Bool { type == S_IFLNK }
 
     /// The `/proc/self/fd/N` path that reopens a node held by descriptor.
     var procPath: String { "/proc/self/fd/\(fd)" }

@@ -127,6 +127,6 @@ extension Filesystem {
         var out: [String] = []
         if (try? protection(of: id)) != nil { out.append(Self.protectionXattr) }
         if n.isRegular || n.isDirectory { out += try loadXattrs(try xattrID(n)).values.keys.sorted() }
-        return out
+        return out + aclNames(n)
     }
 }

@@ -162,9 +162,12 @@ struct Mount: ParsableCommand {
     @Option(help: .hidden)
     var readyFd: Int32?
 
+    /// `-o acl` / `-o noacl` (nil: ACLs where the kernel checks permissions).
+    var posixACL: Bool? = nil
+
     /// keybagfs' own settings inside `-o` (fstab and mount.fuse3 pass everything there):
     /// `device-key=`, `socket=`, `default-class=`, `grace=`, `policy=`, `owner=`,
-    /// `inactivity-relock=`, `no-writeback-cache`, `threads=`; mount(8)'s own words are dropped; the rest goes to FUSE.
+    /// `inactivity-relock=`, `no-writeback-cache`, `threads=`, `acl`, `noacl`; mount(8)'s own words are dropped; the rest goes to FUSE.
     mutating func takeOwnOptions() throws {
         var fuse: [String] = []
         for o in options.flatMap({ $0.split(separator: ",").map(String.init) }) where !o.isEmpty {
@@ -181,6 +184,8 @@ struct Mount: ParsableCommand {
                 guard let g = Double(value) else { throw ValidationError("-o grace=\(value): not a number of seconds") }
                 grace = g
             case "no-writeback-cache": noWritebackCache = true
+            case "acl": posixACL = true
+            case "noacl": posixACL = false
             case "threads":
                 guard let n = Int(value) else { throw ValidationError("-o threads=\(value): not a number") }
                 threads = n
@@ -252,6 +257,7 @@ struct Mount: ParsableCommand {
             cfg.owner = try ownerUID()
             cfg.inactivityRelock = inactivityRelock.map { $0 * 3600 }
             cfg.writebackCache = !noWritebackCache
+            cfg.posixACL = posixACL
             cfg.threads = threads
             let rc = MountDaemon.run(cfg)
             if rc != 0 { throw ExitCode(rc) }

@@ -322,4 +322,85 @@ final class PosixTests: XCTestCase {
         XCTAssertGreaterThan(sv.f_blocks, 0)
         XCTAssertEqual(sv.f_namemax, 255)
     }
+
+    /// POSIX ACLs on a multi-user mount (allow_other, as xfstests' acl group and setfacl on a
+    /// shared folder use them): an ACL lets a user in where the mode does not, getfacl and
+    /// `ls -l` show it, chmod changes its mask, a default ACL is inherited (the umask ignored
+    /// there and applied elsewhere), ACLs survive a remount, and a lock still shuts class A
+    /// to the user the ACL lets in.
+    func testPosixACLs() throws {
+        let m = try MountFixture(mount: false)
+        addTeardownBlock { m.close() }
+        try m.mount(extra: ["-o", "allow_other"])
+        m.unlock()
+        XCTAssertEqual(m.status()["posixACLs"] as? Bool, true)
+        func sh(_ script: String) -> ToolResult { MountFixture.run("/bin/sh", ["-c", script]) }
+        func acl(_ rel: String) -> String { sh("getfacl --omit-header --numeric \(m.path(rel))").stdout }
+        func mode(_ rel: String) -> mode_t { var st = stat(); return stat(m.path(rel), &st) == 0 ? st.st_mode & 0o7777 : 0o7777 }
+        XCTAssertEqual(mkdir(m.path("d"), 0o755), 0)
+        XCTAssertEqual(chmod(m.path("d"), 0o755), 0)
+        XCTAssertEqual(writeFile(m.path("d/f"), bytes("shared")), 0)
+        XCTAssertEqual(chmod(m.path("d/f"), 0o600), 0)
+        XCTAssertNotEqual(asUser(65534, "cat \(m.path("d/f"))").code, 0, "the mode keeps nobody out")
+        XCTAssertEqual(sh("setfacl -m u:65534:r \(m.path("d/f"))").code, 0)
+        XCTAssertEqual(asUser(65534, "cat \(m.path("d/f"))").stdout, "shared", "the ACL lets nobody in")
+        XCTAssertTrue(acl("d/f").contains("user:65534:r--"), acl("d/f"))
+        XCTAssertEqual(mode("d/f"), 0o640, "the group bits show the mask")
+        XCTAssertTrue(sh("ls -l \(m.path("d/f"))").stdout.hasPrefix("-rw-r-----+"))
+        XCTAssertEqual(chmod(m.path("d/f"), 0o600), 0)
+        XCTAssertTrue(acl("d/f").contains("mask::---"), acl("d/f"))
+        XCTAssertNotEqual(asUser(65534, "cat \(m.path("d/f"))").code, 0, "chmod took the mask away")
+        XCTAssertEqual(chmod(m.path("d/f"), 0o640), 0)
+        // A default ACL is inherited, and the creator's umask does not cut it down.
+        XCTAssertEqual(sh("setfacl -d -m u:65534:rw \(m.path("d"))").code, 0)
+        XCTAssertEqual(sh("umask 077; echo new > \(m.path("d/inherited")); mkdir \(m.path("d/sub"))").code, 0)
+        XCTAssertTrue(acl("d/inherited").contains("user:65534:rw-"), acl("d/inherited"))
+        XCTAssertTrue(acl("d/sub").contains("default:user:65534:rw-"), acl("d/sub"))
+        XCTAssertEqual(asUser(65534, "echo more >> \(m.path("d/inherited"))").code, 0)
+        // Without a default ACL the umask applies.
+        XCTAssertEqual(mkdir(m.path("plain"), 0o755), 0)
+        XCTAssertEqual(sh("umask 027; touch \(m.path("plain/f")); mkdir \(m.path("plain/sub"))").code, 0)
+        XCTAssertEqual(mode("plain/f"), 0o640)
+        XCTAssertEqual(mode("plain/sub"), 0o750)
+        // An ACL opens no door a lock shuts.
+        XCTAssertEqual(mkdir(m.path("a"), 0o755), 0)
+        XCTAssertEqual(setXattr(m.path("a"), "complete"), 0)
+        XCTAssertEqual(writeFile(m.path("a/doc"), bytes("class A")), 0)
+        XCTAssertEqual(chmod(m.path("a/doc"), 0o600), 0)
+        XCTAssertEqual(sh("setfacl -m u:65534:r \(m.path("a/doc"))").code, 0)
+        XCTAssertEqual(asUser(65534, "cat \(m.path("a/doc"))").stdout, "class A")
+        m.lock()
+        let locked = asUser(65534, "cat \(m.path("a/doc"))")
+        XCTAssertNotEqual(locked.code, 0)
+        XCTAssertTrue(locked.stderr.contains("Permission denied"), locked.stderr)
+        // After a remount the ACLs are still there, and the store checks clean.
+        m.unmount()
+        XCTAssertEqual(m.fsck().code, 0)
+        try m.mount(extra: ["-o", "allow_other"])
+        m.unlock()
+        XCTAssertEqual(asUser(65534, "cat \(m.path("d/f"))").stdout, "shared")
+        XCTAssertTrue(acl("d").contains("default:user:65534:rw-"), acl("d"))
+        XCTAssertEqual(asUser(65534, "cat \(m.path("a/doc"))").stdout, "class A")
+    }
+
+    /// A mount only root uses has no kernel permission checks and so no ACLs (setfacl says
+    /// they are not supported) unless `-o acl` asks for them; `-o noacl` turns them off.
+    func testPosixACLsFollowTheMountOptions() throws {
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        XCTAssertEqual(writeFile(m.path("f"), bytes("x")), 0)
+        XCTAssertEqual(m.status()["posixACLs"] as? Bool, false)
+        let off = MountFixture.run("/usr/bin/setfacl", ["-m", "u:65534:r", m.path("f")])
+        XCTAssertNotEqual(off.code, 0)
+        XCTAssertTrue(off.stderr.contains("Operation not supported"), off.stderr)
+        m.unmount()
+        try m.mount(extra: ["-o", "acl"])
+        XCTAssertEqual(m.status()["posixACLs"] as? Bool, true)
+        XCTAssertEqual(MountFixture.run("/usr/bin/setfacl", ["-m", "u:65534:r", m.path("f")]).code, 0)
+        m.unmount()
+        try m.mount(extra: ["-o", "allow_other,noacl"])
+        XCTAssertEqual(m.status()["posixACLs"] as? Bool, false)
+        XCTAssertFalse(MountFixture.run("/usr/bin/getfacl", ["--omit-header", m.path("f")]).stdout.contains("65534"), "noacl: the stored ACL is not in force")
+    }
 }
