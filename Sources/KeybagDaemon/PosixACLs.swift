@@ -20,7 +20,8 @@ extension Filesystem {
     /// The mode a new object in `p` is made with: `mode` as asked where `p` has a default ACL
     /// (the backing filesystem derives the rest from it), else without the caller's umask.
     func creationMode(_ mode: mode_t, in p: Node, by caller: Caller) -> mode_t {
-        if posixACLs.load(ordering: .relaxed) && getxattr(p.procPath, "system.posix_acl_default", nil, 0) > 0 { return mode }
+        let on = posixACLs.load(ordering: .relaxed)
+        if on && getxattr(p.procPath, "system.posix_acl_default", nil, 0) > 0 { return mode }
         return mode & ~caller.umask
     }
 
@@ -58,6 +59,9 @@ extension Filesystem {
     /// The ACL xattrs the backing object has (for listxattr).
     func aclNames(_ n: Node) -> [String] {
         guard posixACLs.load(ordering: .relaxed), !n.isSymlink else { return [] }
-        return (try? n.withPathFD { fd in Self.aclXattrs.sorted().filter { getxattr("/proc/self/fd/\(fd)", $0, nil, 0) > 0 } }) ?? []
+        let present = try? n.withPathFD { fd in
+            Self.aclXattrs.sorted().filter { getxattr("/proc/self/fd/\(fd)", $0, nil, 0) > 0 }
+        }
+        return present ?? []
     }
 }

@@ -83,8 +83,37 @@ extension Filesystem {
         return (try? EncryptedContent.readHeader(fd: fd)).map { Base64URL.encode($0.fileID) }
     }
 
-    /// getxattr of a stored user xattr.
+    /// getxattr: an ACL where the kernel enforces them, the virtual `user.protection`, or a
+    /// stored user xattr. Only those namespaces exist (the kernel asks for
+    /// `security.capability` before every write): EOPNOTSUPP, not ENODATA, for the others, so
+    /// that `ls -l` stops asking for SELinux labels (and ACLs, where off) of every file.
     func getXattr(_ id: UInt64, name: String) throws -> [UInt8] {
+        if isACL(name) { return try getACL(id, name: name) }
+        if name == Self.protectionXattr { return Array(try protection(of: id).name.utf8) }
+        return try storedXattr(id, name: name)
+    }
+
+    /// setxattr (XATTR_CREATE / XATTR_REPLACE): an ACL, the class (a class name, else
+    /// EINVAL), or a stored user xattr.
+    func setXattr(_ id: UInt64, name: String, value: [UInt8], flags: Int32, caller: Caller) throws {
+        if isACL(name) { return try setACL(id, name: name, value: value, flags: flags, caller: caller) }
+        guard name == Self.protectionXattr else { return try setStoredXattr(id, name: name, value: value, flags: flags) }
+        guard let cls = ProtectionClass(name: String(decoding: value, as: UTF8.self)) else { throw FSError(EINVAL) }
+        let current = try? protection(of: id)
+        if flags & kbfs_XATTR_CREATE != 0 && current != nil { throw FSError(EEXIST) }
+        if flags & kbfs_XATTR_REPLACE != 0 && current == nil { throw FSError(ENODATA) }
+        try setProtection(of: id, to: cls)
+    }
+
+    /// removexattr: an ACL, the class (a directory's own default), or a stored user xattr.
+    func removeXattr(_ id: UInt64, name: String) throws {
+        if isACL(name) { return try removeACL(id, name: name) }
+        if name == Self.protectionXattr { return try removeProtection(of: id) }
+        try removeStoredXattr(id, name: name)
+    }
+
+    /// getxattr of a stored user xattr.
+    func storedXattr(_ id: UInt64, name: String) throws -> [UInt8] {
         guard name.hasPrefix("user.") else { throw FSError(EOPNOTSUPP) }
         let n = try node(id)
         guard n.isRegular || n.isDirectory else { throw FSError(ENODATA) }
@@ -92,8 +121,8 @@ extension Filesystem {
         return v
     }
 
-    /// setxattr with XATTR_CREATE / XATTR_REPLACE semantics.
-    func setXattr(_ id: UInt64, name: String, value: [UInt8], flags: Int32) throws {
+    /// setxattr of a stored user xattr, with XATTR_CREATE / XATTR_REPLACE semantics.
+    func setStoredXattr(_ id: UInt64, name: String, value: [UInt8], flags: Int32) throws {
         guard name.hasPrefix("user."), name.utf8.count > 5, name.utf8.count <= 255 else { throw FSError(name.hasPrefix("user.") ? ERANGE : EOPNOTSUPP) }
         let n = try node(id)
         let key = try xattrID(n)
@@ -109,7 +138,7 @@ extension Filesystem {
     }
 
     /// removexattr of a stored user xattr.
-    func removeXattr(_ id: UInt64, name: String) throws {
+    func removeStoredXattr(_ id: UInt64, name: String) throws {
         guard name.hasPrefix("user.") else { throw FSError(EOPNOTSUPP) }
         let n = try node(id)
         guard n.isRegular || n.isDirectory else { throw FSError(ENODATA) }
