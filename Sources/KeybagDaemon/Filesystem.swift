@@ -122,10 +122,23 @@ final class Filesystem: Sendable {
         var umask: mode_t = 0
 
         /// Whether the caller holds CAP_FSETID (keeps set-ID bits through writes and
-        /// truncates); read from /proc only when a file has such bits.
+        /// truncates); read from /proc only when a file has such bits. Capabilities held in a
+        /// user namespace other than the daemon's (`unshare -r`) count in that namespace only:
+        /// there the caller is treated as having none (stricter than the kernel, which also
+        /// allows them for files whose owner and group the namespace maps).
         var mayKeepSetID: Bool {
-            guard let caps = statusField("CapEff:").flatMap({ UInt64($0, radix: 16) }) else { return uid == 0 }
+            guard pid > 0 else { return uid == 0 }
+            guard sharesDaemonUserNamespace,
+                  let caps = statusField("CapEff:").flatMap({ UInt64($0, radix: 16) }) else { return false }
             return caps & (1 << 4) != 0   // CAP_FSETID
+        }
+
+        /// Whether the calling process is in the daemon's user namespace (false if unknown).
+        private var sharesDaemonUserNamespace: Bool {
+            var theirs = stat(), ours = stat()
+            guard fstatat(AT_FDCWD, "/proc/\(pid)/ns/user", &theirs, 0) == 0,
+                  fstatat(AT_FDCWD, "/proc/self/ns/user", &ours, 0) == 0 else { return false }
+            return theirs.st_ino == ours.st_ino && theirs.st_dev == ours.st_dev
         }
 
         /// Whether the caller is in group `g`: its own, or a supplementary one (from /proc).

@@ -400,4 +400,29 @@ final class PosixTests: XCTestCase {
         XCTAssertEqual(m.status()["posixACLs"] as? Bool, false)
         XCTAssertFalse(MountFixture.run("/usr/bin/getfacl", ["--omit-header", m.path("f")]).stdout.contains("65534"), "noacl: the stored ACL is not in force")
     }
+
+    /// Capabilities a process has in a user namespace of its own count there only: an access
+    /// ACL that a caller outside the file's group sets from such a namespace still clears the
+    /// file's set-group-ID bit, as the kernel's own rule does (libfuse 3.14 cannot pass the
+    /// kernel's decision on, so the daemon makes it).
+    func testAnACLSetFromAUserNamespaceClearsSetGroupID() throws {
+        let m = try MountFixture(mount: false)
+        addTeardownBlock { m.close() }
+        try m.mount(extra: ["-o", "allow_other"])
+        m.unlock()
+        XCTAssertEqual(mkdir(m.path("shared"), 0o777), 0)
+        XCTAssertEqual(chown(m.path("shared"), 0, 4321), 0)
+        XCTAssertEqual(chmod(m.path("shared"), 0o2777), 0)
+        let file = m.path("shared/f")
+        let made = asUser(65534, "python3 -c 'import os; os.umask(0); os.close(os.open(\"\(file)\", os.O_CREAT | os.O_WRONLY, 0o2644))'")
+        XCTAssertEqual(made.code, 0, made.stderr)
+        var st = stat()
+        XCTAssertEqual(stat(file, &st), 0)
+        XCTAssertEqual(st.st_gid, 4321)
+        XCTAssertEqual(st.st_mode & 0o7777, 0o2644, "set-group-ID without group execute is kept at create")
+        let set = asUser(65534, "unshare -Ur setfacl -m g::rx,m::rx \(file)")
+        XCTAssertEqual(set.code, 0, set.stderr)
+        XCTAssertEqual(stat(file, &st), 0)
+        XCTAssertEqual(st.st_mode & 0o7777, 0o654, "the ACL made it group-executable: set-group-ID must go")
+    }
 }
