@@ -19,6 +19,9 @@ enum Failpoint: String, Sendable {
     /// A switch: the INIT reply ignores the kernel's offer of FUSE_DIRECT_IO_ALLOW_MMAP, as
     /// on kernels before 6.6.
     case kernelWithoutDirectIOMmap = "kernel-without-direct-io-mmap"
+    /// A switch: giving a new object to its creator fails (as root's chown does on an NFS
+    /// store with root_squash).
+    case chownRefused = "chown-refused"
 
     /// What a failpoint does when reached.
     enum Action: Sendable, Equatable { case sleep(UInt32), stop, on }

@@ -579,15 +579,14 @@ final class Filesystem: Sendable {
     /// no name of its own (`unnamedFile`; `nameless` refuses the temporary-name fallback).
     /// Leaves nothing behind when it throws.
     private func newFile(in p: Node, class cls: ProtectionClass, wrapKey: FileHeader.ClassKey, mode: mode_t, caller: Caller, nameless: Bool) throws -> NewFile {
-        let (bfd, temp) = try unnamedFile(dirFD: p.fd, mode: creationMode(mode, in: p, by: caller) & 0o7777, fallback: !nameless)
+        // Made without set-ID bits: they come once the file is the caller's (the kernel already
+        // dropped those the caller may not set, Linux 6.0+); never on a file left as root's.
+        let (bfd, temp) = try unnamedFile(dirFD: p.fd, mode: creationMode(mode, in: p, by: caller) & 0o1777, fallback: !nameless)
         do {
-            if chownToCaller {
-                // The chown clears set-ID bits the kernel let the caller ask for (it already
-                // dropped those the caller may not set, Linux 6.0+): put them back.
-                var st = stat()
-                if fchown(bfd, caller.uid, groupFor(caller, dirFD: p.fd)) == 0 && mode & (S_ISUID | S_ISGID) != 0 && fstat(bfd, &st) == 0 {
-                    fchmod(bfd, st.st_mode & 0o1777 | mode & (S_ISUID | S_ISGID))
-                }
+            let owned = !chownToCaller || !Failpoint.chownRefused.isOn && fchown(bfd, caller.uid, groupFor(caller, dirFD: p.fd)) == 0
+            var st = stat()
+            if owned && mode & (S_ISUID | S_ISGID) != 0 && fstat(bfd, &st) == 0 {
+                fchmod(bfd, st.st_mode & 0o1777 | mode & (S_ISUID | S_ISGID))
             }
             let raw = SecureKey(random: 32)
             let header = try FileHeader.create(fileKey: raw, class: cls, cipher: cipher, using: wrapKey)

@@ -192,12 +192,12 @@ extension Filesystem {
     // MARK: namespace operations
 
     /// Chowns a new object to the caller when running as root (the group stays the
-    /// directory's where it is setgid, as the backing filesystem already set it). A chown
-    /// clears set-ID bits of what is not a directory, so those of `mode` (which the kernel
-    /// already let the caller ask for) are set again.
+    /// directory's where it is setgid, as the backing filesystem already set it). What is
+    /// not a directory is made without set-ID bits; those of `mode` (which the kernel already
+    /// let the caller ask for) are set once it is the caller's, never on one left as root's.
     private func own(_ dirFD: Int32, _ backing: String, _ caller: Caller, mode: mode_t) {
-        guard chownToCaller else { return }
-        let owned = fchownat(dirFD, backing, caller.uid, groupFor(caller, dirFD: dirFD), AT_SYMLINK_NOFOLLOW) == 0
+        let group = groupFor(caller, dirFD: dirFD)
+        let owned = !chownToCaller || !Failpoint.chownRefused.isOn && fchownat(dirFD, backing, caller.uid, group, AT_SYMLINK_NOFOLLOW) == 0
         var st = stat()
         if owned && mode & (S_ISUID | S_ISGID) != 0 && mode & S_IFMT != S_IFLNK && mode & S_IFMT != S_IFDIR,
            fstatat(dirFD, backing, &st, AT_SYMLINK_NOFOLLOW) == 0 {
@@ -253,7 +253,7 @@ extension Filesystem {
             return (n, st)
         }
         return try makeEntry(parent: parent, name: name, caller: caller, mode: mode) { [self] dirFD, backing in
-            try check(mknodat(dirFD, backing, mode & S_IFMT | creationMode(mode, in: node(parent), by: caller) & 0o7777, rdev))
+            try check(mknodat(dirFD, backing, mode & S_IFMT | creationMode(mode, in: node(parent), by: caller) & 0o1777, rdev))
         }
     }
 

@@ -425,4 +425,26 @@ final class PosixTests: XCTestCase {
         XCTAssertEqual(stat(file, &st), 0)
         XCTAssertEqual(st.st_mode & 0o7777, 0o654, "the ACL made it group-executable: set-group-ID must go")
     }
+
+    /// Where the store refuses to give a new file to its creator (root's chown on an NFS store
+    /// with root_squash), the file stays root's and gets no set-ID bit: a user must never end
+    /// up with a set-user-ID root file by creating one.
+    func testANewFileLeftAsRootsGetsNoSetIDBits() throws {
+        let m = try MountFixture(mount: false)
+        addTeardownBlock { m.close() }
+        try m.mount(extra: ["-o", "allow_other"], environment: ["KEYBAGFS_TEST_FAILPOINTS": "chown-refused=on"])
+        m.unlock()
+        XCTAssertEqual(mkdir(m.path("open"), 0o777), 0)
+        XCTAssertEqual(chmod(m.path("open"), 0o777), 0)
+        let script = "import os; os.umask(0); os.close(os.open('\(m.path("open/tool"))', os.O_CREAT | os.O_WRONLY, 0o4755)); "
+            + "os.mknod('\(m.path("open/fifo"))', 0o4644 | 0o010000)"
+        let made = asUser(65534, "python3 -c \"\(script)\"")
+        XCTAssertEqual(made.code, 0, made.stderr)
+        for name in ["tool", "fifo"] {
+            var st = stat()
+            XCTAssertEqual(lstat(m.path("open/" + name), &st), 0)
+            XCTAssertEqual(st.st_uid, 0, "\(name): the chown failed")
+            XCTAssertEqual(st.st_mode & (S_ISUID | S_ISGID), 0, "\(name): set-ID bits on a file left as root's")
+        }
+    }
 }
