@@ -48,8 +48,10 @@ final class Node: Sendable {
 
     /// A new descriptor of the backing object opened with `flags` (`O_PATH` allowed,
     /// never following a final symlink); the caller closes it. -1 with errno on failure.
+    /// The node's own descriptor first, where it keeps one (an unnamed file has its handle
+    /// too, for identity, but cannot be reopened by it).
     func open(_ flags: Int32) -> Int32 {
-        if let handle {
+        if fd < 0, let handle {
             return handle.withUnsafeBufferPointer { kbfs_open_handle(mountFD, $0.baseAddress, flags | O_CLOEXEC) }
         }
         return Glibc.open(procPath, flags | O_CLOEXEC)
@@ -161,9 +163,15 @@ final class NodeTable: Sendable {
         return insert(fd: fd, handle: nil, stat: st)
     }
 
-    /// Registers a new object that keeps the descriptor `fd` (`O_PATH`, taken over) instead
-    /// of a file handle: a file without a name (O_TMPFILE) cannot be reopened by handle.
-    func remember(keeping fd: Int32, stat st: stat) -> Node { insert(fd: fd, handle: nil, stat: st) }
+    /// Registers a new object that keeps the descriptor `fd` (`O_PATH`, taken over): a file
+    /// without a name (O_TMPFILE) cannot be reopened by handle. Its handle is kept too, so a
+    /// lookup of the name `linkat` gives it later finds this node (and no other object
+    /// that got the same inode number finds it).
+    func remember(keeping fd: Int32, stat st: stat) -> Node {
+        var buf = [UInt8](repeating: 0, count: Int(kbfs_HANDLE_BUFFER))
+        let len = handlesWork ? kbfs_handle_of(fd, &buf, Int32(buf.count)) : 0
+        return insert(fd: fd, handle: len > 0 ? Array(buf[0..<Int(len)]) : nil, stat: st)
+    }
 
     /// Registers a lookup of a non-directory known by its file handle (stat `st`).
     func remember(handle: [UInt8], stat st: stat) -> Node { insert(fd: -1, handle: handle, stat: st) }
@@ -175,10 +183,8 @@ final class NodeTable: Sendable {
         let type = st.st_mode & S_IFMT
         return tables.withLock { t -> Node in
             // The same object: same inode and, for handle nodes, the same handle (the
-            // handle carries the generation, so a reused inode number is a new object). A
-            // node that keeps a descriptor holds its inode, whose number cannot be reused
-            // meanwhile: a linked O_TMPFILE file found under its new name is that node.
-            if let id = t.byBacking[key], let entry = t.byID[id], entry.node.handle == handle || entry.node.fd >= 0, entry.node.type == type {
+            // handle carries the generation, so a reused inode number is a new object).
+            if let id = t.byBacking[key], let entry = t.byID[id], entry.node.handle == handle, entry.node.type == type {
                 t.byID[id] = (entry.node, entry.lookups + 1)
                 if nodeFD >= 0 && nodeFD != entry.node.fd { close(nodeFD) }
                 return entry.node

@@ -311,6 +311,17 @@ final class XfstestsRegressionTests: XCTestCase {
         XCTAssertEqual(try sysPwrite(fd, bytes("tail"), data.count).get(), 4)
         XCTAssertEqual(try readFile(m.path("docs/named")).get(), data + bytes("tail"))
         XCTAssertEqual(try getXattr(m.path("docs/named")).get(), "complete")
+        // Through the page cache (class C, write-back): what the descriptor wrote and the kernel
+        // still holds is what the new name reads, so the name leads to the same inode.
+        XCTAssertEqual(mkdir(m.path("cached"), 0o755), 0)
+        let cfd = open(m.path("cached"), kbfs_O_TMPFILE | O_RDWR, 0o600)
+        XCTAssertGreaterThanOrEqual(cfd, 0, "errno \(errno)")
+        XCTAssertEqual(try sysPwrite(cfd, data, 0).get(), data.count)
+        XCTAssertEqual(linkat(AT_FDCWD, "/proc/self/fd/\(cfd)", AT_FDCWD, m.path("cached/named"), AT_SYMLINK_FOLLOW), 0)
+        XCTAssertEqual(try sysPwrite(cfd, bytes("more"), data.count).get(), 4)
+        let seen = try readFile(m.path("cached/named")).get()
+        XCTAssertTrue(seen == data + bytes("more"), "the name reads \(seen.count) bytes, not what the descriptor wrote")
+        close(cfd)
         // Class A: the open descriptor answers EACCES once locked, and no new one is made.
         m.lock()
         XCTAssertEqual(errnoOf(sysPread(fd, 10, 0)), EACCES)
