@@ -224,19 +224,25 @@ final class MountFixture {
 }
 
 extension XCTestCase {
-    /// A new store on a tmpfs of `size` (e.g. "3m"), or on an ext4 image of that size
-    /// (without a root reserve) on a loop device, mounted (with `environment` for the daemon)
-    /// and unlocked; torn down with the test.
-    func mountedSmallStore(_ size: String, ext4: Bool = false, environment: [String: String] = [:]) throws -> MountFixture {
+    /// A new store on a tmpfs of `size` (e.g. "3m"), or on an image of that size on a loop
+    /// device with `mkfs` (ext4 without a root reserve; btrfs mounted `noacl`, a filesystem
+    /// without POSIX ACLs), mounted (with `mountOptions` and `environment` for the daemon) and
+    /// unlocked; torn down with the test.
+    func mountedSmallStore(_ size: String, ext4: Bool = false, btrfsWithoutACLs: Bool = false,
+                           environment: [String: String] = [:], mountOptions: [String] = []) throws -> MountFixture {
         let m = try MountFixture(mount: false)
         XCTAssertEqual(MountFixture.run("/bin/cp", ["-a", m.store, m.root + "/store.orig"]).code, 0)
-        if ext4 {
+        if ext4 || btrfsWithoutACLs {
             let image = m.root + "/store.img"
             XCTAssertEqual(MountFixture.run("/usr/bin/truncate", ["-s", size, image]).code, 0)
-            XCTAssertEqual(MountFixture.run("/sbin/mkfs.ext4", ["-q", "-F", "-m", "0", image]).code, 0)
-            XCTAssertEqual(MountFixture.run("/bin/mount", ["-o", "loop", image, m.store]).code, 0, "an ext4 image on a loop device (needs root)")
+            let made = ext4 ? MountFixture.run("/sbin/mkfs.ext4", ["-q", "-F", "-m", "0", image])
+                            : MountFixture.run("/sbin/mkfs.btrfs", ["-q", "-f", image])
+            XCTAssertEqual(made.code, 0, "mkfs: \(made.stderr)")
+            XCTAssertEqual(MountFixture.run("/bin/mount", ["-o", ext4 ? "loop" : "loop,noacl", image, m.store]).code, 0,
+                           "an image on a loop device (needs root)")
         } else {
-            XCTAssertEqual(MountFixture.run("/bin/mount", ["-t", "tmpfs", "-o", "size=" + size, "tmpfs", m.store]).code, 0, "a small store (needs root)")
+            XCTAssertEqual(MountFixture.run("/bin/mount", ["-t", "tmpfs", "-o", "size=" + size, "tmpfs", m.store]).code, 0,
+                           "a small store (needs root)")
         }
         addTeardownBlock {
             m.unmount()
@@ -244,7 +250,7 @@ extension XCTestCase {
             m.close()
         }
         XCTAssertEqual(MountFixture.run("/bin/cp", ["-a", m.root + "/store.orig/.", m.store]).code, 0)
-        try m.mount(environment: environment)
+        try m.mount(extra: mountOptions, environment: environment)
         m.unlock()
         return m
     }

@@ -447,4 +447,19 @@ final class PosixTests: XCTestCase {
             XCTAssertEqual(st.st_mode & (S_ISUID | S_ISGID), 0, "\(name): set-ID bits on a file left as root's")
         }
     }
+
+    /// On a store whose own filesystem keeps no ACLs (btrfs -o noacl), ACLs answer "not
+    /// supported" to setfacl, and the kernel's lookups of them find none, so plain mode
+    /// checks work for every user (they failed: the lookup's error denied all but the owner).
+    func testACLsOnAStoreWithoutThemFallBackToTheMode() throws {
+        let m = try mountedSmallStore("128m", btrfsWithoutACLs: true, mountOptions: ["-o", "allow_other"])
+        XCTAssertEqual(m.status()["posixACLs"] as? Bool, true)
+        XCTAssertEqual(writeFile(m.path("readable"), bytes("for all")), 0)
+        XCTAssertEqual(chmod(m.path("readable"), 0o644), 0)
+        let r = asUser(65534, "cat \(m.path("readable"))")
+        XCTAssertEqual(r.stdout, "for all", r.stderr)
+        let set = MountFixture.run("/usr/bin/setfacl", ["-m", "u:65534:rw", m.path("readable")])
+        XCTAssertNotEqual(set.code, 0)
+        XCTAssertTrue(set.stderr.contains("Operation not supported"), set.stderr)
+    }
 }
