@@ -172,10 +172,11 @@ enum FuseBridge {
         return e
     }
 
-    /// Replies an entry for a looked-up or new node.
+    /// Replies an entry for a looked-up or new node; the lookup it counted is undone when the
+    /// reply does not reach the kernel (the request was interrupted).
     static func replyEntry(_ req: fuse_req_t?, _ node: Node, _ st: stat) {
         var e = entry(req, node, st)
-        fuse_reply_entry(req, &e)
+        if fuse_reply_entry(req, &e) != 0 { fs(req).table.forget(node.id, count: 1) }
     }
 
     /// Replies attributes with the node's cache time.

@@ -177,7 +177,10 @@ func fuseCreate(_ req: fuse_req_t?, _ parent: fuse_ino_t, _ name: CName?, _ mode
                             caller: FuseBridge.caller(req))
         FuseBridge.attach(h, to: fi)
         var e = FuseBridge.entry(req, n, st)
-        if fuse_reply_create(req, &e, fi) != 0 { FuseBridge.releaseHandle(req, fi) }
+        if fuse_reply_create(req, &e, fi) != 0 {   // interrupted: the kernel knows neither the handle nor the node
+            FuseBridge.releaseHandle(req, fi)
+            fs.table.forget(n.id, count: 1)
+        }
     }
 }
 
