@@ -37,6 +37,11 @@ func fuseInit(_ userdata: UnsafeMutableRawPointer?, _ conn: UnsafeMutablePointer
     // for streaming I/O than the 128 KiB default. Readahead follows once the kernel
     // took the INIT reply (FuseChannel.raiseReadahead).
     conn.pointee.max_write = UInt32(FuseChannel.requestSize)
+    // Background requests in flight at once (the kernel's default is 12): write-back and the
+    // release of a closed file are both background requests, in one queue. With 12, the
+    // release of a file deleted while open waited behind the write-back that needed its
+    // space, and those writes met a full store that was not (generic/371).
+    conn.pointee.max_background = 64
 }
 
 // MARK: names and attributes

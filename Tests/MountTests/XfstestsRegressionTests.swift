@@ -418,4 +418,21 @@ final class XfstestsRegressionTests: XCTestCase {
         close(dirty)
         close(held)
     }
+
+    /// generic/371: one loop writes an 80 MB file and deletes it, another fallocates 80 MB and
+    /// deletes it, 100 times each, on a 256 MiB store: never more than two files live, so no
+    /// call may meet a full store. (A deleted file's blocks come back with its release, which
+    /// the kernel queues behind the other file's write-back; 1-4 calls of 200 failed.)
+    func testParallelWriteAndFallocateNeverMeetAFullStore() throws {
+        let m = try mountedSmallStore("256m", ext4: true)
+        let one = m.path("one"), two = m.path("two")
+        let script = """
+            ( for i in $(seq 100); do dd if=/dev/zero of=\(one) bs=1M count=80 status=none || echo "write $i failed"; rm -f \(one); done ) &
+            ( for i in $(seq 100); do fallocate -l 80M \(two) || echo "fallocate $i failed"; rm -f \(two); done ) &
+            wait
+            """
+        let r = MountFixture.run("/bin/sh", ["-c", script], timeout: 600)
+        XCTAssertEqual(r.code, 0)
+        XCTAssertEqual(r.stdout + r.stderr, "", "calls that met a full store")
+    }
 }
