@@ -23,39 +23,6 @@ public struct EncryptedContent: Sendable {
         return layout.plainSize(backingSize: Int(st.st_size))
     }
 
-    /// Reads the header of the backing file.
-    public static func readHeader(fd: Int32) throws -> FileHeader { try readHeaderSlots(fd: fd).current }
-
-    /// Reads the header and the index of a superseded slot an interrupted class change left.
-    public static func readHeaderSlots(fd: Int32) throws -> (current: FileHeader, superseded: Int?) {
-        var buf = [UInt8](repeating: 0, count: FileHeader.size)
-        let n = try buf.withUnsafeMutableBytes { try preadFull(fd, $0, offset: 0) }
-        guard n == FileHeader.size else { throw KeybagError.corrupt("file header truncated") }
-        return try FileHeader.parseSlots(buf)
-    }
-
-    /// Erases a header slot (the older class's wrap) and makes that durable.
-    public static func eraseHeaderSlot(fd: Int32, index: Int) throws {
-        let zeros = [UInt8](repeating: 0, count: FileHeader.slotSize)
-        try zeros.withUnsafeBytes { try pwriteFull(fd, $0, offset: index * FileHeader.slotSize) }
-        guard fdatasync(fd) == 0 else { throw KeybagError.system("fdatasync", errno) }
-    }
-
-    /// Writes a new file's header (its slot and an empty other slot).
-    public static func writeNewHeader(fd: Int32, _ header: FileHeader) throws {
-        var buf = [UInt8](repeating: 0, count: FileHeader.size)
-        let slot = header.encodeSlot()
-        buf.replaceSubrange(header.slotOffset..<(header.slotOffset + FileHeader.slotSize), with: slot)
-        try buf.withUnsafeBytes { try pwriteFull(fd, $0, offset: 0) }
-    }
-
-    /// Writes a header's slot and makes it durable: the crash-safe class change.
-    public static func writeHeaderSlot(fd: Int32, _ header: FileHeader) throws {
-        let slot = header.encodeSlot()
-        try slot.withUnsafeBytes { try pwriteFull(fd, $0, offset: header.slotOffset) }
-        guard fdatasync(fd) == 0 else { throw KeybagError.system("fdatasync", errno) }
-    }
-
     /// Index of the last block of a file of `size` plaintext bytes (-1 when empty).
     @inline(__always)
     static func lastBlock(ofSize size: Int) -> Int { size > 0 ? (size - 1) / B : -1 }
@@ -383,62 +350,5 @@ public struct EncryptedContent: Sendable {
             guard got == sealed.count else { throw KeybagError.corrupt("block \(block) truncated") }
             return try key.open(UnsafeRawBufferPointer(sealed), block: UInt64(block), last: last, into: plain)
         }
-    }
-
-    /// pread until `buf` is full or EOF; returns bytes read.
-    public static func preadFull(_ fd: Int32, _ buf: UnsafeMutableRawBufferPointer, offset: Int) throws -> Int {
-        var done = 0
-        while done < buf.count {
-            let n = pread(fd, buf.baseAddress! + done, buf.count - done, off_t(offset + done))
-            if n < 0 { if errno == EINTR { continue }; throw KeybagError.system("pread", errno) }
-            if n == 0 { break }
-            done += n
-        }
-        return done
-    }
-
-    /// pwrite all of `buf` (ENOSPC and friends surface as errors).
-    public static func pwriteFull(_ fd: Int32, _ buf: UnsafeRawBufferPointer, offset: Int) throws {
-        var done = 0
-        while done < buf.count {
-            let n = pwrite(fd, buf.baseAddress! + done, buf.count - done, off_t(offset + done))
-            if n < 0 { if errno == EINTR { continue }; throw KeybagError.system("pwrite", errno) }
-            done += n
-        }
-    }
-}
-
-/// Reusable aligned buffers for the data path, so a request does not allocate (and, for
-/// large sizes, map and fault in) fresh memory. Buffers up to `pooledSize` are pooled.
-public final class ScratchBuffers: Sendable {
-    /// The process-wide pool.
-    public static let shared = ScratchBuffers()
-    /// Size of every pooled buffer: a 1 MiB request plus block overhead.
-    public static let pooledSize = (1 << 20) + 64 * 1024
-    private let free = Locked<[UInt]>([])
-
-    /// Runs `body` with a buffer of `count` bytes and a separate block-sized buffer, both
-    /// from one pooled buffer. Every block buffer of the data path comes from here: a heap
-    /// block per request fragments the heap between long-lived inode objects.
-    public func withBlock<R>(_ count: Int, _ body: (UnsafeMutableRawBufferPointer, UnsafeMutableRawBufferPointer) throws -> R) rethrows -> R {
-        let split = (count + 63) & ~63
-        let block = BlockLayout.plainBlockSize
-        return try with(split + block) { b in
-            let plain = UnsafeMutableRawBufferPointer(rebasing: b[split..<(split + block)])
-            defer { sodium_memzero(plain.baseAddress!, block) }   // partial-block plaintext never outlives the request
-            return try body(UnsafeMutableRawBufferPointer(rebasing: b[0..<count]), plain)
-        }
-    }
-
-    /// Runs `body` with a buffer of at least `count` bytes (contents undefined).
-    public func with<R>(_ count: Int, _ body: (UnsafeMutableRawBufferPointer) throws -> R) rethrows -> R {
-        guard count <= Self.pooledSize else {
-            let b = UnsafeMutableRawBufferPointer.allocate(byteCount: max(count, 1), alignment: 64)
-            defer { b.deallocate() }
-            return try body(b)
-        }
-        let addr = free.withLock { $0.popLast() } ?? UInt(bitPattern: UnsafeMutableRawPointer.allocate(byteCount: Self.pooledSize, alignment: 64))
-        defer { free.withLock { $0.append(addr) } }
-        return try body(UnsafeMutableRawBufferPointer(start: UnsafeMutableRawPointer(bitPattern: addr)!, count: count))
     }
 }

@@ -441,7 +441,7 @@ struct KeyNeedles {
     init(store: String, passcode: String, deviceKey: String, files: [String]) throws {
         let kb = try Keybag.load(storePath: store)
         let dk = try DeviceKeyFile.load(from: deviceKey)
-        let pc = SecureKey(count: passcode.utf8.count) { b in _ = b.copyBytes(from: Array(passcode.utf8)) }
+        let pc = SecureKey(count: passcode.utf8.count) { b in b.copyBytes(from: Array(passcode.utf8)) }
         let keys = try kb.unlock(passcode: pc, deviceKey: dk)
         defer { keys.wipe(); pc.wipe(); dk.wipe() }
         let classA = try keys.classA.withBytes { Array($0) }

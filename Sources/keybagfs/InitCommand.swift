@@ -1,0 +1,70 @@
+import ArgumentParser
+import CSystem
+import Foundation
+import Glibc
+import KeybagCLI
+import KeybagCore
+import KeybagDaemon
+
+/// `keybagfs init`.
+struct Init: ParsableCommand {
+    static let configuration = CommandConfiguration(
+        abstract: "Create a new store: keybag, class keys and the device key.",
+        discussion: "The passcode is asked on the terminal (twice), or read as one line from stdin with --passcode-stdin. It is never taken from the command line.")
+
+    @Argument(help: "The store directory to create (must be absent or empty).")
+    var store: String
+
+    @Flag(help: "Read the passcode as one line from standard input.")
+    var passcodeStdin = false
+
+    @Option(help: "Device key file (default /var/lib/keybagfs/<store-id>.key). An existing 32-byte key is reused.")
+    var deviceKey: String?
+
+    @Option(help: "Argon2id cost: interactive, moderate or sensitive.")
+    var kdf: KDFStrength = .moderate
+
+    @Option(help: "Content cipher: xaes256gcm (the default where the CPU has AES instructions), xchacha20poly1305 (the default elsewhere) or aes256gcm (at most 2^32 block writes per file key; for compatibility only).")
+    var cipher: ContentCipher = .default
+
+    @Option(help: "Write the recovery key to this new file (mode 0600) instead of printing it.")
+    var recoveryKeyFile: String?
+
+    @Flag(help: "Make no recovery key: a lost passcode or device key then loses the store.")
+    var noRecoveryKey = false
+
+    func run() throws {
+        let fm = FileManager.default
+        var isDir: ObjCBool = false
+        if fm.fileExists(atPath: store, isDirectory: &isDir) {
+            guard isDir.boolValue else { throw KeybagError.invalid("\(store) exists and is not a directory") }
+            let items = try fm.contentsOfDirectory(atPath: store)
+            guard items.isEmpty else { throw KeybagError.invalid("\(store) is not empty; refusing to initialise over existing data") }
+        } else {
+            try fm.createDirectory(atPath: store, withIntermediateDirectories: true, attributes: [.posixPermissions: 0o700])
+        }
+        let passcode = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "New passcode: ")
+        defer { passcode.wipe() }
+        if !passcodeStdin {
+            let again = try PasscodeInput.prompt("Repeat passcode: ")
+            defer { again.wipe() }
+            guard PasscodeInput.equal(passcode, again) else { throw KeybagError.invalid("the passcodes differ; nothing was created") }
+        }
+        let storeID = Sodium.randomArray(16).map { String(format: "%02x", $0) }.joined()
+        let dkPath = deviceKey ?? DeviceKeyFile.defaultPath(storeID: storeID)
+        let dk = fm.fileExists(atPath: dkPath) ? try DeviceKeyFile.load(from: dkPath) : try DeviceKeyFile.create(at: dkPath)
+        defer { dk.wipe() }
+        guard cipher.isAvailable else { throw KeybagError.invalid("this CPU cannot run \(cipher.name)") }
+        guard !(noRecoveryKey && recoveryKeyFile != nil) else { throw ValidationError("--no-recovery-key and --recovery-key-file exclude each other") }
+        let recovery = noRecoveryKey ? nil : RecoveryKey.generate()
+        defer { recovery?.wipe() }
+        // The recovery key is handed out first: if that fails, no store exists whose key nobody has.
+        if let recovery { try RecoveryKeyOutput.give(recovery, file: recoveryKeyFile) }
+        let kb = try Keybag.create(storePath: store, storeID: storeID, passcode: passcode, deviceKey: dk, strength: kdf, cipher: cipher, recovery: recovery)
+        try fm.createDirectory(atPath: store + "/" + Keybag.dataDirName, withIntermediateDirectories: false, attributes: [.posixPermissions: 0o755])
+        print("initialised store \(store)")
+        print("  store id:   \(kb.file.storeID)")
+        print("  cipher:     \(kb.file.cipher)")
+        print("  device key: \(dkPath)  (keep it; without it the store cannot be opened)")
+    }
+}

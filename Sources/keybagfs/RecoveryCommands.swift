@@ -1,0 +1,115 @@
+import ArgumentParser
+import CSystem
+import Foundation
+import Glibc
+import KeybagCLI
+import KeybagCore
+import KeybagDaemon
+
+/// `keybagfs recover`.
+struct Recover: ParsableCommand {
+    static let configuration = CommandConfiguration(
+        abstract: "Set a new passcode (and, if asked, a new device key) from the recovery key; the store must not be mounted.",
+        discussion: """
+        The recovery key is read from --recovery-key-file, or as the first line of stdin with --stdin \
+        (the new passcode is then the second line), or asked on the terminal. No file is re-encrypted. \
+        With --new-device-key a new device key is written (to --device-key or the default path; an \
+        existing file there is replaced) and the old one stops working. Wrong recovery keys are \
+        throttled like passcodes. The recovery key stays valid; replace it with `keybagfs recovery-key rotate`.
+        """)
+
+    @OptionGroup var target: UnmountedStore
+
+    @Flag(help: "Write a new device key instead of using the existing one (when it was lost).")
+    var newDeviceKey = false
+
+    @Option(help: "Read the recovery key from this file's first line.")
+    var recoveryKeyFile: String?
+
+    @Flag(help: "Read the recovery key (unless --recovery-key-file) and then the new passcode as lines from stdin.")
+    var stdin = false
+
+    func run() throws {
+        let lock = try lockUnmountedStore(target.store)
+        defer { close(lock) }
+        var kb = try Keybag.load(storePath: target.store)
+        let dkPath = target.deviceKeyPath(kb)
+        let wait = kb.recoveryRetryAfter(now: Date().timeIntervalSince1970)
+        guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
+        let recovery = try RecoveryKeyOutput.read(file: recoveryKeyFile, fromStdin: stdin)
+        defer { recovery.wipe() }
+        let passcode = try PasscodeInput.read(fromStdin: stdin, prompt: "New passcode: ")
+        defer { passcode.wipe() }
+        if !stdin {
+            let again = try PasscodeInput.prompt("Repeat new passcode: ")
+            defer { again.wipe() }
+            guard PasscodeInput.equal(passcode, again) else { throw KeybagError.invalid("the passcodes differ; nothing was changed") }
+        }
+        if newDeviceKey {
+            var lst = stat()
+            if lstat(dkPath, &lst) == 0 && lst.st_mode & S_IFMT == S_IFLNK {
+                throw KeybagError.invalid("\(dkPath) is a symlink; give the path it points to with --device-key")
+            }
+            // The new key is written (and its folder synced) under a staged name, the keybag is
+            // saved, then the key is renamed into place and the folder synced again. A crash
+            // after the keybag save leaves the store needing `<key>.new`: rename it, or run
+            // `recover` again (the recovery key stays valid).
+            let staged = dkPath + ".new"
+            unlink(staged)
+            let dk = try DeviceKeyFile.create(at: staged)
+            defer { dk.wipe() }
+            do { try kb.recover(with: recovery, newPasscode: passcode, deviceKey: dk) } catch { unlink(staged); throw error }
+            guard rename(staged, dkPath) == 0 else { throw KeybagError.system("the store now needs the device key \(staged); moving it to \(dkPath) failed", errno) }
+            DeviceKeyFile.syncFolder(of: dkPath)
+            print("recovered \(target.store): new passcode set; new device key \(dkPath) (the old one no longer opens the store)")
+        } else {
+            let dk: SecureKey
+            do { dk = try DeviceKeyFile.load(from: dkPath) } catch {
+                throw KeybagError.invalid("\(error); if the device key is lost, run again with --new-device-key")
+            }
+            defer { dk.wipe() }
+            do { try kb.unwrapDeviceKeySlot("D", deviceKey: dk).wipe() } catch {
+                throw KeybagError.invalid("the device key \(dkPath) does not open this store; if the right one is lost, run again with --new-device-key")
+            }
+            _ = try? kb.authenticate(deviceKey: dk)
+            try kb.recover(with: recovery, newPasscode: passcode, deviceKey: dk)
+            print("recovered \(target.store): new passcode set")
+        }
+    }
+}
+
+/// `keybagfs recovery-key`.
+struct RecoveryKeyCommand: ParsableCommand {
+    static let configuration = CommandConfiguration(
+        commandName: "recovery-key",
+        abstract: "Manage the store's recovery key.",
+        subcommands: [Rotate.self])
+
+    /// `keybagfs recovery-key rotate`.
+    struct Rotate: ParsableCommand {
+        static let configuration = CommandConfiguration(
+            abstract: "Make a new recovery key (the old one stops working); the store must not be mounted.",
+            discussion: "Needs the passcode (asked on the terminal, or one line of stdin with --passcode-stdin) and the device key. Also gives a recovery key to a store made without one.")
+
+        @OptionGroup var target: UnmountedStore
+
+        @Flag(help: "Read the passcode as one line from standard input.")
+        var passcodeStdin = false
+
+        @Option(help: "Write the new recovery key to this new file (mode 0600) instead of printing it.")
+        var recoveryKeyFile: String?
+
+        func run() throws {
+            let lock = try lockUnmountedStore(target.store)
+            defer { close(lock) }
+            var kb = try Keybag.load(storePath: target.store)
+            let dk = try DeviceKeyFile.load(from: target.deviceKeyPath(kb))
+            defer { dk.wipe() }
+            let passcode = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ")
+            defer { passcode.wipe() }
+            let recovery = try kb.rotateRecoveryKey(passcode: passcode, deviceKey: dk) { try RecoveryKeyOutput.give($0, file: recoveryKeyFile) }
+            defer { recovery.wipe() }
+            print("new recovery key for \(target.store) saved; the old one no longer works")
+        }
+    }
+}
