@@ -214,7 +214,7 @@ enum FuseBridge {
         } catch { return fail(req, error) }
         let buf = UnsafeMutablePointer<CChar>.allocate(capacity: max(size, 1))
         defer { buf.deallocate() }
-        var used = 0
+        var used = 0, counted: [UInt64] = []
         let start = max(0, Int(off))
         for i in start..<max(start, entries.count) {
             let e = entries[i]
@@ -232,8 +232,11 @@ enum FuseBridge {
                 if entry.ino != 0 { fs.table.forget(entry.ino, count: 1) }   // the lookup above
                 break
             }
+            if entry.ino != 0 { counted.append(entry.ino) }
             used += need
         }
-        fuse_reply_buf(req, buf, used)
+        if fuse_reply_buf(req, buf, used) != 0 {   // interrupted: the kernel learnt none of them
+            for id in counted { fs.table.forget(id, count: 1) }
+        }
     }
 }

@@ -435,4 +435,34 @@ final class XfstestsRegressionTests: XCTestCase {
         XCTAssertEqual(r.code, 0)
         XCTAssertEqual(r.stdout + r.stderr, "", "calls that met a full store")
     }
+
+    /// An inode number can belong to a new file while the kernel still knows the deleted file
+    /// that had it (here kept by an O_PATH descriptor, which opens nothing in the daemon): the
+    /// unlink of the new file drops its own xattr set, not the old file's, and fsck finds no
+    /// orphan.
+    func testUnlinkDropsTheRightXattrSetWhenAnInodeNumberIsReused() throws {
+        let m = try mountedSmallStore("64m", ext4: true)   // ext4 hands a freed inode number out again at once
+        XCTAssertEqual(mkdir(m.path("d"), 0o755), 0)
+        XCTAssertEqual(writeFile(m.path("d/old"), bytes("old")), 0)
+        XCTAssertEqual(setXattr(m.path("d/old"), "old note", "user.note"), 0)
+        var st = stat()
+        XCTAssertEqual(stat(m.path("d/old"), &st), 0)
+        let pin = open(m.path("d/old"), kbfs_O_PATH)
+        XCTAssertGreaterThanOrEqual(pin, 0)
+        XCTAssertEqual(unlink(m.path("d/old")), 0)
+        var reused: String?
+        for i in 0..<20 where reused == nil {
+            let name = "d/new\(i)"
+            XCTAssertEqual(writeFile(m.path(name), bytes("new")), 0)
+            var n = stat()
+            if stat(m.path(name), &n) == 0 && n.st_ino == st.st_ino { reused = name }
+        }
+        guard let reused else { close(pin); return XCTFail("ext4 gave no new file the freed inode number \(st.st_ino)") }
+        XCTAssertEqual(setXattr(m.path(reused), "new note", "user.note"), 0)
+        XCTAssertEqual(unlink(m.path(reused)), 0)
+        close(pin)
+        m.unmount()
+        let check = m.fsck()
+        XCTAssertEqual(check.problems.map(\.kind), [], "fsck: \(check.problems)")
+    }
 }
