@@ -1,6 +1,7 @@
 import CFuse
 import CSystem
 import Glibc
+import KeybagCore
 import KeybagProtocol
 import Synchronization
 
@@ -36,13 +37,13 @@ enum FuseChannel {
     /// Largest read and write request asked for, and the readahead window to match.
     static let requestSize = 1 << 20
     /// The mount's `read_ahead_kb` in sysfs, set before the session loop starts.
-    static let readAheadFile = Mutex<String?>(nil)
+    static let readAheadFile = Locked<String?>(nil)
     /// Bytes of `fuse_in_header` / `fuse_out_header`.
     static let inHeaderSize = 40, outHeaderSize = 16
 
     /// The INIT request being answered: its unique id and the flags it offered.
     private struct PendingInit { var unique: UInt64 = 0; var flags: UInt32 = 0; var flags2: UInt32 = 0 }
-    private static let pendingInit = Mutex(PendingInit())
+    private static let pendingInit = Locked(PendingInit())
     /// Whether an INIT reply is still to be patched (checked on every reply without the lock).
     private static let initPending = Atomic<Bool>(false)
     /// Whether the kernel was told direct-I/O handles may be mapped shared.

@@ -1,7 +1,6 @@
 import CSystem
 import Glibc
 import KeybagCore
-import Synchronization
 
 /// One inode known to the kernel and how to reach its backing object: directories keep
 /// an `O_PATH` descriptor (they are the `dirfd` of every name operation); everything else
@@ -31,7 +30,7 @@ final class Node: Sendable {
     let inherited = Locked<(generation: UInt64, cls: ProtectionClass)?>(nil)
     /// Regular files: the descriptors of the open handles. A handle leaves the list before
     /// its descriptor is closed, under the lock `withOpenFD` holds while it uses one.
-    private let openFDs = Mutex<[Int32]>([])   // inline: no allocation per node
+    private let openFDs = Locked<[Int32]>([])
 
     init(id: UInt64, fd: Int32, handle: [UInt8]? = nil, mountFD: Int32 = -1, dev: UInt64, ino: UInt64, type: mode_t) {
         self.id = id
@@ -252,7 +251,7 @@ final class DirHandle: Sendable {
     /// One listed entry: plaintext name and the backing entry it came from.
     struct Entry: Sendable { let name: String; let backing: String; let ino: UInt64; let type: UInt8 }
     /// The entries (without reserved names) of the last read from offset 0.
-    private let snapshot = Mutex<[Entry]?>(nil)
+    private let snapshot = Locked<[Entry]?>(nil)
 
     /// The entries to serve a page from `offset`: those `list` finds now for a read from
     /// offset 0 (or when none were taken yet), else the snapshot the listing started with.

@@ -1,6 +1,7 @@
 import CSystem
 import Dispatch
 import Glibc
+import KeybagCore
 import Synchronization
 
 /// The store's free space as the write path sees it.
@@ -47,9 +48,9 @@ final class StoreSpace: Sendable {
     /// When (CLOCK_MONOTONIC ns) a write last looked at the free space.
     private let lastLook = Atomic<UInt64>(0)
     /// The mount's bdi folder in sysfs (its dirty limit), once the session exists.
-    private let bdi = Mutex<String?>(nil)
+    private let bdi = Locked<String?>(nil)
     /// The bdi's `max_ratio_fine` and `max_bytes` before the daemon lowered them.
-    private let saved = Mutex<(ratio: String, bytes: Int)?>(nil)
+    private let saved = Locked<(ratio: String, bytes: Int)?>(nil)
     /// Requests waiting for space that deleted files are about to give back.
     private let waiters = Atomic<Int>(0)
     /// Most requests that wait for space at a time (see `retryingWhileSpaceReturns`): a

@@ -108,6 +108,34 @@ final class LockConcurrencyTests: XCTestCase {
         return ControlClient.readLine(fd, buffer: &buf)?.contains("\"ok\":true") ?? false
     }
 
+    /// Many threads open, read and close one file at once while a descriptor of it stays
+    /// open: every read sees the content. Under ThreadSanitizer (scripts/test.sh) this is the
+    /// daemon's per-node list of open descriptors changed from several FUSE threads at once.
+    func testParallelOpensOfOneFileReadItsContent() throws {
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        let content = [UInt8]((0..<(64 * 1024)).map { UInt8(truncatingIfNeeded: $0 &* 7) })
+        let path = m.path("shared")
+        XCTAssertEqual(writeFile(path, content), 0)
+        let held = sysOpen(path, O_RDONLY)
+        XCTAssertGreaterThanOrEqual(held, 0)
+        defer { close(held) }
+        let problems = Locked<[String]>([])
+        DispatchQueue.concurrentPerform(iterations: 4) { t in
+            for i in 0..<150 {
+                let fd = sysOpen(path, i % 2 == 0 ? O_RDONLY : O_RDWR)
+                guard fd >= 0 else { problems.withLock { $0.append("thread \(t): open errno \(-fd)") }; return }
+                if case .success(let b) = sysPread(fd, content.count, 0), b == content {} else {
+                    problems.withLock { $0.append("thread \(t): read \(i) differs") }
+                }
+                close(fd)
+            }
+        }
+        XCTAssertEqual(problems.withLock { $0 }, [])
+        XCTAssertEqual(try sysPread(held, content.count, 0).get(), content)
+    }
+
     func testLockUnlockEvery50msAgainstAllClassesAndOperations() throws {
         let seconds = Double(ProcessInfo.processInfo.environment["KEYBAGFS_CONCURRENCY_SECONDS"] ?? "") ?? 10
         let m = try MountFixture()
