@@ -54,6 +54,7 @@ let package = Package(
         // AES-256 round keys and blocks from OpenSSL, for the tests' memory scans and vectors.
         .target(name: "CTestSupport", path: "Tests/CTestSupport", linkerSettings: [.linkedLibrary("crypto")]),
         .testTarget(name: "KeybagCoreTests", dependencies: ["KeybagCore", "CCrypto", "CSodium", "CTestSupport"]),
+        .testTarget(name: "KeybagDaemonTests", dependencies: ["KeybagDaemon", "KeybagCore"]),
         .testTarget(name: "MountTests", dependencies: ["KeybagCore", "KeybagProtocol", "CFuse", "CSystem", "FileProtection", "keybagfs", "keybagctl", "SecureNotes", "CTestSupport", "CCrypto"]),
     ],
     swiftLanguageModes: [.v6]

@@ -13,9 +13,6 @@
 const int kbfs_O_PATH = O_PATH;
 const int kbfs_AT_EMPTY_PATH = AT_EMPTY_PATH;
 const int kbfs_O_TMPFILE = O_TMPFILE;
-const int kbfs_O_DIRECT = O_DIRECT;
-const int kbfs_SEEK_DATA = SEEK_DATA;
-const int kbfs_SEEK_HOLE = SEEK_HOLE;
 const long kbfs_UTIME_NOW = UTIME_NOW;
 const long kbfs_UTIME_OMIT = UTIME_OMIT;
 const unsigned int kbfs_RENAME_NOREPLACE = RENAME_NOREPLACE;
@@ -80,14 +77,7 @@ int kbfs_fix_malloc_thresholds(int mmap_threshold, int trim_threshold) {
 
 int kbfs_malloc_trim(void) { return malloc_trim(0); }
 
-long kbfs_copy_file_range(int fd_in, long long *off_in, int fd_out, long long *off_out, unsigned long len) {
-    loff_t i = *off_in, o = *off_out;
-    ssize_t n = copy_file_range(fd_in, &i, fd_out, &o, len, 0);
-    *off_in = i; *off_out = o;
-    return (long)n;
-}
-
-static __thread int kbfs_kills_setid;
+static __thread int kbfs_kills_setid = -1;
 
 void kbfs_set_request_kills_setid(int on) { kbfs_kills_setid = on; }
 

@@ -12,6 +12,9 @@ public struct KeyAccess: Sendable, Equatable {
     let openMask: UInt8
     let createMask: UInt8
 
+    /// While `evicting`: the epoch the eviction ends, whose keys may still write back.
+    public var epochBeingEvicted: UInt64 { epoch &- 1 }
+
     /// Packs the snapshot into one word (masks in the low byte, evicting in bit 8, epoch above).
     var word: UInt64 { epoch << 16 | (evicting ? 1 << 8 : 0) | UInt64(createMask) << 4 | UInt64(openMask) }
 
@@ -115,12 +118,6 @@ public final class ClassKeyring: Sendable {
         }
     }
 
-    /// Both steps of a lock at once (no page cache to write back in between).
-    public func evictForLock() {
-        beginEviction()
-        finishEviction()
-    }
-
     /// Return to `beforeFirstUnlock` (inactivity), step 1: a new epoch; class B and C can no
     /// longer be opened, read or created, while their keys stay in memory for writing back
     /// dirty pages (as `beginEviction` does for a lock).
@@ -184,10 +181,4 @@ public final class ClassKeyring: Sendable {
             }
         }
     }
-
-    /// Whether existing files of `cls` may be opened now.
-    public func canOpen(_ cls: ProtectionClass) -> Bool { access.canOpen(cls) }
-
-    /// Whether new files of `cls` may be created now.
-    public func canCreate(_ cls: ProtectionClass) -> Bool { access.canCreate(cls) }
 }

@@ -60,7 +60,7 @@ public struct FileKeyLife: Sendable {
         case .complete: break
         }
         if access.canOpen(.complete) { return keyEpoch == access.epoch }
-        return use == .write && access.evicting && keyEpoch == access.epoch &- 1
+        return use == .write && access.evicting && keyEpoch == access.epochBeingEvicted
     }
 
     /// The key for I/O through an open handle: the ready key, else loaded from the header
@@ -129,6 +129,13 @@ public struct FileKeyLife: Sendable {
         }
     }
 
+    /// Whether a return to `beforeFirstUnlock` must write back this inode's cached pages:
+    /// every class but D needs a key that return removes.
+    public var holdsKeyOtherThanNone: Bool {
+        guard let cls = header?.protectionClass else { return false }
+        return cls != .none
+    }
+
     /// The lock's eviction, once the class keys are gone: wipes a class A key and the key
     /// of a class B file no handle holds. True when the inode's cached pages must go.
     public mutating func evict() -> Bool {
@@ -140,7 +147,7 @@ public struct FileKeyLife: Sendable {
     /// Return to `beforeFirstUnlock`: wipes every key but a class D one. True when the
     /// inode's cached pages must go.
     public mutating func evictAllButNone() -> Bool {
-        guard let cls = header?.protectionClass, cls != .none else { return false }
+        guard holdsKeyOtherThanNone else { return false }
         dropKey()
         return true
     }

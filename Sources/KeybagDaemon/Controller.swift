@@ -18,10 +18,8 @@ final class Controller: Sendable {
     let events = EventHub()
     /// Grace period used when a lock request names none.
     let defaultGrace: Double
-    /// The FUSE session (bit pattern), for page-cache invalidation.
-    let session = Atomic<UInt>(0)
-    /// Serial queue for invalidations asked by request handlers (`dropPagesSoon`).
-    private let pageDrops = DispatchQueue(label: "keybagfs.page-drops")
+    /// Page-cache drops (the FUSE session); the same notifier as `fs.kernel`.
+    let kernel: KernelNotifier
     /// The mount point, for `status`.
     let mountpoint: String
 
@@ -44,6 +42,7 @@ final class Controller: Sendable {
         self.deviceKey = deviceKey
         self.keyring = keyring
         self.fs = fs
+        self.kernel = fs.kernel
         self.defaultGrace = grace
         self.mountpoint = mountpoint
     }
@@ -58,7 +57,7 @@ final class Controller: Sendable {
         return ["ok": true, "state": st.rawValue, "protectedDataAvailable": st == .unlocked, "grace": defaultGrace,
                 "openFiles": fs.openFiles.load(ordering: .relaxed), "pid": Int(getpid()), "mountpoint": mountpoint,
                 "failedAttempts": failures, "retryAfter": Self.seconds(retry),
-                "classADirectIO": FuseChannel.directIOMappable, "writebackCache": FuseChannel.writebackInEffect, "posixACLs": fs.posixACLs.load(ordering: .relaxed), "subscribers": events.count,
+                "classADirectIO": kernel.negotiated.directIOMappable, "writebackCache": kernel.negotiated.writeback, "posixACLs": fs.posixACLs.load(ordering: .relaxed), "subscribers": events.count,
                 "owner": Int(owner), "defaultClass": fs.defaultClass.name,
                 "aesMemoryLocked": HardwareAES.ownsMemory && HardwareAES.unlockedAllocations == 0, "inactivityRelock": inactivityRelock.map { $0 / 3600 } ?? NSNull(),
                 "relockIn": relockDeadline.withLock { $0 }.map { Self.seconds($0 - Self.bootTime()) } ?? NSNull()]
@@ -93,14 +92,7 @@ final class Controller: Sendable {
         }
         transitions.withLock { _ in
             guard machine.withLock({ $0.state == .locked && $0.ticket == ticket }) else { return }
-            // Refuse class B and C at once, write back what the page cache holds while the
-            // keys exist, then drop every key but class D's and what was cached in between.
-            keyring.beginReturnToBeforeFirstUnlock()
-            invalidatePageCache(fs.inodesHoldingKeysButNone(), pass: "inactivity write-back")
-            keyring.returnToBeforeFirstUnlock()
-            let evicted = fs.evictAllFileKeysButNone()
-            HardwareAES.forgetKeySchedules()
-            invalidatePageCache(evicted, pass: "inactivity")
+            Eviction(.returnToBeforeFirstUnlock).run(keyring: keyring, target: fs)
             relockDeadline.withLock { $0 = nil }
             let evs = machine.withLock { $0.returnToBeforeFirstUnlock(ticket: ticket) }
             for e in evs { events.publish(e, state: .beforeFirstUnlock) }
@@ -217,24 +209,11 @@ final class Controller: Sendable {
         }
     }
 
-    /// Evicts class A and B keys in phases, then reports `locked`:
-    /// 1. a new lock epoch: class A/B can no longer be opened, read or (A) created, while
-    ///    writes are still sealed with the keys in memory;
-    /// 2. every inode that may cache class A/B pages is invalidated: the kernel first writes
-    ///    dirty mmap pages back through the daemon, which still has their keys;
-    /// 3. the class keys, then the file keys (under each inode's lock) are zeroed;
-    /// 4. the same inodes are invalidated again, for anything cached in between.
-    /// Called with the transition lock held, from a thread that is not a FUSE worker; no
-    /// lock a request handler needs is held while the kernel is notified.
+    /// Evicts class A and B keys (`Eviction`'s phases), then reports `locked`. Called with
+    /// the transition lock held, from a thread that is not a FUSE worker.
     private func evict(ticket: UInt64) {
         guard machine.withLock({ $0.shouldEvict(ticket: ticket) }) else { return }
-        keyring.beginEviction()
-        let cached = fs.inodesHoldingProtectedPages()
-        invalidatePageCache(cached, pass: "write-back")
-        keyring.finishEviction()
-        let evicted = fs.evictFileKeys()
-        HardwareAES.forgetKeySchedules()
-        invalidatePageCache(evicted, pass: "after eviction")
+        Eviction(.lock).run(keyring: keyring, target: fs)
         Failpoint.evictionBeforeLocked.hit()
         let evs = machine.withLock { $0.evicted(ticket: ticket) }
         for e in evs { events.publish(e, state: .locked) }
@@ -244,46 +223,10 @@ final class Controller: Sendable {
         }
     }
 
-    /// Drops the cached pages of an inode whose class B key died with its last close, on a
-    /// queue of its own: never from a FUSE thread, which the kernel may need to serve a
-    /// write-back while it invalidates.
-    func dropPagesSoon(_ id: UInt64) {
-        HardwareAES.forgetKeySchedules()
-        pageDrops.async { self.invalidatePageCache([id], pass: "last close of a class B file") }
-    }
-
-    /// Runs `work` on the queue of page drops (a thread of the daemon's, not a FUSE worker).
-    func runSoon(_ work: @escaping @Sendable () -> Void) { pageDrops.async(execute: work) }
-
-    /// Makes the kernel ask again for the attributes of `ids` before it answers from them,
-    /// at once: no page is dropped (offset -1), so the kernel writes nothing back and the
-    /// call may come from a FUSE thread, with no lock held.
-    func invalidateAttributes(_ ids: [UInt64]) {
-        guard let se = OpaquePointer(bitPattern: session.load(ordering: .acquiring)) else { return }
-        for id in ids { _ = fuse_lowlevel_notify_inval_inode(se, id, -1, 0) }
-    }
-
-    /// Asks the kernel to write back and drop the cached pages of `ids`; failures other
-    /// than "the kernel no longer knows this inode" are logged.
-    private func invalidatePageCache(_ ids: [UInt64], pass: String) {
-        guard let se = OpaquePointer(bitPattern: session.load(ordering: .acquiring)) else { return }
-        var failed = 0, firstError: Int32 = 0
-        for id in ids {
-            let rc = fuse_lowlevel_notify_inval_inode(se, id, 0, 0)
-            if rc != 0 && rc != -ENOENT {
-                failed += 1
-                if firstError == 0 { firstError = -rc }
-            }
-        }
-        if failed > 0 {
-            MountDaemon.log("lock (\(pass)): page cache of \(failed) of \(ids.count) inodes not dropped: \(String(cString: strerror(firstError)))")
-        }
-    }
-
-    /// Daemon exit: every key zeroed (after the queued page drops, which may still hold
-    /// the session: the caller cleared `session` first).
+    /// Daemon exit: every key zeroed (after the queued page drops: the caller detached
+    /// the notifier first, which waits for them).
     func shutdown() {
-        pageDrops.sync {}
+        kernel.detach()
         transitions.withLock { _ in keyring.wipeAll() }
         fs.wipeFileKeys()
         HardwareAES.forgetKeySchedules()

@@ -49,14 +49,16 @@ enum FuseChannel {
     /// Whether the kernel was told direct-I/O handles may be mapped shared.
     private static let granted = Atomic<Bool>(false)
 
+    /// Whether the kernel says, per request, when set-ID bits must go (FUSE_HANDLE_KILLPRIV_V2).
+    private static let killPrivGranted = Atomic<Bool>(false)
+
     /// Whether the kernel's write-back cache is in effect (set with the INIT reply).
     private static let writeback = Atomic<Bool>(false)
 
-    /// Whether direct-I/O handles may be mapped shared on this mount.
-    static var directIOMappable: Bool { granted.load(ordering: .acquiring) }
-
-    /// Whether writes through cached handles land in the kernel's page cache first.
-    static var writebackInEffect: Bool { writeback.load(ordering: .acquiring) }
+    /// What the INIT reply agreed (all false before it).
+    static var negotiated: MountNegotiation {
+        MountNegotiation(directIOMappable: granted.load(ordering: .acquiring), writeback: writeback.load(ordering: .acquiring))
+    }
 
     /// Installs the hooks on a mounted session (same descriptor); false if libfuse refuses.
     static func install(_ se: OpaquePointer) -> Bool {
@@ -88,18 +90,20 @@ enum FuseChannel {
         func word(_ offset: Int) -> UInt32 {
             count >= inHeaderSize + offset + 4 ? p.loadUnaligned(fromByteOffset: inHeaderSize + offset, as: UInt32.self) : 0
         }
+        let worded = killPrivGranted.load(ordering: .relaxed)
+        func note(_ kills: Bool) { kbfs_set_request_kills_setid(worded ? (kills ? 1 : 0) : -1) }
         switch opcode {
-        case opcodeWrite: kbfs_set_request_kills_setid(word(20) & (1 << 2) != 0 ? 1 : 0)      // FUSE_WRITE_KILL_SUIDGID
-        case opcodeSetattr: kbfs_set_request_kills_setid(word(0) & (1 << 11) != 0 ? 1 : 0)    // FATTR_KILL_SUIDGID
-        case opcodeOpen: kbfs_set_request_kills_setid(word(4) & 1 != 0 ? 1 : 0)               // FUSE_OPEN_KILL_SUIDGID
-        case opcodeCreate: kbfs_set_request_kills_setid(word(12) & 1 != 0 ? 1 : 0)
+        case opcodeWrite: note(word(20) & (1 << 2) != 0)      // FUSE_WRITE_KILL_SUIDGID
+        case opcodeSetattr: note(word(0) & (1 << 11) != 0)    // FATTR_KILL_SUIDGID
+        case opcodeOpen: note(word(4) & 1 != 0)               // FUSE_OPEN_KILL_SUIDGID
+        case opcodeCreate: note(word(12) & 1 != 0)
         case opcodeInit:
-            kbfs_set_request_kills_setid(0)
+            kbfs_set_request_kills_setid(-1)
             let flags = word(12), flags2 = word(16)
             guard count >= inHeaderSize + 20 else { return }
             pendingInit.withLock { $0 = PendingInit(unique: p.loadUnaligned(fromByteOffset: 8, as: UInt64.self), flags: flags, flags2: flags & initExt != 0 ? flags2 : 0) }
             initPending.store(true, ordering: .relaxed)
-        default: kbfs_set_request_kills_setid(0)
+        default: kbfs_set_request_kills_setid(-1)
         }
     }
 
@@ -139,7 +143,10 @@ enum FuseChannel {
         initPending.store(false, ordering: .relaxed)
         guard head.loadUnaligned(fromByteOffset: 4, as: Int32.self) == 0, iov[1].iov_len >= 36, let body = iov[1].iov_base else { return true }
         var flags = body.loadUnaligned(fromByteOffset: 12, as: UInt32.self)
-        if offered.flags & killPrivV2 != 0 { flags |= killPrivV2 }
+        if offered.flags & killPrivV2 != 0 {
+            flags |= killPrivV2
+            killPrivGranted.store(true, ordering: .releasing)
+        }
         if offered.flags2 & allowMmap != 0, flags & initExt != 0, !Failpoint.kernelWithoutDirectIOMmap.isOn {
             let flags2 = body.loadUnaligned(fromByteOffset: 32, as: UInt32.self)
             body.storeBytes(of: flags2 | allowMmap, toByteOffset: 32, as: UInt32.self)

@@ -85,7 +85,6 @@ func fuseSetattr(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ attr: UnsafeMutablePoi
         if toSet & now != 0 { return timespec(tv_sec: 0, tv_nsec: kbfs_UTIME_NOW) }
         return toSet & set != 0 ? v : nil
     }
-    let killsSetID = kbfs_request_kills_setid() != 0
     FuseBridge.replying(req) {
         let st = try FuseBridge.fs(req).setattr(
             ino, handle: FuseBridge.handle(fi),
@@ -95,7 +94,7 @@ func fuseSetattr(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ attr: UnsafeMutablePoi
             size: toSet & FUSE_SET_ATTR_SIZE != 0 ? Int(a.st_size) : nil,
             atime: ts(FUSE_SET_ATTR_ATIME, FUSE_SET_ATTR_ATIME_NOW, a.st_atim),
             mtime: ts(FUSE_SET_ATTR_MTIME, FUSE_SET_ATTR_MTIME_NOW, a.st_mtim),
-            clearSetIDFor: killsSetID ? FuseBridge.caller(req) : nil)
+            truncatedBy: FuseBridge.caller(req))
         FuseBridge.replyAttributes(req, ino, st)
     }
 }
@@ -204,11 +203,10 @@ func fuseRead(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ size: Int, _ off: off_t, 
 func fuseWrite(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ data: CName?, _ size: Int, _ off: off_t,
                _ fi: FileInfo?) {
     guard let h = FuseBridge.handle(fi) else { return FuseBridge.err(req, EBADF) }
-    let killsSetID = kbfs_request_kills_setid() != 0
     FuseBridge.replying(req) {
         let fs = FuseBridge.fs(req)
         try fs.write(h, offset: Int(off), data: UnsafeRawBufferPointer(start: data, count: size))
-        if killsSetID { fs.clearSetID(h, by: FuseBridge.caller(req)) }
+        fs.clearSetIDAfterModification(h, by: FuseBridge.caller(req))
         fuse_reply_write(req, size)
     }
 }

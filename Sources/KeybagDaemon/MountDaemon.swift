@@ -157,10 +157,11 @@ public enum MountDaemon {
             log(m); report(cfg, "ERR " + m); return 1
         }
         let keyring = ClassKeyring(classD: classD)
+        let kernel = KernelNotifier()
         let fs: Filesystem
         do {
             fs = try Filesystem(dataFD: dataFD, targetsFD: targetsFD, xattrsFD: xattrsFD, names: names, keyring: keyring, cipher: keybag.cipher.isAvailable ? keybag.cipher : .xchacha20poly1305, defaultClass: cfg.defaultClass, policy: cfg.policy,
-                                threads: cfg.threads)
+                                threads: cfg.threads, kernel: kernel)
             _ = try fs.meta(of: fs.table.root)   // the root's name IV exists before the first request
         } catch {
             log("\(error)"); report(cfg, "ERR \(error)"); return 1
@@ -210,10 +211,7 @@ public enum MountDaemon {
         FuseChannel.noteReadaheadFile(mountpoint: mountpoint)
         if let file = FuseChannel.readAheadFile.withLock({ $0 }) { fs.space.attach(bdi: String(file.dropLast("/read_ahead_kb".count))) }
         if !FuseChannel.install(se) { log("cannot install the FUSE I/O hooks; class A handles keep page-cache I/O") }
-        controller.session.store(UInt(bitPattern: Int(bitPattern: UnsafeRawPointer(se))), ordering: .releasing)
-        fs.dropPages.withLock { $0 = { [controller] id in controller.dropPagesSoon(id) } }
-        fs.refreshAttributes.withLock { $0 = { [controller] ids in controller.invalidateAttributes(ids) } }
-        fs.onDaemonQueue.withLock { $0 = { [controller] work in controller.runSoon(work) } }
+        kernel.attach(se)
         server.start()
         HeapTrimmer.shared.start()
         report(cfg, "OK")
@@ -230,10 +228,7 @@ public enum MountDaemon {
         let rc = fuse_session_loop_mt(se, loopCfg)
         fuse_loop_cfg_destroy(loopCfg)
 
-        fs.dropPages.withLock { $0 = nil }
-        fs.refreshAttributes.withLock { $0 = nil }
-        fs.onDaemonQueue.withLock { $0 = nil }
-        controller.session.store(0, ordering: .releasing)
+        kernel.detach()
         HeapTrimmer.shared.stop()
         server.stop()
         controller.shutdown()

@@ -1,9 +1,23 @@
 /* Test support: AES-256 key schedules and single blocks from OpenSSL's low-level API, so a
    memory scan can look for every round key of a file key. */
+#define _GNU_SOURCE
 #define OPENSSL_SUPPRESS_DEPRECATED
 #include "kbfs_test_support.h"
 #include <openssl/aes.h>
 #include <string.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+const int kbfs_O_DIRECT = O_DIRECT;
+const int kbfs_SEEK_DATA = SEEK_DATA;
+const int kbfs_SEEK_HOLE = SEEK_HOLE;
+
+long kbfs_copy_file_range(int fd_in, long long *off_in, int fd_out, long long *off_out, unsigned long len) {
+    off_t i = *off_in, o = *off_out;
+    ssize_t n = copy_file_range(fd_in, &i, fd_out, &o, len, 0);
+    *off_in = i; *off_out = o;
+    return (long)n;
+}
 
 int kbfs_test_aes256_round_keys(const uint8_t *key, uint8_t *out240) {
     AES_KEY k;

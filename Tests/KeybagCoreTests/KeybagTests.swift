@@ -71,21 +71,21 @@ final class KeybagTests: TempDirTestCase {
     func testKeyringEvictionOnLock() throws {
         let d = SecureKey(random: 32)
         let ring = ClassKeyring(classD: d)
-        XCTAssertTrue(ring.canOpen(.none))
+        XCTAssertTrue(ring.access.canOpen(.none))
         for c in [ProtectionClass.complete, .completeUnlessOpen, .completeUntilFirstUserAuthentication] {
-            XCTAssertFalse(ring.canOpen(c)); XCTAssertFalse(ring.canCreate(c))
+            XCTAssertFalse(ring.access.canOpen(c)); XCTAssertFalse(ring.access.canCreate(c))
         }
         let bs = SecureKey(random: 32)
         let keys = UnlockedClassKeys(classA: SecureKey(random: 32), classBSecret: bs, classBPublic: try ClassBAgreement.publicKey(of: bs), classC: SecureKey(random: 32))
         ring.install(keys)
-        ProtectionClass.allCases.forEach { XCTAssertTrue(ring.canOpen($0)) }
+        ProtectionClass.allCases.forEach { XCTAssertTrue(ring.access.canOpen($0)) }
         ring.evictForLock()
         XCTAssertTrue(keys.classA.isWiped, "class A key zeroed")
         XCTAssertTrue(keys.classBSecret.isWiped, "class B private key zeroed")
         XCTAssertFalse(keys.classC.isWiped)
-        XCTAssertFalse(ring.canOpen(.complete)); XCTAssertFalse(ring.canCreate(.complete))
-        XCTAssertFalse(ring.canOpen(.completeUnlessOpen)); XCTAssertTrue(ring.canCreate(.completeUnlessOpen))
-        XCTAssertTrue(ring.canOpen(.completeUntilFirstUserAuthentication))
+        XCTAssertFalse(ring.access.canOpen(.complete)); XCTAssertFalse(ring.access.canCreate(.complete))
+        XCTAssertFalse(ring.access.canOpen(.completeUnlessOpen)); XCTAssertTrue(ring.access.canCreate(.completeUnlessOpen))
+        XCTAssertTrue(ring.access.canOpen(.completeUntilFirstUserAuthentication))
         ring.wipeAll()
         XCTAssertTrue(d.isWiped)
     }

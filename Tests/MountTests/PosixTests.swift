@@ -1,4 +1,5 @@
 import CSystem
+import CTestSupport
 import Foundation
 import KeybagProtocol
 import Glibc

@@ -8,9 +8,6 @@
 extern const int kbfs_O_PATH;
 extern const int kbfs_AT_EMPTY_PATH;
 extern const int kbfs_O_TMPFILE;
-extern const int kbfs_O_DIRECT;
-extern const int kbfs_SEEK_DATA;
-extern const int kbfs_SEEK_HOLE;
 extern const long kbfs_UTIME_NOW;
 extern const long kbfs_UTIME_OMIT;
 extern const unsigned int kbfs_RENAME_NOREPLACE;
@@ -25,8 +22,6 @@ int kbfs_handle_of(int fd, unsigned char *out, int outsize);
 int kbfs_handle_at(int dirfd, const char *name, unsigned char *out, int outsize);
 /* open_by_handle_at(mountfd, handle, flags). */
 int kbfs_open_handle(int mountfd, const unsigned char *handle, int flags);
-/* copy_file_range(2). */
-long kbfs_copy_file_range(int fd_in, long long *off_in, int fd_out, long long *off_out, unsigned long len);
 /* fallocate(2). */
 int kbfs_fallocate(int fd, int mode, long long offset, long long len);
 /* renameat2(2). */
@@ -43,8 +38,10 @@ int kbfs_fix_malloc_thresholds(int mmap_threshold, int trim_threshold);
 int kbfs_malloc_trim(void);
 /* Raises the soft open-files limit to the hard one; returns it, or -1. */
 long kbfs_raise_nofile(void);
-/* This thread's note that the FUSE request it is handling asks the server to clear the
-   set-user-ID / set-group-ID bits (FUSE_HANDLE_KILLPRIV_V2); set when the request is read. */
+/* This thread's note of the kernel's word on the FUSE request it is handling: 1 when the
+   request asks the server to clear the set-user-ID / set-group-ID bits, 0 when it says they
+   stay, -1 when the request carries no such word (FUSE_HANDLE_KILLPRIV_V2: WRITE, SETATTR,
+   OPEN and CREATE do, once INIT agreed to it); set when the request is read. */
 void kbfs_set_request_kills_setid(int on);
 int kbfs_request_kills_setid(void);
 

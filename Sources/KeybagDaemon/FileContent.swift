@@ -1,0 +1,432 @@
+import CFuse
+import Dispatch
+import CSodium
+import CSystem
+import Glibc
+import KeybagCore
+import KeybagProtocol
+import Synchronization
+
+/// Open files and their content: headers and keys, open, create, read, write, truncate,
+/// fallocate, and the `user.protection` class of files and directories.
+extension Filesystem {
+    // MARK: classes and keys
+
+    /// Reads a regular file's header. A header left with two valid slots by a class change
+    /// that was cut off gets the older slot (another class's wrap) erased now.
+    func readHeader(_ node: Node) throws -> FileHeader {
+        let fd = try check(node.open(O_RDONLY))
+        defer { close(fd) }
+        let (h, superseded) = try EncryptedContent.readHeaderSlots(fd: fd)
+        if let superseded {
+            let wfd = node.open(O_RDWR)
+            if wfd >= 0 {
+                defer { close(wfd) }
+                do { try EncryptedContent.eraseHeaderSlot(fd: wfd, index: superseded) } catch {
+                    MountDaemon.log("could not erase the superseded header slot of inode \(node.backingIno): \(error)")
+                }
+            } else {
+                MountDaemon.log("could not erase the superseded header slot of inode \(node.backingIno): \(String(cString: strerror(errno)))")
+            }
+        }
+        return h
+    }
+
+    /// Runs `body` with the file key for `use`, holding the inode's lock shared when the key
+    /// is ready (reads) or alone when it must be loaded or the use writes. Whether the key
+    /// may be used is `FileKeyLife`'s decision alone.
+    private func withContentKey<R>(_ node: Node, _ use: FileKeyLife.Use, _ body: (FileContentKey) throws -> R) throws -> R {
+        if use == .read {
+            let access = keyring.access
+            let done: R?? = try node.io.read { st in
+                guard let k = st.readyKey(for: .read, access) else { return .none }
+                return .some(try body(k))
+            }
+            if case .some(let r) = done, let r { return r }
+        }
+        return try node.io.write { st in
+            _ = try st.header { try readHeader(node) }
+            let key: FileContentKey
+            do { key = try st.key(for: use, keyring: keyring, cipher: cipher) } catch {
+                Failpoint.keyRefused.hit()
+                throw error
+            }
+            return try body(key)
+        }
+    }
+
+    /// Zeroes a buffer that carried plaintext, so it cannot outlive its request. Every class:
+    /// a file read or written as class C may be made `complete` before the next lock.
+    static func wipe(_ b: UnsafeRawBufferPointer) {
+        guard let base = b.baseAddress, b.count > 0 else { return }
+        sodium_memzero(UnsafeMutableRawPointer(mutating: base), b.count)
+    }
+
+    // MARK: files
+
+    /// Opens the backing file for a handle and loads the file key (EACCES by class rules).
+    func open(_ id: UInt64, flags: Int32, caller: Caller? = nil) throws -> FileHandle {
+        let n = try node(id)
+        guard n.isRegular else { throw FSError(n.isDirectory ? EISDIR : EINVAL) }
+        let writable = (flags & O_ACCMODE) != O_RDONLY
+        if writable && space.noteWritten() { refreshAttributesOfKnownFiles() }   // nearly full: tight before the first write
+        let fd = try check(n.open(writable ? O_RDWR : O_RDONLY))
+        let cls: ProtectionClass
+        do {
+            cls = try n.io.write { st in
+                let h = try st.header { try readHeader(n) }
+                let key: FileContentKey
+                do { key = try st.open(keyring: keyring, cipher: cipher) } catch {
+                    Failpoint.keyRefused.hit()
+                    throw error
+                }
+                if flags & O_TRUNC != 0 && writable {
+                    do { try content.truncate(fd: fd, key: key, to: 0) } catch { _ = st.release(keyring: keyring); throw error }
+                }
+                return h.protectionClass
+            }
+        } catch {
+            close(fd)
+            throw FSError(error)
+        }
+        // An open that truncates is a modification: the kernel leaves the set-ID bits to us
+        // when it hands O_TRUNC over (atomic O_TRUNC).
+        if flags & O_TRUNC != 0 && writable, let caller {
+            var st = stat()
+            if fstat(fd, &st) == 0, let mode = Self.modeAfterModification(st, by: caller) { _ = fchmod(fd, mode) }
+        }
+        openFiles.add(1, ordering: .relaxed)
+        return FileHandle(node: n, fd: fd, writable: writable, directIO: usesDirectIO(cls))
+    }
+
+    /// Whether handles of `cls` bypass the kernel's page cache: class A, where the kernel
+    /// lets mappings use direct-I/O handles (else class A keeps cached I/O, and a refused
+    /// write can be seen by another reader of the file while the daemon answers it).
+    func usesDirectIO(_ cls: ProtectionClass) -> Bool { cls == .complete && kernel.negotiated.directIOMappable }
+
+    /// Creates a regular file with the inherited class (EACCES when that class cannot create
+    /// now). Atomic: the header is written to an unnamed file that is then linked under its
+    /// name, so a crash never leaves a named file without a header.
+    func create(parent: UInt64, name: String, mode: mode_t, flags: Int32, caller: Caller) throws -> (Node, stat, FileHandle) {
+        try retryingWhileSpaceReturns { try createOnce(parent: parent, name: name, mode: mode, flags: flags, caller: caller) }
+    }
+
+    /// One attempt of `create`; undoes what it did when it fails.
+    private func createOnce(parent: UInt64, name: String, mode: mode_t, flags: Int32, caller: Caller) throws -> (Node, stat, FileHandle) {
+        try Self.checkName(name)
+        let p = try node(parent)
+        let cls = try inheritedClass(p)
+        guard let (wrapKey, epoch) = keyring.wrappingKey(for: cls) else { throw FSError(EACCES) }
+        let entry = try backingName(p, name)
+        let sideCreated = try ensureSideFile(p, entry)
+        let file: NewFile
+        do { file = try newFile(in: p, class: cls, wrapKey: wrapKey, mode: mode, caller: caller, nameless: false) } catch {
+            if sideCreated { removeSideFile(p, entry) }
+            throw FSError(error)
+        }
+        var linked = false
+        do {
+            let rc = link(unnamed: file.fd, temp: file.temp, dirFD: p.fd, as: entry.name)
+            if rc == EEXIST && flags & O_EXCL == 0 {
+                file.key.wipe()
+                close(file.fd)
+                let (n, _) = try lookupBacking(p, entry.name)
+                let h = try open(n.id, flags: flags)
+                return (n, try attributes(fd: h.fd), h)
+            }
+            guard rc == 0 else { throw FSError(rc) }
+            linked = true
+            Failpoint.createBeforeKeyJoinsInode.hit()
+            let pathFD = try check(openat(p.fd, entry.name, kbfs_O_PATH | O_NOFOLLOW | O_CLOEXEC))
+            var st = stat()
+            try check(fstat(pathFD, &st))
+            return try adopt(file, node: table.remember(fd: pathFD, stat: st), stat: st, class: cls, epoch: epoch)
+        } catch {
+            if linked { unlinkat(p.fd, entry.name, 0) }
+            if sideCreated && (error as? FSError)?.errno != EEXIST { removeSideFile(p, entry) }
+            close(file.fd)
+            throw FSError(error)
+        }
+    }
+
+    /// `open(2)` with `O_TMPFILE` in `parent`: a file of the inherited class with no name,
+    /// gone at its last close unless `linkat(2)` gives it one (a backing O_TMPFILE file,
+    /// whose node keeps a descriptor: an unlinked inode cannot be reopened by handle).
+    /// EOPNOTSUPP where the store's filesystem has no O_TMPFILE.
+    func createUnnamed(parent: UInt64, mode: mode_t, caller: Caller) throws -> (Node, stat, FileHandle) {
+        try retryingWhileSpaceReturns {
+            let p = try node(parent)
+            let cls = try inheritedClass(p)
+            guard let (wrapKey, epoch) = keyring.wrappingKey(for: cls) else { throw FSError(EACCES) }
+            let file = try newFile(in: p, class: cls, wrapKey: wrapKey, mode: mode, caller: caller, nameless: true)
+            do {
+                let pathFD = try check(Glibc.open("/proc/self/fd/\(file.fd)", kbfs_O_PATH | O_CLOEXEC))
+                var st = stat()
+                guard fstat(pathFD, &st) == 0 else { let e = errno; close(pathFD); throw FSError(e) }
+                return try adopt(file, node: table.remember(keeping: pathFD, stat: st), stat: st, class: cls, epoch: epoch)
+            } catch {
+                close(file.fd)
+                throw FSError(error)
+            }
+        }
+    }
+
+    /// A new backing file with its header, not yet in the node table.
+    private struct NewFile {
+        /// Read-write descriptor of the backing file.
+        let fd: Int32
+        /// Its reserved temporary name where the store has no O_TMPFILE, else nil.
+        let temp: String?
+        let header: FileHeader
+        let key: FileContentKey
+    }
+
+    /// A backing file in `p` of class `cls` owned by `caller`, with its header written and
+    /// no name of its own (`unnamedFile`; `nameless` refuses the temporary-name fallback).
+    /// Leaves nothing behind when it throws.
+    private func newFile(in p: Node, class cls: ProtectionClass, wrapKey: FileHeader.ClassKey, mode: mode_t, caller: Caller, nameless: Bool) throws -> NewFile {
+        // Made without set-ID bits: they come once the file is the caller's (the kernel already
+        // dropped those the caller may not set, Linux 6.0+); never on a file left as root's.
+        let (bfd, temp) = try unnamedFile(dirFD: p.fd, mode: creationMode(mode, in: p, by: caller) & 0o1777, fallback: !nameless)
+        do {
+            let owned = !chownToCaller || !Failpoint.chownRefused.isOn && fchown(bfd, caller.uid, groupFor(caller, dirFD: p.fd)) == 0
+            var st = stat()
+            if owned && mode & (S_ISUID | S_ISGID) != 0 && fstat(bfd, &st) == 0 {
+                fchmod(bfd, st.st_mode & 0o1777 | mode & (S_ISUID | S_ISGID))
+            }
+            let raw = SecureKey(random: 32)
+            let header = try FileHeader.create(fileKey: raw, class: cls, cipher: cipher, using: wrapKey)
+            try EncryptedContent.writeNewHeader(fd: bfd, header)
+            return NewFile(fd: bfd, temp: temp, header: header, key: try FileContentKey(key: raw, header: header))
+        } catch {
+            if let temp { unlinkat(p.fd, temp, 0) }
+            close(bfd)
+            throw FSError(error)
+        }
+    }
+
+    /// Gives a new file's key to its node and opens the creator's handle on it.
+    private func adopt(_ file: NewFile, node n: Node, stat st: stat, class cls: ProtectionClass, epoch: UInt64) throws -> (Node, stat, FileHandle) {
+        do {
+            try n.io.write { s in try s.adoptCreated(header: file.header, key: file.key, epoch: epoch, keyring: keyring) }
+        } catch {
+            table.forget(n.id, count: 1)   // the kernel never learns of this node
+            throw error
+        }
+        openFiles.add(1, ordering: .relaxed)
+        return (n, plaintextAttributes(st, linkAt: -1, ""), FileHandle(node: n, fd: file.fd, writable: true, directIO: usesDirectIO(cls)))
+    }
+
+    /// A new backing file without a name in `dirFD` (O_TMPFILE), or under a reserved
+    /// temporary name where the backing filesystem has no O_TMPFILE.
+    private func unnamedFile(dirFD: Int32, mode: mode_t, fallback: Bool) throws -> (Int32, String?) {
+        let fd = openat(dirFD, ".", kbfs_O_TMPFILE | O_RDWR | O_CLOEXEC, mode)
+        if fd >= 0 { return (fd, nil) }
+        guard errno == EOPNOTSUPP || errno == EISDIR || errno == EINVAL else { throw FSError(errno) }
+        guard fallback else { throw FSError(EOPNOTSUPP) }
+        let temp = Self.reservedPrefix + "tmp-" + Base64URL.encode(Sodium.randomArray(9))
+        return (try check(openat(dirFD, temp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode)), temp)
+    }
+
+    /// Links a file from `unnamedFile` under `name` (never replacing an entry); removes the
+    /// temporary name. Returns 0 or the errno (EEXIST when the name is taken).
+    private func link(unnamed fd: Int32, temp: String?, dirFD: Int32, as name: String) -> Int32 {
+        let rc = temp.map { linkat(dirFD, $0, dirFD, name, 0) } ?? linkat(AT_FDCWD, "/proc/self/fd/\(fd)", dirFD, name, AT_SYMLINK_FOLLOW)
+        let e = rc == 0 ? 0 : errno
+        if let temp { unlinkat(dirFD, temp, 0) }
+        return e
+    }
+
+    /// A regular backing file of 0 bytes has no header: left by a crash of a version that
+    /// created the name before writing the header. It becomes an empty file of the
+    /// directory's class (a fresh file key; there is no data to lose). Needs that class's
+    /// wrapping key now; otherwise the file stays as it is (EIO) until it can.
+    func giveHeaderToEmptyFile(_ n: Node, parent p: Node) {
+        guard let cls = try? inheritedClass(p), let (wrapKey, _) = keyring.wrappingKey(for: cls) else { return }
+        n.io.write { st in
+            guard st.header == nil else { return }
+            let fd = n.open(O_RDWR)
+            guard fd >= 0 else { return }
+            defer { close(fd) }
+            var s = stat()
+            guard fstat(fd, &s) == 0, s.st_size == 0 else { return }
+            let raw = SecureKey(random: 32)
+            defer { raw.wipe() }
+            do {
+                try EncryptedContent.writeNewHeader(fd: fd, try FileHeader.create(fileKey: raw, class: cls, cipher: cipher, using: wrapKey))
+                MountDaemon.log("inode \(n.backingIno) had no header (0 bytes, left by a crash): now an empty \(cls.name) file")
+            } catch {
+                MountDaemon.log("could not give the empty inode \(n.backingIno) a header: \(error)")
+            }
+        }
+    }
+
+    /// The last close of a handle: class B file keys die with the last handle once locked,
+    /// and so do the crypto library's key schedules and the inode's cached pages (dropped
+    /// from the notifier's queue, not this FUSE thread).
+    func release(_ h: FileHandle) {
+        HeapTrimmer.shared.note()
+        let (closed, header) = h.node.io.write { st in (st.release(keyring: keyring), st.header) }
+        let lastClose = closed.lastClose
+        if closed.pagesMustGo {
+            HardwareAES.forgetKeySchedules()
+            kernel.dropPagesSoon(h.node.id, pass: "last close of a class B file")
+        }
+        openFiles.subtract(1, ordering: .relaxed)
+        // The last close of a file unlinked while open takes its xattr set with it.
+        if lastClose, let header, hasStoredXattrs {
+            var st = stat()
+            if fstat(h.fd, &st) == 0 && st.st_nlink == 0 { dropXattrs(Base64URL.encode(header.fileID)) }
+        }
+    }
+
+    /// Reads through a handle and replies while still holding the inode's lock, so a lock
+    /// (which takes it alone before dropping the page cache) cannot be overtaken by a reply.
+    /// The reply buffer is zeroed once sent.
+    func read(_ h: FileHandle, offset: Int, into buf: UnsafeMutableRawBufferPointer, reply: (Int) -> Void) throws {
+        guard offset >= 0 else { throw FSError(EINVAL) }
+        if offset >= Self.maxFileSize { return reply(0) }
+        try withContentKey(h.node, .read) { key in
+            let n: Int
+            do { n = try content.read(fd: h.fd, key: key, offset: offset, into: buf) } catch {
+                Self.wipe(UnsafeRawBufferPointer(buf))
+                throw error
+            }
+            reply(n)
+            Self.wipe(UnsafeRawBufferPointer(rebasing: buf[0..<n]))
+        }
+    }
+
+    /// Writes through a handle. The request's plaintext (in the FUSE receive buffer) is
+    /// zeroed afterwards, whether the write was accepted or refused.
+    func write(_ h: FileHandle, offset: Int, data: UnsafeRawBufferPointer) throws {
+        guard offset >= 0 else { throw FSError(EINVAL) }
+        guard offset <= Self.maxFileSize - data.count else { throw FSError(EFBIG) }
+        defer { Self.wipe(data) }
+        try retryingWhileSpaceReturns {
+            try withContentKey(h.node, .write) { key in
+                try content.write(fd: h.fd, key: key, offset: offset, data: data)
+            }
+        }
+    }
+
+    /// Runs `body` (which must leave nothing half done when it throws) through
+    /// `StoreSpace.retryingWhileSpaceReturns`; a failure for want of space makes the store
+    /// full, and the kernel is told to ask for the attributes of every known file again.
+    func retryingWhileSpaceReturns<R>(_ body: () throws -> R) throws -> R {
+        do {
+            let r = try space.retryingWhileSpaceReturns(body)
+            if space.noteWritten() { refreshAttributesOfKnownFiles() }
+            return r
+        } catch {
+            if [ENOSPC, EDQUOT].contains(FSError(error).errno), space.noteFull() { refreshAttributesOfKnownFiles() }
+            throw error
+        }
+    }
+
+    /// Tells the kernel to ask again for the attributes of every regular file it knows, from
+    /// the daemon's own queue (not this FUSE thread: the kernel may wait there for an inode
+    /// being evicted, whose write-back needs a FUSE thread).
+    func refreshAttributesOfKnownFiles() {
+        let ids = table.regularFiles().map(\.id)
+        kernel.soon { [kernel] in kernel.refreshAttributes(ids) }
+    }
+
+    /// Truncates through a handle when given, else through a fresh backing descriptor.
+    func truncate(_ n: Node, handle: FileHandle?, to size: Int) throws {
+        guard size >= 0 else { throw FSError(EINVAL) }
+        guard size <= Self.maxFileSize else { throw FSError(EFBIG) }
+        let fd: Int32
+        if let handle, handle.writable { fd = handle.fd } else { fd = try check(n.open(O_RDWR)) }
+        defer { if fd != handle?.fd { close(fd) } }
+        try retryingWhileSpaceReturns {
+            try withContentKey(n, .write) { key in
+                try content.truncate(fd: fd, key: key, to: size)
+            }
+        }
+    }
+
+    /// fallocate: mode 0 (allocate, growing the size), KEEP_SIZE, PUNCH_HOLE|KEEP_SIZE,
+    /// ZERO_RANGE (optionally KEEP_SIZE); other modes are EOPNOTSUPP.
+    /// The kernel leaves set-ID bits to us here (no per-request flag, as for writes), so they
+    /// go as after a write by `caller`.
+    func fallocate(_ h: FileHandle, mode: Int32, offset: Int, length: Int, caller: Caller) throws {
+        let keepSize: Int32 = 0x01, punchHole: Int32 = 0x02, zeroRange: Int32 = 0x10
+        guard offset >= 0, length > 0 else { throw FSError(EINVAL) }
+        guard offset <= Self.maxFileSize - length else { throw FSError(EFBIG) }
+        guard mode & ~(keepSize | punchHole | zeroRange) == 0 else { throw FSError(EOPNOTSUPP) }
+        if mode & punchHole != 0 && (mode & keepSize == 0 || mode & zeroRange != 0) { throw FSError(EOPNOTSUPP) }
+        guard h.writable else { throw FSError(EBADF) }
+        let layout = content.layout
+        try retryingWhileSpaceReturns { try withContentKey(h.node, .write) { key in
+            let size = try content.plainSize(fd: h.fd)
+            let end = offset + length
+            if mode & (punchHole | zeroRange) != 0 {
+                try content.zeroRange(fd: h.fd, key: key, offset: offset, length: length) { off, len in
+                    kbfs_fallocate(h.fd, punchHole | keepSize, Int64(off), Int64(len)) == 0
+                }
+            }
+            if mode & keepSize == 0 && end > size {
+                try content.truncate(fd: h.fd, key: key, to: end)
+            }
+            if mode & (punchHole | zeroRange) == 0 {
+                // Reserve backing space for the range (best effort where the backing fs cannot).
+                let b0 = layout.cipherOffset(ofBlock: offset / BlockLayout.plainBlockSize)
+                let b1 = layout.cipherOffset(ofBlock: (end - 1) / BlockLayout.plainBlockSize + 1)
+                let bsize = layout.backingSize(plainSize: max(size, mode & keepSize == 0 ? end : size))
+                let upTo = mode & keepSize == 0 ? min(b1, bsize) : b1
+                if upTo > b0 && kbfs_fallocate(h.fd, keepSize, Int64(b0), Int64(upTo - b0)) != 0 && errno == ENOSPC {
+                    throw FSError(ENOSPC)
+                }
+            }
+        } }
+        clearSetIDAfterModification(h, by: caller)
+    }
+
+    /// fsync of a handle.
+    func fsync(_ h: FileHandle, dataOnly: Bool) throws {
+        try check(dataOnly ? fdatasync(h.fd) : Glibc.fsync(h.fd))
+    }
+
+    // MARK: user.protection
+
+    /// The class of a file, or the stored default of a directory (ENODATA where none).
+    func protection(of id: UInt64) throws -> ProtectionClass {
+        let n = try node(id)
+        if n.isDirectory {
+            guard let c = try meta(of: n).defaultClass else { throw FSError(ENODATA) }
+            return c
+        }
+        guard n.isRegular else { throw FSError(ENODATA) }
+        if let c = n.io.read({ $0.protectionClass }) { return c }
+        return try n.io.write { st in try st.header { try readHeader(n) }.protectionClass }
+    }
+
+    /// Changes a file's class by rewrapping its key (the rules are `FileKeyLife`'s): the new
+    /// slot is written and made durable, then the old slot is erased and that made durable,
+    /// so no older class's wrap survives a finished change. On a directory, stores the
+    /// default for new children.
+    func setProtection(of id: UInt64, to cls: ProtectionClass) throws {
+        let n = try node(id)
+        if n.isDirectory { return try setDirectoryClass(n, cls) }
+        guard n.isRegular else { throw FSError(EPERM) }
+        let fd = try check(n.open(O_RDWR))
+        defer { close(fd) }
+        try n.io.write { st in
+            _ = try st.header { try readHeader(n) }
+            try st.changeClass(to: cls, keyring: keyring, cipher: cipher) { next in
+                try EncryptedContent.writeHeaderSlot(fd: fd, next)
+                Failpoint.classChangeBetweenSlots.hit()
+                try EncryptedContent.eraseHeaderSlot(fd: fd, index: 1 - next.slot)
+            }
+        }
+    }
+
+    /// Removes a directory's stored default (files always have a class: EPERM).
+    func removeProtection(of id: UInt64) throws {
+        let n = try node(id)
+        guard n.isDirectory else { throw FSError(n.isRegular ? EPERM : ENODATA) }
+        guard try meta(of: n).defaultClass != nil else { throw FSError(ENODATA) }
+        try setDirectoryClass(n, nil)
+    }
+}

@@ -1,0 +1,122 @@
+import Foundation
+import Glibc
+@testable import KeybagCore
+@testable import KeybagDaemon
+import XCTest
+
+/// `Filesystem` on a store of its own, driven as the FUSE handlers drive it but without a
+/// mount: the kernel notifier has no session, so page drops go nowhere.
+final class FilesystemTests: XCTestCase {
+    var dir = ""
+    var fs: Filesystem!
+    var keyring: ClassKeyring!
+    var classKeys: (a: SecureKey, b: SecureKey, c: SecureKey)!
+    let root = Filesystem.Caller(uid: 0, gid: 0)
+
+    override func setUpWithError() throws {
+        var t = Array("/tmp/kbfs-unit.XXXXXX".utf8CString)
+        dir = String(cString: mkdtemp(&t)!)
+        var fds: [Int32] = []
+        for sub in ["data", "targets", "xattrs"] {
+            XCTAssertEqual(mkdir(dir + "/" + sub, 0o700), 0)
+            fds.append(open(dir + "/" + sub, O_RDONLY | O_DIRECTORY | O_CLOEXEC))
+        }
+        classKeys = (SecureKey(random: 32), SecureKey(random: 32), SecureKey(random: 32))
+        keyring = ClassKeyring(classD: SecureKey(random: 32))
+        try unlock()
+        fs = try Filesystem(dataFD: fds[0], targetsFD: fds[1], xattrsFD: fds[2], names: NameCipher(volumeKey: SecureKey(random: 32)),
+                            keyring: keyring, cipher: .default, defaultClass: .completeUntilFirstUserAuthentication,
+                            kernel: KernelNotifier { MountNegotiation(directIOMappable: true, writeback: false) })
+        _ = try fs.meta(of: fs.table.root)
+    }
+
+    override func tearDown() { try? FileManager.default.removeItem(atPath: dir) }
+
+    /// Installs the class keys, as an unlock does.
+    func unlock() throws {
+        func copy(_ k: SecureKey) throws -> SecureKey { try k.withBytes { b in SecureKey(count: 32) { $0.copyMemory(from: b) } } }
+        let b = try copy(classKeys.b)
+        keyring.install(UnlockedClassKeys(classA: try copy(classKeys.a), classBSecret: b,
+                                          classBPublic: try ClassBAgreement.publicKey(of: b), classC: try copy(classKeys.c)))
+    }
+
+    /// A new file of `cls` holding `text`, with its first handle.
+    func file(_ name: String, _ cls: ProtectionClass, _ text: String) throws -> KeybagDaemon.FileHandle {
+        let (n, _, h) = try fs.create(parent: 1, name: name, mode: S_IFREG | 0o644, flags: O_RDWR | O_CREAT, caller: root)
+        try fs.setProtection(of: n.id, to: cls)
+        try Array(text.utf8).withUnsafeBytes { try fs.write(h, offset: 0, data: $0) }
+        return h
+    }
+
+    /// The text read through `h`, or the errno the read failed with.
+    func read(_ h: KeybagDaemon.FileHandle) -> Result<String, FSError> {
+        var buf = [UInt8](repeating: 0, count: 4096)
+        var text = ""
+        do {
+            try buf.withUnsafeMutableBytes { b in try fs.read(h, offset: 0, into: b, reply: { n in text = String(decoding: b[0..<n], as: UTF8.self) }) }
+            return .success(text)
+        } catch { return .failure(FSError(error)) }
+    }
+
+    func errno<T>(_ r: Result<T, FSError>) -> Int32 { if case .failure(let e) = r { return e.errno }; return 0 }
+
+    func testAClassAHandleIsRefusedFromTheLockToTheUnlock() throws {
+        let h = try file("secret", .complete, "quarterly numbers")
+        XCTAssertEqual(try read(h).get(), "quarterly numbers")
+        Eviction(.lock).run(keyring: keyring, target: fs)
+        XCTAssertEqual(errno(read(h)), EACCES)
+        XCTAssertThrowsError(try fs.getattr(h.node.id, handle: h), "a cached write would ask for attributes first")
+        XCTAssertEqual(fs.attributeSeconds(h.node.id, normal: 60), 0)
+        XCTAssertThrowsError(try fs.open(h.node.id, flags: O_RDONLY)) { XCTAssertEqual(($0 as? FSError)?.errno, EACCES) }
+        try unlock()
+        XCTAssertEqual(try read(h).get(), "quarterly numbers")
+        XCTAssertEqual(fs.attributeSeconds(h.node.id, normal: 60), 60)
+        fs.release(h)
+    }
+
+    func testTheStoreHoldsNeitherTheNameNorTheContent() throws {
+        let h = try file("quarterly-report.txt", .none, "quarterly numbers")
+        fs.release(h)
+        let names = try FileManager.default.subpathsOfDirectory(atPath: dir)
+        XCTAssertFalse(names.contains { $0.contains("quarterly") }, "\(names)")
+        for name in names {
+            let bytes = (try? Data(contentsOf: URL(fileURLWithPath: dir + "/" + name))) ?? Data()
+            XCTAssertNil(bytes.range(of: Data("quarterly numbers".utf8)), name)
+        }
+    }
+
+    func testAClassBHandleReadsThroughTheLockAndItsLastCloseEndsIt() throws {
+        let h = try file("download", .completeUnlessOpen, "partial")
+        Eviction(.lock).run(keyring: keyring, target: fs)
+        XCTAssertEqual(try read(h).get(), "partial", "a handle opened before the lock keeps its key")
+        fs.release(h)
+        XCTAssertThrowsError(try fs.open(h.node.id, flags: O_RDONLY)) { XCTAssertEqual(($0 as? FSError)?.errno, EACCES) }
+        let made = try file("made-while-locked", .completeUnlessOpen, "new")
+        XCTAssertEqual(try read(made).get(), "new", "class B files are created while locked")
+        fs.release(made)
+    }
+
+    func testAReturnToBeforeFirstUnlockRefusesClassCButNotNone() throws {
+        let c = try file("c", .completeUntilFirstUserAuthentication, "until first unlock")
+        let d = try file("d", .none, "always")
+        Eviction(.lock).run(keyring: keyring, target: fs)
+        XCTAssertEqual(try read(c).get(), "until first unlock", "class C outlives a lock")
+        Eviction(.returnToBeforeFirstUnlock).run(keyring: keyring, target: fs)
+        XCTAssertEqual(errno(read(c)), EACCES)
+        XCTAssertTrue(fs.handlesRefused(c.node))
+        XCTAssertEqual(try read(d).get(), "always")
+        XCTAssertFalse(fs.handlesRefused(d.node))
+        fs.release(c); fs.release(d)
+    }
+
+    func testAWriteClearsSetIDBitsOnlyWhenTheKernelSaysSo() throws {
+        let h = try file("tool", .none, "#!/bin/sh\n")
+        XCTAssertEqual(fchmod(h.fd, 0o4755), 0)
+        func mode() -> mode_t { var st = stat(); fstat(h.fd, &st); return st.st_mode & 0o7777 }
+        fs.clearSetIDAfterModification(h, by: Filesystem.Caller(uid: 1000, gid: 1000, kernelSaysClearSetID: false))
+        XCTAssertEqual(mode(), 0o4755)
+        fs.clearSetIDAfterModification(h, by: Filesystem.Caller(uid: 1000, gid: 1000, kernelSaysClearSetID: true))
+        XCTAssertEqual(mode(), 0o755)
+        fs.release(h)
+    }
+}
