@@ -95,8 +95,33 @@ public enum MountDaemon {
         }
     }
 
+    /// A start that cannot go on, with the message for the log and the launching parent.
+    struct StartFailure: Error { let message: String }
+
+    /// What a started daemon holds: the keys' owner, the filesystem and the control socket.
+    private struct Started {
+        let fs: Filesystem
+        let controller: Controller
+        let server: ControlServer
+    }
+
     /// Runs the daemon in this process; returns the exit code.
     public static func run(_ cfg: MountConfiguration) -> Int32 {
+        prepareProcess()
+        do {
+            let started = try start(cfg)
+            let (se, userdata) = try mountSession(cfg, started)
+            return serve(cfg, started, se, userdata)
+        } catch {
+            let m = (error as? StartFailure)?.message ?? "\(error)"
+            log(m); report(cfg, "ERR " + m)
+            return 1
+        }
+    }
+
+    /// Process-wide settings made before anything else: no core dumps, descriptors, malloc
+    /// behaviour, libsodium and OpenSSL (whose allocator must be in place first).
+    private static func prepareProcess() {
         _ = kbfs_set_nondumpable()
         _ = kbfs_raise_nofile()
         _ = kbfs_limit_malloc_arenas(2)   // 16 loop threads with an arena each inflate RSS
@@ -107,76 +132,79 @@ public enum MountDaemon {
         if !HardwareAES.ownsMemory {
             log("warning: OpenSSL was set up before keybagfs' allocator: its key schedules live in memory that may be swapped (freed contexts are still zeroed)")
         }
-        // One daemon per store: the lock lives as long as this process.
-        let storeLock = open(cfg.store, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
-        guard storeLock >= 0 else {
-            let m = "cannot open the store \(cfg.store): \(String(cString: strerror(errno)))"
-            log(m); report(cfg, "ERR " + m); return 1
-        }
-        guard flock(storeLock, LOCK_EX | LOCK_NB) == 0 else {
-            let m = errno == EWOULDBLOCK ? "the store \(cfg.store) is already mounted by another keybagfs daemon"
-                                         : "cannot lock the store \(cfg.store): \(String(cString: strerror(errno)))"
-            log(m); report(cfg, "ERR " + m); close(storeLock); return 1
-        }
-        let deviceKey: SecureKey, keybag: Keybag, classD: SecureKey, names: NameCipher
-        do {
-            var kb = try Keybag.load(storePath: cfg.store)
-            guard kb.cipher.isAvailable || kb.cipher.sharesLayout(with: .xchacha20poly1305) else {
-                throw KeybagError.invalid("this CPU cannot run the store's cipher \(kb.cipher.name)")
-            }
-            let dkPath = cfg.deviceKeyPath ?? Self.credentialPath("device-key") ?? DeviceKeyFile.defaultPath(storeID: kb.file.storeID)
-            deviceKey = try DeviceKeyFile.load(from: dkPath)
-            classD = try kb.unwrapDeviceKeySlot("D", deviceKey: deviceKey)
-            switch try kb.authenticate(deviceKey: deviceKey) {
-            case .authentic: break
-            case .upgraded: log("keybag upgraded to format \(Keybag.currentFormat) (authenticated failed-attempt counter)")
-            case .tampered: log("the keybag's failed-attempt counter does not authenticate (edited offline?): unlock refused for \(Controller.seconds(kb.retryAfter(now: Date().timeIntervalSince1970))) s")
-            }
-            keybag = kb
-            let volume = try keybag.unwrapDeviceKeySlot("volume", deviceKey: deviceKey)
-            defer { volume.wipe() }
-            names = try NameCipher(volumeKey: volume)
-        } catch {
-            log("\(error)"); report(cfg, "ERR \(error)"); return 1
-        }
-        let dataFD = open(cfg.store + "/" + Keybag.dataDirName, kbfs_O_PATH | O_DIRECTORY | O_CLOEXEC)
-        guard dataFD >= 0 else {
-            let m = "cannot open \(cfg.store)/\(Keybag.dataDirName): \(String(cString: strerror(errno)))"
-            log(m); report(cfg, "ERR " + m); return 1
-        }
-        mkdirat(AT_FDCWD, cfg.store + "/" + Keybag.targetsDirName, 0o700)
-        let targetsFD = open(cfg.store + "/" + Keybag.targetsDirName, kbfs_O_PATH | O_DIRECTORY | O_CLOEXEC)
-        guard targetsFD >= 0 else {
-            let m = "cannot open \(cfg.store)/\(Keybag.targetsDirName): \(String(cString: strerror(errno)))"
-            log(m); report(cfg, "ERR " + m); return 1
-        }
-        mkdirat(AT_FDCWD, cfg.store + "/" + Keybag.xattrsDirName, 0o700)
-        let xattrsFD = open(cfg.store + "/" + Keybag.xattrsDirName, kbfs_O_PATH | O_DIRECTORY | O_CLOEXEC)
-        guard xattrsFD >= 0 else {
-            let m = "cannot open \(cfg.store)/\(Keybag.xattrsDirName): \(String(cString: strerror(errno)))"
-            log(m); report(cfg, "ERR " + m); return 1
-        }
+    }
+
+    /// Takes the store (one daemon per store: the lock lives as long as this process), its
+    /// keys and folders; builds the filesystem, the controller and the control socket.
+    private static func start(_ cfg: MountConfiguration) throws -> Started {
+        try lockStore(cfg.store)
+        let (keybag, deviceKey, classD, names) = try loadKeys(cfg)
+        let data = try openFolder(cfg.store, Keybag.dataDirName, create: false)
+        let targets = try openFolder(cfg.store, Keybag.targetsDirName, create: true)
+        let xattrs = try openFolder(cfg.store, Keybag.xattrsDirName, create: true)
         let keyring = ClassKeyring(classD: classD)
-        let kernel = KernelNotifier()
-        let fs: Filesystem
-        do {
-            fs = try Filesystem(dataFD: dataFD, targetsFD: targetsFD, xattrsFD: xattrsFD, names: names, keyring: keyring, cipher: keybag.cipher.isAvailable ? keybag.cipher : .xchacha20poly1305, defaultClass: cfg.defaultClass, policy: cfg.policy,
-                                threads: cfg.threads, kernel: kernel)
-            _ = try fs.meta(of: fs.table.root)   // the root's name IV exists before the first request
-        } catch {
-            log("\(error)"); report(cfg, "ERR \(error)"); return 1
-        }
+        let cipher = keybag.cipher.isAvailable ? keybag.cipher : .xchacha20poly1305
+        let fs = try Filesystem(dataFD: data, targetsFD: targets, xattrsFD: xattrs, names: names, keyring: keyring,
+                                cipher: cipher, defaultClass: cfg.defaultClass, policy: cfg.policy,
+                                threads: cfg.threads, kernel: KernelNotifier())
+        _ = try fs.meta(of: fs.table.root)   // the root's name IV exists before the first request
         let mountpoint = URL(fileURLWithPath: cfg.mountpoint).standardizedFileURL.path
         let owner = cfg.owner ?? getuid()
-        let controller = Controller(keybag: keybag, deviceKey: deviceKey, keyring: keyring, fs: fs, grace: cfg.grace, mountpoint: mountpoint,
-                                    owner: owner, inactivityRelock: cfg.inactivityRelock) { state in
+        let controller = Controller(keybag: keybag, deviceKey: deviceKey, keyring: keyring, fs: fs, grace: cfg.grace,
+                                    mountpoint: mountpoint, owner: owner, inactivityRelock: cfg.inactivityRelock) { state in
             notifySystemd("STATUS=\(statusLine(state))")
         }
-        let server: ControlServer
-        do { server = try ControlServer(path: cfg.socketPath, controller: controller, owner: owner) } catch {
-            log("\(error)"); report(cfg, "ERR \(error)"); controller.shutdown(); return 1
+        do {
+            return Started(fs: fs, controller: controller, server: try ControlServer(path: cfg.socketPath, controller: controller, owner: owner))
+        } catch {
+            controller.shutdown()
+            throw error
         }
+    }
 
+    /// Locks the store against a second daemon (the descriptor stays open until exit).
+    private static func lockStore(_ store: String) throws {
+        let fd = open(store, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+        guard fd >= 0 else { throw StartFailure(message: "cannot open the store \(store): \(String(cString: strerror(errno)))") }
+        guard flock(fd, LOCK_EX | LOCK_NB) == 0 else {
+            let e = errno
+            close(fd)
+            throw StartFailure(message: e == EWOULDBLOCK ? "the store \(store) is already mounted by another keybagfs daemon"
+                                                         : "cannot lock the store \(store): \(String(cString: strerror(e)))")
+        }
+    }
+
+    /// The keybag, the device key, the class D key and the name cipher (volume key).
+    private static func loadKeys(_ cfg: MountConfiguration) throws -> (Keybag, SecureKey, SecureKey, NameCipher) {
+        var kb = try Keybag.load(storePath: cfg.store)
+        guard kb.cipher.isAvailable || kb.cipher.sharesLayout(with: .xchacha20poly1305) else {
+            throw KeybagError.invalid("this CPU cannot run the store's cipher \(kb.cipher.name)")
+        }
+        let dkPath = cfg.deviceKeyPath ?? Self.credentialPath("device-key") ?? DeviceKeyFile.defaultPath(storeID: kb.file.storeID)
+        let deviceKey = try DeviceKeyFile.load(from: dkPath)
+        let classD = try kb.unwrapDeviceKeySlot("D", deviceKey: deviceKey)
+        switch try kb.authenticate(deviceKey: deviceKey) {
+        case .authentic: break
+        case .upgraded: log("keybag upgraded to format \(Keybag.currentFormat) (authenticated failed-attempt counter)")
+        case .tampered: log("the keybag's failed-attempt counter does not authenticate (edited offline?): unlock refused for \(Controller.seconds(kb.retryAfter(now: Date().timeIntervalSince1970))) s")
+        }
+        let volume = try kb.unwrapDeviceKeySlot("volume", deviceKey: deviceKey)
+        defer { volume.wipe() }
+        return (kb, deviceKey, classD, try NameCipher(volumeKey: volume))
+    }
+
+    /// An `O_PATH` descriptor of one of the store's folders, made first when `create`.
+    private static func openFolder(_ store: String, _ name: String, create: Bool) throws -> Int32 {
+        if create { mkdirat(AT_FDCWD, store + "/" + name, 0o700) }
+        let fd = open(store + "/" + name, kbfs_O_PATH | O_DIRECTORY | O_CLOEXEC)
+        guard fd >= 0 else { throw StartFailure(message: "cannot open \(store)/\(name): \(String(cString: strerror(errno)))") }
+        return fd
+    }
+
+    /// Creates the FUSE session with the mount's options and mounts it; undoes what the start
+    /// made when it cannot. Returns the session and the context handed to the handlers.
+    private static func mountSession(_ cfg: MountConfiguration, _ s: Started) throws -> (OpaquePointer, UnsafeMutableRawPointer) {
+        func fail(_ m: String) -> StartFailure { s.server.stop(); s.controller.shutdown(); return StartFailure(message: m) }
         let fsname = cfg.store.replacingOccurrences(of: ",", with: "_")
         var opts = ["fsname=\(fsname)", "subtype=keybagfs"]
         let kernelChecks = Self.needsKernelPermissionChecks(euid: geteuid(), options: cfg.fuseOptions)
@@ -187,7 +215,7 @@ public enum MountDaemon {
         let cargs = argv.map { strdup($0) }
         defer { cargs.forEach { free($0) } }
         var cArgv: [UnsafeMutablePointer<CChar>?] = cargs + [nil]
-        let context = FuseContext(fs: fs, cacheTimeout: Self.cacheTimeout, writebackCache: cfg.writebackCache, posixACL: posixACL)
+        let context = FuseContext(fs: s.fs, cacheTimeout: Self.cacheTimeout, writebackCache: cfg.writebackCache, posixACL: posixACL)
         let userdata = Unmanaged.passRetained(context).toOpaque()
         var ops = FuseBridge.operations()
         let se: OpaquePointer? = cArgv.withUnsafeMutableBufferPointer { buf in
@@ -196,23 +224,23 @@ public enum MountDaemon {
             fuse_opt_free_args(&args)
             return s
         }
-        guard let se else {
-            let m = "cannot create the FUSE session (bad -o options?)"
-            log(m); report(cfg, "ERR " + m); server.stop(); controller.shutdown(); return 1
+        guard let se else { throw fail("cannot create the FUSE session (bad -o options?)") }
+        guard fuse_set_signal_handlers(se) == 0 else { throw fail("cannot install signal handlers") }
+        guard fuse_session_mount(se, s.controller.mountpoint) == 0 else {
+            fuse_remove_signal_handlers(se); fuse_session_destroy(se)
+            throw fail("cannot mount on \(s.controller.mountpoint) (does it exist? is /dev/fuse usable?)")
         }
-        guard fuse_set_signal_handlers(se) == 0 else {
-            report(cfg, "ERR cannot install signal handlers"); server.stop(); controller.shutdown(); return 1
-        }
-        guard fuse_session_mount(se, mountpoint) == 0 else {
-            let m = "cannot mount on \(mountpoint) (does it exist? is /dev/fuse usable?)"
-            log(m); report(cfg, "ERR " + m)
-            fuse_remove_signal_handlers(se); fuse_session_destroy(se); server.stop(); controller.shutdown(); return 1
-        }
-        FuseChannel.noteReadaheadFile(mountpoint: mountpoint)
-        if let file = FuseChannel.readAheadFile.withLock({ $0 }) { fs.space.attach(bdi: String(file.dropLast("/read_ahead_kb".count))) }
+        return (se, userdata)
+    }
+
+    /// Serves the mounted session until unmount or a signal, then zeroes every key and
+    /// unmounts. Returns the exit code.
+    private static func serve(_ cfg: MountConfiguration, _ s: Started, _ se: OpaquePointer, _ userdata: UnsafeMutableRawPointer) -> Int32 {
+        FuseChannel.noteReadaheadFile(mountpoint: s.controller.mountpoint)
+        if let file = FuseChannel.readAheadFile.withLock({ $0 }) { s.fs.space.attach(bdi: String(file.dropLast("/read_ahead_kb".count))) }
         if !FuseChannel.install(se) { log("cannot install the FUSE I/O hooks; class A handles keep page-cache I/O") }
-        kernel.attach(se)
-        server.start()
+        s.fs.kernel.attach(se)
+        s.server.start()
         HeapTrimmer.shared.start()
         report(cfg, "OK")
         notifySystemd("READY=1\nMAINPID=\(getpid())\nSTATUS=\(Self.statusLine(.beforeFirstUnlock))")
@@ -228,10 +256,10 @@ public enum MountDaemon {
         let rc = fuse_session_loop_mt(se, loopCfg)
         fuse_loop_cfg_destroy(loopCfg)
 
-        kernel.detach()
+        s.fs.kernel.detach()
         HeapTrimmer.shared.stop()
-        server.stop()
-        controller.shutdown()
+        s.server.stop()
+        s.controller.shutdown()
         fuse_session_unmount(se)
         fuse_remove_signal_handlers(se)
         fuse_session_destroy(se)
