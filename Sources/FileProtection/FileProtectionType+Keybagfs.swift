@@ -14,7 +14,8 @@ extension FileProtectionType {
         case FileProtectionType.none.rawValue: return "none"
         case FileProtectionType.complete.rawValue: return "complete"
         case FileProtectionType.completeUnlessOpen.rawValue: return "completeUnlessOpen"
-        case FileProtectionType.completeUntilFirstUserAuthentication.rawValue: return "completeUntilFirstUserAuthentication"
+        case FileProtectionType.completeUntilFirstUserAuthentication.rawValue:
+            return "completeUntilFirstUserAuthentication"
         default: return nil
         }
     }
@@ -38,7 +39,8 @@ extension Data.WritingOptions {
         case Data.WritingOptions.noFileProtection.rawValue: return FileProtectionType.none
         case Data.WritingOptions.completeFileProtection.rawValue: return .complete
         case Data.WritingOptions.completeFileProtectionUnlessOpen.rawValue: return .completeUnlessOpen
-        case Data.WritingOptions.completeFileProtectionUntilFirstUserAuthentication.rawValue: return .completeUntilFirstUserAuthentication
+        case Data.WritingOptions.completeFileProtectionUntilFirstUserAuthentication.rawValue:
+            return .completeUntilFirstUserAuthentication
         default: return nil
         }
     }
@@ -61,7 +63,8 @@ enum ProtectionErrors {
             cocoa = writing ? .fileWriteNoPermission : .fileReadNoPermission
             if code == EACCES, ProtectedData.isLockedClassDenial(path: classOf ?? path) {
                 info[unavailableKey] = true
-                info[NSLocalizedDescriptionKey] = "\(what) \(path): protected data is not available (the device is locked and the file's class needs its key)"
+                info[NSLocalizedDescriptionKey] =
+                    "\(what) \(path): protected data is not available (the device is locked and the file's class needs its key)"
             } else {
                 info[NSLocalizedDescriptionKey] = "\(what) \(path): \(reason)"
             }

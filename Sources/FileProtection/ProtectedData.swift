@@ -35,9 +35,11 @@ public enum ProtectedDataEvent: String, Sendable, Equatable {
 
 extension Notification.Name {
     /// Apple's `UIApplication.protectedDataWillBecomeUnavailableNotification`.
-    public static let protectedDataWillBecomeUnavailable = Notification.Name("UIApplicationProtectedDataWillBecomeUnavailable")
+    public static let protectedDataWillBecomeUnavailable = Notification.Name(
+        "UIApplicationProtectedDataWillBecomeUnavailable")
     /// Apple's `UIApplication.protectedDataDidBecomeAvailableNotification`.
-    public static let protectedDataDidBecomeAvailable = Notification.Name("UIApplicationProtectedDataDidBecomeAvailable")
+    public static let protectedDataDidBecomeAvailable = Notification.Name(
+        "UIApplicationProtectedDataDidBecomeAvailable")
     /// keybagfs only (iOS has no such notification): the keys are gone.
     public static let protectedDataDidBecomeUnavailable = Notification.Name("KeybagfsProtectedDataDidBecomeUnavailable")
 }
@@ -83,7 +85,8 @@ public enum ProtectedData {
         }
         guard n > 0 else { return false }
         let name = String(decoding: buf[0..<n], as: UTF8.self)
-        guard name == "complete" || name == "completeUnlessOpen" || name == "completeUntilFirstUserAuthentication" else { return false }
+        guard name == "complete" || name == "completeUnlessOpen" || name == "completeUntilFirstUserAuthentication"
+        else { return false }
         let url = URL(fileURLWithPath: path)
         guard let s = try? socketPath(for: url), let st = status(socket: s) else { return false }
         return (st["protectedDataAvailable"] as? Bool) == false
@@ -95,7 +98,9 @@ public enum ProtectedData {
     /// missed (`didBecomeUnavailable` or `didBecomeAvailable`). Pass the availability the
     /// caller acted on as `assuming` to get the same for a change before the first subscribe.
     /// Ends when the consumer stops.
-    public static func events(for url: URL, socket: String? = nil, assuming: Bool? = nil) -> AsyncStream<ProtectedDataEvent> {
+    public static func events(
+        for url: URL, socket: String? = nil, assuming: Bool? = nil
+    ) -> AsyncStream<ProtectedDataEvent> {
         let path = socket ?? (try? socketPath(for: url))
         return AsyncStream { continuation in
             guard let path else { continuation.finish(); return }
@@ -108,7 +113,9 @@ public enum ProtectedData {
 
     /// Posts each event of the mount that holds `url` on `center` (Apple's names), until
     /// the returned task is cancelled.
-    public static func postNotifications(for url: URL, socket: String? = nil, center: NotificationCenter = .default) -> Task<Void, Never> {
+    public static func postNotifications(
+        for url: URL, socket: String? = nil, center: NotificationCenter = .default
+    ) -> Task<Void, Never> {
         let stream = events(for: url, socket: socket)
         let box = CenterBox(center: center)
         return Task {
@@ -163,13 +170,19 @@ final class Subscription: Sendable {
             }
             guard keep, (try? ControlClient.sendLine(fd, #"{"op":"subscribe"}"#)) != nil else { continue }
             var buf: [UInt8] = []
-            guard let reply = ControlClient.readLine(fd, buffer: &buf).flatMap(ControlProtocol.decode), (reply["ok"] as? Bool) == true else { continue }
+            guard let reply = ControlClient.readLine(fd, buffer: &buf).flatMap(ControlProtocol.decode),
+                (reply["ok"] as? Bool) == true
+            else { continue }
             delay = 0.1
             let nowAvailable = (reply["state"] as? String) == "unlocked"
-            if let was = available, was != nowAvailable { yield(nowAvailable ? .didBecomeAvailable : .didBecomeUnavailable) }
+            if let was = available, was != nowAvailable {
+                yield(nowAvailable ? .didBecomeAvailable : .didBecomeUnavailable)
+            }
             available = nowAvailable
             while let line = ControlClient.readLine(fd, buffer: &buf) {
-                guard let o = ControlProtocol.decode(line), let name = o["event"] as? String, let e = ProtectedDataEvent(socketName: name) else { continue }
+                guard let o = ControlProtocol.decode(line), let name = o["event"] as? String,
+                    let e = ProtectedDataEvent(socketName: name)
+                else { continue }
                 if e == .didBecomeAvailable { available = true }
                 if e == .didBecomeUnavailable { available = false }
                 yield(e)

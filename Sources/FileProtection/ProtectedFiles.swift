@@ -7,7 +7,9 @@ extension FileManager {
     public func protection(ofItemAtPath path: String) throws -> FileProtectionType {
         var buf = [UInt8](repeating: 0, count: 128)
         let n = getxattr(path, protectionAttribute, &buf, buf.count)
-        guard n >= 0 else { throw ProtectionErrors.error(errno, path: path, writing: false, what: "reading the protection of") }
+        guard n >= 0 else {
+            throw ProtectionErrors.error(errno, path: path, writing: false, what: "reading the protection of")
+        }
         let name = String(decoding: buf[0..<n], as: UTF8.self)
         guard let t = FileProtectionType(keybagfsName: name) else {
             throw CocoaError(.fileReadCorruptFile, userInfo: [NSFilePathErrorKey: path, NSLocalizedDescriptionKey: "unknown protection class \"\(name)\" on \(path)"])
@@ -58,18 +60,24 @@ extension Data {
             throw CocoaError(.fileWriteInvalidFileName, userInfo: [NSFilePathErrorKey: path, NSLocalizedDescriptionKey: "unknown protection type \(protection.rawValue)"])
         }
         let dir = url.deletingLastPathComponent().path
-        func fail(_ code: Int32, _ what: String) -> CocoaError { ProtectionErrors.error(code, path: path, writing: true, what: what) }
+        func fail(_ code: Int32, _ what: String) -> CocoaError {
+            ProtectionErrors.error(code, path: path, writing: true, what: what)
+        }
         var template = Array((dir + "/.fp-write.XXXXXX").utf8CString)
         guard let made = mkdtemp(&template) else { throw fail(errno, "creating a temporary folder for") }
         let tmpDir = String(cString: made)
         defer { rmdir(tmpDir) }
-        guard setxattr(tmpDir, protectionAttribute, className, className.utf8.count, 0) == 0 else { throw fail(errno, "setting the class for") }
+        guard setxattr(tmpDir, protectionAttribute, className, className.utf8.count, 0) == 0 else {
+            throw fail(errno, "setting the class for")
+        }
         let tmp = tmpDir + "/" + url.lastPathComponent
         let mask = umask(0)
         umask(mask)
         let fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0o666 & ~mask)
         // Judged on the file being created, whose folder carries the class asked for.
-        guard fd >= 0 else { throw ProtectionErrors.error(errno, path: path, writing: true, what: "creating", classOf: tmp) }
+        guard fd >= 0 else {
+            throw ProtectionErrors.error(errno, path: path, writing: true, what: "creating", classOf: tmp)
+        }
         var linked = false
         defer { if !linked { unlink(tmp) } }
         let err: Int32 = withUnsafeBytes { b -> Int32 in

@@ -23,7 +23,8 @@ public struct KeyAccess: Sendable, Equatable {
     }
 
     init(word w: UInt64) {
-        self.init(epoch: w >> 16, evicting: w & (1 << 8) != 0, openMask: UInt8(w & 0xF), createMask: UInt8((w >> 4) & 0xF))
+        self.init(
+            epoch: w >> 16, evicting: w & (1 << 8) != 0, openMask: UInt8(w & 0xF), createMask: UInt8((w >> 4) & 0xF))
     }
 
     /// The mask bit of a class.
@@ -57,7 +58,10 @@ public final class ClassKeyring: Sendable {
         var access: KeyAccess {
             var open: UInt8 = 0, create: UInt8 = 0
             if d != nil { open |= KeyAccess.bit(.none); create |= KeyAccess.bit(.none) }
-            if c != nil && !returning { open |= KeyAccess.bit(.completeUntilFirstUserAuthentication); create |= KeyAccess.bit(.completeUntilFirstUserAuthentication) }
+            if c != nil && !returning {
+                open |= KeyAccess.bit(.completeUntilFirstUserAuthentication);
+                create |= KeyAccess.bit(.completeUntilFirstUserAuthentication)
+            }
             if bPublic != nil && !returning { create |= KeyAccess.bit(.completeUnlessOpen) }
             if !evicting {
                 if bSecret != nil && bPublic != nil { open |= KeyAccess.bit(.completeUnlessOpen) }

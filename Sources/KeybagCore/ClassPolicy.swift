@@ -41,7 +41,9 @@ public struct ClassPolicy: Sendable, Equatable {
     public init(text: String) throws {
         // Any line end: "\r\n" is one Character in Swift, so splitting on "\n" alone would
         // leave a CRLF file as one line.
-        for (i, raw) in text.split(omittingEmptySubsequences: false, whereSeparator: { $0 == "\n" || $0 == "\r\n" || $0 == "\r" }).enumerated() {
+        for (i, raw) in text.split(
+            omittingEmptySubsequences: false, whereSeparator: { $0 == "\n" || $0 == "\r\n" || $0 == "\r" }
+        ).enumerated() {
             var line = Substring(raw)
             if let hash = line.firstIndex(of: "#") { line = line[..<hash] }
             let trimmed = String(line).trimmingCharacters(in: .whitespacesAndNewlines)
@@ -53,19 +55,27 @@ public struct ClassPolicy: Sendable, Equatable {
     /// Adds one rule written `PATTERN=CLASS` or `PATTERN CLASS` (the class is the last word).
     public mutating func add(_ text: String) throws {
         let s = text.trimmingCharacters(in: .whitespacesAndNewlines)
-        if s.unicodeScalars.contains(where: { $0.value < 0x20 || $0.value == 0x7F || $0 == "\u{2028}" || $0 == "\u{2029}" }) {
+        if s.unicodeScalars.contains(where: {
+            $0.value < 0x20 || $0.value == 0x7F || $0 == "\u{2028}" || $0 == "\u{2029}"
+        }) {
             throw ParseError(line: 0, reason: "control characters are not allowed")
         }
         if s.utf8.count > 4096 { throw ParseError(line: 0, reason: "a rule is longer than 4096 bytes") }
         // `PATTERN CLASS` when the last word is a class (the pattern may then hold "="),
         // else `PATTERN=CLASS`.
         let space = s.lastIndex(where: { $0 == " " || $0 == "\t" })
-        let cut = space.flatMap { ProtectionClass(name: String(s[s.index(after: $0)...])) != nil ? $0 : nil } ?? s.lastIndex(of: "=") ?? space
+        let cut =
+            space.flatMap { ProtectionClass(name: String(s[s.index(after: $0)...])) != nil ? $0 : nil } ?? s.lastIndex(
+                of: "=") ?? space
         guard let cut else { throw ParseError(line: 0, reason: "\"\(s)\" is not PATTERN=CLASS") }
         let pattern = String(s[..<cut]).trimmingCharacters(in: .whitespacesAndNewlines)
         let className = String(s[s.index(after: cut)...]).trimmingCharacters(in: .whitespacesAndNewlines)
         guard let cls = ProtectionClass(name: className) else {
-            throw ParseError(line: 0, reason: "unknown class \"\(className)\" (none, completeUntilFirstUserAuthentication, completeUnlessOpen, complete)")
+            throw ParseError(
+                line: 0,
+                reason:
+                    "unknown class \"\(className)\" (none, completeUntilFirstUserAuthentication, completeUnlessOpen, complete)"
+            )
         }
         var names = pattern.split(separator: "/", omittingEmptySubsequences: true).map(String.init)
         if names.first == "." { names.removeFirst() }
@@ -74,13 +84,22 @@ public struct ClassPolicy: Sendable, Equatable {
         guard !names.isEmpty else { throw ParseError(line: 0, reason: "\"\(pattern)\" names no directory") }
         guard names.count <= 64 else { throw ParseError(line: 0, reason: "\"\(pattern)\" has more than 64 names") }
         for n in names {
-            if n == "." || n == ".." { throw ParseError(line: 0, reason: "\"\(pattern)\": \".\" and \"..\" are not allowed") }
-            if n.contains("**") { throw ParseError(line: 0, reason: "\"\(pattern)\": \"**\" is allowed only as the first name") }
-            if n.utf8.count > 255 { throw ParseError(line: 0, reason: "\"\(pattern)\": a name is longer than 255 bytes") }
+            if n == "." || n == ".." {
+                throw ParseError(line: 0, reason: "\"\(pattern)\": \".\" and \"..\" are not allowed")
+            }
+            if n.contains("**") {
+                throw ParseError(line: 0, reason: "\"\(pattern)\": \"**\" is allowed only as the first name")
+            }
+            if n.utf8.count > 255 {
+                throw ParseError(line: 0, reason: "\"\(pattern)\": a name is longer than 255 bytes")
+            }
         }
-        if pattern.hasPrefix("/") && anyDepth { throw ParseError(line: 0, reason: "\"\(pattern)\": \"/**\" is just \"**\"") }
+        if pattern.hasPrefix("/") && anyDepth {
+            throw ParseError(line: 0, reason: "\"\(pattern)\": \"/**\" is just \"**\"")
+        }
         let normal = (anyDepth ? ["**"] : []) + names
-        rules.append(Rule(pattern: normal.joined(separator: "/"), components: names, anyDepth: anyDepth, protectionClass: cls))
+        rules.append(
+            Rule(pattern: normal.joined(separator: "/"), components: names, anyDepth: anyDepth, protectionClass: cls))
     }
 
     /// Whether some rule could match a directory named `name` (its last pattern name

@@ -120,7 +120,9 @@ public final class FileContentKey: Sendable {
         self.fileID = fileID
         self.sealsEnd = sealsEnd
         precondition(fileID.count == 16)
-        self.idWords = fileID.withUnsafeBytes { ($0.loadUnaligned(fromByteOffset: 0, as: UInt64.self), $0.loadUnaligned(fromByteOffset: 8, as: UInt64.self)) }
+        self.idWords = fileID.withUnsafeBytes {
+            ($0.loadUnaligned(fromByteOffset: 0, as: UInt64.self), $0.loadUnaligned(fromByteOffset: 8, as: UInt64.self))
+        }
         if cipher == .xaes256gcm {
             defer { kbfs_scrub_stack() }
             let k1 = SecureKey(zeroed: 16)
@@ -157,7 +159,9 @@ public final class FileContentKey: Sendable {
 
     /// Encrypts `plain` (1...4096 bytes) as block `block` (`last`: the file's last block)
     /// into `out`, which must hold `plain.count + overhead` bytes: nonce || ciphertext || tag.
-    public func seal(_ plain: UnsafeRawBufferPointer, block: UInt64, last: Bool, into out: UnsafeMutableRawBufferPointer) throws {
+    public func seal(
+        _ plain: UnsafeRawBufferPointer, block: UInt64, last: Bool, into out: UnsafeMutableRawBufferPointer
+    ) throws {
         let ns = cipher.nonceSize
         precondition(out.count >= plain.count + ns + BlockLayout.tagSize)
         let o = out.baseAddress!.assumingMemoryBound(to: UInt8.self)
@@ -170,12 +174,14 @@ public final class FileContentKey: Sendable {
                 switch cipher {
                 case .xchacha20poly1305:
                     var clen: UInt64 = 0
-                    return crypto_aead_xchacha20poly1305_ietf_encrypt(c, &clen, m, UInt64(plain.count), ad, 24, nil, o, k)
+                    return crypto_aead_xchacha20poly1305_ietf_encrypt(
+                        c, &clen, m, UInt64(plain.count), ad, 24, nil, o, k)
                 case .aes256gcm:
                     return kbfs_aes256gcm_seal(k, o, ad, 24, m, plain.count, c, tag)
                 case .xaes256gcm:
                     return try subkey!.withBytes { k1 in
-                        kbfs_xaes256gcm_seal(k, k1.baseAddress!.assumingMemoryBound(to: UInt8.self), o, ad, 24, m, plain.count, c, tag)
+                        kbfs_xaes256gcm_seal(
+                            k, k1.baseAddress!.assumingMemoryBound(to: UInt8.self), o, ad, 24, m, plain.count, c, tag)
                     }
                 }
             }
@@ -191,15 +197,22 @@ public final class FileContentKey: Sendable {
     /// in a row (a file grown by block-sized appends) the mark is tried first, else the
     /// unmarked form, so a lone mark after a large append costs one extra tag check. An
     /// all-zero block inside the file is a hole and reads as zeros; the end is never a hole.
-    public func open(_ sealed: UnsafeRawBufferPointer, block: UInt64, last: Bool, markedRun: inout Int, into out: UnsafeMutableRawBufferPointer) throws -> Int {
+    public func open(
+        _ sealed: UnsafeRawBufferPointer, block: UInt64, last: Bool, markedRun: inout Int,
+        into out: UnsafeMutableRawBufferPointer
+    ) throws -> Int {
         let ns = cipher.nonceSize
         guard sealed.count > ns + BlockLayout.tagSize else { throw KeybagError.corrupt("block \(block) truncated") }
         let plainLen = sealed.count - ns - BlockLayout.tagSize
         precondition(out.count >= plainLen)
         if sealsEnd && !last {
             let first = markedRun >= 2
-            if try decrypt(sealed, block: block, last: first, into: out) { markedRun = first ? markedRun + 1 : 0; return plainLen }
-            if try decrypt(sealed, block: block, last: !first, into: out) { markedRun = first ? 0 : markedRun + 1; return plainLen }
+            if try decrypt(sealed, block: block, last: first, into: out) {
+                markedRun = first ? markedRun + 1 : 0; return plainLen
+            }
+            if try decrypt(sealed, block: block, last: !first, into: out) {
+                markedRun = first ? 0 : markedRun + 1; return plainLen
+            }
         } else if try decrypt(sealed, block: block, last: last, into: out) {
             return plainLen
         }
@@ -216,7 +229,9 @@ public final class FileContentKey: Sendable {
     }
 
     /// Decrypts one block (see the other `open`), trying the unmarked form first.
-    public func open(_ sealed: UnsafeRawBufferPointer, block: UInt64, last: Bool, into out: UnsafeMutableRawBufferPointer) throws -> Int {
+    public func open(
+        _ sealed: UnsafeRawBufferPointer, block: UInt64, last: Bool, into out: UnsafeMutableRawBufferPointer
+    ) throws -> Int {
         var markedRun = 0
         return try open(sealed, block: block, last: last, markedRun: &markedRun, into: out)
     }
@@ -235,18 +250,26 @@ public final class FileContentKey: Sendable {
     }
 
     /// Classifies a sealed block; `scratch` (≥ the plaintext length) is zeroed afterwards.
-    public func check(_ sealed: UnsafeRawBufferPointer, block: UInt64, last: Bool, scratch: UnsafeMutableRawBufferPointer) -> BlockCheck {
+    public func check(
+        _ sealed: UnsafeRawBufferPointer, block: UInt64, last: Bool, scratch: UnsafeMutableRawBufferPointer
+    ) -> BlockCheck {
         guard sealed.count > cipher.nonceSize + BlockLayout.tagSize else { return .damaged }
         defer { sodium_memzero(scratch.baseAddress!, scratch.count) }
         if (try? decrypt(sealed, block: block, last: last, into: scratch)) == true { return .authentic }
-        if sealsEnd && !last && (try? decrypt(sealed, block: block, last: true, into: scratch)) == true { return .authentic }
+        if sealsEnd && !last && (try? decrypt(sealed, block: block, last: true, into: scratch)) == true {
+            return .authentic
+        }
         if !(sealsEnd && last) && FileContentKey.isAllZero(sealed) { return .hole }
-        if sealsEnd && last && (try? decrypt(sealed, block: block, last: false, into: scratch)) == true { return .wrongEnd }
+        if sealsEnd && last && (try? decrypt(sealed, block: block, last: false, into: scratch)) == true {
+            return .wrongEnd
+        }
         return .damaged
     }
 
     /// One AEAD decryption; false when the tag does not verify.
-    private func decrypt(_ sealed: UnsafeRawBufferPointer, block: UInt64, last: Bool, into out: UnsafeMutableRawBufferPointer) throws -> Bool {
+    private func decrypt(
+        _ sealed: UnsafeRawBufferPointer, block: UInt64, last: Bool, into out: UnsafeMutableRawBufferPointer
+    ) throws -> Bool {
         let ns = cipher.nonceSize
         let s0 = sealed.baseAddress!.assumingMemoryBound(to: UInt8.self)
         let o = out.baseAddress!.assumingMemoryBound(to: UInt8.self)
@@ -257,12 +280,15 @@ public final class FileContentKey: Sendable {
                 switch cipher {
                 case .xchacha20poly1305:
                     var mlen: UInt64 = 0
-                    return crypto_aead_xchacha20poly1305_ietf_decrypt(o, &mlen, nil, s0 + ns, UInt64(sealed.count - ns), ad, 24, s0, k)
+                    return crypto_aead_xchacha20poly1305_ietf_decrypt(
+                        o, &mlen, nil, s0 + ns, UInt64(sealed.count - ns), ad, 24, s0, k)
                 case .aes256gcm:
                     return kbfs_aes256gcm_open(k, s0, ad, 24, s0 + ns, clen, s0 + ns + clen, o)
                 case .xaes256gcm:
                     return try subkey!.withBytes { k1 in
-                        kbfs_xaes256gcm_open(k, k1.baseAddress!.assumingMemoryBound(to: UInt8.self), s0, ad, 24, s0 + ns, clen, s0 + ns + clen, o)
+                        kbfs_xaes256gcm_open(
+                            k, k1.baseAddress!.assumingMemoryBound(to: UInt8.self), s0, ad, 24, s0 + ns, clen,
+                            s0 + ns + clen, o)
                     }
                 }
             }

@@ -71,7 +71,9 @@ public struct ControlRequest: Sendable {
                     skipSpace()
                     guard current == UInt8(ascii: "\"") else { throw Self.fail("expected a field name") }
                     let key = try plainString()
-                    guard request.fields[key] == nil, request.secrets[key] == nil else { throw Self.fail("duplicate field \"\(key)\"") }
+                    guard request.fields[key] == nil, request.secrets[key] == nil else {
+                        throw Self.fail("duplicate field \"\(key)\"")
+                    }
                     try expect(UInt8(ascii: ":"), "':'")
                     skipSpace()
                     if ControlRequest.secretFields.contains(key) && current == UInt8(ascii: "\"") {
@@ -96,7 +98,8 @@ public struct ControlRequest: Sendable {
             case UInt8(ascii: "t")?: try literal("true"); return .bool(true)
             case UInt8(ascii: "f")?: try literal("false"); return .bool(false)
             case UInt8(ascii: "n")?: try literal("null"); return .null
-            case UInt8(ascii: "{")?, UInt8(ascii: "[")?: throw Self.fail("values must be strings, numbers, booleans or null")
+            case UInt8(ascii: "{")?, UInt8(ascii: "[")?:
+                throw Self.fail("values must be strings, numbers, booleans or null")
             default: return .number(try number())
             }
         }
@@ -104,14 +107,18 @@ public struct ControlRequest: Sendable {
         /// A keyword.
         mutating func literal(_ word: StaticString) throws {
             let n = word.utf8CodeUnitCount
-            guard i + n <= bytes.count, (0..<n).allSatisfy({ bytes[i + $0] == word.utf8Start[$0] }) else { throw Self.fail("not JSON") }
+            guard i + n <= bytes.count, (0..<n).allSatisfy({ bytes[i + $0] == word.utf8Start[$0] }) else {
+                throw Self.fail("not JSON")
+            }
             i += n
         }
 
         /// A number in JSON's grammar.
         mutating func number() throws -> Double {
             let start = i
-            func digits() -> Int { var n = 0; while let c = current, c >= 0x30 && c <= 0x39 { i += 1; n += 1 }; return n }
+            func digits() -> Int {
+                var n = 0; while let c = current, c >= 0x30 && c <= 0x39 { i += 1; n += 1 }; return n
+            }
             if current == UInt8(ascii: "-") { i += 1 }
             if current == UInt8(ascii: "0") { i += 1 } else { guard digits() > 0 else { throw Self.fail("not JSON") } }
             if current == UInt8(ascii: ".") { i += 1; guard digits() > 0 else { throw Self.fail("bad number") } }
@@ -120,7 +127,10 @@ public struct ControlRequest: Sendable {
                 if current == UInt8(ascii: "+") || current == UInt8(ascii: "-") { i += 1 }
                 guard digits() > 0 else { throw Self.fail("bad number") }
             }
-            guard i - start <= 64, let d = Double(String(decoding: UnsafeRawBufferPointer(rebasing: bytes[start..<i]), as: UTF8.self)), d.isFinite else {
+            guard i - start <= 64,
+                let d = Double(String(decoding: UnsafeRawBufferPointer(rebasing: bytes[start..<i]), as: UTF8.self)),
+                d.isFinite
+            else {
                 throw Self.fail("bad number")
             }
             return d
@@ -138,7 +148,9 @@ public struct ControlRequest: Sendable {
         mutating func secretString() throws -> SecureKey {
             // The decoded form is never longer than the quoted form.
             var end = i + 1
-            while end < bytes.count && bytes[end] != UInt8(ascii: "\"") { end += bytes[end] == UInt8(ascii: "\\") ? 2 : 1 }
+            while end < bytes.count && bytes[end] != UInt8(ascii: "\"") {
+                end += bytes[end] == UInt8(ascii: "\\") ? 2 : 1
+            }
             let scratch = SecureKey(zeroed: max(end - i, 1))
             defer { scratch.wipe() }
             var n = 0
@@ -149,10 +161,14 @@ public struct ControlRequest: Sendable {
                     p.storeBytes(of: byte, toByteOffset: n, as: UInt8.self)
                     n += 1
                 }
-                guard UTF8Check.isValid(UnsafeRawBufferPointer(start: b.baseAddress, count: n)) else { throw Self.fail("string is not UTF-8") }
+                guard UTF8Check.isValid(UnsafeRawBufferPointer(start: b.baseAddress, count: n)) else {
+                    throw Self.fail("string is not UTF-8")
+                }
             }
             guard n > 0 else { throw Self.fail("empty secret") }
-            return try scratch.withBytes { b in SecureKey(count: n) { $0.copyMemory(from: UnsafeRawBufferPointer(rebasing: b[0..<n])) } }
+            return try scratch.withBytes { b in
+                SecureKey(count: n) { $0.copyMemory(from: UnsafeRawBufferPointer(rebasing: b[0..<n])) }
+            }
         }
 
         /// Decodes a quoted string, handing each UTF-8 byte to `emit`.
@@ -209,7 +225,9 @@ public struct ControlRequest: Sendable {
         mutating func unicodeEscape(_ emit: (UInt8) throws -> Void) throws {
             var cp = try hex4()
             if (0xD800...0xDBFF).contains(cp) {
-                guard i + 2 <= bytes.count, bytes[i] == UInt8(ascii: "\\"), bytes[i + 1] == UInt8(ascii: "u") else { throw Self.fail("lone surrogate") }
+                guard i + 2 <= bytes.count, bytes[i] == UInt8(ascii: "\\"), bytes[i + 1] == UInt8(ascii: "u") else {
+                    throw Self.fail("lone surrogate")
+                }
                 i += 2
                 let low = try hex4()
                 guard (0xDC00...0xDFFF).contains(low) else { throw Self.fail("lone surrogate") }
@@ -222,7 +240,8 @@ public struct ControlRequest: Sendable {
             case 0x80..<0x800:
                 try emit(UInt8(0xC0 | cp >> 6)); try emit(UInt8(0x80 | cp & 0x3F))
             case 0x800..<0x10000:
-                try emit(UInt8(0xE0 | cp >> 12)); try emit(UInt8(0x80 | (cp >> 6) & 0x3F)); try emit(UInt8(0x80 | cp & 0x3F))
+                try emit(UInt8(0xE0 | cp >> 12)); try emit(UInt8(0x80 | (cp >> 6) & 0x3F));
+                try emit(UInt8(0x80 | cp & 0x3F))
             default:
                 try emit(UInt8(0xF0 | cp >> 18)); try emit(UInt8(0x80 | (cp >> 12) & 0x3F))
                 try emit(UInt8(0x80 | (cp >> 6) & 0x3F)); try emit(UInt8(0x80 | cp & 0x3F))

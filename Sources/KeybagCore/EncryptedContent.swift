@@ -32,8 +32,9 @@ public struct EncryptedContent: Sendable {
 
     /// Reads up to `out.count` plaintext bytes at `offset`; returns the count (0 at EOF).
     /// A read of `parallelBlocks` blocks or more decrypts its two halves on two threads.
-    public func read(fd: Int32, key: FileContentKey, offset: Int, into out: UnsafeMutableRawBufferPointer) throws -> Int {
-        defer { kbfs_scrub_stack() }   // cipher locals left below this frame
+    public func read(fd: Int32, key: FileContentKey, offset: Int, into out: UnsafeMutableRawBufferPointer) throws -> Int
+    {
+        defer { kbfs_scrub_stack() }  // cipher locals left below this frame
         let size = try plainSize(fd: fd)
         guard offset < size, out.count > 0 else { return 0 }
         let end = min(offset + out.count, size)
@@ -47,15 +48,21 @@ public struct EncryptedContent: Sendable {
                 return try openBlocks(first...last, of: span, key: key, cbuf: cbuf, out: out, plain: plain).written
             }
             let mid = first + (last - first + 1) / 2
-            let halves = UnsafeMutableBufferPointer<Result<(written: Int, whole: Bool), any Error>>.allocate(capacity: 2)
+            let halves = UnsafeMutableBufferPointer<Result<(written: Int, whole: Bool), any Error>>.allocate(
+                capacity: 2)
             defer { halves.deallocate() }
             let shared = SplitRead(cbuf: cbuf, out: out, plain: plain, results: halves)
             DispatchQueue.concurrentPerform(iterations: 2) { i in
                 defer { kbfs_scrub_stack() }
                 let r = Result {
-                    if i == 0 { return try openBlocks(first...(mid - 1), of: span, key: key, cbuf: shared.cbuf, out: shared.out, plain: shared.plain) }
+                    if i == 0 {
+                        return try openBlocks(
+                            first...(mid - 1), of: span, key: key, cbuf: shared.cbuf, out: shared.out,
+                            plain: shared.plain)
+                    }
                     return try ScratchBuffers.shared.withBlock(0) { _, plain2 in
-                        try openBlocks(mid...last, of: span, key: key, cbuf: shared.cbuf, out: shared.out, plain: plain2)
+                        try openBlocks(
+                            mid...last, of: span, key: key, cbuf: shared.cbuf, out: shared.out, plain: plain2)
                     }
                 }
                 (shared.results.baseAddress! + i).initialize(to: r)
@@ -70,7 +77,8 @@ public struct EncryptedContent: Sendable {
     // @unchecked: the threads read `cbuf` only, write disjoint block ranges of `out` and
     // one result slot each, and `concurrentPerform` returns only after both are done.
     struct SplitRead: @unchecked Sendable {
-        let cbuf: UnsafeMutableRawBufferPointer, out: UnsafeMutableRawBufferPointer, plain: UnsafeMutableRawBufferPointer
+        let cbuf: UnsafeMutableRawBufferPointer, out: UnsafeMutableRawBufferPointer,
+            plain: UnsafeMutableRawBufferPointer
         let results: UnsafeMutableBufferPointer<Result<(written: Int, whole: Bool), any Error>>
     }
 
@@ -84,8 +92,10 @@ public struct EncryptedContent: Sendable {
     /// `cbuf`) into their places in `out`; whole blocks go straight into `out`, partial ones
     /// through `plain`. Returns the bytes written and whether every block was there in full
     /// (a file truncated underneath the read ends it early).
-    private func openBlocks(_ blocks: ClosedRange<Int>, of span: BlockSpan, key: FileContentKey, cbuf: UnsafeMutableRawBufferPointer,
-                            out: UnsafeMutableRawBufferPointer, plain: UnsafeMutableRawBufferPointer) throws -> (written: Int, whole: Bool) {
+    private func openBlocks(
+        _ blocks: ClosedRange<Int>, of span: BlockSpan, key: FileContentKey, cbuf: UnsafeMutableRawBufferPointer,
+        out: UnsafeMutableRawBufferPointer, plain: UnsafeMutableRawBufferPointer
+    ) throws -> (written: Int, whole: Bool) {
         let fileLast = Self.lastBlock(ofSize: span.size)
         var written = 0
         var markedRun = 0
@@ -133,10 +143,14 @@ public struct EncryptedContent: Sendable {
         if oldLastGrows { try reserve(fd: fd, blocks: oldLast...oldLast, newSize: newSize) }
         try reserve(fd: fd, blocks: dataFirst...dataLast, newSize: newSize)
         if oldLastGrows && oldLast < dataFirst - 1 {
-            try sealAndWrite(fd: fd, key: key, blocks: oldLast...oldLast, size: size, newSize: newSize, newLast: newLast, data: NewData(offset: 0, bytes: nil))
+            try sealAndWrite(
+                fd: fd, key: key, blocks: oldLast...oldLast, size: size, newSize: newSize, newLast: newLast,
+                data: NewData(offset: 0, bytes: nil))
         }
         let first = oldLastGrows && oldLast == dataFirst - 1 ? oldLast : dataFirst
-        try sealAndWrite(fd: fd, key: key, blocks: first...dataLast, size: size, newSize: newSize, newLast: newLast, data: NewData(offset: offset, bytes: data))
+        try sealAndWrite(
+            fd: fd, key: key, blocks: first...dataLast, size: size, newSize: newSize, newLast: newLast,
+            data: NewData(offset: offset, bytes: data))
     }
 
     /// Reserves the backing space of `blocks` (sealed for a file of `newSize` bytes) without
@@ -144,7 +158,9 @@ public struct EncryptedContent: Sendable {
     /// reserve (EOPNOTSUPP) is written without.
     private func reserve(fd: Int32, blocks: ClosedRange<Int>, newSize: Int) throws {
         let start = layout.cipherOffset(ofBlock: blocks.lowerBound)
-        let end = layout.cipherOffset(ofBlock: blocks.upperBound) + min(Self.B, newSize - blocks.upperBound * Self.B) + layout.overhead
+        let end =
+            layout.cipherOffset(ofBlock: blocks.upperBound) + min(Self.B, newSize - blocks.upperBound * Self.B)
+            + layout.overhead
         guard end > start else { return }
         if kbfs_reserve(fd, Int64(start), Int64(end - start)) != 0 && (errno == ENOSPC || errno == EDQUOT) {
             throw KeybagError.system("fallocate", errno)
@@ -169,8 +185,10 @@ public struct EncryptedContent: Sendable {
     /// `newSize` and writes them with one `pwrite`: the new bytes where `data` has them, the
     /// old plaintext elsewhere, zero-extended to the block's new length. From
     /// `parallelBlocks` blocks on, the two halves are sealed on two threads.
-    private func sealAndWrite(fd: Int32, key: FileContentKey, blocks: ClosedRange<Int>, size: Int, newSize: Int, newLast: Int,
-                              data: NewData) throws {
+    private func sealAndWrite(
+        fd: Int32, key: FileContentKey, blocks: ClosedRange<Int>, size: Int, newSize: Int, newLast: Int,
+        data: NewData
+    ) throws {
         let geometry = SealSpan(first: blocks.lowerBound, size: size, newSize: newSize, newLast: newLast)
         try ScratchBuffers.shared.withBlock(blocks.count * layout.cipherBlockSize) { out, plain in
             var outLen = 0
@@ -184,9 +202,15 @@ public struct EncryptedContent: Sendable {
                 DispatchQueue.concurrentPerform(iterations: 2) { i in
                 defer { kbfs_scrub_stack() }
                     let r = Result {
-                        if i == 0 { return try sealBlocks(blocks.lowerBound...(mid - 1), of: geometry, fd: fd, key: key, data: data, out: shared.out, plain: shared.plain) }
+                        if i == 0 {
+                            return try sealBlocks(
+                                blocks.lowerBound...(mid - 1), of: geometry, fd: fd, key: key, data: data,
+                                out: shared.out, plain: shared.plain)
+                        }
                         return try ScratchBuffers.shared.withBlock(0) { _, plain2 in
-                            try sealBlocks(mid...blocks.upperBound, of: geometry, fd: fd, key: key, data: data, out: shared.out, plain: plain2)
+                            try sealBlocks(
+                                mid...blocks.upperBound, of: geometry, fd: fd, key: key, data: data, out: shared.out,
+                                plain: plain2)
                         }
                     }
                     (shared.results.baseAddress! + i).initialize(to: r)
@@ -194,7 +218,9 @@ public struct EncryptedContent: Sendable {
                 defer { _ = lengths.baseAddress!.deinitialize(count: 2) }
                 outLen = try lengths[0].get() + lengths[1].get()
             }
-            try Self.pwriteFull(fd, UnsafeRawBufferPointer(rebasing: out[0..<outLen]), offset: layout.cipherOffset(ofBlock: blocks.lowerBound))
+            try Self.pwriteFull(
+                fd, UnsafeRawBufferPointer(rebasing: out[0..<outLen]),
+                offset: layout.cipherOffset(ofBlock: blocks.lowerBound))
         }
     }
 
@@ -214,8 +240,10 @@ public struct EncryptedContent: Sendable {
     /// Seals `blocks` into their places in `out` (every block before the file's last is
     /// whole, so block b starts at (b - first) cipher blocks); returns the bytes sealed.
     /// A block the new bytes cover whole is sealed straight from them.
-    private func sealBlocks(_ blocks: ClosedRange<Int>, of span: SealSpan, fd: Int32, key: FileContentKey, data: NewData,
-                            out: UnsafeMutableRawBufferPointer, plain: UnsafeMutableRawBufferPointer) throws -> Int {
+    private func sealBlocks(
+        _ blocks: ClosedRange<Int>, of span: SealSpan, fd: Int32, key: FileContentKey, data: NewData,
+        out: UnsafeMutableRawBufferPointer, plain: UnsafeMutableRawBufferPointer
+    ) throws -> Int {
         let oldLast = Self.lastBlock(ofSize: span.size)
         var outLen = 0
         for b in blocks {
@@ -226,7 +254,9 @@ public struct EncryptedContent: Sendable {
             let dst = UnsafeMutableRawBufferPointer(rebasing: out[at..<(at + newLen + layout.overhead)])
             let slice = data.slice(b)
             if let (lo, hi, src) = slice, lo == 0, hi == newLen {
-                try key.seal(UnsafeRawBufferPointer(start: src, count: newLen), block: UInt64(b), last: b == span.newLast, into: dst)
+                try key.seal(
+                    UnsafeRawBufferPointer(start: src, count: newLen), block: UInt64(b), last: b == span.newLast,
+                    into: dst)
                 outLen += newLen + layout.overhead
                 continue
             }
@@ -236,7 +266,9 @@ public struct EncryptedContent: Sendable {
             }
             if newLen > existing { memset(plain.baseAddress! + existing, 0, newLen - existing) }
             if let (lo, hi, src) = slice { (plain.baseAddress! + lo).copyMemory(from: src, byteCount: hi - lo) }
-            try key.seal(UnsafeRawBufferPointer(rebasing: plain[0..<newLen]), block: UInt64(b), last: b == span.newLast, into: dst)
+            try key.seal(
+                UnsafeRawBufferPointer(rebasing: plain[0..<newLen]), block: UInt64(b), last: b == span.newLast,
+                into: dst)
             outLen += newLen + layout.overhead
         }
         return outLen
@@ -258,17 +290,26 @@ public struct EncryptedContent: Sendable {
             let oldLen = min(Self.B, size - newLast * Self.B)
             if keepLen == oldLen && !key.sealsEnd {
                 // Block-aligned cut of a file whose end is not sealed: nothing to re-seal.
-                guard ftruncate(fd, off_t(layout.backingSize(plainSize: newSize))) == 0 else { throw KeybagError.system("ftruncate", errno) }
+                guard ftruncate(fd, off_t(layout.backingSize(plainSize: newSize))) == 0 else {
+                    throw KeybagError.system("ftruncate", errno)
+                }
                 return
             }
             try ScratchBuffers.shared.withBlock(keepLen + layout.overhead) { sealed, plain in
-                let n = try readBlock(fd: fd, key: key, block: newLast, length: oldLen, last: newLast == oldLast, into: plain)
+                let n = try readBlock(
+                    fd: fd, key: key, block: newLast, length: oldLen, last: newLast == oldLast, into: plain)
                 guard n == oldLen else { throw KeybagError.corrupt("block \(newLast) short") }
-                try key.seal(UnsafeRawBufferPointer(rebasing: plain[0..<keepLen]), block: UInt64(newLast), last: true, into: sealed)
+                try key.seal(
+                    UnsafeRawBufferPointer(rebasing: plain[0..<keepLen]), block: UInt64(newLast), last: true,
+                    into: sealed)
                 let blockStart = layout.cipherOffset(ofBlock: newLast)
-                guard ftruncate(fd, off_t(blockStart + oldLen + layout.overhead)) == 0 else { throw KeybagError.system("ftruncate", errno) }
+                guard ftruncate(fd, off_t(blockStart + oldLen + layout.overhead)) == 0 else {
+                    throw KeybagError.system("ftruncate", errno)
+                }
                 try Self.pwriteFull(fd, UnsafeRawBufferPointer(sealed), offset: blockStart)
-                guard ftruncate(fd, off_t(layout.backingSize(plainSize: newSize))) == 0 else { throw KeybagError.system("ftruncate", errno) }
+                guard ftruncate(fd, off_t(layout.backingSize(plainSize: newSize))) == 0 else {
+                    throw KeybagError.system("ftruncate", errno)
+                }
             }
         } else if newSize > size {
             // Write zeros over the part of the new last block beyond the old end.
@@ -315,9 +356,13 @@ public struct EncryptedContent: Sendable {
         return try ScratchBuffers.shared.withBlock(layout.cipherBlockSize) { sealed, plain in
             try (0...last).map { b in
                 let len = min(Self.B, size - b * Self.B) + layout.overhead
-                let got = try Self.preadFull(fd, UnsafeMutableRawBufferPointer(rebasing: sealed[0..<len]), offset: layout.cipherOffset(ofBlock: b))
+                let got = try Self.preadFull(
+                    fd, UnsafeMutableRawBufferPointer(rebasing: sealed[0..<len]),
+                    offset: layout.cipherOffset(ofBlock: b))
                 guard got == len else { return .damaged }
-                return key.check(UnsafeRawBufferPointer(rebasing: sealed[0..<len]), block: UInt64(b), last: b == last, scratch: plain)
+                return key.check(
+                    UnsafeRawBufferPointer(rebasing: sealed[0..<len]), block: UInt64(b), last: b == last, scratch: plain
+                )
             }
         }
     }
@@ -339,11 +384,15 @@ public struct EncryptedContent: Sendable {
     /// Cuts the backing file after `blocks` whole blocks (fsck's repair of a torn tail; the
     /// caller then seals the new end).
     public func cut(fd: Int32, afterBlocks blocks: Int) throws {
-        guard ftruncate(fd, off_t(layout.cipherOffset(ofBlock: blocks))) == 0 else { throw KeybagError.system("ftruncate", errno) }
+        guard ftruncate(fd, off_t(layout.cipherOffset(ofBlock: blocks))) == 0 else {
+            throw KeybagError.system("ftruncate", errno)
+        }
     }
 
     /// Decrypts block `block` of `length` plaintext bytes (`last`: the file's last) into `plain`.
-    private func readBlock(fd: Int32, key: FileContentKey, block: Int, length: Int, last: Bool, into plain: UnsafeMutableRawBufferPointer) throws -> Int {
+    private func readBlock(
+        fd: Int32, key: FileContentKey, block: Int, length: Int, last: Bool, into plain: UnsafeMutableRawBufferPointer
+    ) throws -> Int {
         try ScratchBuffers.shared.with(length + layout.overhead) { buffer in
             let sealed = UnsafeMutableRawBufferPointer(rebasing: buffer[0..<(length + layout.overhead)])
             let got = try Self.preadFull(fd, sealed, offset: layout.cipherOffset(ofBlock: block))

@@ -61,9 +61,13 @@ public struct FileHeader: Sendable, Equatable {
     }
 
     /// A header for a new file: `fileKey` wrapped for `cls`.
-    public static func create(fileKey: SecureKey, class cls: ProtectionClass, cipher: ContentCipher, using classKey: ClassKey) throws -> FileHeader {
-        var h = FileHeader(generation: 1, protectionClass: cls, cipher: cipher, flags: FileHeader.sealsEnd, fileID: Sodium.randomArray(16),
-                           ephemeralPublic: [UInt8](repeating: 0, count: 32), wrappedKey: [], slot: 0)
+    public static func create(
+        fileKey: SecureKey, class cls: ProtectionClass, cipher: ContentCipher, using classKey: ClassKey
+    ) throws -> FileHeader {
+        var h = FileHeader(
+            generation: 1, protectionClass: cls, cipher: cipher, flags: FileHeader.sealsEnd,
+            fileID: Sodium.randomArray(16),
+            ephemeralPublic: [UInt8](repeating: 0, count: 32), wrappedKey: [], slot: 0)
         try h.wrap(fileKey, using: classKey)
         return h
     }
@@ -101,7 +105,8 @@ public struct FileHeader: Sendable, Equatable {
         case .classBPublic:
             throw KeybagError.keyUnavailable
         case .classBPrivate(let sk, let pk):
-            let k = try ClassBAgreement.existingFileWrapKey(classSecret: sk, classPublicKey: pk, ephPublic: ephemeralPublic, fileID: fileID)
+            let k = try ClassBAgreement.existingFileWrapKey(
+                classSecret: sk, classPublicKey: pk, ephPublic: ephemeralPublic, fileID: fileID)
             defer { k.wipe() }
             return try KeyWrap.unwrap(wrappedKey, with: k, ad: wrapAD())
         }
@@ -133,8 +138,9 @@ public struct FileHeader: Sendable, Equatable {
         guard s[10] & ~knownFlags == 0, s[11] == 0, s[(bodySize + 16)...].allSatisfy({ $0 == 0 }) else { return nil }
         let gen = UInt32(s[4]) | UInt32(s[5]) << 8 | UInt32(s[6]) << 16 | UInt32(s[7]) << 24
         guard let cls = ProtectionClass(rawValue: s[8]), let cipher = ContentCipher(rawValue: s[9]) else { return nil }
-        return FileHeader(generation: gen, protectionClass: cls, cipher: cipher, flags: s[10], fileID: Array(s[12..<28]),
-                          ephemeralPublic: Array(s[28..<60]), wrappedKey: Array(s[60..<132]), slot: index)
+        return FileHeader(
+            generation: gen, protectionClass: cls, cipher: cipher, flags: s[10], fileID: Array(s[12..<28]),
+            ephemeralPublic: Array(s[28..<60]), wrappedKey: Array(s[60..<132]), slot: index)
     }
 
     /// Parses the two-slot header. Each slot is either erased (all zero) or a valid header;
@@ -147,7 +153,9 @@ public struct FileHeader: Sendable, Equatable {
         for i in 0..<2 {
             let raw = bytes[(i * slotSize)..<((i + 1) * slotSize)]
             if raw.allSatisfy({ $0 == 0 }) { continue }
-            guard let h = parseSlot(raw, index: i) else { throw KeybagError.corrupt("file header slot \(i) is damaged") }
+            guard let h = parseSlot(raw, index: i) else {
+                throw KeybagError.corrupt("file header slot \(i) is damaged")
+            }
             valid.append(h)
         }
         switch valid.count {
@@ -157,7 +165,9 @@ public struct FileHeader: Sendable, Equatable {
             return (valid[0], nil)
         default:
             let (x, y) = (valid[0], valid[1])
-            guard x.generation != y.generation, x.fileID == y.fileID else { throw KeybagError.corrupt("file header slots disagree") }
+            guard x.generation != y.generation, x.fileID == y.fileID else {
+                throw KeybagError.corrupt("file header slots disagree")
+            }
             return x.generation > y.generation ? (x, y.slot) : (y, x.slot)
         }
     }

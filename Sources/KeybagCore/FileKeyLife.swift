@@ -73,7 +73,10 @@ public struct FileKeyLife: Sendable {
         guard access.canOpen(h.protectionClass), let classKey = keyring.unwrappingKey(for: h.protectionClass) else {
             throw KeybagError.keyUnavailable
         }
-        guard h.cipher.sharesLayout(with: cipher) else { throw KeybagError.corrupt("the file's cipher \(h.cipher.name) has another block layout than the store's \(cipher.name)") }
+        guard h.cipher.sharesLayout(with: cipher) else {
+            throw KeybagError.corrupt(
+                "the file's cipher \(h.cipher.name) has another block layout than the store's \(cipher.name)")
+        }
         let raw = try h.unwrap(using: classKey)
         let k: FileContentKey
         do { k = try FileContentKey(key: raw, header: h) } catch { raw.wipe(); throw error }
@@ -94,7 +97,9 @@ public struct FileKeyLife: Sendable {
     /// A file this daemon just created, with its first handle: its header and key, sealed
     /// with a class key taken in `epoch`. A class A create that a lock overtook (another
     /// epoch, or A can no longer create) is refused and its key wiped.
-    public mutating func adoptCreated(header h: FileHeader, key k: FileContentKey, epoch: UInt64, keyring: ClassKeyring) throws {
+    public mutating func adoptCreated(
+        header h: FileHeader, key k: FileContentKey, epoch: UInt64, keyring: ClassKeyring
+    ) throws {
         let access = keyring.access
         let overtaken = h.protectionClass == .complete && access.epoch != epoch
         guard !overtaken, access.canCreate(h.protectionClass) else {
@@ -112,7 +117,8 @@ public struct FileKeyLife: Sendable {
     /// open; `pagesMustGo` then says the inode's cached plaintext must leave the kernel too.
     public mutating func release(keyring: ClassKeyring) -> (lastClose: Bool, pagesMustGo: Bool) {
         openCount = max(0, openCount - 1)
-        if openCount == 0, header?.protectionClass == .completeUnlessOpen, !keyring.access.canOpen(.completeUnlessOpen) {
+        if openCount == 0, header?.protectionClass == .completeUnlessOpen, !keyring.access.canOpen(.completeUnlessOpen)
+        {
             dropKey()
             return (true, true)
         }

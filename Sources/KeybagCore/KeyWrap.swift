@@ -54,10 +54,14 @@ public enum KeyWrap {
             try? message.withBytes { m in
                 var off = 0
                 let mp = UnsafeMutableRawPointer(mutating: m.baseAddress!)
-                for p in parts { p.withUnsafeBytes { (mp + off).copyMemory(from: $0.baseAddress!, byteCount: p.count) }; off += p.count }
-                crypto_generichash(out.baseAddress!.assumingMemoryBound(to: UInt8.self), 32,
-                                   m.baseAddress!.assumingMemoryBound(to: UInt8.self), UInt64(total),
-                                   key.baseAddress!.assumingMemoryBound(to: UInt8.self), key.count)
+                for p in parts {
+                    p.withUnsafeBytes { (mp + off).copyMemory(from: $0.baseAddress!, byteCount: p.count) };
+                    off += p.count
+                }
+                crypto_generichash(
+                    out.baseAddress!.assumingMemoryBound(to: UInt8.self), 32,
+                    m.baseAddress!.assumingMemoryBound(to: UInt8.self), UInt64(total),
+                    key.baseAddress!.assumingMemoryBound(to: UInt8.self), key.count)
             }
         }
     }
@@ -80,19 +84,25 @@ public enum ClassBAgreement {
     }
 
     /// Wrap key for an existing file, from the class private key and the file's ephemeral public key.
-    public static func existingFileWrapKey(classSecret: SecureKey, classPublicKey: [UInt8], ephPublic: [UInt8], fileID: [UInt8]) throws -> SecureKey {
-        try derive(secret: classSecret, peerPublic: ephPublic, ephPublic: ephPublic,
-                   classPublic: classPublicKey, fileID: fileID)
+    public static func existingFileWrapKey(
+        classSecret: SecureKey, classPublicKey: [UInt8], ephPublic: [UInt8], fileID: [UInt8]
+    ) throws -> SecureKey {
+        try derive(
+            secret: classSecret, peerPublic: ephPublic, ephPublic: ephPublic,
+            classPublic: classPublicKey, fileID: fileID)
     }
 
     /// The public key of an X25519 secret.
     public static func publicKey(of secret: SecureKey) throws -> [UInt8] {
         var pk = [UInt8](repeating: 0, count: 32)
-        try secret.withBytes { s in _ = crypto_scalarmult_base(&pk, s.baseAddress!.assumingMemoryBound(to: UInt8.self)) }
+        try secret.withBytes { s in _ = crypto_scalarmult_base(&pk, s.baseAddress!.assumingMemoryBound(to: UInt8.self))
+        }
         return pk
     }
 
-    private static func derive(secret: SecureKey, peerPublic: [UInt8], ephPublic: [UInt8], classPublic: [UInt8], fileID: [UInt8]) throws -> SecureKey {
+    private static func derive(
+        secret: SecureKey, peerPublic: [UInt8], ephPublic: [UInt8], classPublic: [UInt8], fileID: [UInt8]
+    ) throws -> SecureKey {
         let shared = SecureKey(zeroed: 32)
         defer { shared.wipe() }
         let rc: Int32 = try secret.withBytes { s in

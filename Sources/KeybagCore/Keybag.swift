@@ -153,7 +153,8 @@ public struct Keybag: Sendable {
         withUnsafeBytes(of: f.lockoutUntil.bitPattern.littleEndian) { msg += $0 }
         var mac = [UInt8](repeating: 0, count: 32)
         try key.withBytes { k in
-            _ = crypto_generichash(&mac, 32, msg, UInt64(msg.count), k.baseAddress!.assumingMemoryBound(to: UInt8.self), k.count)
+            _ = crypto_generichash(
+                &mac, 32, msg, UInt64(msg.count), k.baseAddress!.assumingMemoryBound(to: UInt8.self), k.count)
         }
         return Data(mac).base64EncodedString()
     }
@@ -163,7 +164,8 @@ public struct Keybag: Sendable {
         let msg = Array("keybagfs-cipher-v1|\(f.storeID)|\(f.cipher)".utf8)
         var mac = [UInt8](repeating: 0, count: 32)
         try key.withBytes { k in
-            _ = crypto_generichash(&mac, 32, msg, UInt64(msg.count), k.baseAddress!.assumingMemoryBound(to: UInt8.self), k.count)
+            _ = crypto_generichash(
+                &mac, 32, msg, UInt64(msg.count), k.baseAddress!.assumingMemoryBound(to: UInt8.self), k.count)
         }
         return Data(mac).base64EncodedString()
     }
@@ -196,27 +198,33 @@ public struct Keybag: Sendable {
         let rc: Int32 = try passcode.withBytes { p in
             try stretched.withBytes { out in
                 [UInt8](salt).withUnsafeBufferPointer { s in
-                    crypto_pwhash(UnsafeMutablePointer(mutating: out.baseAddress!.assumingMemoryBound(to: UInt8.self)), 32,
-                                  p.baseAddress!.assumingMemoryBound(to: CChar.self), UInt64(p.count),
-                                  s.baseAddress!, file.kdfOpsLimit, Int(file.kdfMemLimit), crypto_pwhash_ALG_ARGON2ID13)
+                    crypto_pwhash(
+                        UnsafeMutablePointer(mutating: out.baseAddress!.assumingMemoryBound(to: UInt8.self)), 32,
+                        p.baseAddress!.assumingMemoryBound(to: CChar.self), UInt64(p.count),
+                        s.baseAddress!, file.kdfOpsLimit, Int(file.kdfMemLimit), crypto_pwhash_ALG_ARGON2ID13)
                 }
             }
         }
         guard rc == 0 else { throw KeybagError.system("crypto_pwhash (out of memory?)", ENOMEM) }
         return try deviceKey.withBytes { dk in
             try stretched.withBytes { st in
-                KeyWrap.keyedHash(key: dk, parts: [Array("keybagfs-passcode-kek-v1".utf8), Array(file.storeID.utf8), Array(st)])
+                KeyWrap.keyedHash(
+                    key: dk, parts: [Array("keybagfs-passcode-kek-v1".utf8), Array(file.storeID.utf8), Array(st)])
             }
         }
     }
 
     /// Creates a new keybag in `storePath` (which must be empty or absent) and returns it.
     /// With `recovery`, the five keys are also wrapped for that recovery key.
-    public static func create(storePath: String, storeID: String, passcode: SecureKey, deviceKey: SecureKey, strength: KDFStrength,
-                              cipher: ContentCipher = .default, format: Int = Keybag.currentFormat, recovery: RecoveryKey? = nil) throws -> Keybag {
-        var file = KeybagFile(format: format, storeID: storeID, cipher: cipher.name, kdfOpsLimit: strength.opsLimit,
-                              kdfMemLimit: strength.memLimit, kdfSalt: Data(Sodium.randomArray(Int(crypto_pwhash_SALTBYTES))).base64EncodedString(),
-                              wrapped: [:], classBPublic: "", failedAttempts: 0, lockoutUntil: 0, counterMAC: nil)
+    public static func create(
+        storePath: String, storeID: String, passcode: SecureKey, deviceKey: SecureKey, strength: KDFStrength,
+        cipher: ContentCipher = .default, format: Int = Keybag.currentFormat, recovery: RecoveryKey? = nil
+    ) throws -> Keybag {
+        var file = KeybagFile(
+            format: format, storeID: storeID, cipher: cipher.name, kdfOpsLimit: strength.opsLimit,
+            kdfMemLimit: strength.memLimit,
+            kdfSalt: Data(Sodium.randomArray(Int(crypto_pwhash_SALTBYTES))).base64EncodedString(),
+            wrapped: [:], classBPublic: "", failedAttempts: 0, lockoutUntil: 0, counterMAC: nil)
         let kek = try passcodeKey(passcode: passcode, file: file, deviceKey: deviceKey)
         defer { kek.wipe() }
         let dwk = try deviceWrapKey(deviceKey)
@@ -225,10 +233,15 @@ public struct Keybag: Sendable {
         let d = SecureKey(random: 32), vol = SecureKey(random: 32)
         defer { [a, bs, c, d, vol].forEach { $0.wipe() } }
         let bp = try ClassBAgreement.publicKey(of: bs)
-        for (slot, key, wrapper) in [("A", a, kek), ("B", bs, kek), ("C", c, kek), ("D", d, dwk), ("volume", vol, dwk)] {
-            file.wrapped[slot] = Data(try KeyWrap.wrap(key, with: wrapper, ad: ad(storeID, slot, format: format))).base64EncodedString()
+        for (slot, key, wrapper) in [("A", a, kek), ("B", bs, kek), ("C", c, kek), ("D", d, dwk), ("volume", vol, dwk)]
+        {
+            file.wrapped[slot] = Data(try KeyWrap.wrap(key, with: wrapper, ad: ad(storeID, slot, format: format)))
+                .base64EncodedString()
         }
-        if let recovery { try writeEscrow(&file, keys: [("A", a), ("B", bs), ("C", c), ("D", d), ("volume", vol)], recovery: recovery) }
+        if let recovery {
+            try writeEscrow(
+                &file, keys: [("A", a), ("B", bs), ("C", c), ("D", d), ("volume", vol)], recovery: recovery)
+        }
         file.classBPublic = Data(bp).base64EncodedString()
         let kb = Keybag(storePath: storePath, file: file, counterKey: format >= 2 ? try counterKey(deviceKey) : nil)
         try kb.save()
@@ -258,28 +271,55 @@ public struct Keybag: Sendable {
     static func validate(_ f: inout KeybagFile, now: Double = Date().timeIntervalSince1970) throws {
         func bad(_ field: String, _ why: String) -> KeybagError { .corrupt("keybag field \(field): \(why)") }
         guard f.format == 1 || f.format == 2 else { throw bad("format", "unknown format \(f.format)") }
-        guard f.storeID.utf8.count == 32, f.storeID.utf8.allSatisfy({ (0x30...0x39).contains($0) || (0x61...0x66).contains($0) }) else {
+        guard f.storeID.utf8.count == 32,
+            f.storeID.utf8.allSatisfy({ (0x30...0x39).contains($0) || (0x61...0x66).contains($0) })
+        else {
             throw bad("storeID", "not 32 lowercase hex digits")
         }
-        guard ContentCipher(name: f.cipher) != nil else { throw bad("cipher", "unknown cipher \(f.cipher.prefix(40)) (written by a newer keybagfs?)") }
-        guard f.kdfOpsLimit >= UInt64(crypto_pwhash_opslimit_min()), f.kdfOpsLimit <= maxOpsLimit else { throw bad("kdfOpsLimit", "out of range") }
-        guard f.kdfMemLimit >= UInt64(crypto_pwhash_memlimit_min()), f.kdfMemLimit <= maxMemLimit else { throw bad("kdfMemLimit", "out of range") }
-        guard let salt = Data(base64Encoded: f.kdfSalt), salt.count == Int(crypto_pwhash_SALTBYTES) else { throw bad("kdfSalt", "not a salt") }
+        guard ContentCipher(name: f.cipher) != nil else {
+            throw bad("cipher", "unknown cipher \(f.cipher.prefix(40)) (written by a newer keybagfs?)")
+        }
+        guard f.kdfOpsLimit >= UInt64(crypto_pwhash_opslimit_min()), f.kdfOpsLimit <= maxOpsLimit else {
+            throw bad("kdfOpsLimit", "out of range")
+        }
+        guard f.kdfMemLimit >= UInt64(crypto_pwhash_memlimit_min()), f.kdfMemLimit <= maxMemLimit else {
+            throw bad("kdfMemLimit", "out of range")
+        }
+        guard let salt = Data(base64Encoded: f.kdfSalt), salt.count == Int(crypto_pwhash_SALTBYTES) else {
+            throw bad("kdfSalt", "not a salt")
+        }
         for slot in ["A", "B", "C", "D", "volume"] {
-            guard let w = f.wrapped[slot].flatMap({ Data(base64Encoded: $0) }), w.count == 32 + KeyWrap.overhead else { throw bad("wrapped.\(slot)", "missing or not a wrapped key") }
+            guard let w = f.wrapped[slot].flatMap({ Data(base64Encoded: $0) }), w.count == 32 + KeyWrap.overhead else {
+                throw bad("wrapped.\(slot)", "missing or not a wrapped key")
+            }
         }
-        guard let pk = Data(base64Encoded: f.classBPublic), pk.count == 32 else { throw bad("classBPublic", "not a public key") }
-        guard f.failedAttempts >= 0, f.failedAttempts <= maxFailedAttempts else { throw bad("failedAttempts", "out of range") }
+        guard let pk = Data(base64Encoded: f.classBPublic), pk.count == 32 else {
+            throw bad("classBPublic", "not a public key")
+        }
+        guard f.failedAttempts >= 0, f.failedAttempts <= maxFailedAttempts else {
+            throw bad("failedAttempts", "out of range")
+        }
         guard f.lockoutUntil.isFinite, f.lockoutUntil >= 0 else { throw bad("lockoutUntil", "not a time") }
-        if let mac = f.counterMAC { guard let m = Data(base64Encoded: mac), m.count == 32 else { throw bad("counterMAC", "not a MAC") } }
-        if let mac = f.cipherMAC { guard let m = Data(base64Encoded: mac), m.count == 32 else { throw bad("cipherMAC", "not a MAC") } }
-        let escrow = escrowedSlots.filter { f.wrapped["r" + $0] != nil }
-        guard escrow.isEmpty || escrow.count == escrowedSlots.count else { throw bad("wrapped.r*", "some recovery slots are missing") }
-        for slot in escrow {
-            guard let w = f.wrapped["r" + slot].flatMap({ Data(base64Encoded: $0) }), w.count == 32 + KeyWrap.overhead else { throw bad("wrapped.r\(slot)", "not a wrapped key") }
+        if let mac = f.counterMAC {
+            guard let m = Data(base64Encoded: mac), m.count == 32 else { throw bad("counterMAC", "not a MAC") }
         }
-        if let n = f.recoveryFailedAttempts { guard n >= 0, n <= maxFailedAttempts else { throw bad("recoveryFailedAttempts", "out of range") } }
-        if let t = f.recoveryLockoutUntil { guard t.isFinite, t >= 0 else { throw bad("recoveryLockoutUntil", "not a time") } }
+        if let mac = f.cipherMAC {
+            guard let m = Data(base64Encoded: mac), m.count == 32 else { throw bad("cipherMAC", "not a MAC") }
+        }
+        let escrow = escrowedSlots.filter { f.wrapped["r" + $0] != nil }
+        guard escrow.isEmpty || escrow.count == escrowedSlots.count else {
+            throw bad("wrapped.r*", "some recovery slots are missing")
+        }
+        for slot in escrow {
+            guard let w = f.wrapped["r" + slot].flatMap({ Data(base64Encoded: $0) }), w.count == 32 + KeyWrap.overhead
+            else { throw bad("wrapped.r\(slot)", "not a wrapped key") }
+        }
+        if let n = f.recoveryFailedAttempts {
+            guard n >= 0, n <= maxFailedAttempts else { throw bad("recoveryFailedAttempts", "out of range") }
+        }
+        if let t = f.recoveryLockoutUntil {
+            guard t.isFinite, t >= 0 else { throw bad("recoveryLockoutUntil", "not a time") }
+        }
     }
 
     /// What `authenticate` found.
@@ -289,7 +329,9 @@ public struct Keybag: Sendable {
     /// format 2 (device-only slots rewrapped, counter MAC written). In format 2 a missing or
     /// wrong counter MAC means the counter was edited offline: it is set to the longest
     /// lockout from now and saved, so editing it can only ever cost the editor time.
-    public mutating func authenticate(deviceKey: SecureKey, now: Double = Date().timeIntervalSince1970) throws -> CounterCheck {
+    public mutating func authenticate(
+        deviceKey: SecureKey, now: Double = Date().timeIntervalSince1970
+    ) throws -> CounterCheck {
         let key = try Keybag.counterKey(deviceKey)
         counterKey = key
         if file.format == 1 {
@@ -299,7 +341,8 @@ public struct Keybag: Sendable {
             for slot in ["D", "volume"] {
                 let k = try unwrapDeviceKeySlot(slot, deviceKey: deviceKey)
                 defer { k.wipe() }
-                next.wrapped[slot] = Data(try KeyWrap.wrap(k, with: dwk, ad: Keybag.ad(file.storeID, slot, format: 2))).base64EncodedString()
+                next.wrapped[slot] = Data(try KeyWrap.wrap(k, with: dwk, ad: Keybag.ad(file.storeID, slot, format: 2)))
+                    .base64EncodedString()
             }
             next.format = 2
             file = next
@@ -308,7 +351,9 @@ public struct Keybag: Sendable {
         }
         switch try Keybag.cipherIsAuthentic(file, key: key) {
         case false?:
-            throw KeybagError.corrupt("keybag field cipher (\(file.cipher.prefix(40))) was edited offline: its MAC does not match; set it again with `keybagfs cipher`")
+            throw KeybagError.corrupt(
+                "keybag field cipher (\(file.cipher.prefix(40))) was edited offline: its MAC does not match; set it again with `keybagfs cipher`"
+            )
         case nil:
             file.cipherMAC = try Keybag.cipherMAC(file, key: key)   // keybags written before the MAC
             try saveWithoutCounter()
@@ -333,7 +378,9 @@ public struct Keybag: Sendable {
         let key = try Keybag.counterKey(deviceKey)
         defer { key.wipe() }
         let expected = [UInt8](Data(base64Encoded: try Keybag.counterMAC(file, key: key)) ?? Data())
-        guard let stored = file.counterMAC.flatMap({ Data(base64Encoded: $0) }).map([UInt8].init), stored.count == expected.count else { return false }
+        guard let stored = file.counterMAC.flatMap({ Data(base64Encoded: $0) }).map([UInt8].init),
+            stored.count == expected.count
+        else { return false }
         return sodium_memcmp(stored, expected, expected.count) == 0
     }
 
@@ -364,7 +411,9 @@ public struct Keybag: Sendable {
     private func save(recomputingCounterMAC: Bool) throws {
         var file = self.file
         if file.format >= 2 && recomputingCounterMAC {
-            guard let counterKey else { throw KeybagError.invalid("keybag not bound to its device key; cannot authenticate the counter") }
+            guard let counterKey else {
+                throw KeybagError.invalid("keybag not bound to its device key; cannot authenticate the counter")
+            }
             file.counterMAC = try Keybag.counterMAC(file, key: counterKey)
             file.cipherMAC = try Keybag.cipherMAC(file, key: counterKey)
         }
@@ -396,7 +445,9 @@ public struct Keybag: Sendable {
     }
 
     func blob(_ slot: String) throws -> [UInt8] {
-        guard let s = file.wrapped[slot], let d = Data(base64Encoded: s) else { throw KeybagError.corrupt("keybag slot \(slot) missing") }
+        guard let s = file.wrapped[slot], let d = Data(base64Encoded: s) else {
+            throw KeybagError.corrupt("keybag slot \(slot) missing")
+        }
         return [UInt8](d)
     }
 
@@ -404,7 +455,9 @@ public struct Keybag: Sendable {
     public func unwrapDeviceKeySlot(_ slot: String, deviceKey: SecureKey) throws -> SecureKey {
         let dwk = try Keybag.deviceWrapKey(deviceKey)
         defer { dwk.wipe() }
-        do { return try KeyWrap.unwrap(try blob(slot), with: dwk, ad: Keybag.ad(file.storeID, slot, format: file.format)) } catch KeybagError.corrupt {
+        do {
+            return try KeyWrap.unwrap(try blob(slot), with: dwk, ad: Keybag.ad(file.storeID, slot, format: file.format))
+        } catch KeybagError.corrupt {
             throw KeybagError.badDeviceKey
         }
     }
@@ -433,7 +486,8 @@ public struct Keybag: Sendable {
         let kek = try Keybag.passcodeKey(passcode: new, file: next, deviceKey: deviceKey)
         defer { kek.wipe() }
         for (slot, key) in [("A", keys.classA), ("B", keys.classBSecret), ("C", keys.classC)] {
-            next.wrapped[slot] = Data(try KeyWrap.wrap(key, with: kek, ad: Keybag.ad(file.storeID, slot))).base64EncodedString()
+            next.wrapped[slot] = Data(try KeyWrap.wrap(key, with: kek, ad: Keybag.ad(file.storeID, slot)))
+                .base64EncodedString()
         }
         next.failedAttempts = 0
         next.lockoutUntil = 0
@@ -444,7 +498,9 @@ public struct Keybag: Sendable {
     /// Seconds until the next attempt is allowed (0 when allowed now).
     /// Never longer than the longest delay: a lockout further ahead (a clock set back since)
     /// is cut here, not in the stored value, whose counter MAC must still verify.
-    public func retryAfter(now: Double) -> Double { max(0, min(file.lockoutUntil - now, UnlockThrottle.delay(afterFailures: Int.max))) }
+    public func retryAfter(now: Double) -> Double {
+        max(0, min(file.lockoutUntil - now, UnlockThrottle.delay(afterFailures: Int.max)))
+    }
 
     /// Records a failed attempt and persists the counter and the resulting lockout.
     public mutating func recordFailure(now: Double) throws {
@@ -471,7 +527,10 @@ public enum DeviceKeyFile {
     /// Creates a new device key at `path` (refuses to overwrite), returns it.
     public static func create(at path: String) throws -> SecureKey {
         let dir = (path as NSString).deletingLastPathComponent
-        if !dir.isEmpty { try? FileManager.default.createDirectory(atPath: dir, withIntermediateDirectories: true, attributes: [.posixPermissions: 0o700]) }
+        if !dir.isEmpty {
+            try? FileManager.default.createDirectory(
+                atPath: dir, withIntermediateDirectories: true, attributes: [.posixPermissions: 0o700])
+        }
         let fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0o600)
         guard fd >= 0 else { throw KeybagError.system("cannot create device key \(path)", errno) }
         defer { close(fd) }
@@ -495,9 +554,13 @@ public enum DeviceKeyFile {
         guard fd >= 0 else { throw KeybagError.system("cannot read device key \(path)", errno) }
         defer { close(fd) }
         var st = stat()
-        guard fstat(fd, &st) == 0, st.st_size == 32 else { throw KeybagError.invalid("device key \(path) must be exactly 32 bytes") }
+        guard fstat(fd, &st) == 0, st.st_size == 32 else {
+            throw KeybagError.invalid("device key \(path) must be exactly 32 bytes")
+        }
         return try SecureKey(count: 32) { out in
-            guard read(fd, out.baseAddress!, 32) == 32 else { throw KeybagError.system("cannot read device key \(path)", errno) }
+            guard read(fd, out.baseAddress!, 32) == 32 else {
+                throw KeybagError.system("cannot read device key \(path)", errno)
+            }
         }
     }
 }

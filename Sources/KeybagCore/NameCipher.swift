@@ -31,8 +31,9 @@ public final class NameCipher: Sendable {
         func derive(_ id: UInt64) throws -> SecureKey {
             try volumeKey.withBytes { vk in
                 SecureKey(count: 32) { out in
-                    _ = crypto_kdf_derive_from_key(out.baseAddress!.assumingMemoryBound(to: UInt8.self), 32, id, "kbfsname",
-                                                   vk.baseAddress!.assumingMemoryBound(to: UInt8.self))
+                    _ = crypto_kdf_derive_from_key(
+                        out.baseAddress!.assumingMemoryBound(to: UInt8.self), 32, id, "kbfsname",
+                        vk.baseAddress!.assumingMemoryBound(to: UInt8.self))
                 }
             }
         }
@@ -49,7 +50,8 @@ public final class NameCipher: Sendable {
         let msg = Array("keybagfs-name-v1".utf8) + dirIV + name
         var out = [UInt8](repeating: 0, count: 16)
         try macKey.withBytes { k in
-            _ = crypto_generichash(&out, 16, msg, UInt64(msg.count), k.baseAddress!.assumingMemoryBound(to: UInt8.self), 32)
+            _ = crypto_generichash(
+                &out, 16, msg, UInt64(msg.count), k.baseAddress!.assumingMemoryBound(to: UInt8.self), 32)
         }
         return out
     }
@@ -59,7 +61,8 @@ public final class NameCipher: Sendable {
         let nonce = siv + Array(dirIV[0..<8])
         var out = [UInt8](repeating: 0, count: data.count)
         try encKey.withBytes { k in
-            _ = crypto_stream_xchacha20_xor(&out, data, UInt64(data.count), nonce, k.baseAddress!.assumingMemoryBound(to: UInt8.self))
+            _ = crypto_stream_xchacha20_xor(
+                &out, data, UInt64(data.count), nonce, k.baseAddress!.assumingMemoryBound(to: UInt8.self))
         }
         return out
     }
@@ -72,10 +75,14 @@ public final class NameCipher: Sendable {
 
     /// The plaintext of an encrypted name; `corrupt` when it was altered or is not a name.
     public func decrypt(_ stored: String, dirIV: [UInt8]) throws -> [UInt8] {
-        guard let raw = Base64URL.decode(stored), raw.count > 16 else { throw KeybagError.corrupt("not an encrypted name") }
+        guard let raw = Base64URL.decode(stored), raw.count > 16 else {
+            throw KeybagError.corrupt("not an encrypted name")
+        }
         let tag = Array(raw[0..<16])
         let name = try xor(Array(raw[16...]), siv: tag, dirIV: dirIV)
-        guard sodium_memcmp(try siv(name, dirIV: dirIV), tag, 16) == 0 else { throw KeybagError.corrupt("name failed authentication") }
+        guard sodium_memcmp(try siv(name, dirIV: dirIV), tag, 16) == 0 else {
+            throw KeybagError.corrupt("name failed authentication")
+        }
         guard !name.contains(0), !name.contains(UInt8(ascii: "/")), name != [0x2e], name != [0x2e, 0x2e] else {
             throw KeybagError.corrupt("decrypted name is not a file name")
         }
@@ -94,10 +101,14 @@ public final class NameCipher: Sendable {
     }
 
     /// Whether a backing entry is a long name's side file.
-    public static func isSideFile(_ backing: String) -> Bool { backing.hasPrefix(longPrefix) && backing.hasSuffix(longSuffix) }
+    public static func isSideFile(_ backing: String) -> Bool {
+        backing.hasPrefix(longPrefix) && backing.hasSuffix(longSuffix)
+    }
 
     /// Whether a backing entry is a hashed long name.
-    public static func isLongName(_ backing: String) -> Bool { backing.hasPrefix(longPrefix) && !backing.hasSuffix(longSuffix) }
+    public static func isLongName(_ backing: String) -> Bool {
+        backing.hasPrefix(longPrefix) && !backing.hasSuffix(longSuffix)
+    }
 
     /// Seals small metadata (symlink targets, a directory's class) with a random nonce:
     /// nonce(24) || XChaCha20-Poly1305(data, ad = purpose).
@@ -109,8 +120,9 @@ public final class NameCipher: Sendable {
         var clen: UInt64 = 0
         try metaKey.withBytes { k in
             out.withUnsafeMutableBufferPointer { o in
-                _ = crypto_aead_xchacha20poly1305_ietf_encrypt(o.baseAddress! + 24, &clen, data, UInt64(data.count), ad, UInt64(ad.count),
-                                                               nil, nonce, k.baseAddress!.assumingMemoryBound(to: UInt8.self))
+                _ = crypto_aead_xchacha20poly1305_ietf_encrypt(
+                    o.baseAddress! + 24, &clen, data, UInt64(data.count), ad, UInt64(ad.count),
+                    nil, nonce, k.baseAddress!.assumingMemoryBound(to: UInt8.self))
             }
         }
         return out
@@ -124,8 +136,9 @@ public final class NameCipher: Sendable {
         var mlen: UInt64 = 0
         let rc: Int32 = try metaKey.withBytes { k in
             sealed.withUnsafeBufferPointer { s in
-                crypto_aead_xchacha20poly1305_ietf_decrypt(&out, &mlen, nil, s.baseAddress! + 24, UInt64(sealed.count - 24), ad, UInt64(ad.count),
-                                                           s.baseAddress!, k.baseAddress!.assumingMemoryBound(to: UInt8.self))
+                crypto_aead_xchacha20poly1305_ietf_decrypt(
+                    &out, &mlen, nil, s.baseAddress! + 24, UInt64(sealed.count - 24), ad, UInt64(ad.count),
+                    s.baseAddress!, k.baseAddress!.assumingMemoryBound(to: UInt8.self))
             }
         }
         guard rc == 0 else { throw KeybagError.corrupt("sealed metadata failed authentication") }
@@ -144,7 +157,9 @@ public final class NameCipher: Sendable {
 
     /// The plaintext length of a symlink target stored as `storedLength` characters
     /// (base64url without padding of nonce, ciphertext and tag).
-    public static func targetLength(storedLength: Int) -> Int { max(0, storedLength / 4 * 3 + storedLength % 4 * 3 / 4 - 40) }
+    public static func targetLength(storedLength: Int) -> Int {
+        max(0, storedLength / 4 * 3 + storedLength % 4 * 3 / 4 - 40)
+    }
 
     /// The plaintext of a stored symlink target.
     public func decryptTarget(_ stored: String) throws -> [UInt8] {
@@ -175,7 +190,9 @@ public struct DirectoryMeta: Sendable, Equatable {
     /// File contents.
     public func encode(_ cipher: NameCipher) throws -> [UInt8] {
         var b = Self.magic + iv
-        if let c = defaultClass { b += try cipher.seal([c.rawValue], purpose: "keybagfs-dirclass-v1|" + Base64URL.encode(iv)) }
+        if let c = defaultClass {
+            b += try cipher.seal([c.rawValue], purpose: "keybagfs-dirclass-v1|" + Base64URL.encode(iv))
+        }
         return b
     }
 
@@ -186,7 +203,9 @@ public struct DirectoryMeta: Sendable, Equatable {
         var cls: ProtectionClass? = nil
         if b.count > 20 {
             let v = try cipher.open(Array(b[20...]), purpose: "keybagfs-dirclass-v1|" + Base64URL.encode(iv))
-            guard v.count == 1, let c = ProtectionClass(rawValue: v[0]) else { throw KeybagError.corrupt("directory class") }
+            guard v.count == 1, let c = ProtectionClass(rawValue: v[0]) else {
+                throw KeybagError.corrupt("directory class")
+            }
             cls = c
         }
         return DirectoryMeta(iv: iv, defaultClass: cls)

@@ -23,7 +23,7 @@ public enum PasscodeInput {
                 if n < 0 && errno == EINTR { continue }
                 if n <= 0 { break }
                 sawAny = true
-                if c == UInt8(ascii: "\n") || c == 0 { break }   // NUL: pam_exec's expose_authtok ends the password with one
+                if c == UInt8(ascii: "\n") || c == 0 { break }  // NUL: pam_exec's expose_authtok ends the password with one
                 guard count < maxLength else { throw KeybagError.invalid("passcode longer than \(maxLength) bytes") }
                 p[count] = c
                 count += 1
@@ -32,7 +32,9 @@ public enum PasscodeInput {
         }
         guard sawAny else { return nil }
         guard count > 0 else { throw KeybagError.invalid("empty passcode") }
-        return try buf.withBytes { b in SecureKey(count: count) { out in out.copyMemory(from: UnsafeRawBufferPointer(rebasing: b[0..<count])) } }
+        return try buf.withBytes { b in
+            SecureKey(count: count) { out in out.copyMemory(from: UnsafeRawBufferPointer(rebasing: b[0..<count])) }
+        }
     }
 
 
@@ -66,6 +68,9 @@ public enum PasscodeInput {
     /// Whether two secrets are equal (constant time).
     public static func equal(_ a: SecureKey, _ b: SecureKey) -> Bool {
         guard a.count == b.count else { return false }
-        return (try? a.withBytes { x in try b.withBytes { y in sodium_memcmp(x.baseAddress!, y.baseAddress!, x.count) == 0 } }) ?? false
+        return
+            (try? a.withBytes { x in
+                try b.withBytes { y in sodium_memcmp(x.baseAddress!, y.baseAddress!, x.count) == 0 }
+            }) ?? false
     }
 }

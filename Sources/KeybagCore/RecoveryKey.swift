@@ -20,7 +20,8 @@ public struct RecoveryKey: Sendable {
         var h = [UInt8](repeating: 0, count: 16)
         // Keyed by R itself, so R is never copied into an ordinary buffer.
         let label = Array("keybagfs-recovery-check-v1".utf8)
-        crypto_generichash(&h, 16, label, UInt64(label.count), key.baseAddress!.assumingMemoryBound(to: UInt8.self), key.count)
+        crypto_generichash(
+            &h, 16, label, UInt64(label.count), key.baseAddress!.assumingMemoryBound(to: UInt8.self), key.count)
         return (h[0], h[1])
     }
 
@@ -71,7 +72,9 @@ public struct RecoveryKey: Sendable {
                 var letters: [UInt8] = []
                 while i < t.count && letters.count < 4 {
                     let c = t[i] | 0x20
-                    if t[i] != UInt8(ascii: " ") && t[i] != UInt8(ascii: "-") && t[i] != UInt8(ascii: "\t") { letters.append(c) }
+                    if t[i] != UInt8(ascii: " ") && t[i] != UInt8(ascii: "-") && t[i] != UInt8(ascii: "\t") {
+                        letters.append(c)
+                    }
                     i += 1
                 }
                 prefixOK = letters == Array("kbr1".utf8)
@@ -80,13 +83,17 @@ public struct RecoveryKey: Sendable {
                     i += 1
                     if c == UInt8(ascii: " ") || c == UInt8(ascii: "-") || c == UInt8(ascii: "\t") { continue }
                     let up = (c >= 0x61 && c <= 0x7A) ? c - 0x20 : c
-                    guard let v = alphabet.firstIndex(of: up) else { throw KeybagError.invalid("not a recovery key: it uses only the letters A-Z and the digits 2-7") }
+                    guard let v = alphabet.firstIndex(of: up) else {
+                        throw KeybagError.invalid("not a recovery key: it uses only the letters A-Z and the digits 2-7")
+                    }
                     guard chars < 55 else { throw KeybagError.invalid("not a recovery key: too long") }
                     for bit in 0..<5 {
                         let n = chars * 5 + bit
                         guard (v >> (4 - bit)) & 1 == 1 else { continue }
                         // The last character's low three bits are padding and written as zeros.
-                        guard n < 272 else { throw KeybagError.invalid("not a recovery key: its last character is mistyped") }
+                        guard n < 272 else {
+                            throw KeybagError.invalid("not a recovery key: its last character is mistyped")
+                        }
                         out[n / 8] |= UInt8(0x80 >> (n % 8))
                     }
                     chars += 1
@@ -99,7 +106,9 @@ public struct RecoveryKey: Sendable {
         let key = try bits.withBytes { b -> SecureKey in
             let k = UnsafeRawBufferPointer(rebasing: b[0..<32])
             let c = check(k)
-            guard c.0 == b[32], c.1 == b[33] else { throw KeybagError.invalid("not a recovery key: its check does not match (a character is mistyped)") }
+            guard c.0 == b[32], c.1 == b[33] else {
+                throw KeybagError.invalid("not a recovery key: its check does not match (a character is mistyped)")
+            }
             return SecureKey(count: 32) { $0.copyMemory(from: k) }
         }
         return RecoveryKey(secret: key)
@@ -107,7 +116,9 @@ public struct RecoveryKey: Sendable {
 
     /// The key that wraps the escrow slots of store `storeID`.
     func wrapKey(storeID: String) throws -> SecureKey {
-        try secret.withBytes { k in KeyWrap.keyedHash(key: k, parts: [Array("keybagfs-recovery-kek-v1".utf8), Array(storeID.utf8)]) }
+        try secret.withBytes { k in
+            KeyWrap.keyedHash(key: k, parts: [Array("keybagfs-recovery-kek-v1".utf8), Array(storeID.utf8)])
+        }
     }
 
     /// Zeroes the secret.
@@ -119,7 +130,9 @@ extension Keybag {
     static let escrowedSlots = ["A", "B", "C", "D", "volume"]
 
     /// Associated data of an escrow slot.
-    static func escrowAD(_ storeID: String, _ slot: String) -> [UInt8] { Array("keybagfs-escrow-v1|\(storeID)|\(slot)".utf8) }
+    static func escrowAD(_ storeID: String, _ slot: String) -> [UInt8] {
+        Array("keybagfs-escrow-v1|\(storeID)|\(slot)".utf8)
+    }
 
     /// Whether the store has a recovery key.
     public var hasRecoveryKey: Bool { file.wrapped["rA"] != nil }
@@ -129,7 +142,8 @@ extension Keybag {
         let rwk = try recovery.wrapKey(storeID: f.storeID)
         defer { rwk.wipe() }
         for (slot, key) in keys {
-            f.wrapped["r" + slot] = Data(try KeyWrap.wrap(key, with: rwk, ad: escrowAD(f.storeID, slot))).base64EncodedString()
+            f.wrapped["r" + slot] = Data(try KeyWrap.wrap(key, with: rwk, ad: escrowAD(f.storeID, slot)))
+                .base64EncodedString()
         }
     }
 
@@ -144,7 +158,8 @@ extension Keybag {
     public mutating func recover(with recovery: RecoveryKey, newPasscode: SecureKey, deviceKey: SecureKey,
                                  now: Double = Date().timeIntervalSince1970) throws {
         guard hasRecoveryKey else {
-            throw KeybagError.invalid("this store has no recovery key (it was made before recovery keys, or with --no-recovery-key)")
+            throw KeybagError.invalid(
+                "this store has no recovery key (it was made before recovery keys, or with --no-recovery-key)")
         }
         let wait = recoveryRetryAfter(now: now)
         guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
@@ -153,7 +168,9 @@ extension Keybag {
         var keys: [String: SecureKey] = [:]
         defer { keys.values.forEach { $0.wipe() } }
         do {
-            for slot in Self.escrowedSlots { keys[slot] = try KeyWrap.unwrap(try blob("r" + slot), with: rwk, ad: Self.escrowAD(file.storeID, slot)) }
+            for slot in Self.escrowedSlots {
+                keys[slot] = try KeyWrap.unwrap(try blob("r" + slot), with: rwk, ad: Self.escrowAD(file.storeID, slot))
+            }
         } catch KeybagError.corrupt {
             var failed = file
             failed.recoveryFailedAttempts = (failed.recoveryFailedAttempts ?? 0) + 1
@@ -166,12 +183,17 @@ extension Keybag {
         // Escrow slots planted or swapped in this keybag: the escrowed class B key must be the
         // one whose public key the keybag names, and with the current device key the escrowed
         // D and volume keys must be the ones it opens. (Damage, not a guess: not counted.)
-        let mismatch = KeybagError.corrupt("the recovery slots do not match this keybag (damaged or replaced); nothing was changed")
-        guard let pub = Data(base64Encoded: file.classBPublic), try ClassBAgreement.publicKey(of: keys["B"]!) == [UInt8](pub) else { throw mismatch }
+        let mismatch = KeybagError.corrupt(
+            "the recovery slots do not match this keybag (damaged or replaced); nothing was changed")
+        guard let pub = Data(base64Encoded: file.classBPublic),
+            try ClassBAgreement.publicKey(of: keys["B"]!) == [UInt8](pub)
+        else { throw mismatch }
         for slot in ["D", "volume"] {
             guard let current = try? unwrapDeviceKeySlot(slot, deviceKey: deviceKey) else { continue }
             defer { current.wipe() }
-            let same = try current.withBytes { a in try keys[slot]!.withBytes { b in sodium_memcmp(a.baseAddress!, b.baseAddress!, 32) == 0 } }
+            let same = try current.withBytes { a in
+                try keys[slot]!.withBytes { b in sodium_memcmp(a.baseAddress!, b.baseAddress!, 32) == 0 }
+            }
             guard same else { throw mismatch }
         }
         var next = file
@@ -184,10 +206,14 @@ extension Keybag {
         let dwk = try Keybag.deviceWrapKey(deviceKey)
         defer { dwk.wipe() }
         for slot in ["A", "B", "C"] {
-            next.wrapped[slot] = Data(try KeyWrap.wrap(keys[slot]!, with: kek, ad: Keybag.ad(next.storeID, slot))).base64EncodedString()
+            next.wrapped[slot] = Data(try KeyWrap.wrap(keys[slot]!, with: kek, ad: Keybag.ad(next.storeID, slot)))
+                .base64EncodedString()
         }
         for slot in ["D", "volume"] {
-            next.wrapped[slot] = Data(try KeyWrap.wrap(keys[slot]!, with: dwk, ad: Keybag.ad(next.storeID, slot, format: Keybag.currentFormat))).base64EncodedString()
+            next.wrapped[slot] = Data(
+                try KeyWrap.wrap(
+                    keys[slot]!, with: dwk, ad: Keybag.ad(next.storeID, slot, format: Keybag.currentFormat))
+            ).base64EncodedString()
         }
         next.format = Keybag.currentFormat
         next.failedAttempts = 0
@@ -203,8 +229,10 @@ extension Keybag {
     /// working. Needs the passcode and the device key; a wrong passcode counts as a failure.
     /// `deliver` hands the new key to the user (a file, the terminal) before anything is
     /// saved: if it throws, the keybag and the old key stay as they were.
-    public mutating func rotateRecoveryKey(passcode: SecureKey, deviceKey: SecureKey, now: Double = Date().timeIntervalSince1970,
-                                           deliver: (RecoveryKey) throws -> Void = { _ in }) throws -> RecoveryKey {
+    public mutating func rotateRecoveryKey(
+        passcode: SecureKey, deviceKey: SecureKey, now: Double = Date().timeIntervalSince1970,
+        deliver: (RecoveryKey) throws -> Void = { _ in }
+    ) throws -> RecoveryKey {
         // A wrong device key must fail here, not read as an edited counter below.
         try unwrapDeviceKeySlot("D", deviceKey: deviceKey).wipe()
         if counterKey == nil { _ = try authenticate(deviceKey: deviceKey, now: now) }
@@ -216,7 +244,8 @@ extension Keybag {
             throw KeybagError.badPasscode
         }
         defer { classKeys.wipe() }
-        let d = try unwrapDeviceKeySlot("D", deviceKey: deviceKey), vol = try unwrapDeviceKeySlot("volume", deviceKey: deviceKey)
+        let d = try unwrapDeviceKeySlot("D", deviceKey: deviceKey),
+            vol = try unwrapDeviceKeySlot("volume", deviceKey: deviceKey)
         defer { d.wipe(); vol.wipe() }
         let recovery = RecoveryKey.generate()
         var next = file

@@ -13,7 +13,9 @@ public final class ScratchBuffers: Sendable {
     /// Runs `body` with a buffer of `count` bytes and a separate block-sized buffer, both
     /// from one pooled buffer. Every block buffer of the data path comes from here: a heap
     /// block per request fragments the heap between long-lived inode objects.
-    public func withBlock<R>(_ count: Int, _ body: (UnsafeMutableRawBufferPointer, UnsafeMutableRawBufferPointer) throws -> R) rethrows -> R {
+    public func withBlock<R>(
+        _ count: Int, _ body: (UnsafeMutableRawBufferPointer, UnsafeMutableRawBufferPointer) throws -> R
+    ) rethrows -> R {
         let split = (count + 63) & ~63
         let block = BlockLayout.plainBlockSize
         return try with(split + block) { b in
@@ -30,7 +32,9 @@ public final class ScratchBuffers: Sendable {
             defer { b.deallocate() }
             return try body(b)
         }
-        let addr = free.withLock { $0.popLast() } ?? UInt(bitPattern: UnsafeMutableRawPointer.allocate(byteCount: Self.pooledSize, alignment: 64))
+        let addr =
+            free.withLock { $0.popLast() }
+            ?? UInt(bitPattern: UnsafeMutableRawPointer.allocate(byteCount: Self.pooledSize, alignment: 64))
         defer { free.withLock { $0.append(addr) } }
         return try body(UnsafeMutableRawBufferPointer(start: UnsafeMutableRawPointer(bitPattern: addr)!, count: count))
     }

@@ -25,7 +25,9 @@ public final class SecureKey: @unchecked Sendable {
             pooled = true
             address = UInt(bitPattern: p)
         } else {
-            guard let p = sodium_malloc(max(count, 1)) else { fatalError("sodium_malloc failed: out of guarded memory") }
+            guard let p = sodium_malloc(max(count, 1)) else {
+                fatalError("sodium_malloc failed: out of guarded memory")
+            }
             sodium_memzero(p, count)
             pooled = false
             address = UInt(bitPattern: p)

@@ -65,7 +65,10 @@ public final class StoreCheck {
         unlocked = try passcode.map { try kb.unlock(passcode: $0, deviceKey: deviceKey) }
         content = EncryptedContent(layout: BlockLayout(cipher: kb.cipher))
         if try keybag.counterIsAuthentic(deviceKey: deviceKey) == false {
-            note("keybag-counter", "keybag", nil, "the failed-attempt counter does not authenticate (edited offline); the daemon answers with the longest lockout", "not-repairable")
+            note(
+                "keybag-counter", "keybag", nil,
+                "the failed-attempt counter does not authenticate (edited offline); the daemon answers with the longest lockout",
+                "not-repairable")
         }
     }
 
@@ -78,8 +81,11 @@ public final class StoreCheck {
         guard data >= 0 else { throw KeybagError.system("cannot open \(store)/\(Keybag.dataDirName)", errno) }
         defer { close(data) }
         checkDirectory(fd: data, rel: Keybag.dataDirName, plain: "", inherited: nil)
-        checkSideFolder(Keybag.xattrsDirName, referenced: xattrIDs, kind: "xattr-orphan", what: "an xattr set of no file or directory")
-        checkSideFolder(Keybag.targetsDirName, referenced: targetIDs, kind: "target-orphan", what: "a symlink target of no symlink")
+        checkSideFolder(
+            Keybag.xattrsDirName, referenced: xattrIDs, kind: "xattr-orphan",
+            what: "an xattr set of no file or directory")
+        checkSideFolder(
+            Keybag.targetsDirName, referenced: targetIDs, kind: "target-orphan", what: "a symlink target of no symlink")
     }
 
     /// True when no problem was found.
@@ -93,10 +99,15 @@ public final class StoreCheck {
     }
 
     /// Records a problem and runs its repair when allowed (`losesData`: needs `dropData`).
-    private func fix(_ kind: String, _ path: String, _ name: String?, _ detail: String, losesData: Bool = false, _ repair: () throws -> Void) {
+    private func fix(
+        _ kind: String, _ path: String, _ name: String?, _ detail: String, losesData: Bool = false,
+        _ repair: () throws -> Void
+    ) {
         guard options.repair else { return note(kind, path, name, detail, losesData ? "drops-data" : "repairable") }
         guard !losesData || options.dropData else { return note(kind, path, name, detail, "drops-data") }
-        do { try repair(); note(kind, path, name, detail, "repaired") } catch { note(kind, path, name, detail, "failed: \(error)") }
+        do { try repair(); note(kind, path, name, detail, "repaired") } catch {
+            note(kind, path, name, detail, "failed: \(error)")
+        }
     }
 
     // MARK: walk
@@ -109,7 +120,9 @@ public final class StoreCheck {
         rewinddir(dir)
         var out: [String] = []
         while let e = readdir(dir) {
-            let name = withUnsafePointer(to: &e.pointee.d_name) { $0.withMemoryRebound(to: CChar.self, capacity: 256) { String(cString: $0) } }
+            let name = withUnsafePointer(to: &e.pointee.d_name) {
+                $0.withMemoryRebound(to: CChar.self, capacity: 256) { String(cString: $0) }
+            }
             if name != "." && name != ".." { out.append(name) }
         }
         return out
@@ -121,13 +134,17 @@ public final class StoreCheck {
         var meta: DirectoryMeta?
         let mfd = openat(fd, DirectoryMeta.fileName, O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
         if mfd < 0 {
-            note("dir-meta-missing", rel, plain, "no \(DirectoryMeta.fileName): the names in this directory cannot be decrypted", "not-repairable")
+            note(
+                "dir-meta-missing", rel, plain,
+                "no \(DirectoryMeta.fileName): the names in this directory cannot be decrypted", "not-repairable")
         } else {
             var buf = [UInt8](repeating: 0, count: 512)
             let n = read(mfd, &buf, buf.count)
             close(mfd)
             do { meta = try DirectoryMeta.decode(Array(buf[0..<max(n, 0)]), names) } catch {
-                note("dir-meta-damaged", rel + "/" + DirectoryMeta.fileName, plain, "directory metadata does not authenticate: \(error)", "not-repairable")
+                note(
+                    "dir-meta-damaged", rel + "/" + DirectoryMeta.fileName, plain,
+                    "directory metadata does not authenticate: \(error)", "not-repairable")
             }
         }
         if let meta { xattrIDs.insert(Base64URL.encode(meta.iv)) }
@@ -142,12 +159,18 @@ public final class StoreCheck {
             }
             if NameCipher.isSideFile(e) {
                 if !present.contains(String(e.dropLast(NameCipher.longSuffix.count))) {
-                    fix("side-file-orphan", path, nil, "a long name's side file whose entry is gone") { try unlinkOrThrow(fd, e) }
+                    fix("side-file-orphan", path, nil, "a long name's side file whose entry is gone") {
+                        try unlinkOrThrow(fd, e)
+                    }
                 }
                 continue
             }
-            if NameCipher.isLongName(e) && !present.contains(e + NameCipher.longSuffix) && Self.isWhiteout(dirFD: fd, e) {
-                fix("whiteout-without-name", path, nil, "a whiteout (left by a rename of keybagfs before 2026-11) without its side file: it has no name and hides nothing") {
+            if NameCipher.isLongName(e) && !present.contains(e + NameCipher.longSuffix) && Self.isWhiteout(dirFD: fd, e)
+            {
+                fix(
+                    "whiteout-without-name", path, nil,
+                    "a whiteout (left by a rename of keybagfs before 2026-11) without its side file: it has no name and hides nothing"
+                ) {
                     try unlinkOrThrow(fd, e)
                 }
                 continue
@@ -158,14 +181,18 @@ public final class StoreCheck {
             switch st.st_mode & S_IFMT {
             case S_IFDIR:
                 let sub = openat(fd, e, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
-                guard sub >= 0 else { note("unreadable", path, name, String(cString: strerror(errno)), "not-repairable"); continue }
+                guard sub >= 0 else {
+                    note("unreadable", path, name, String(cString: strerror(errno)), "not-repairable"); continue
+                }
                 checkDirectory(fd: sub, rel: path, plain: name ?? plain + "/?", inherited: cls)
                 close(sub)
             case S_IFREG:
-                guard seenInodes.insert(UInt64(st.st_ino)).inserted else { continue }   // another link of a checked file
+                guard seenInodes.insert(UInt64(st.st_ino)).inserted else { continue }  // another link of a checked file
                 files += 1
                 if files % 500 == 0 { progress?(files) }
-                checkFile(dirFD: fd, backing: e, path: path, name: name, dirClass: cls ?? .completeUntilFirstUserAuthentication)
+                checkFile(
+                    dirFD: fd, backing: e, path: path, name: name,
+                    dirClass: cls ?? .completeUntilFirstUserAuthentication)
             case S_IFLNK:
                 checkSymlink(dirFD: fd, backing: e, path: path, name: name)
             default:
@@ -187,7 +214,9 @@ public final class StoreCheck {
         if NameCipher.isLongName(backing) {
             let fd = openat(dirFD, backing + NameCipher.longSuffix, O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
             guard fd >= 0 else {
-                note("side-file-missing", path, nil, "a long name without its side file: the name is lost", "not-repairable")
+                note(
+                    "side-file-missing", path, nil, "a long name without its side file: the name is lost",
+                    "not-repairable")
                 return nil
             }
             var buf = [UInt8](repeating: 0, count: 1024)
@@ -200,7 +229,9 @@ public final class StoreCheck {
             }
         }
         guard let plain = try? names.decrypt(encrypted, dirIV: meta.iv) else {
-            note("name", path, nil, "the name does not decrypt in this directory (moved or edited offline)", "not-repairable")
+            note(
+                "name", path, nil, "the name does not decrypt in this directory (moved or edited offline)",
+                "not-repairable")
             return nil
         }
         return String(decoding: plain, as: UTF8.self)
@@ -247,7 +278,8 @@ public final class StoreCheck {
         guard ftruncate(fd, 0) == 0 else { throw KeybagError.system("ftruncate", errno) }
         let raw = SecureKey(random: 32)
         defer { raw.wipe() }
-        try EncryptedContent.writeNewHeader(fd: fd, try FileHeader.create(fileKey: raw, class: cls, cipher: keybag.cipher, using: wrap))
+        try EncryptedContent.writeNewHeader(
+            fd: fd, try FileHeader.create(fileKey: raw, class: cls, cipher: keybag.cipher, using: wrap))
         guard fsync(fd) == 0 else { throw KeybagError.system("fsync", errno) }
     }
 
@@ -261,19 +293,26 @@ public final class StoreCheck {
         let size = Int(st.st_size)
         if size < FileHeader.size {
             let keyAtHand = dirClass == .completeUnlessOpen || classKey(dirClass) != nil
-            let detail = size == 0 ? "an empty file without header (a crash during create); it becomes an empty \(dirClass.name) file"
-                                   : "a header cut to \(size) bytes: the file key is lost"
+            let detail =
+                size == 0
+                ? "an empty file without header (a crash during create); it becomes an empty \(dirClass.name) file"
+                : "a header cut to \(size) bytes: the file key is lost"
             if !keyAtHand && options.repair {
                 return note(size == 0 ? "no-header" : "header-truncated", path, name, detail, "needs-passcode")
             }
-            return fix(size == 0 ? "no-header" : "header-truncated", path, name, detail, losesData: size > 0) { try writeFreshHeader(fd, dirClass) }
+            return fix(size == 0 ? "no-header" : "header-truncated", path, name, detail, losesData: size > 0) {
+                try writeFreshHeader(fd, dirClass)
+            }
         }
         let header: FileHeader
         do {
             let (h, superseded) = try EncryptedContent.readHeaderSlots(fd: fd)
             header = h
             if let superseded {
-                fix("header-superseded-slot", path, name, "a class change was cut off: slot \(superseded) still holds the older class's wrap") {
+                fix(
+                    "header-superseded-slot", path, name,
+                    "a class change was cut off: slot \(superseded) still holds the older class's wrap"
+                ) {
                     try EncryptedContent.eraseHeaderSlot(fd: fd, index: superseded)
                 }
             }
@@ -283,7 +322,10 @@ public final class StoreCheck {
         }
         xattrIDs.insert(Base64URL.encode(header.fileID))
         guard header.cipher.sharesLayout(with: keybag.cipher) else {
-            return note("header-cipher", path, name, "the header names \(header.cipher.name), whose blocks have another layout than the store's \(keybag.cipher.name)", "not-repairable")
+            return note(
+                "header-cipher", path, name,
+                "the header names \(header.cipher.name), whose blocks have another layout than the store's \(keybag.cipher.name)",
+                "not-repairable")
         }
         let layout = content.layout
         let rest = (size - FileHeader.size) % layout.cipherBlockSize
@@ -295,7 +337,8 @@ public final class StoreCheck {
         guard let ck = classKey(header.protectionClass) else { keyless += 1; return }
         let key: FileContentKey
         do { key = try FileContentKey(key: try header.unwrap(using: ck), header: header) } catch {
-            return note("header-wrap", path, name, "the file key does not unwrap (header edited offline)", "not-repairable")
+            return note(
+                "header-wrap", path, name, "the file key does not unwrap (header edited offline)", "not-repairable")
         }
         defer { key.wipe() }
         checkBlocks(fd: fd, key: key, path: path, name: name)
@@ -313,19 +356,33 @@ public final class StoreCheck {
         let lastGood = checks.lastIndex { $0 == .authentic || $0 == .wrongEnd } ?? -1
         if lastGood < n - 1 {
             let lost = n - 1 - lastGood
-            fix("torn-tail", path, name, "the last \(lost) block(s) do not authenticate (a write cut off before fsync); repair cuts the file after block \(lastGood)", losesData: true) {
+            fix(
+                "torn-tail", path, name,
+                "the last \(lost) block(s) do not authenticate (a write cut off before fsync); repair cuts the file after block \(lastGood)",
+                losesData: true
+            ) {
                 try content.cut(fd: fd, afterBlocks: lastGood + 1)
-                if lastGood >= 0 && key.sealsEnd { try content.resealEndMark(fd: fd, key: key, block: lastGood, from: false, to: true) }
+                if lastGood >= 0 && key.sealsEnd {
+                    try content.resealEndMark(fd: fd, key: key, block: lastGood, from: false, to: true)
+                }
             }
         } else if checks[n - 1] == .wrongEnd {
-            fix("end-not-sealed", path, name, "the file ends at block \(n - 1) but that block is not sealed as the end (a cut, or a truncate cut off)") {
+            fix(
+                "end-not-sealed", path, name,
+                "the file ends at block \(n - 1) but that block is not sealed as the end (a cut, or a truncate cut off)"
+            ) {
                 try content.resealEndMark(fd: fd, key: key, block: n - 1, from: false, to: true)
             }
         }
         for (b, c) in checks.enumerated() where b < lastGood && c == .damaged {
-            fix("block-damaged", path, name, "block \(b) does not authenticate; repair turns it into a hole (zeros)", losesData: true) {
+            fix(
+                "block-damaged", path, name, "block \(b) does not authenticate; repair turns it into a hole (zeros)",
+                losesData: true
+            ) {
                 let zeros = [UInt8](repeating: 0, count: content.layout.cipherBlockSize)
-                try zeros.withUnsafeBytes { try EncryptedContent.pwriteFull(fd, $0, offset: content.layout.cipherOffset(ofBlock: b)) }
+                try zeros.withUnsafeBytes {
+                    try EncryptedContent.pwriteFull(fd, $0, offset: content.layout.cipherOffset(ofBlock: b))
+                }
             }
         }
         if options.repair { _ = fsync(fd) }

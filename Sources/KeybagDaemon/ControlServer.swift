@@ -29,7 +29,8 @@ final class Connection: Sendable {
         var off = 0
         while off < bytes.count {
             let n = bytes.withUnsafeBytes { b in
-                Glibc.send(fd, b.baseAddress! + off, b.count - off, Int32(MSG_NOSIGNAL) | (blocking ? 0 : Int32(MSG_DONTWAIT)))
+                Glibc.send(
+                    fd, b.baseAddress! + off, b.count - off, Int32(MSG_NOSIGNAL) | (blocking ? 0 : Int32(MSG_DONTWAIT)))
             }
             if n < 0 { if errno == EINTR { continue }; return false }
             off += n
@@ -125,7 +126,9 @@ final class ConnectionSlots: Sendable {
                 c.privileged += 1
                 return true
             }
-            guard c.unprivileged < Self.unprivilegedTotal, c.byUID[peer.uid, default: 0] < Self.perUID else { return false }
+            guard c.unprivileged < Self.unprivilegedTotal, c.byUID[peer.uid, default: 0] < Self.perUID else {
+                return false
+            }
             c.unprivileged += 1
             c.byUID[peer.uid, default: 0] += 1
             return true
@@ -202,7 +205,10 @@ final class PrivilegedConnections: Sendable {
             // Preference: older than the grace first, then idle non-subscribers (idle the
             // longest first), then subscribers (newest first).
             func rank(_ e: Entry) -> (Int, Int, Double) {
-                (t - e.connected < Self.graceSeconds ? 1 : 0, e.subscribed ? 1 : 0, e.subscribed ? -e.connected : e.lastRequest)
+                (
+                    t - e.connected < Self.graceSeconds ? 1 : 0, e.subscribed ? 1 : 0,
+                    e.subscribed ? -e.connected : e.lastRequest
+                )
             }
             let candidates = r.entries.filter { _, e in !e.busy && (e.uid == uid || uid == 0) }
             guard let (id, e) = candidates.min(by: { rank($0.value) < rank($1.value) }) else { return false }
@@ -235,8 +241,13 @@ final class ControlServer: Sendable {
         self.controller = controller
         self.ownerUID = owner
         let dir = (path as NSString).deletingLastPathComponent
-        if !dir.isEmpty { try? FileManager.default.createDirectory(atPath: dir, withIntermediateDirectories: true, attributes: [.posixPermissions: 0o755]) }
-        if ControlServer.isLive(path) { throw KeybagError.invalid("control socket \(path) is in use by another daemon") }
+        if !dir.isEmpty {
+            try? FileManager.default.createDirectory(
+                atPath: dir, withIntermediateDirectories: true, attributes: [.posixPermissions: 0o755])
+        }
+        if ControlServer.isLive(path) {
+            throw KeybagError.invalid("control socket \(path) is in use by another daemon")
+        }
         unlink(path)
         let fd = try UnixSocket.make(path: path) { bind($0, $1, $2) }
         chmod(path, 0o666)
@@ -272,7 +283,9 @@ final class ControlServer: Sendable {
             let fd = accept(listenFD, nil, nil)
             if fd >= 0 { _ = fcntl(fd, F_SETFD, FD_CLOEXEC) }
             if fd < 0 {
-                if errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE { usleep(10_000); continue }
+                if errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE {
+                    usleep(10_000); continue
+                }
                 return
             }
             var uid: UInt32 = 0, gid: UInt32 = 0, pid: Int32 = 0
@@ -282,7 +295,9 @@ final class ControlServer: Sendable {
                 // Root and the owner are never refused: their connection idle the longest makes room.
                 guard peer.privileged, privileged.makeRoom(for: peer.uid) else {
                     let refused = Connection(fd: fd)
-                    _ = refused.sendEvent(ControlProtocol.encode(Controller.refusal("busy", "too many control connections for uid \(uid)")))   // never waits
+                    _ = refused.sendEvent(
+                        ControlProtocol.encode(
+                            Controller.refusal("busy", "too many control connections for uid \(uid)")))  // never waits
                     refused.close()
                     continue
                 }
@@ -318,7 +333,10 @@ final class ControlServer: Sendable {
         var used = 0
         var subscribed = false
         while true {
-            let n: Int = (try? buffer.withBytes { b in recv(c.fd, UnsafeMutableRawPointer(mutating: b.baseAddress!) + used, capacity - used, 0) }) ?? -1
+            let n: Int =
+                (try? buffer.withBytes { b in
+                    recv(c.fd, UnsafeMutableRawPointer(mutating: b.baseAddress!) + used, capacity - used, 0)
+                }) ?? -1
             if n < 0 && errno == EINTR { continue }
             if n <= 0 {
                 if n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && subscribed { continue }
@@ -326,8 +344,10 @@ final class ControlServer: Sendable {
             }
             used += n
             while true {
-                let line: (reply: [String: Any], length: Int)?? = try? buffer.withBytes { b -> (reply: [String: Any], length: Int)? in
-                    guard let nl = UnsafeRawBufferPointer(rebasing: b[0..<used]).firstIndex(of: UInt8(ascii: "\n")) else { return nil }
+                let line: (reply: [String: Any], length: Int)?? = try? buffer.withBytes {
+                    b -> (reply: [String: Any], length: Int)? in
+                    guard let nl = UnsafeRawBufferPointer(rebasing: b[0..<used]).firstIndex(of: UInt8(ascii: "\n"))
+                    else { return nil }
                     let raw = UnsafeRawBufferPointer(rebasing: b[0..<nl])
                     if raw.allSatisfy({ $0 == 0x20 || $0 == 0x0D || $0 == 0x09 }) { return ([:], nl) }
                     if let registered { privileged.serving(registered, true, subscribed: false) }
@@ -359,7 +379,9 @@ final class ControlServer: Sendable {
     }
 
     /// Answers one request line.
-    private func handle(_ raw: UnsafeRawBufferPointer, peer: Peer, connection: Connection, subscribed: inout Bool) -> [String: Any] {
+    private func handle(
+        _ raw: UnsafeRawBufferPointer, peer: Peer, connection: Connection, subscribed: inout Bool
+    ) -> [String: Any] {
         let req: ControlRequest
         do { req = try ControlRequest.parse(raw) } catch {
             return Controller.refusal("badRequest", "not a flat JSON object: \(error)")
@@ -374,15 +396,23 @@ final class ControlServer: Sendable {
             // every event published after the state was read follows the reply.
             subscribed = true
             Self.setTimeout(connection.fd, SO_RCVTIMEO, seconds: 0)
-            controller.events.subscribe(connection) { ControlProtocol.encode(["ok": true, "state": controller.state.rawValue]) }
+            controller.events.subscribe(connection) {
+                ControlProtocol.encode(["ok": true, "state": controller.state.rawValue])
+            }
             return [:]
         case "policy":
-            guard peer.privileged else { return Controller.refusal("forbidden", "only root and the mounting user may read the policy") }
+            guard peer.privileged else {
+                return Controller.refusal("forbidden", "only root and the mounting user may read the policy")
+            }
             return controller.policy()
         case "unlock", "lock", "passwd":
-            guard peer.privileged else { return Controller.refusal("forbidden", "only root and the mounting user may \(op)") }
+            guard peer.privileged else {
+                return Controller.refusal("forbidden", "only root and the mounting user may \(op)")
+            }
             if op == "unlock" {
-                guard let p = req.secrets["passcode"] else { return Controller.refusal("badRequest", "unlock needs a non-empty \"passcode\" string") }
+                guard let p = req.secrets["passcode"] else {
+                    return Controller.refusal("badRequest", "unlock needs a non-empty \"passcode\" string")
+                }
                 return controller.unlock(passcode: p)
             }
             if op == "passwd" {

@@ -33,8 +33,10 @@ final class Controller: Sendable {
     /// Uid allowed to lock, unlock and passwd besides root (for `status`).
     let owner: uid_t
 
-    init(keybag: Keybag, deviceKey: SecureKey, keyring: ClassKeyring, fs: Filesystem, grace: Double, mountpoint: String,
-         owner: uid_t, inactivityRelock: Double? = nil, stateChanged: @escaping @Sendable (LockState) -> Void = { _ in }) {
+    init(
+        keybag: Keybag, deviceKey: SecureKey, keyring: ClassKeyring, fs: Filesystem, grace: Double, mountpoint: String,
+        owner: uid_t, inactivityRelock: Double? = nil, stateChanged: @escaping @Sendable (LockState) -> Void = { _ in }
+    ) {
         self.owner = owner
         self.inactivityRelock = inactivityRelock
         self.stateChanged = stateChanged
@@ -96,7 +98,8 @@ final class Controller: Sendable {
             relockDeadline.withLock { $0 = nil }
             let evs = machine.withLock { $0.returnToBeforeFirstUnlock(ticket: ticket) }
             for e in evs { events.publish(e, state: .beforeFirstUnlock) }
-            MountDaemon.log("locked for \(Int(inactivityRelock ?? 0)) s: back to beforeFirstUnlock, only class none stays readable")
+            MountDaemon.log(
+                "locked for \(Int(inactivityRelock ?? 0)) s: back to beforeFirstUnlock, only class none stays readable")
             stateChanged(.beforeFirstUnlock)
         }
     }
@@ -134,12 +137,15 @@ final class Controller: Sendable {
         } catch KeybagError.badPasscode {
             return keybag.withLock { kb in
                 do { try kb.recordFailure(now: now) } catch {
-                    return .refused(Self.refusal("internal", "wrong passcode; the failure could not be recorded: \(error)"))
+                    return .refused(
+                        Self.refusal("internal", "wrong passcode; the failure could not be recorded: \(error)"))
                 }
                 let retry = Self.seconds(kb.retryAfter(now: now))
                 var extra: [String: Any] = ["failedAttempts": kb.file.failedAttempts]
                 if retry > 0 { extra["retryAfter"] = retry }
-                return .refused(Self.refusal("badPasscode", retry > 0 ? "wrong passcode; retry in \(retry) s" : "wrong passcode", extra))
+                return .refused(
+                    Self.refusal(
+                        "badPasscode", retry > 0 ? "wrong passcode; retry in \(retry) s" : "wrong passcode", extra))
             }
         } catch {
             return .refused(Self.refusal("internal", "\(error)"))

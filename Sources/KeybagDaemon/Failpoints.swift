@@ -33,9 +33,13 @@ enum Failpoint: String, Sendable {
         for item in String(cString: raw).split(separator: ",") {
             let parts = item.split(separator: "=", maxSplits: 1).map(String.init)
             guard parts.count == 2 else { continue }
-            if parts[1] == "stop" { table[parts[0]] = .stop }
-            else if parts[1] == "on" { table[parts[0]] = .on }
-            else if parts[1].hasPrefix("sleep:"), let ms = UInt32(parts[1].dropFirst(6)) { table[parts[0]] = .sleep(ms) }
+            if parts[1] == "stop" {
+                table[parts[0]] = .stop
+            } else if parts[1] == "on" {
+                table[parts[0]] = .on
+            } else if parts[1].hasPrefix("sleep:"), let ms = UInt32(parts[1].dropFirst(6)) {
+                table[parts[0]] = .sleep(ms)
+            }
         }
         return table
     }()

@@ -26,7 +26,9 @@ extension Filesystem {
                     MountDaemon.log("could not erase the superseded header slot of inode \(node.backingIno): \(error)")
                 }
             } else {
-                MountDaemon.log("could not erase the superseded header slot of inode \(node.backingIno): \(String(cString: strerror(errno)))")
+                MountDaemon.log(
+                    "could not erase the superseded header slot of inode \(node.backingIno): \(String(cString: strerror(errno)))"
+                )
             }
         }
         return h
@@ -35,7 +37,9 @@ extension Filesystem {
     /// Runs `body` with the file key for `use`, holding the inode's lock shared when the key
     /// is ready (reads) or alone when it must be loaded or the use writes. Whether the key
     /// may be used is `FileKeyLife`'s decision alone.
-    private func withContentKey<R>(_ node: Node, _ use: FileKeyLife.Use, _ body: (FileContentKey) throws -> R) throws -> R {
+    private func withContentKey<R>(
+        _ node: Node, _ use: FileKeyLife.Use, _ body: (FileContentKey) throws -> R
+    ) throws -> R {
         if use == .read {
             let access = keyring.access
             let done: R?? = try node.io.read { st in
@@ -69,7 +73,7 @@ extension Filesystem {
         let n = try node(id)
         guard n.isRegular else { throw FSError(n.isDirectory ? EISDIR : EINVAL) }
         let writable = (flags & O_ACCMODE) != O_RDONLY
-        if writable && space.noteWritten() { refreshAttributesOfKnownFiles() }   // nearly full: tight before the first write
+        if writable && space.noteWritten() { refreshAttributesOfKnownFiles() }  // nearly full: tight before the first write
         let fd = try check(n.open(writable ? O_RDWR : O_RDONLY))
         let cls: ProtectionClass
         do {
@@ -81,7 +85,9 @@ extension Filesystem {
                     throw error
                 }
                 if flags & O_TRUNC != 0 && writable {
-                    do { try content.truncate(fd: fd, key: key, to: 0) } catch { _ = st.release(keyring: keyring); throw error }
+                    do { try content.truncate(fd: fd, key: key, to: 0) } catch {
+                        _ = st.release(keyring: keyring); throw error
+                    }
                 }
                 return h.protectionClass
             }
@@ -107,12 +113,18 @@ extension Filesystem {
     /// Creates a regular file with the inherited class (EACCES when that class cannot create
     /// now). Atomic: the header is written to an unnamed file that is then linked under its
     /// name, so a crash never leaves a named file without a header.
-    func create(parent: UInt64, name: String, mode: mode_t, flags: Int32, caller: Caller) throws -> (Node, stat, FileHandle) {
-        try retryingWhileSpaceReturns { try createOnce(parent: parent, name: name, mode: mode, flags: flags, caller: caller) }
+    func create(
+        parent: UInt64, name: String, mode: mode_t, flags: Int32, caller: Caller
+    ) throws -> (Node, stat, FileHandle) {
+        try retryingWhileSpaceReturns {
+            try createOnce(parent: parent, name: name, mode: mode, flags: flags, caller: caller)
+        }
     }
 
     /// One attempt of `create`; undoes what it did when it fails.
-    private func createOnce(parent: UInt64, name: String, mode: mode_t, flags: Int32, caller: Caller) throws -> (Node, stat, FileHandle) {
+    private func createOnce(
+        parent: UInt64, name: String, mode: mode_t, flags: Int32, caller: Caller
+    ) throws -> (Node, stat, FileHandle) {
         try Self.checkName(name)
         let p = try node(parent)
         let cls = try inheritedClass(p)
@@ -120,7 +132,9 @@ extension Filesystem {
         let entry = try backingName(p, name)
         let sideCreated = try ensureSideFile(p, entry)
         let file: NewFile
-        do { file = try newFile(in: p, class: cls, wrapKey: wrapKey, mode: mode, caller: caller, nameless: false) } catch {
+        do {
+            file = try newFile(in: p, class: cls, wrapKey: wrapKey, mode: mode, caller: caller, nameless: false)
+        } catch {
             if sideCreated { removeSideFile(p, entry) }
             throw FSError(error)
         }
@@ -163,7 +177,8 @@ extension Filesystem {
                 let pathFD = try check(Glibc.open("/proc/self/fd/\(file.fd)", kbfs_O_PATH | O_CLOEXEC))
                 var st = stat()
                 guard fstat(pathFD, &st) == 0 else { let e = errno; close(pathFD); throw FSError(e) }
-                return try adopt(file, node: table.remember(keeping: pathFD, stat: st), stat: st, class: cls, epoch: epoch)
+                return try adopt(
+                    file, node: table.remember(keeping: pathFD, stat: st), stat: st, class: cls, epoch: epoch)
             } catch {
                 close(file.fd)
                 throw FSError(error)
@@ -184,12 +199,18 @@ extension Filesystem {
     /// A backing file in `p` of class `cls` owned by `caller`, with its header written and
     /// no name of its own (`unnamedFile`; `nameless` refuses the temporary-name fallback).
     /// Leaves nothing behind when it throws.
-    private func newFile(in p: Node, class cls: ProtectionClass, wrapKey: FileHeader.ClassKey, mode: mode_t, caller: Caller, nameless: Bool) throws -> NewFile {
+    private func newFile(
+        in p: Node, class cls: ProtectionClass, wrapKey: FileHeader.ClassKey, mode: mode_t, caller: Caller,
+        nameless: Bool
+    ) throws -> NewFile {
         // Made without set-ID bits: they come once the file is the caller's (the kernel already
         // dropped those the caller may not set, Linux 6.0+); never on a file left as root's.
-        let (bfd, temp) = try unnamedFile(dirFD: p.fd, mode: creationMode(mode, in: p, by: caller) & 0o1777, fallback: !nameless)
+        let (bfd, temp) = try unnamedFile(
+            dirFD: p.fd, mode: creationMode(mode, in: p, by: caller) & 0o1777, fallback: !nameless)
         do {
-            let owned = !chownToCaller || !Failpoint.chownRefused.isOn && fchown(bfd, caller.uid, groupFor(caller, dirFD: p.fd)) == 0
+            let owned =
+                !chownToCaller
+                || !Failpoint.chownRefused.isOn && fchown(bfd, caller.uid, groupFor(caller, dirFD: p.fd)) == 0
             var st = stat()
             if owned && mode & (S_ISUID | S_ISGID) != 0 && fstat(bfd, &st) == 0 {
                 fchmod(bfd, st.st_mode & 0o1777 | mode & (S_ISUID | S_ISGID))
@@ -206,15 +227,21 @@ extension Filesystem {
     }
 
     /// Gives a new file's key to its node and opens the creator's handle on it.
-    private func adopt(_ file: NewFile, node n: Node, stat st: stat, class cls: ProtectionClass, epoch: UInt64) throws -> (Node, stat, FileHandle) {
+    private func adopt(
+        _ file: NewFile, node n: Node, stat st: stat, class cls: ProtectionClass, epoch: UInt64
+    ) throws -> (Node, stat, FileHandle) {
         do {
-            try n.io.write { s in try s.adoptCreated(header: file.header, key: file.key, epoch: epoch, keyring: keyring) }
+            try n.io.write { s in try s.adoptCreated(header: file.header, key: file.key, epoch: epoch, keyring: keyring)
+            }
         } catch {
             table.forget(n.id, count: 1)   // the kernel never learns of this node
             throw error
         }
         openFiles.add(1, ordering: .relaxed)
-        return (n, plaintextAttributes(st, linkAt: -1, ""), FileHandle(node: n, fd: file.fd, writable: true, directIO: usesDirectIO(cls)))
+        return (
+            n, plaintextAttributes(st, linkAt: -1, ""),
+            FileHandle(node: n, fd: file.fd, writable: true, directIO: usesDirectIO(cls))
+        )
     }
 
     /// A new backing file without a name in `dirFD` (O_TMPFILE), or under a reserved
@@ -231,7 +258,9 @@ extension Filesystem {
     /// Links a file from `unnamedFile` under `name` (never replacing an entry); removes the
     /// temporary name. Returns 0 or the errno (EEXIST when the name is taken).
     private func link(unnamed fd: Int32, temp: String?, dirFD: Int32, as name: String) -> Int32 {
-        let rc = temp.map { linkat(dirFD, $0, dirFD, name, 0) } ?? linkat(AT_FDCWD, "/proc/self/fd/\(fd)", dirFD, name, AT_SYMLINK_FOLLOW)
+        let rc =
+            temp.map { linkat(dirFD, $0, dirFD, name, 0) }
+            ?? linkat(AT_FDCWD, "/proc/self/fd/\(fd)", dirFD, name, AT_SYMLINK_FOLLOW)
         let e = rc == 0 ? 0 : errno
         if let temp { unlinkat(dirFD, temp, 0) }
         return e
@@ -253,8 +282,10 @@ extension Filesystem {
             let raw = SecureKey(random: 32)
             defer { raw.wipe() }
             do {
-                try EncryptedContent.writeNewHeader(fd: fd, try FileHeader.create(fileKey: raw, class: cls, cipher: cipher, using: wrapKey))
-                MountDaemon.log("inode \(n.backingIno) had no header (0 bytes, left by a crash): now an empty \(cls.name) file")
+                try EncryptedContent.writeNewHeader(
+                    fd: fd, try FileHeader.create(fileKey: raw, class: cls, cipher: cipher, using: wrapKey))
+                MountDaemon.log(
+                    "inode \(n.backingIno) had no header (0 bytes, left by a crash): now an empty \(cls.name) file")
             } catch {
                 MountDaemon.log("could not give the empty inode \(n.backingIno) a header: \(error)")
             }

@@ -72,8 +72,11 @@ final class Filesystem: Sendable {
     /// Whether created objects are chowned to the caller (the daemon runs as root).
     let chownToCaller: Bool
 
-    init(dataFD: Int32, targetsFD: Int32, xattrsFD: Int32, names: NameCipher, keyring: ClassKeyring, cipher: ContentCipher, defaultClass: ProtectionClass,
-         policy: ClassPolicy = ClassPolicy(), threads: Int = 16, kernel: KernelNotifier) throws {
+    init(
+        dataFD: Int32, targetsFD: Int32, xattrsFD: Int32, names: NameCipher, keyring: ClassKeyring,
+        cipher: ContentCipher, defaultClass: ProtectionClass,
+        policy: ClassPolicy = ClassPolicy(), threads: Int = 16, kernel: KernelNotifier
+    ) throws {
         table = try NodeTable(rootFD: dataFD)
         self.kernel = kernel
         space = StoreSpace(storeFD: dataFD, threads: threads) { [keyring] in keyring.access.canOpen(.complete) }
@@ -115,7 +118,9 @@ final class Filesystem: Sendable {
     /// Rejects names no directory entry may have.
     static func checkName(_ name: String) throws {
         if name.utf8.count > 255 { throw FSError(ENAMETOOLONG) }
-        if name.isEmpty || name == "." || name == ".." || name.utf8.contains(UInt8(ascii: "/")) { throw FSError(EINVAL) }
+        if name.isEmpty || name == "." || name == ".." || name.utf8.contains(UInt8(ascii: "/")) {
+            throw FSError(EINVAL)
+        }
     }
 
     /// Attributes with the plaintext size for regular files and symlinks.
@@ -141,13 +146,16 @@ final class Filesystem: Sendable {
     /// A symlink target's plaintext length, from the length of what the link stores (no
     /// decryption); a target kept in `targets/` is measured there.
     private func targetLength(storedLength: Int, linkAt dirFD: Int32, _ name: String) -> Int {
-        guard storedLength == NameCipher.longTargetLinkLength else { return NameCipher.targetLength(storedLength: storedLength) }
+        guard storedLength == NameCipher.longTargetLinkLength else {
+            return NameCipher.targetLength(storedLength: storedLength)
+        }
         var buf = [UInt8](repeating: 0, count: storedLength + 1)
         let n = readlinkat(dirFD, name, &buf, buf.count)
         let link = n > 0 ? String(decoding: buf[0..<n], as: UTF8.self) : ""
         var t = stat()
         guard link.hasPrefix(NameCipher.longTargetPrefix),
-              fstatat(targetsFD, String(link.dropFirst(NameCipher.longTargetPrefix.count)), &t, AT_SYMLINK_NOFOLLOW) == 0 else {
+            fstatat(targetsFD, String(link.dropFirst(NameCipher.longTargetPrefix.count)), &t, AT_SYMLINK_NOFOLLOW) == 0
+        else {
             return NameCipher.targetLength(storedLength: storedLength)
         }
         return NameCipher.targetLength(storedLength: Int(t.st_size))
@@ -169,7 +177,10 @@ final class Filesystem: Sendable {
             if (st.st_mode & S_IFMT) != S_IFDIR {
                 var buf = [UInt8](repeating: 0, count: Int(kbfs_HANDLE_BUFFER))
                 let len = kbfs_handle_at(p.fd, backing, &buf, Int32(buf.count))
-                if len > 0 { return remembered(table.remember(handle: Array(buf[0..<Int(len)]), stat: st), st, parent: p, backing) }
+                if len > 0 {
+                    return remembered(
+                        table.remember(handle: Array(buf[0..<Int(len)]), stat: st), st, parent: p, backing)
+                }
             }
         }
         let fd = try check(openat(p.fd, backing, kbfs_O_PATH | O_NOFOLLOW | O_CLOEXEC))
@@ -202,7 +213,9 @@ final class Filesystem: Sendable {
     /// opened before a lock keep working.
     func handlesRefused(_ n: Node) -> Bool {
         let access = keyring.access
-        guard Eviction.mayRefuseHandles(access), n.isRegular, let cls = n.io.read({ $0.protectionClass }) else { return false }
+        guard Eviction.mayRefuseHandles(access), n.isRegular, let cls = n.io.read({ $0.protectionClass }) else {
+            return false
+        }
         return Eviction.refusesHandles(of: cls, access)
     }
 
@@ -211,7 +224,9 @@ final class Filesystem: Sendable {
     /// would take into its page cache asks for them first (see `getattr`).
     func attributeSeconds(_ id: UInt64, normal: Double) -> Double {
         if space.isTight { return 0 }
-        guard Eviction.mayRefuseHandles(keyring.access), let n = table.node(id), handlesRefused(n) else { return normal }
+        guard Eviction.mayRefuseHandles(keyring.access), let n = table.node(id), handlesRefused(n) else {
+            return normal
+        }
         return 0
     }
 
@@ -272,7 +287,9 @@ final class Filesystem: Sendable {
                 try check(fchmod(fd, mode & 0o7777))
             } else if let caller = truncatedBy {
                 var st = stat()
-                if fstat(fd, &st) == 0, let cleared = Filesystem.modeAfterModification(st, by: caller) { try check(fchmod(fd, cleared)) }
+                if fstat(fd, &st) == 0, let cleared = Filesystem.modeAfterModification(st, by: caller) {
+                    try check(fchmod(fd, cleared))
+                }
             }
             if uid != nil || gid != nil { try check(fchown(fd, uid ?? uid_t.max, gid ?? gid_t.max)) }
             if var t = times { try check(futimens(fd, &t)) }
@@ -287,10 +304,13 @@ final class Filesystem: Sendable {
                 try check(chmod(path, mode & 0o7777))
             } else if let caller = truncatedBy {
                 var st = stat()
-                if fstat(pfd, &st) == 0, let cleared = Filesystem.modeAfterModification(st, by: caller) { try check(chmod(path, cleared)) }
+                if fstat(pfd, &st) == 0, let cleared = Filesystem.modeAfterModification(st, by: caller) {
+                    try check(chmod(path, cleared))
+                }
             }
             if uid != nil || gid != nil {
-                try check(fchownat(pfd, "", uid ?? uid_t.max, gid ?? gid_t.max, kbfs_AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW))
+                try check(
+                    fchownat(pfd, "", uid ?? uid_t.max, gid ?? gid_t.max, kbfs_AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW))
             }
             if var t = times {
                 if type == S_IFLNK {
@@ -317,7 +337,9 @@ final class Filesystem: Sendable {
         var s = statvfs()
         try check(fstatvfs(table.root.fd, &s))
         let plain = UInt64(BlockLayout.plainBlockSize), cipher = UInt64(content.layout.cipherBlockSize)
-        func scaled(_ n: fsblkcnt_t) -> fsblkcnt_t { fsblkcnt_t(UInt64(n) / cipher * plain + UInt64(n) % cipher * plain / cipher) }
+        func scaled(_ n: fsblkcnt_t) -> fsblkcnt_t {
+            fsblkcnt_t(UInt64(n) / cipher * plain + UInt64(n) % cipher * plain / cipher)
+        }
         s.f_blocks = scaled(s.f_blocks)
         s.f_bfree = scaled(s.f_bfree)
         s.f_bavail = scaled(s.f_bavail)
@@ -329,5 +351,7 @@ final class Filesystem: Sendable {
 extension Filesystem: EvictionTarget {
     func fileKeyLives() -> [(id: UInt64, life: RWLocked<FileKeyLife>)] { table.regularFiles().map { ($0.id, $0.io) } }
 
-    func dropPageCache(_ ids: [UInt64], pass: Eviction.Pass) { kernel.dropPageCache(ids, pass: "eviction (\(pass.rawValue))") }
+    func dropPageCache(_ ids: [UInt64], pass: Eviction.Pass) {
+        kernel.dropPageCache(ids, pass: "eviction (\(pass.rawValue))")
+    }
 }

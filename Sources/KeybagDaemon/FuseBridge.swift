@@ -80,7 +80,8 @@ enum FuseBridge {
     static func caller(_ req: fuse_req_t?) -> Filesystem.Caller {
         let c = fuse_req_ctx(req)!.pointee
         let word = kbfs_request_kills_setid()
-        return .init(uid: c.uid, gid: c.gid, pid: c.pid, umask: c.umask, kernelSaysClearSetID: word < 0 ? nil : word == 1)
+        return .init(
+            uid: c.uid, gid: c.gid, pid: c.pid, umask: c.umask, kernelSaysClearSetID: word < 0 ? nil : word == 1)
     }
 
     /// The caller's supplementary groups (read from /proc by libfuse; empty if unknown).

@@ -57,7 +57,8 @@ enum FuseChannel {
 
     /// What the INIT reply agreed (all false before it).
     static var negotiated: MountNegotiation {
-        MountNegotiation(directIOMappable: granted.load(ordering: .acquiring), writeback: writeback.load(ordering: .acquiring))
+        MountNegotiation(
+            directIOMappable: granted.load(ordering: .acquiring), writeback: writeback.load(ordering: .acquiring))
     }
 
     /// Installs the hooks on a mounted session (same descriptor); false if libfuse refuses.
@@ -69,7 +70,8 @@ enum FuseChannel {
             return n
         }
         io.writev = { fd, iov, count, _ in
-            guard let iov, count >= 2, FuseChannel.initPending.load(ordering: .relaxed), FuseChannel.patchReply(iov) else {
+            guard let iov, count >= 2, FuseChannel.initPending.load(ordering: .relaxed), FuseChannel.patchReply(iov)
+            else {
                 return Glibc.writev(fd, iov, count)
             }
             let n = Glibc.writev(fd, iov, count)
@@ -88,7 +90,8 @@ enum FuseChannel {
             opcode = opcodeCreate
         }
         func word(_ offset: Int) -> UInt32 {
-            count >= inHeaderSize + offset + 4 ? p.loadUnaligned(fromByteOffset: inHeaderSize + offset, as: UInt32.self) : 0
+            count >= inHeaderSize + offset + 4
+                ? p.loadUnaligned(fromByteOffset: inHeaderSize + offset, as: UInt32.self) : 0
         }
         let worded = killPrivGranted.load(ordering: .relaxed)
         func note(_ kills: Bool) { kbfs_set_request_kills_setid(worded ? (kills ? 1 : 0) : -1) }
@@ -101,7 +104,11 @@ enum FuseChannel {
             kbfs_set_request_kills_setid(-1)
             let flags = word(12), flags2 = word(16)
             guard count >= inHeaderSize + 20 else { return }
-            pendingInit.withLock { $0 = PendingInit(unique: p.loadUnaligned(fromByteOffset: 8, as: UInt64.self), flags: flags, flags2: flags & initExt != 0 ? flags2 : 0) }
+            pendingInit.withLock {
+                $0 = PendingInit(
+                    unique: p.loadUnaligned(fromByteOffset: 8, as: UInt64.self), flags: flags,
+                    flags2: flags & initExt != 0 ? flags2 : 0)
+            }
             initPending.store(true, ordering: .relaxed)
         default: kbfs_set_request_kills_setid(-1)
         }
@@ -113,8 +120,10 @@ enum FuseChannel {
         let info = ProcFile.read("/proc/self/mountinfo") ?? ""
         for line in info.split(separator: "\n") {
             let f = line.split(separator: " ")
-            guard f.count > 4, ControlPaths.unescapeMountinfo(String(f[4])) == mountpoint, line.contains(" - fuse.keybagfs ") else { continue }
-            readAheadFile.withLock { $0 = "/sys/class/bdi/\(f[2])/read_ahead_kb" }   // the last such line is ours
+            guard f.count > 4, ControlPaths.unescapeMountinfo(String(f[4])) == mountpoint,
+                line.contains(" - fuse.keybagfs ")
+            else { continue }
+            readAheadFile.withLock { $0 = "/sys/class/bdi/\(f[2])/read_ahead_kb" }  // the last such line is ours
         }
     }
 
@@ -141,7 +150,9 @@ enum FuseChannel {
         }
         guard let offered else { return false }
         initPending.store(false, ordering: .relaxed)
-        guard head.loadUnaligned(fromByteOffset: 4, as: Int32.self) == 0, iov[1].iov_len >= 36, let body = iov[1].iov_base else { return true }
+        guard head.loadUnaligned(fromByteOffset: 4, as: Int32.self) == 0, iov[1].iov_len >= 36,
+            let body = iov[1].iov_base
+        else { return true }
         var flags = body.loadUnaligned(fromByteOffset: 12, as: UInt32.self)
         if offered.flags & killPrivV2 != 0 {
             flags |= killPrivV2

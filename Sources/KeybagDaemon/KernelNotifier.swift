@@ -34,7 +34,9 @@ final class KernelNotifier: Sendable {
     var negotiated: MountNegotiation { negotiatedNow() }
 
     /// Messages go to this session from now on.
-    func attach(_ se: OpaquePointer) { session.store(UInt(bitPattern: Int(bitPattern: UnsafeRawPointer(se))), ordering: .releasing) }
+    func attach(_ se: OpaquePointer) {
+        session.store(UInt(bitPattern: Int(bitPattern: UnsafeRawPointer(se))), ordering: .releasing)
+    }
 
     /// Messages go nowhere from now on; returns once queued work has run.
     func detach() {
@@ -59,7 +61,9 @@ final class KernelNotifier: Sendable {
             }
         }
         if failed > 0 {
-            MountDaemon.log("\(pass): page cache of \(failed) of \(ids.count) inodes not dropped: \(String(cString: strerror(firstError)))")
+            MountDaemon.log(
+                "\(pass): page cache of \(failed) of \(ids.count) inodes not dropped: \(String(cString: strerror(firstError)))"
+            )
         }
     }
 

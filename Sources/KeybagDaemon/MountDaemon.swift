@@ -31,9 +31,12 @@ public struct MountConfiguration: Sendable {
     /// Descriptor to report readiness on ("OK" or "ERR message"), from the launching parent.
     public var readyFD: Int32?
 
-    public init(store: String, mountpoint: String, socketPath: String, deviceKeyPath: String?, defaultClass: ProtectionClass,
-                grace: Double, fuseOptions: [String], readyFD: Int32?) {
-        self.store = store; self.mountpoint = mountpoint; self.socketPath = socketPath; self.deviceKeyPath = deviceKeyPath
+    public init(
+        store: String, mountpoint: String, socketPath: String, deviceKeyPath: String?, defaultClass: ProtectionClass,
+        grace: Double, fuseOptions: [String], readyFD: Int32?
+    ) {
+        self.store = store; self.mountpoint = mountpoint; self.socketPath = socketPath;
+        self.deviceKeyPath = deviceKeyPath
         self.defaultClass = defaultClass; self.grace = grace; self.fuseOptions = fuseOptions; self.readyFD = readyFD
     }
 }
@@ -91,7 +94,11 @@ public enum MountDaemon {
         let msg = Array(message.utf8)
         let len = socklen_t(MemoryLayout<sa_family_t>.size + bytes.count)
         _ = withUnsafePointer(to: &addr) { a in
-            msg.withUnsafeBytes { m in sendto(fd, m.baseAddress!, m.count, Int32(MSG_NOSIGNAL), UnsafeRawPointer(a).assumingMemoryBound(to: sockaddr.self), len) }
+            msg.withUnsafeBytes { m in
+                sendto(
+                    fd, m.baseAddress!, m.count, Int32(MSG_NOSIGNAL),
+                    UnsafeRawPointer(a).assumingMemoryBound(to: sockaddr.self), len)
+            }
         }
     }
 
@@ -124,13 +131,15 @@ public enum MountDaemon {
     private static func prepareProcess() {
         _ = kbfs_set_nondumpable()
         _ = kbfs_raise_nofile()
-        _ = kbfs_limit_malloc_arenas(2)   // 16 loop threads with an arena each inflate RSS
-        _ = kbfs_fix_malloc_thresholds(128 * 1024, 1 << 20)   // request buffers of exiting loop threads go back by munmap
+        _ = kbfs_limit_malloc_arenas(2)  // 16 loop threads with an arena each inflate RSS
+        _ = kbfs_fix_malloc_thresholds(128 * 1024, 1 << 20)  // request buffers of exiting loop threads go back by munmap
         umask(0)
         Sodium.ensureInitialized()
         HardwareAES.start()   // OpenSSL's allocator must be in place before its first allocation
         if !HardwareAES.ownsMemory {
-            log("warning: OpenSSL was set up before keybagfs' allocator: its key schedules live in memory that may be swapped (freed contexts are still zeroed)")
+            log(
+                "warning: OpenSSL was set up before keybagfs' allocator: its key schedules live in memory that may be swapped (freed contexts are still zeroed)"
+            )
         }
     }
 
@@ -150,12 +159,16 @@ public enum MountDaemon {
         _ = try fs.meta(of: fs.table.root)   // the root's name IV exists before the first request
         let mountpoint = URL(fileURLWithPath: cfg.mountpoint).standardizedFileURL.path
         let owner = cfg.owner ?? getuid()
-        let controller = Controller(keybag: keybag, deviceKey: deviceKey, keyring: keyring, fs: fs, grace: cfg.grace,
-                                    mountpoint: mountpoint, owner: owner, inactivityRelock: cfg.inactivityRelock) { state in
+        let controller = Controller(
+            keybag: keybag, deviceKey: deviceKey, keyring: keyring, fs: fs, grace: cfg.grace,
+            mountpoint: mountpoint, owner: owner, inactivityRelock: cfg.inactivityRelock
+        ) { state in
             notifySystemd("STATUS=\(statusLine(state))")
         }
         do {
-            return Started(fs: fs, controller: controller, server: try ControlServer(path: cfg.socketPath, controller: controller, owner: owner))
+            return Started(
+                fs: fs, controller: controller,
+                server: try ControlServer(path: cfg.socketPath, controller: controller, owner: owner))
         } catch {
             controller.shutdown()
             throw error
@@ -165,12 +178,16 @@ public enum MountDaemon {
     /// Locks the store against a second daemon (the descriptor stays open until exit).
     private static func lockStore(_ store: String) throws {
         let fd = open(store, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
-        guard fd >= 0 else { throw StartFailure(message: "cannot open the store \(store): \(String(cString: strerror(errno)))") }
+        guard fd >= 0 else {
+            throw StartFailure(message: "cannot open the store \(store): \(String(cString: strerror(errno)))")
+        }
         guard flock(fd, LOCK_EX | LOCK_NB) == 0 else {
             let e = errno
             close(fd)
-            throw StartFailure(message: e == EWOULDBLOCK ? "the store \(store) is already mounted by another keybagfs daemon"
-                                                         : "cannot lock the store \(store): \(String(cString: strerror(e)))")
+            throw StartFailure(
+                message: e == EWOULDBLOCK
+                    ? "the store \(store) is already mounted by another keybagfs daemon"
+                    : "cannot lock the store \(store): \(String(cString: strerror(e)))")
         }
     }
 
@@ -180,13 +197,18 @@ public enum MountDaemon {
         guard kb.cipher.isAvailable || kb.cipher.sharesLayout(with: .xchacha20poly1305) else {
             throw KeybagError.invalid("this CPU cannot run the store's cipher \(kb.cipher.name)")
         }
-        let dkPath = cfg.deviceKeyPath ?? Self.credentialPath("device-key") ?? DeviceKeyFile.defaultPath(storeID: kb.file.storeID)
+        let dkPath =
+            cfg.deviceKeyPath ?? Self.credentialPath("device-key")
+            ?? DeviceKeyFile.defaultPath(storeID: kb.file.storeID)
         let deviceKey = try DeviceKeyFile.load(from: dkPath)
         let classD = try kb.unwrapDeviceKeySlot("D", deviceKey: deviceKey)
         switch try kb.authenticate(deviceKey: deviceKey) {
         case .authentic: break
         case .upgraded: log("keybag upgraded to format \(Keybag.currentFormat) (authenticated failed-attempt counter)")
-        case .tampered: log("the keybag's failed-attempt counter does not authenticate (edited offline?): unlock refused for \(Controller.seconds(kb.retryAfter(now: Date().timeIntervalSince1970))) s")
+        case .tampered:
+            log(
+                "the keybag's failed-attempt counter does not authenticate (edited offline?): unlock refused for \(Controller.seconds(kb.retryAfter(now: Date().timeIntervalSince1970))) s"
+            )
         }
         let volume = try kb.unwrapDeviceKeySlot("volume", deviceKey: deviceKey)
         defer { volume.wipe() }
@@ -197,14 +219,20 @@ public enum MountDaemon {
     private static func openFolder(_ store: String, _ name: String, create: Bool) throws -> Int32 {
         if create { mkdirat(AT_FDCWD, store + "/" + name, 0o700) }
         let fd = open(store + "/" + name, kbfs_O_PATH | O_DIRECTORY | O_CLOEXEC)
-        guard fd >= 0 else { throw StartFailure(message: "cannot open \(store)/\(name): \(String(cString: strerror(errno)))") }
+        guard fd >= 0 else {
+            throw StartFailure(message: "cannot open \(store)/\(name): \(String(cString: strerror(errno)))")
+        }
         return fd
     }
 
     /// Creates the FUSE session with the mount's options and mounts it; undoes what the start
     /// made when it cannot. Returns the session and the context handed to the handlers.
-    private static func mountSession(_ cfg: MountConfiguration, _ s: Started) throws -> (OpaquePointer, UnsafeMutableRawPointer) {
-        func fail(_ m: String) -> StartFailure { s.server.stop(); s.controller.shutdown(); return StartFailure(message: m) }
+    private static func mountSession(
+        _ cfg: MountConfiguration, _ s: Started
+    ) throws -> (OpaquePointer, UnsafeMutableRawPointer) {
+        func fail(_ m: String) -> StartFailure {
+            s.server.stop(); s.controller.shutdown(); return StartFailure(message: m)
+        }
         let fsname = cfg.store.replacingOccurrences(of: ",", with: "_")
         var opts = ["fsname=\(fsname)", "subtype=keybagfs"]
         let kernelChecks = Self.needsKernelPermissionChecks(euid: geteuid(), options: cfg.fuseOptions)
@@ -215,7 +243,8 @@ public enum MountDaemon {
         let cargs = argv.map { strdup($0) }
         defer { cargs.forEach { free($0) } }
         var cArgv: [UnsafeMutablePointer<CChar>?] = cargs + [nil]
-        let context = FuseContext(fs: s.fs, cacheTimeout: Self.cacheTimeout, writebackCache: cfg.writebackCache, posixACL: posixACL)
+        let context = FuseContext(
+            fs: s.fs, cacheTimeout: Self.cacheTimeout, writebackCache: cfg.writebackCache, posixACL: posixACL)
         let userdata = Unmanaged.passRetained(context).toOpaque()
         var ops = FuseBridge.operations()
         let se: OpaquePointer? = cArgv.withUnsafeMutableBufferPointer { buf in
@@ -235,9 +264,13 @@ public enum MountDaemon {
 
     /// Serves the mounted session until unmount or a signal, then zeroes every key and
     /// unmounts. Returns the exit code.
-    private static func serve(_ cfg: MountConfiguration, _ s: Started, _ se: OpaquePointer, _ userdata: UnsafeMutableRawPointer) -> Int32 {
+    private static func serve(
+        _ cfg: MountConfiguration, _ s: Started, _ se: OpaquePointer, _ userdata: UnsafeMutableRawPointer
+    ) -> Int32 {
         FuseChannel.noteReadaheadFile(mountpoint: s.controller.mountpoint)
-        if let file = FuseChannel.readAheadFile.withLock({ $0 }) { s.fs.space.attach(bdi: String(file.dropLast("/read_ahead_kb".count))) }
+        if let file = FuseChannel.readAheadFile.withLock({ $0 }) {
+            s.fs.space.attach(bdi: String(file.dropLast("/read_ahead_kb".count)))
+        }
         if !FuseChannel.install(se) { log("cannot install the FUSE I/O hooks; class A handles keep page-cache I/O") }
         s.fs.kernel.attach(se)
         s.server.start()

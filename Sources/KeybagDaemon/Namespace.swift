@@ -123,7 +123,9 @@ extension Filesystem {
         while true {
             var st = stat()
             try check(fstat(cur, &st))
-            if UInt64(st.st_dev) == table.root.backingDev && UInt64(st.st_ino) == table.root.backingIno { return (names, true) }
+            if UInt64(st.st_dev) == table.root.backingDev && UInt64(st.st_ino) == table.root.backingIno {
+                return (names, true)
+            }
             if names.count >= count { return (names, false) }
             let up = try check(openat(cur, "..", O_RDONLY | O_DIRECTORY | O_CLOEXEC))
             close(cur)
@@ -139,7 +141,9 @@ extension Filesystem {
     /// entry's inode number first (confirmed by a stat), else by a stat of every
     /// subdirectory (overlayfs and others report other inode numbers in readdir).
     private func childEntry(of dirFD: Int32, dev: dev_t, ino: ino_t) throws -> String? {
-        let entries = try backingEntries(dirFD: dirFD).filter { !Self.isReserved($0.name) && !NameCipher.isSideFile($0.name) }
+        let entries = try backingEntries(dirFD: dirFD).filter {
+            !Self.isReserved($0.name) && !NameCipher.isSideFile($0.name)
+        }
         func isIt(_ name: String) -> Bool {
             var s = stat()
             return fstatat(dirFD, name, &s, AT_SYMLINK_NOFOLLOW) == 0 && s.st_dev == dev && s.st_ino == ino
@@ -183,7 +187,9 @@ extension Filesystem {
             let n = Glibc.read(fd, &buf, buf.count)
             guard n > 0 else { throw KeybagError.corrupt("side file of \(backing) is empty") }
             encrypted = String(decoding: buf[0..<n], as: UTF8.self)
-            guard NameCipher.backingEntry(for: encrypted).name == backing else { throw KeybagError.corrupt("side file of \(backing) does not match") }
+            guard NameCipher.backingEntry(for: encrypted).name == backing else {
+                throw KeybagError.corrupt("side file of \(backing) does not match")
+            }
         }
         let name = try names.decrypt(encrypted, dirIV: iv)
         return String(decoding: name, as: UTF8.self)
@@ -197,7 +203,9 @@ extension Filesystem {
     /// let the caller ask for) are set once it is the caller's, never on one left as root's.
     private func own(_ dirFD: Int32, _ backing: String, _ caller: Caller, mode: mode_t) {
         let group = groupFor(caller, dirFD: dirFD)
-        let owned = !chownToCaller || !Failpoint.chownRefused.isOn && fchownat(dirFD, backing, caller.uid, group, AT_SYMLINK_NOFOLLOW) == 0
+        let owned =
+            !chownToCaller
+            || !Failpoint.chownRefused.isOn && fchownat(dirFD, backing, caller.uid, group, AT_SYMLINK_NOFOLLOW) == 0
         var st = stat()
         if owned && mode & (S_ISUID | S_ISGID) != 0 && mode & S_IFMT != S_IFLNK && mode & S_IFMT != S_IFDIR,
            fstatat(dirFD, backing, &st, AT_SYMLINK_NOFOLLOW) == 0 {
@@ -207,7 +215,9 @@ extension Filesystem {
 
     /// Creates an entry with `make`, its side file first; undoes the side file on failure.
     /// A new object (`caller` given) is owned by the caller, with `mode`'s set-ID bits.
-    private func makeEntry(parent: UInt64, name: String, caller: Caller?, mode: mode_t = 0, _ make: (Int32, String) throws -> Void) throws -> (Node, stat) {
+    private func makeEntry(
+        parent: UInt64, name: String, caller: Caller?, mode: mode_t = 0, _ make: (Int32, String) throws -> Void
+    ) throws -> (Node, stat) {
         let p = try node(parent)
         let e = try backingName(p, name)
         let created = try ensureSideFile(p, e)
@@ -228,7 +238,8 @@ extension Filesystem {
         if policy.mayMatch(name: name) {
             let p = try node(parent)
             // A rename of an ancestor during the walk can hide a name: one more try.
-            let (tail, fromRoot) = try (try? pathTail(of: p, upTo: policy.depth - 1)) ?? pathTail(of: p, upTo: policy.depth - 1)
+            let (tail, fromRoot) =
+                try (try? pathTail(of: p, upTo: policy.depth - 1)) ?? pathTail(of: p, upTo: policy.depth - 1)
             meta.defaultClass = policy.protectionClass(tail: tail + [name], fromRoot: fromRoot)
         }
         return try makeEntry(parent: parent, name: name, caller: caller) { [self] dirFD, backing in
@@ -248,12 +259,15 @@ extension Filesystem {
     func mknod(parent: UInt64, name: String, mode: mode_t, rdev: dev_t, caller: Caller) throws -> (Node, stat) {
         if (mode & S_IFMT) == S_IFREG {
             // A regular file needs its header: made as create makes it, then its handle closed.
-            let (n, st, h) = try create(parent: parent, name: name, mode: mode, flags: O_WRONLY | O_EXCL, caller: caller)
+            let (n, st, h) = try create(
+                parent: parent, name: name, mode: mode, flags: O_WRONLY | O_EXCL, caller: caller)
             release(h)
             return (n, st)
         }
         return try makeEntry(parent: parent, name: name, caller: caller, mode: mode) { [self] dirFD, backing in
-            try check(mknodat(dirFD, backing, mode & S_IFMT | creationMode(mode, in: node(parent), by: caller) & 0o1777, rdev))
+            try check(
+                mknodat(dirFD, backing, mode & S_IFMT | creationMode(mode, in: node(parent), by: caller) & 0o1777, rdev)
+            )
         }
     }
 
@@ -283,7 +297,10 @@ extension Filesystem {
         let len = try n.withPathFD { try check(readlinkat($0, "", &buf, buf.count)) }
         var stored = String(decoding: buf[0..<len], as: UTF8.self)
         if stored.hasPrefix(NameCipher.longTargetPrefix) {
-            let fd = try check(openat(targetsFD, String(stored.dropFirst(NameCipher.longTargetPrefix.count)), O_RDONLY | O_CLOEXEC | O_NOFOLLOW))
+            let fd = try check(
+                openat(
+                    targetsFD, String(stored.dropFirst(NameCipher.longTargetPrefix.count)),
+                    O_RDONLY | O_CLOEXEC | O_NOFOLLOW))
             defer { close(fd) }
             var big = [UInt8](repeating: 0, count: 8192)
             let m = Glibc.read(fd, &big, big.count)
@@ -306,7 +323,9 @@ extension Filesystem {
             let len = readlinkat(p.fd, e.name, &buf, buf.count)
             if len > 0 {
                 let s = String(decoding: buf[0..<len], as: UTF8.self)
-                if s.hasPrefix(NameCipher.longTargetPrefix) { longTarget = String(s.dropFirst(NameCipher.longTargetPrefix.count)) }
+                if s.hasPrefix(NameCipher.longTargetPrefix) {
+                    longTarget = String(s.dropFirst(NameCipher.longTargetPrefix.count))
+                }
             }
         }
         try check(unlinkat(p.fd, e.name, 0))
@@ -321,7 +340,8 @@ extension Filesystem {
     static func holdsOnlyStoreFiles(_ names: [String]) -> Bool {
         let present = Set(names)
         return names.allSatisfy { n in
-            isReserved(n) || (NameCipher.isSideFile(n) && !present.contains(String(n.dropLast(NameCipher.longSuffix.count))))
+            isReserved(n)
+                || (NameCipher.isSideFile(n) && !present.contains(String(n.dropLast(NameCipher.longSuffix.count))))
         }
     }
 
@@ -387,7 +407,9 @@ extension Filesystem {
 
     /// Retries a rename whose target directory holds only the store's own files, after
     /// removing them (restored if the rename still fails). Returns the rename's result.
-    private func renameOverEmptyDirectory(_ p: Node, _ from: String, _ np: Node, _ to: String, flags: UInt32) throws -> Int32 {
+    private func renameOverEmptyDirectory(
+        _ p: Node, _ from: String, _ np: Node, _ to: String, flags: UInt32
+    ) throws -> Int32 {
         let dfd = openat(np.fd, to, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
         guard dfd >= 0 else { errno = ENOTEMPTY; return -1 }
         defer { close(dfd) }

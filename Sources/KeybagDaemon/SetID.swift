@@ -54,8 +54,10 @@ extension Filesystem {
         /// A field of the calling process's /proc status, trimmed; nil when unknown.
         private func statusField(_ key: String) -> String? {
             guard pid > 0, let status = ProcFile.read("/proc/\(pid)/status"),
-                  let line = status.split(separator: "\n").first(where: { $0.hasPrefix(key) }) else { return nil }
-            return line.dropFirst(key.count).trimmingCharacters(in: .whitespaces).replacingOccurrences(of: "\t", with: " ")
+                let line = status.split(separator: "\n").first(where: { $0.hasPrefix(key) })
+            else { return nil }
+            return line.dropFirst(key.count).trimmingCharacters(in: .whitespaces).replacingOccurrences(
+                of: "\t", with: " ")
         }
     }
 
@@ -84,7 +86,9 @@ extension Filesystem {
     func clearSetIDAfterModification(_ h: FileHandle, by caller: Caller) {
         if caller.kernelSaysClearSetID == false { return }
         var st = stat()
-        if fstat(h.fd, &st) == 0, let mode = Self.modeAfterModification(st, by: caller) { setModeBehindTheKernel(h, mode) }
+        if fstat(h.fd, &st) == 0, let mode = Self.modeAfterModification(st, by: caller) {
+            setModeBehindTheKernel(h, mode)
+        }
     }
 
     /// Changes the mode of an open file on a request that does not answer with attributes

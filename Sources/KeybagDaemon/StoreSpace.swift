@@ -87,8 +87,10 @@ final class StoreSpace: Sendable {
         guard !isTight else { return false }
         let now = DispatchTime.now().uptimeNanoseconds
         let last = lastLook.load(ordering: .relaxed)
-        guard now &- last >= Self.lookInterval, lastLook.compareExchange(expected: last, desired: now, ordering: .relaxed).exchanged,
-              let (available, t) = measure(), available < t.tightBelow else { return false }
+        guard now &- last >= Self.lookInterval,
+            lastLook.compareExchange(expected: last, desired: now, ordering: .relaxed).exchanged,
+            let (available, t) = measure(), available < t.tightBelow
+        else { return false }
         return turnTight()
     }
 
@@ -183,7 +185,9 @@ final class StoreSpace: Sendable {
             do { return try body() } catch where [ENOSPC, EDQUOT].contains(FSError(error).errno) {
                 held = bytesHeldByDeletedOpenFiles()
                 settling = held == 0 ? settling + 1 : 0
-                if settling > Self.settleTries || DispatchTime.now().uptimeNanoseconds >= deadline || !mayWait() { throw error }
+                if settling > Self.settleTries || DispatchTime.now().uptimeNanoseconds >= deadline || !mayWait() {
+                    throw error
+                }
             }
         }
     }

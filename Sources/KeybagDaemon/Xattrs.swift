@@ -51,7 +51,8 @@ extension Filesystem {
         let encoded = set.encode()
         guard encoded.count <= Self.maxXattrBytes else { throw FSError(ENOSPC) }
         // Atomic by rename; not synced (like xattrs on ext4, durable at the next sync).
-        try replaceFile(dirFD: xattrsFD, id, try names.seal(encoded, purpose: "keybagfs-xattr-v1|" + id), durable: false)
+        try replaceFile(
+            dirFD: xattrsFD, id, try names.seal(encoded, purpose: "keybagfs-xattr-v1|" + id), durable: false)
         if !existed { storedXattrSets.add(1, ordering: .relaxed) }
     }
 
@@ -97,7 +98,9 @@ extension Filesystem {
     /// EINVAL), or a stored user xattr.
     func setXattr(_ id: UInt64, name: String, value: [UInt8], flags: Int32, caller: Caller) throws {
         if isACL(name) { return try setACL(id, name: name, value: value, flags: flags, caller: caller) }
-        guard name == Self.protectionXattr else { return try setStoredXattr(id, name: name, value: value, flags: flags) }
+        guard name == Self.protectionXattr else {
+            return try setStoredXattr(id, name: name, value: value, flags: flags)
+        }
         guard let cls = ProtectionClass(name: String(decoding: value, as: UTF8.self)) else { throw FSError(EINVAL) }
         let current = try? protection(of: id)
         if flags & kbfs_XATTR_CREATE != 0 && current != nil { throw FSError(EEXIST) }
@@ -123,7 +126,9 @@ extension Filesystem {
 
     /// setxattr of a stored user xattr, with XATTR_CREATE / XATTR_REPLACE semantics.
     func setStoredXattr(_ id: UInt64, name: String, value: [UInt8], flags: Int32) throws {
-        guard name.hasPrefix("user."), name.utf8.count > 5, name.utf8.count <= 255 else { throw FSError(name.hasPrefix("user.") ? ERANGE : EOPNOTSUPP) }
+        guard name.hasPrefix("user."), name.utf8.count > 5, name.utf8.count <= 255 else {
+            throw FSError(name.hasPrefix("user.") ? ERANGE : EOPNOTSUPP)
+        }
         let n = try node(id)
         let key = try xattrID(n)
         try xattrUpdates.withLock { _ in

@@ -14,15 +14,22 @@ public struct ControlSocketError: Error, CustomStringConvertible, Equatable {
 public enum UnixSocket {
     /// A new stream socket (close-on-exec) and the address of `path`, passed to `body`
     /// (`bind` or `connect`); the socket is closed again when `body` fails.
-    public static func make(path: String, _ body: (Int32, UnsafePointer<sockaddr>, socklen_t) -> Int32) throws -> Int32 {
+    public static func make(path: String, _ body: (Int32, UnsafePointer<sockaddr>, socklen_t) -> Int32) throws -> Int32
+    {
         var addr = sockaddr_un()
         addr.sun_family = sa_family_t(AF_UNIX)
         let bytes = Array(path.utf8)
-        guard bytes.count < MemoryLayout.size(ofValue: addr.sun_path) else { throw ControlSocketError(what: "socket path too long: \(path)", code: 0) }
+        guard bytes.count < MemoryLayout.size(ofValue: addr.sun_path) else {
+            throw ControlSocketError(what: "socket path too long: \(path)", code: 0)
+        }
         withUnsafeMutableBytes(of: &addr.sun_path) { p in for (i, b) in bytes.enumerated() { p[i] = b } }
         let fd = socket(AF_UNIX, Int32(SOCK_STREAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
         guard fd >= 0 else { throw ControlSocketError(what: "socket", code: errno) }
-        let rc = withUnsafePointer(to: &addr) { body(fd, UnsafeRawPointer($0).assumingMemoryBound(to: sockaddr.self), socklen_t(MemoryLayout<sockaddr_un>.size)) }
+        let rc = withUnsafePointer(to: &addr) {
+            body(
+                fd, UnsafeRawPointer($0).assumingMemoryBound(to: sockaddr.self),
+                socklen_t(MemoryLayout<sockaddr_un>.size))
+        }
         guard rc == 0 else { let e = errno; close(fd); throw ControlSocketError(what: path, code: e) }
         return fd
     }

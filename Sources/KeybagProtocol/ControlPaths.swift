@@ -38,7 +38,9 @@ public enum ControlPaths {
     /// The innermost keybagfs mount point that holds `path` (symlinks resolved), or nil.
     public static func keybagfsMount(holding path: String) -> String? {
         let abs = URL(fileURLWithPath: path).standardizedFileURL.resolvingSymlinksInPath().path
-        return keybagfsMounts().filter { abs == $0 || abs.hasPrefix($0 == "/" ? "/" : $0 + "/") }.max { $0.count < $1.count }
+        return keybagfsMounts().filter { abs == $0 || abs.hasPrefix($0 == "/" ? "/" : $0 + "/") }.max {
+            $0.count < $1.count
+        }
     }
 
     /// Mount points of keybagfs mounts, from /proc/self/mountinfo (octal escapes decoded).
@@ -80,14 +82,19 @@ public enum ControlProtocol {
 
     /// One JSON object as a single line (no trailing newline).
     public static func encode(_ object: [String: Any]) -> String {
-        guard let d = try? JSONSerialization.data(withJSONObject: object, options: [.sortedKeys, .withoutEscapingSlashes]),
-              let s = String(data: d, encoding: .utf8) else { return "{\"ok\":false,\"error\":\"internal\"}" }
+        guard
+            let d = try? JSONSerialization.data(
+                withJSONObject: object, options: [.sortedKeys, .withoutEscapingSlashes]),
+            let s = String(data: d, encoding: .utf8)
+        else { return "{\"ok\":false,\"error\":\"internal\"}" }
         return s
     }
 
     /// Parses one line into a JSON object; nil when it is not one.
     public static func decode(_ line: String) -> [String: Any]? {
-        guard let d = line.data(using: .utf8), let o = try? JSONSerialization.jsonObject(with: d), let dict = o as? [String: Any] else { return nil }
+        guard let d = line.data(using: .utf8), let o = try? JSONSerialization.jsonObject(with: d),
+            let dict = o as? [String: Any]
+        else { return nil }
         return dict
     }
 

@@ -23,10 +23,16 @@ struct Follow: ParsableCommand {
     /// Which sessions' locks count.
     enum Sessions: String, ExpressibleByArgument, CaseIterable { case owner, all }
 
-    @Option(help: "Sessions whose Lock/LockedHint lock the mount: owner (the mount owner's; all when the owner is root) or all.")
+    @Option(
+        help:
+            "Sessions whose Lock/LockedHint lock the mount: owner (the mount owner's; all when the owner is root) or all."
+    )
     var sessions: Sessions = .owner
 
-    @Option(help: "Grace seconds for a lock after a session locks (default: the mount's --grace). Sleep always locks at once.")
+    @Option(
+        help:
+            "Grace seconds for a lock after a session locks (default: the mount's --grace). Sleep always locks at once."
+    )
     var grace: Double?
 
     @Flag(help: "Do not lock before sleep (no inhibitor is taken).")
@@ -36,7 +42,9 @@ struct Follow: ParsableCommand {
     var busAddress: String?
 
     func validate() throws {
-        if let grace, !(grace >= 0 && grace < 86_400) { throw ValidationError("--grace must be from 0 to 86400 seconds") }
+        if let grace, !(grace >= 0 && grace < 86_400) {
+            throw ValidationError("--grace must be from 0 to 86400 seconds")
+        }
     }
 
     /// One line on stdout, flushed (the journal shows it at once).
@@ -47,23 +55,37 @@ struct Follow: ParsableCommand {
         let owner = (status["owner"] as? Int).map { uid_t($0) } ?? getuid()
         var bus: OpaquePointer?
         let rc = busAddress.map { kbfs_logind_open($0, &bus) } ?? kbfs_logind_open(nil, &bus)
-        guard rc == 0, let bus else { throw CtlFailure(code: 3, message: "cannot watch logind on the system bus: \(String(cString: strerror(-rc)))") }
+        guard rc == 0, let bus else {
+            throw CtlFailure(
+                code: 3, message: "cannot watch logind on the system bus: \(String(cString: strerror(-rc)))")
+        }
         defer { kbfs_logind_close(bus) }
         var inhibitor: Int32 = -1
         func inhibit() {
             guard !noSleep, inhibitor < 0 else { return }
-            inhibitor = kbfs_logind_inhibit(bus, "sleep", "keybagfs", "evict class keys of \(status["mountpoint"] ?? "the mount") before sleep")
-            if inhibitor < 0 { say("warning: no sleep inhibitor (\(String(cString: strerror(-inhibitor)))): the mount locks on PrepareForSleep but sleep may not wait") }
+            inhibitor = kbfs_logind_inhibit(
+                bus, "sleep", "keybagfs", "evict class keys of \(status["mountpoint"] ?? "the mount") before sleep")
+            if inhibitor < 0 {
+                say(
+                    "warning: no sleep inhibitor (\(String(cString: strerror(-inhibitor)))): the mount locks on PrepareForSleep but sleep may not wait"
+                )
+            }
         }
         inhibit()
-        say("following logind for \(status["mountpoint"] ?? "the mount") (owner uid \(owner), sessions: \(sessions.rawValue)\(noSleep ? ", not sleep" : ""))")
+        say(
+            "following logind for \(status["mountpoint"] ?? "the mount") (owner uid \(owner), sessions: \(sessions.rawValue)\(noSleep ? ", not sleep" : ""))"
+        )
         var forged: UInt64 = 0
         var ev = kbfs_logind_event()
         while true {
             let r = kbfs_logind_next(bus, UInt64.max, &ev)
-            guard r >= 0 else { throw CtlFailure(code: 3, message: "lost the system bus: \(String(cString: strerror(-r)))") }
+            guard r >= 0 else {
+                throw CtlFailure(code: 3, message: "lost the system bus: \(String(cString: strerror(-r)))")
+            }
             let nowForged = kbfs_logind_forged(bus)
-            if nowForged > forged { say("ignored \(nowForged - forged) signal(s) that logind did not send"); forged = nowForged }
+            if nowForged > forged {
+                say("ignored \(nowForged - forged) signal(s) that logind did not send"); forged = nowForged
+            }
             guard r == 1 else { continue }
             let session = withUnsafeBytes(of: ev.session) { String(decoding: $0.prefix { $0 != 0 }, as: UTF8.self) }
             switch ev.kind {
@@ -75,8 +97,11 @@ struct Follow: ParsableCommand {
                 if inhibitor >= 0 { close(inhibitor); inhibitor = -1 }
                 if state == "locked" {
                     say(String(format: "PrepareForSleep: %@ in %.1f ms; sleep may proceed", state, ms))
-                } else {   // priority err in the journal: this sleep keeps class keys in RAM
-                    say(String(format: "<3>PrepareForSleep: %@ after %.1f ms; sleep proceeds with the mount unlocked", state, ms))
+                } else {  // priority err in the journal: this sleep keeps class keys in RAM
+                    say(
+                        String(
+                            format: "<3>PrepareForSleep: %@ after %.1f ms; sleep proceeds with the mount unlocked",
+                            state, ms))
                 }
             case KBFS_LOGIND_PREPARE_FOR_SLEEP:
                 inhibit()
@@ -89,7 +114,9 @@ struct Follow: ParsableCommand {
                 let what = ev.kind == KBFS_LOGIND_SESSION_LOCK ? "Lock" : "LockedHint"
                 let t0 = Date()
                 let state = lock(grace: grace)
-                say(String(format: "%@ of %@: %@ in %.1f ms", what, session, state, Date().timeIntervalSince(t0) * 1000))
+                say(
+                    String(format: "%@ of %@: %@ in %.1f ms", what, session, state, Date().timeIntervalSince(t0) * 1000)
+                )
             case KBFS_LOGIND_SESSION_UNLOCK:
                 say("Unlock of \(session): unlock with keybagctl unlock or at login (PAM)")
             default:
@@ -148,14 +175,18 @@ struct PamUnlock: ParsableCommand {
         guard env["PAM_TYPE"].map({ $0 == "auth" }) ?? true else { return }
         guard let user = env["PAM_USER"], let pw = getpwnam(user) else { return note("no such user in $PAM_USER") }
         let uid = pw.pointee.pw_uid
-        guard let password = try? PasscodeInput.readLine(fd: 0) else { return note("no password on stdin (expose_authtok missing?)") }
+        guard let password = try? PasscodeInput.readLine(fd: 0) else {
+            return note("no password on stdin (expose_authtok missing?)")
+        }
         defer { password.wipe() }
         signal(SIGALRM) { _ in _exit(0) }   // a login never waits longer for keybagfs
         alarm(Self.timeLimit)
         var owned = 0
         for mount in ControlPaths.keybagfsMounts() {
             let socket = ControlPaths.defaultSocket(forMountpoint: mount)
-            guard let fd = try? ControlClient.connect(path: socket) else { note("\(mount): no control socket at \(socket)"); continue }
+            guard let fd = try? ControlClient.connect(path: socket) else {
+                note("\(mount): no control socket at \(socket)"); continue
+            }
             var tv = timeval(tv_sec: 5, tv_usec: 0)
             setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, socklen_t(MemoryLayout<timeval>.size))
             setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, socklen_t(MemoryLayout<timeval>.size))
@@ -167,7 +198,9 @@ struct PamUnlock: ParsableCommand {
             // A login password that is not this mount's passcode costs at most one failed
             // attempt, never a lockout: after a failure only a deliberate unlock tries again.
             if let failed = (st["failedAttempts"] as? NSNumber)?.intValue, failed > 0 {
-                note("\(mount): \(failed) failed attempt(s) since the last unlock; not tried (unlock with keybagctl unlock)")
+                note(
+                    "\(mount): \(failed) failed attempt(s) since the last unlock; not tried (unlock with keybagctl unlock)"
+                )
                 continue
             }
             do {

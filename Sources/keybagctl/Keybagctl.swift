@@ -22,8 +22,9 @@ struct Keybagctl: ParsableCommand {
 
     /// Runs the command with the contract's exit codes.
     static func main() {
-        _ = kbfs_set_nondumpable()   // passcodes pass through this process
-        runWithContractExitCodes(tool: "keybagctl", arguments: hoistingTargetOptions(Array(CommandLine.arguments.dropFirst())))
+        _ = kbfs_set_nondumpable()  // passcodes pass through this process
+        runWithContractExitCodes(
+            tool: "keybagctl", arguments: hoistingTargetOptions(Array(CommandLine.arguments.dropFirst())))
     }
 }
 
@@ -59,7 +60,8 @@ struct Target: ParsableArguments {
         let mounts = ControlPaths.keybagfsMounts()
         if mounts.count == 1 { return ControlPaths.defaultSocket(forMountpoint: mounts[0]) }
         if mounts.isEmpty { throw CtlFailure(code: 3, message: "no keybagfs mount found; use --socket or --mount") }
-        throw CtlFailure(code: 2, message: "several keybagfs mounts (\(mounts.joined(separator: ", "))); choose one with --mount")
+        throw CtlFailure(
+            code: 2, message: "several keybagfs mounts (\(mounts.joined(separator: ", "))); choose one with --mount")
     }
 
     /// Opens a connection.
@@ -83,8 +85,12 @@ final class Session {
         do { try ControlClient.sendLine(fd, ControlProtocol.encode(request)) } catch {
             throw CtlFailure(code: 3, message: "lost the daemon: \(error)")
         }
-        guard let line = ControlClient.readLine(fd, buffer: &buffer) else { throw CtlFailure(code: 3, message: "the daemon closed the connection") }
-        guard let reply = ControlProtocol.decode(line) else { throw CtlFailure(code: 3, message: "unreadable reply from the daemon") }
+        guard let line = ControlClient.readLine(fd, buffer: &buffer) else {
+            throw CtlFailure(code: 3, message: "the daemon closed the connection")
+        }
+        guard let reply = ControlProtocol.decode(line) else {
+            throw CtlFailure(code: 3, message: "unreadable reply from the daemon")
+        }
         return reply
     }
 
@@ -127,7 +133,8 @@ struct Status: ParsableCommand {
 }
 
 struct Unlock: ParsableCommand {
-    static let configuration = CommandConfiguration(abstract: "Unlock with the passcode (asked without echo, or one line on stdin).")
+    static let configuration = CommandConfiguration(
+        abstract: "Unlock with the passcode (asked without echo, or one line on stdin).")
     @OptionGroup var target: Target
     @Flag(help: "Read the passcode as one line from standard input.")
     var passcodeStdin = false
@@ -142,7 +149,8 @@ struct Unlock: ParsableCommand {
 }
 
 struct Lock: ParsableCommand {
-    static let configuration = CommandConfiguration(abstract: "Lock: state locking, then locked after the grace period.")
+    static let configuration = CommandConfiguration(
+        abstract: "Lock: state locking, then locked after the grace period.")
     @OptionGroup var target: Target
     @Option(help: "Seconds of grace before the keys are evicted (default: the mount's --grace).")
     var grace: Double?
@@ -150,7 +158,9 @@ struct Lock: ParsableCommand {
     var wait = false
 
     func validate() throws {
-        if let grace, !(grace >= 0 && grace < 86_400) { throw ValidationError("--grace must be from 0 to 86400 seconds") }
+        if let grace, !(grace >= 0 && grace < 86_400) {
+            throw ValidationError("--grace must be from 0 to 86400 seconds")
+        }
     }
 
     func run() throws {
@@ -167,7 +177,8 @@ struct Lock: ParsableCommand {
 }
 
 struct Watch: ParsableCommand {
-    static let configuration = CommandConfiguration(abstract: "Print one line per protected-data event until interrupted.")
+    static let configuration = CommandConfiguration(
+        abstract: "Print one line per protected-data event until interrupted.")
     @OptionGroup var target: Target
     @Flag(help: "Print each event object as one JSON line.")
     var json = false
@@ -203,7 +214,9 @@ struct Passwd: ParsableCommand {
         if !passcodeStdin {
             let again = try PasscodeInput.prompt("Repeat new passcode: ")
             defer { again.wipe() }
-            guard PasscodeInput.equal(new, again) else { throw CtlFailure(code: 2, message: "the new passcodes differ") }
+            guard PasscodeInput.equal(new, again) else {
+                throw CtlFailure(code: 2, message: "the new passcodes differ")
+            }
         }
         _ = try session.checked(["op": "passwd", "old": try passcodeString(old), "new": try passcodeString(new)])
         if !passcodeStdin { print("passcode changed") }

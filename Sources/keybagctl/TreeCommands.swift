@@ -24,7 +24,9 @@ struct TreeWalk {
             guard let d = opendir(dir) else { failed(dir, errno); continue }
             var subdirs: [String] = []
             while let e = readdir(d) {
-                let name = withUnsafeBytes(of: e.pointee.d_name) { String(decoding: $0.prefix { $0 != 0 }, as: UTF8.self) }
+                let name = withUnsafeBytes(of: e.pointee.d_name) {
+                    String(decoding: $0.prefix { $0 != 0 }, as: UTF8.self)
+                }
                 if name == "." || name == ".." { continue }
                 let p = dir == "/" ? "/" + name : dir + "/" + name
                 var s = stat()
@@ -68,7 +70,8 @@ final class ProgressLine {
         var line = "\r\(label): \(count)"
         if let total, total > 0 {
             let width = 30, done = min(width, count * width / total)
-            line += "/\(total) [" + String(repeating: "#", count: done) + String(repeating: ".", count: width - done) + "]"
+            line +=
+                "/\(total) [" + String(repeating: "#", count: done) + String(repeating: ".", count: width - done) + "]"
             line += String(format: " %.0f/s, ETA %.0f s", rate, Double(max(0, total - count)) / max(rate, 1))
         } else {
             line += String(format: " (%.0f/s)", rate)
@@ -84,7 +87,9 @@ final class ProgressLine {
 struct Protect: ParsableCommand {
     static let configuration = CommandConfiguration(
         abstract: "Set the protection class of files, and the default class of directories.",
-        discussion: "With -R, also of everything below each directory. Symlinks are never followed and other file systems never entered. Exit 1 if any path failed (each is named on stderr).")
+        discussion:
+            "With -R, also of everything below each directory. Symlinks are never followed and other file systems never entered. Exit 1 if any path failed (each is named on stderr)."
+    )
 
     /// Accepted like every subcommand's; classes are set through the paths themselves.
     @OptionGroup var target: Target
@@ -100,13 +105,18 @@ struct Protect: ParsableCommand {
 
     func run() throws {
         guard let cls = ProtectionClass(name: protectionClass) else {
-            throw ValidationError("unknown class \"\(protectionClass)\" (none, completeUntilFirstUserAuthentication, completeUnlessOpen, complete)")
+            throw ValidationError(
+                "unknown class \"\(protectionClass)\" (none, completeUntilFirstUserAuthentication, completeUnlessOpen, complete)"
+            )
         }
         let name = cls.name
         var total: Int? = nil
         if recursive && isatty(2) == 1 {
             var n = 0
-            for p in paths { TreeWalk.walk(p, recursive: true, visit: { _, st, _ in if Self.takesClass(st) { n += 1 } }, failed: { _, _ in }) }
+            for p in paths {
+                TreeWalk.walk(
+                    p, recursive: true, visit: { _, st, _ in if Self.takesClass(st) { n += 1 } }, failed: { _, _ in })
+            }
             total = n
         }
         let progress = ProgressLine("protect", total: total)
@@ -144,8 +154,11 @@ struct Protect: ParsableCommand {
 /// `keybagctl report`.
 struct Report: ParsableCommand {
     static let configuration = CommandConfiguration(
-        abstract: "Count files and bytes per class, list what is unreadable now, and directories whose default differs from their parent's.",
-        discussion: "PATH defaults to the mount point. Symlinks are never followed and other file systems never entered. Unreadable now: complete files unless unlocked; completeUnlessOpen files (to new opens) unless unlocked; completeUntilFirstUserAuthentication files before the first unlock.")
+        abstract:
+            "Count files and bytes per class, list what is unreadable now, and directories whose default differs from their parent's.",
+        discussion:
+            "PATH defaults to the mount point. Symlinks are never followed and other file systems never entered. Unreadable now: complete files unless unlocked; completeUnlessOpen files (to new opens) unless unlocked; completeUntilFirstUserAuthentication files before the first unlock."
+    )
 
     @OptionGroup var target: Target
 
@@ -155,7 +168,8 @@ struct Report: ParsableCommand {
     @Flag(help: "Print one JSON object.")
     var json = false
 
-    @Option(help: "List at most this many unreadable files and differing directories (their counts are always complete).")
+    @Option(
+        help: "List at most this many unreadable files and differing directories (their counts are always complete).")
     var limit = 1000
 
     func run() throws {
@@ -197,7 +211,9 @@ struct Report: ParsableCommand {
         var root: String
         if let path { root = path } else if let m = target.mount { root = m } else {
             let mounts = ControlPaths.keybagfsMounts()
-            guard mounts.count == 1 else { throw ValidationError("give a PATH (found \(mounts.count) keybagfs mounts)") }
+            guard mounts.count == 1 else {
+                throw ValidationError("give a PATH (found \(mounts.count) keybagfs mounts)")
+            }
             root = mounts[0]
         }
         return URL(fileURLWithPath: root).standardized.path
@@ -212,7 +228,9 @@ struct Report: ParsableCommand {
             "differingDirectories": t.differing, "differingDirectoryCount": t.differingCount,
             "failures": t.failures,
         ]
-        if let state = t.state { o["state"] = state; o["unreadableNow"] = t.unreadable; o["unreadableNowCount"] = t.unreadableCount }
+        if let state = t.state {
+            o["state"] = state; o["unreadableNow"] = t.unreadable; o["unreadableNowCount"] = t.unreadableCount
+        }
         if let policy = t.policy {
             o["policy"] = policy.policy.rules.map {
                 ["pattern": $0.pattern, "class": $0.protectionClass.name, "directories": t.policyMatched[$0.pattern] ?? 0] as [String: Any]
@@ -231,12 +249,16 @@ struct Report: ParsableCommand {
         for c in order where t.byClass[c] != nil || t.dirsByClass[c] != nil {
             let n = t.byClass[c] ?? ReportTally.Count()
             let padded = c.padding(toLength: 38, withPad: " ", startingAt: 0)
-            print("  \(padded) " + String(format: "%8d files %14lld bytes %6d directories", n.files, n.bytes, t.dirsByClass[c] ?? 0))
+            print(
+                "  \(padded) "
+                    + String(format: "%8d files %14lld bytes %6d directories", n.files, n.bytes, t.dirsByClass[c] ?? 0))
         }
         if t.state != nil {
             print("unreadable now: \(t.unreadableCount) files")
             for p in t.unreadable { print("  \(p)") }
-            if t.unreadableCount > t.unreadable.count { print("  … and \(t.unreadableCount - t.unreadable.count) more") }
+            if t.unreadableCount > t.unreadable.count {
+                print("  … and \(t.unreadableCount - t.unreadable.count) more")
+            }
         }
         print("directories counted under the class they inherit (no default of their own): \(t.inheriting)")
         print("directories whose default differs from their parent's: \(t.differingCount)")
@@ -244,9 +266,13 @@ struct Report: ParsableCommand {
         if t.differingCount > t.differing.count { print("  … and \(t.differingCount - t.differing.count) more") }
         if let policy = t.policy {
             print("policy: \(policy.policy.rules.count) rules (the last match wins)")
-            for r in policy.policy.rules { print("  \(r.pattern) → \(r.protectionClass.name): \(t.policyMatched[r.pattern] ?? 0) directories") }
+            for r in policy.policy.rules {
+                print("  \(r.pattern) → \(r.protectionClass.name): \(t.policyMatched[r.pattern] ?? 0) directories")
+            }
             print("directories whose default is not the policy's: \(t.offPolicyCount)")
-            for d in t.offPolicy { print("  \(d["path"]!): \(d["class"]!) (policy \(d["policyClass"]!) from \(d["pattern"]!))") }
+            for d in t.offPolicy {
+                print("  \(d["path"]!): \(d["class"]!) (policy \(d["policyClass"]!) from \(d["pattern"]!))")
+            }
             if t.offPolicyCount > t.offPolicy.count { print("  … and \(t.offPolicyCount - t.offPolicy.count) more") }
         } else if policyRefused {
             print("policy: not shown (only root and the mounting user may read it)")
@@ -382,7 +408,9 @@ struct PolicyView {
         guard let rules = reply["rules"] as? [[String: Any]], !rules.isEmpty else { return nil }
         var p = ClassPolicy()
         for r in rules {
-            guard let pattern = r["pattern"] as? String, let cls = r["class"] as? String, (try? p.add("\(pattern)=\(cls)")) != nil else { return nil }
+            guard let pattern = r["pattern"] as? String, let cls = r["class"] as? String,
+                (try? p.add("\(pattern)=\(cls)")) != nil
+            else { return nil }
         }
         guard let m = realpath(mountpoint, nil), let r = realpath(root, nil) else { return nil }
         defer { free(m); free(r) }

@@ -34,10 +34,21 @@ enum Bench {
         var sealed = [UInt8](repeating: 0, count: 4096 + 16), out = [UInt8](repeating: 0, count: 4096)
         var len: UInt64 = 0
         let blocks = mib * 256
-        let tSeal = best(3) { for _ in 0..<blocks { _ = crypto_aead_aes256gcm_encrypt_afternm(&sealed, &len, plain, 4096, ad, 24, nil, nonce, &state) } }
-        let tOpen = best(3) { for _ in 0..<blocks { _ = crypto_aead_aes256gcm_decrypt_afternm(&out, &len, nil, sealed, 4096 + 16, ad, 24, nonce, &state) } }
-        print(String(format: "%-18@ seal %7.0f MB/s   open %7.0f MB/s   (libsodium 1.0.18, precomputed state: before OpenSSL)",
-                     "aes256gcm-sodium" as NSString, Double(mib) * 1.048576 / tSeal, Double(mib) * 1.048576 / tOpen))
+        let tSeal = best(3) {
+            for _ in 0..<blocks {
+                _ = crypto_aead_aes256gcm_encrypt_afternm(&sealed, &len, plain, 4096, ad, 24, nil, nonce, &state)
+            }
+        }
+        let tOpen = best(3) {
+            for _ in 0..<blocks {
+                _ = crypto_aead_aes256gcm_decrypt_afternm(&out, &len, nil, sealed, 4096 + 16, ad, 24, nonce, &state)
+            }
+        }
+        print(
+            String(
+                format:
+                    "%-18@ seal %7.0f MB/s   open %7.0f MB/s   (libsodium 1.0.18, precomputed state: before OpenSSL)",
+                "aes256gcm-sodium" as NSString, Double(mib) * 1.048576 / tSeal, Double(mib) * 1.048576 / tOpen))
         sodium_memzero(&state, MemoryLayout<crypto_aead_aes256gcm_state>.size)
     }
 
@@ -59,16 +70,27 @@ enum Bench {
         let mib = 256
         let plain = [UInt8](repeating: 0x61, count: 4096)
         for cipher in ContentCipher.allCases where cipher.isAvailable {
-            let key = try! FileContentKey(key: SecureKey(random: 32), cipher: cipher, fileID: Sodium.randomArray(16), sealsEnd: true)
+            let key = try! FileContentKey(
+                key: SecureKey(random: 32), cipher: cipher, fileID: Sodium.randomArray(16), sealsEnd: true)
             var sealed = [UInt8](repeating: 0, count: 4096 + BlockLayout(cipher: cipher).overhead)
             var out = [UInt8](repeating: 0, count: 4096)
             let blocks = mib * 256
             let tSeal = best(3) {
-                plain.withUnsafeBytes { p in sealed.withUnsafeMutableBytes { s in for b in 0..<blocks { try! key.seal(p, block: UInt64(b), last: false, into: s) } } }
+                plain.withUnsafeBytes { p in
+                    sealed.withUnsafeMutableBytes { s in
+                        for b in 0..<blocks { try! key.seal(p, block: UInt64(b), last: false, into: s) }
+                    }
+                }
             }
-            plain.withUnsafeBytes { p in sealed.withUnsafeMutableBytes { s in try! key.seal(p, block: 0, last: false, into: s) } }
+            plain.withUnsafeBytes { p in
+                sealed.withUnsafeMutableBytes { s in try! key.seal(p, block: 0, last: false, into: s) }
+            }
             let tOpen = best(3) {
-                sealed.withUnsafeBytes { s in out.withUnsafeMutableBytes { o in for _ in 0..<blocks { _ = try! key.open(s, block: 0, last: false, into: o) } } }
+                sealed.withUnsafeBytes { s in
+                    out.withUnsafeMutableBytes { o in
+                        for _ in 0..<blocks { _ = try! key.open(s, block: 0, last: false, into: o) }
+                    }
+                }
             }
             print(String(format: "%-18@ seal %7.0f MB/s   open %7.0f MB/s   (4 KiB blocks, %d MiB, best of 3)",
                          cipher.name as NSString, Double(mib) * 1.048576 / tSeal, Double(mib) * 1.048576 / tOpen, mib))
@@ -78,19 +100,37 @@ enum Bench {
         let bs = SecureKey(random: 32)
         let bp = try! ClassBAgreement.publicKey(of: bs)
         let n = 20_000
-        let tC = best(3) { for _ in 0..<n { _ = try! FileHeader.create(fileKey: SecureKey(random: 32), class: .completeUntilFirstUserAuthentication, cipher: .default, using: .symmetric(classKey)) } }
-        let tB = best(3) { for _ in 0..<(n / 10) { _ = try! FileHeader.create(fileKey: SecureKey(random: 32), class: .completeUnlessOpen, cipher: .default, using: .classBPublic(bp)) } }
-        let h = try! FileHeader.create(fileKey: SecureKey(random: 32), class: .complete, cipher: .default, using: .symmetric(classKey))
-        let tU = best(3) { for _ in 0..<n { _ = try! FileContentKey(key: try! h.unwrap(using: .symmetric(classKey)), header: h) } }
-        print(String(format: "header create class C %.1f µs, class B (X25519) %.1f µs; unwrap + cipher key setup %.1f µs",
-                     tC / Double(n) * 1e6, tB / Double(n / 10) * 1e6, tU / Double(n) * 1e6))
+        let tC = best(3) {
+            for _ in 0..<n {
+                _ = try! FileHeader.create(
+                    fileKey: SecureKey(random: 32), class: .completeUntilFirstUserAuthentication, cipher: .default,
+                    using: .symmetric(classKey))
+            }
+        }
+        let tB = best(3) {
+            for _ in 0..<(n / 10) {
+                _ = try! FileHeader.create(
+                    fileKey: SecureKey(random: 32), class: .completeUnlessOpen, cipher: .default,
+                    using: .classBPublic(bp))
+            }
+        }
+        let h = try! FileHeader.create(
+            fileKey: SecureKey(random: 32), class: .complete, cipher: .default, using: .symmetric(classKey))
+        let tU = best(3) {
+            for _ in 0..<n { _ = try! FileContentKey(key: try! h.unwrap(using: .symmetric(classKey)), header: h) }
+        }
+        print(
+            String(
+                format: "header create class C %.1f µs, class B (X25519) %.1f µs; unwrap + cipher key setup %.1f µs",
+                tC / Double(n) * 1e6, tB / Double(n / 10) * 1e6, tU / Double(n) * 1e6))
 
         // The unlock KDF alone (Argon2id, `--kdf interactive`), to split unlock latency.
         let salt = Sodium.randomArray(Int(crypto_pwhash_SALTBYTES))
         var stretched = [UInt8](repeating: 0, count: 32)
         let tK = best(3) {
-            _ = crypto_pwhash(&stretched, 32, "benchmark passcode", 18, salt,
-                              KDFStrength.interactive.opsLimit, Int(KDFStrength.interactive.memLimit), crypto_pwhash_ALG_ARGON2ID13)
+            _ = crypto_pwhash(
+                &stretched, 32, "benchmark passcode", 18, salt,
+                KDFStrength.interactive.opsLimit, Int(KDFStrength.interactive.memLimit), crypto_pwhash_ALG_ARGON2ID13)
         }
         print(String(format: "Argon2id interactive (unlock KDF) %.1f ms", tK * 1e3))
 
@@ -132,7 +172,9 @@ enum Bench {
         let dir = mount + "/lock-latency-\(getpid())"
         mkdir(dir, 0o755)
         let v = Array("complete".utf8)
-        guard setxattr(dir, "user.protection", v, v.count, 0) == 0 else { print("setxattr failed: is the mount unlocked?"); exit(1) }
+        guard setxattr(dir, "user.protection", v, v.count, 0) == 0 else {
+            print("setxattr failed: is the mount unlocked?"); exit(1)
+        }
         let block = [UInt8](repeating: 0x42, count: 4096)
         var fds: [Int32] = []
         var scratch = [UInt8](repeating: 0, count: 4096)
@@ -148,12 +190,18 @@ enum Bench {
         let rssOpen = rssKiB(pid)
         let (lock, lockMs) = request(socket, ["op": "lock", "grace": 0])
         let refused = fds.prefix(100).allSatisfy { pread($0, &scratch, 4096, 0) < 0 && errno == EACCES }
-        print(String(format: "files open: %d   daemon RSS: %.1f MiB   lock --grace 0: %.1f ms -> %@   old fds refused: %@",
-                     files, Double(rssOpen) / 1024, lockMs, (lock["state"] as? String ?? "?") as NSString, refused ? "yes" : "NO"))
+        print(
+            String(
+                format: "files open: %d   daemon RSS: %.1f MiB   lock --grace 0: %.1f ms -> %@   old fds refused: %@",
+                files, Double(rssOpen) / 1024, lockMs, (lock["state"] as? String ?? "?") as NSString,
+                refused ? "yes" : "NO"))
         print("unlock: type the passcode on stdin (one line) to time it, or close stdin to skip")
         if let pass = readLine(), !pass.isEmpty {
             let (u, ms) = request(socket, ["op": "unlock", "passcode": pass])
-            print(String(format: "unlock: %.1f ms (includes the KDF) -> %@", ms, (u["state"] as? String ?? "\(u)") as NSString))
+            print(
+                String(
+                    format: "unlock: %.1f ms (includes the KDF) -> %@", ms,
+                    (u["state"] as? String ?? "\(u)") as NSString))
         }
         for fd in fds { close(fd) }
     }

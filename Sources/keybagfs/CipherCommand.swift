@@ -26,7 +26,8 @@ struct CipherCommand: ParsableCommand {
     @Argument(help: "The cipher for new files: xaes256gcm or xchacha20poly1305.")
     var cipher: ContentCipher?
 
-    @Option(help: "Device key file (default /var/lib/keybagfs/<store-id>.key): the cipher's name is authenticated with it.")
+    @Option(
+        help: "Device key file (default /var/lib/keybagfs/<store-id>.key): the cipher's name is authenticated with it.")
     var deviceKey: String?
 
     func run() throws {
@@ -44,7 +45,9 @@ struct CipherCommand: ParsableCommand {
         let authentic = try kb.cipherIsAuthentic(deviceKey: dk)
         // An edited name (its MAC fails) says nothing about the store's layout: any cipher may be set back.
         guard authentic == false || cipher.sharesLayout(with: old) else {
-            throw KeybagError.invalid("\(old.name) stores cannot change to \(cipher.name): their blocks have another layout; copy the files into a new store instead")
+            throw KeybagError.invalid(
+                "\(old.name) stores cannot change to \(cipher.name): their blocks have another layout; copy the files into a new store instead"
+            )
         }
         guard cipher.isAvailable else { throw KeybagError.invalid("this CPU cannot run \(cipher.name)") }
         guard cipher != old || authentic != true else { print("new files already get \(cipher.name)"); return }

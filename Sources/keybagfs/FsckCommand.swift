@@ -41,9 +41,12 @@ struct Fsck: ParsableCommand {
         let kb = try Keybag.load(storePath: target.store)
         let dk = try DeviceKeyFile.load(from: target.deviceKeyPath(kb))
         defer { dk.wipe() }
-        let passcode: SecureKey? = passcodeStdin || askPasscode ? try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ") : nil
+        let passcode: SecureKey? =
+            passcodeStdin || askPasscode ? try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ") : nil
         defer { passcode?.wipe() }
-        let check = try StoreCheck(storePath: target.store, deviceKey: dk, passcode: passcode, options: .init(repair: repair, dropData: repair && yes))
+        let check = try StoreCheck(
+            storePath: target.store, deviceKey: dk, passcode: passcode,
+            options: .init(repair: repair, dropData: repair && yes))
         defer { check.wipe() }
         if isatty(2) == 1 && !json {
             check.progress = { FileHandle.standardError.write(Data("\rchecked \($0) files…".utf8)) }
@@ -66,8 +69,10 @@ struct Fsck: ParsableCommand {
             for p in check.problems {
                 print("\(p.kind): \(p.path)\(p.name.map { " (\($0))" } ?? ""): \(p.detail) [\(p.repair)]")
             }
-            let summary = "\(check.directories) directories, \(check.files) files, \(check.blocks) blocks checked"
-                + (check.keyless > 0 ? "; \(check.keyless) files of classes A/B/C checked for structure only (no passcode)" : "")
+            let summary =
+                "\(check.directories) directories, \(check.files) files, \(check.blocks) blocks checked"
+                + (check.keyless > 0
+                    ? "; \(check.keyless) files of classes A/B/C checked for structure only (no passcode)" : "")
             if check.isClean {
                 print("clean: " + summary)
             } else {

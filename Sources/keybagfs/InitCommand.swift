@@ -10,7 +10,9 @@ import KeybagDaemon
 struct Init: ParsableCommand {
     static let configuration = CommandConfiguration(
         abstract: "Create a new store: keybag, class keys and the device key.",
-        discussion: "The passcode is asked on the terminal (twice), or read as one line from stdin with --passcode-stdin. It is never taken from the command line.")
+        discussion:
+            "The passcode is asked on the terminal (twice), or read as one line from stdin with --passcode-stdin. It is never taken from the command line."
+    )
 
     @Argument(help: "The store directory to create (must be absent or empty).")
     var store: String
@@ -24,7 +26,10 @@ struct Init: ParsableCommand {
     @Option(help: "Argon2id cost: interactive, moderate or sensitive.")
     var kdf: KDFStrength = .moderate
 
-    @Option(help: "Content cipher: xaes256gcm (the default where the CPU has AES instructions), xchacha20poly1305 (the default elsewhere) or aes256gcm (at most 2^32 block writes per file key; for compatibility only).")
+    @Option(
+        help:
+            "Content cipher: xaes256gcm (the default where the CPU has AES instructions), xchacha20poly1305 (the default elsewhere) or aes256gcm (at most 2^32 block writes per file key; for compatibility only)."
+    )
     var cipher: ContentCipher = .default
 
     @Option(help: "Write the recovery key to this new file (mode 0600) instead of printing it.")
@@ -39,29 +44,41 @@ struct Init: ParsableCommand {
         if fm.fileExists(atPath: store, isDirectory: &isDir) {
             guard isDir.boolValue else { throw KeybagError.invalid("\(store) exists and is not a directory") }
             let items = try fm.contentsOfDirectory(atPath: store)
-            guard items.isEmpty else { throw KeybagError.invalid("\(store) is not empty; refusing to initialise over existing data") }
+            guard items.isEmpty else {
+                throw KeybagError.invalid("\(store) is not empty; refusing to initialise over existing data")
+            }
         } else {
-            try fm.createDirectory(atPath: store, withIntermediateDirectories: true, attributes: [.posixPermissions: 0o700])
+            try fm.createDirectory(
+                atPath: store, withIntermediateDirectories: true, attributes: [.posixPermissions: 0o700])
         }
         let passcode = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "New passcode: ")
         defer { passcode.wipe() }
         if !passcodeStdin {
             let again = try PasscodeInput.prompt("Repeat passcode: ")
             defer { again.wipe() }
-            guard PasscodeInput.equal(passcode, again) else { throw KeybagError.invalid("the passcodes differ; nothing was created") }
+            guard PasscodeInput.equal(passcode, again) else {
+                throw KeybagError.invalid("the passcodes differ; nothing was created")
+            }
         }
         let storeID = Sodium.randomArray(16).map { String(format: "%02x", $0) }.joined()
         let dkPath = deviceKey ?? DeviceKeyFile.defaultPath(storeID: storeID)
-        let dk = fm.fileExists(atPath: dkPath) ? try DeviceKeyFile.load(from: dkPath) : try DeviceKeyFile.create(at: dkPath)
+        let dk =
+            fm.fileExists(atPath: dkPath) ? try DeviceKeyFile.load(from: dkPath) : try DeviceKeyFile.create(at: dkPath)
         defer { dk.wipe() }
         guard cipher.isAvailable else { throw KeybagError.invalid("this CPU cannot run \(cipher.name)") }
-        guard !(noRecoveryKey && recoveryKeyFile != nil) else { throw ValidationError("--no-recovery-key and --recovery-key-file exclude each other") }
+        guard !(noRecoveryKey && recoveryKeyFile != nil) else {
+            throw ValidationError("--no-recovery-key and --recovery-key-file exclude each other")
+        }
         let recovery = noRecoveryKey ? nil : RecoveryKey.generate()
         defer { recovery?.wipe() }
         // The recovery key is handed out first: if that fails, no store exists whose key nobody has.
         if let recovery { try RecoveryKeyOutput.give(recovery, file: recoveryKeyFile) }
-        let kb = try Keybag.create(storePath: store, storeID: storeID, passcode: passcode, deviceKey: dk, strength: kdf, cipher: cipher, recovery: recovery)
-        try fm.createDirectory(atPath: store + "/" + Keybag.dataDirName, withIntermediateDirectories: false, attributes: [.posixPermissions: 0o755])
+        let kb = try Keybag.create(
+            storePath: store, storeID: storeID, passcode: passcode, deviceKey: dk, strength: kdf, cipher: cipher,
+            recovery: recovery)
+        try fm.createDirectory(
+            atPath: store + "/" + Keybag.dataDirName, withIntermediateDirectories: false,
+            attributes: [.posixPermissions: 0o755])
         print("initialised store \(store)")
         print("  store id:   \(kb.file.storeID)")
         print("  cipher:     \(kb.file.cipher)")

@@ -11,7 +11,8 @@ import KeybagDaemon
 struct Keybagfs: ParsableCommand {
     static let configuration = CommandConfiguration(
         commandName: "keybagfs",
-        abstract: "iOS-style Data Protection for a directory: an encrypted FUSE filesystem with four protection classes.",
+        abstract:
+            "iOS-style Data Protection for a directory: an encrypted FUSE filesystem with four protection classes.",
         discussion: """
         Create a store once with `keybagfs init`, mount it with `keybagfs mount`, then unlock and lock it \
         with `keybagctl`. Each file's class is the xattr user.protection (none, \
@@ -21,15 +22,18 @@ struct Keybagfs: ParsableCommand {
 
     /// Runs the command; usage errors exit 2, refusals 1.
     static func main() {
-        _ = kbfs_set_nondumpable()   // passcodes and recovery keys pass through this process
-        runWithContractExitCodes(tool: "keybagfs", arguments: Self.mountHelperArguments(Array(CommandLine.arguments.dropFirst())))
+        _ = kbfs_set_nondumpable()  // passcodes and recovery keys pass through this process
+        runWithContractExitCodes(
+            tool: "keybagfs", arguments: Self.mountHelperArguments(Array(CommandLine.arguments.dropFirst())))
     }
 
     /// `mount -t fuse.keybagfs STORE DIR -o OPTS` runs `keybagfs STORE DIR -o OPTS` (fuse3's
     /// mount.fuse3): arguments that start with neither a subcommand nor an option are a mount.
     static func mountHelperArguments(_ args: [String]) -> [String] {
         let names = configuration.subcommands.map { $0._commandName } + ["help"]
-        guard args.count >= 2, let first = args.first, !first.hasPrefix("-"), !names.contains(first) else { return args }
+        guard args.count >= 2, let first = args.first, !first.hasPrefix("-"), !names.contains(first) else {
+            return args
+        }
         return ["mount"] + args
     }
 }

@@ -10,7 +10,9 @@ import KeybagDaemon
 struct Mount: ParsableCommand {
     static let configuration = CommandConfiguration(
         abstract: "Mount a store. Returns once the mount is usable (or stays in the foreground with --foreground).",
-        discussion: "The mount starts in state beforeFirstUnlock: only class none files are readable until `keybagctl unlock`. Unmount with `fusermount3 -u MOUNTPOINT`; the daemon then exits.")
+        discussion:
+            "The mount starts in state beforeFirstUnlock: only class none files are readable until `keybagctl unlock`. Unmount with `fusermount3 -u MOUNTPOINT`; the daemon then exits."
+    )
 
     @Argument(help: "The store directory.")
     var store: String
@@ -30,28 +32,43 @@ struct Mount: ParsableCommand {
     @Option(help: "Seconds between a lock request and key eviction (0 allowed).")
     var grace: Double = 10
 
-    @Option(help: "Policy file: one `PATTERN CLASS` per line; a directory created at a matching path (relative to the mount root, `*` within a name, leading `**/` for any depth) gets CLASS as its default. The last matching rule wins.")
+    @Option(
+        help:
+            "Policy file: one `PATTERN CLASS` per line; a directory created at a matching path (relative to the mount root, `*` within a name, leading `**/` for any depth) gets CLASS as its default. The last matching rule wins."
+    )
     var policy: String?
 
-    @Option(name: .customLong("policy-rule"), help: "One more policy rule, PATTERN=CLASS (e.g. Documents=complete); after the file's rules.")
+    @Option(
+        name: .customLong("policy-rule"),
+        help: "One more policy rule, PATTERN=CLASS (e.g. Documents=complete); after the file's rules.")
     var policyRules: [String] = []
 
     @Option(help: "User (name or uid) who may lock, unlock and passwd besides root (default: the user who mounts).")
     var owner: String?
 
-    @Option(help: "Hours locked (suspend included) after which class completeUntilFirstUserAuthentication goes too and the state returns to beforeFirstUnlock (iOS: 72). Default: never.")
+    @Option(
+        help:
+            "Hours locked (suspend included) after which class completeUntilFirstUserAuthentication goes too and the state returns to beforeFirstUnlock (iOS: 72). Default: never."
+    )
     var inactivityRelock: Double?
 
     @Flag(help: "Stay in the foreground (for systemd Type=notify).")
     var foreground = false
 
-    @Flag(help: "Send every write to the daemon at once instead of through the kernel's write-back cache (slower; a full disk then fails the write() itself rather than the later fsync() or close()).")
+    @Flag(
+        help:
+            "Send every write to the daemon at once instead of through the kernel's write-back cache (slower; a full disk then fails the write() itself rather than the later fsync() or close())."
+    )
     var noWritebackCache = false
 
     @Option(help: "Most threads serving FUSE requests at once (1-256); each waits in its own clone of /dev/fuse.")
     var threads: Int = MountConfiguration.defaultThreads
 
-    @Option(name: .customShort("o"), help: "FUSE mount options, comma separated (e.g. allow_other; suid,dev: set-ID programs and device files work, root only, as on ext4; without them the mount is nosuid,nodev).")
+    @Option(
+        name: .customShort("o"),
+        help:
+            "FUSE mount options, comma separated (e.g. allow_other; suid,dev: set-ID programs and device files work, root only, as on ext4; without them the mount is nosuid,nodev)."
+    )
     var options: [String] = []
 
     @Option(help: .hidden)
@@ -66,14 +83,17 @@ struct Mount: ParsableCommand {
     mutating func takeOwnOptions() throws {
         var fuse: [String] = []
         for o in options.flatMap({ $0.split(separator: ",").map(String.init) }) where !o.isEmpty {
-            let (key, value) = o.firstIndex(of: "=").map { (String(o[..<$0]), String(o[o.index(after: $0)...])) } ?? (o, "")
+            let (key, value) =
+                o.firstIndex(of: "=").map { (String(o[..<$0]), String(o[o.index(after: $0)...])) } ?? (o, "")
             switch key {
             case "device-key": deviceKey = value
             case "socket": socket = value
             case "policy": policy = value
             case "owner": owner = value
             case "default-class":
-                guard let c = ProtectionClass(name: value) else { throw ValidationError("-o default-class=\(value): unknown class") }
+                guard let c = ProtectionClass(name: value) else {
+                    throw ValidationError("-o default-class=\(value): unknown class")
+                }
                 defaultClass = c
             case "grace":
                 guard let g = Double(value) else { throw ValidationError("-o grace=\(value): not a number of seconds") }
@@ -85,11 +105,14 @@ struct Mount: ParsableCommand {
                 guard let n = Int(value) else { throw ValidationError("-o threads=\(value): not a number") }
                 threads = n
             case "inactivity-relock":
-                guard let h = Double(value) else { throw ValidationError("-o inactivity-relock=\(value): not a number of hours") }
+                guard let h = Double(value) else {
+                    throw ValidationError("-o inactivity-relock=\(value): not a number of hours")
+                }
                 inactivityRelock = h
             // mount(8) and systemd words that are not FUSE's (mount.fuse3 passes some through).
             // `suid` and `dev` go on to FUSE: the mount is nosuid,nodev unless they are given.
-            case "defaults", "auto", "noauto", "user", "nouser", "users", "_netdev", "nofail", "rw", "exec", "atime", "relatime":
+            case "defaults", "auto", "noauto", "user", "nouser", "users", "_netdev", "nofail", "rw", "exec", "atime",
+                "relatime":
                 continue
             default:
                 if key.hasPrefix("x-") || key.hasPrefix("comment=") { continue }
@@ -146,8 +169,9 @@ struct Mount: ParsableCommand {
                 setsid()
                 Launcher.closeInheritedDescriptors(keeping: readyFd)
             }
-            var cfg = MountConfiguration(store: store, mountpoint: mountpoint, socketPath: socketPath, deviceKeyPath: deviceKey,
-                                         defaultClass: defaultClass, grace: grace, fuseOptions: fuseOptions, readyFD: readyFd)
+            var cfg = MountConfiguration(
+                store: store, mountpoint: mountpoint, socketPath: socketPath, deviceKeyPath: deviceKey,
+                defaultClass: defaultClass, grace: grace, fuseOptions: fuseOptions, readyFD: readyFd)
             cfg.policy = policy
             cfg.owner = try ownerUID()
             cfg.inactivityRelock = inactivityRelock.map { $0 * 3600 }
@@ -158,6 +182,7 @@ struct Mount: ParsableCommand {
             if rc != 0 { throw ExitCode(rc) }
             return
         }
-        try Launcher.spawnDaemon(arguments: Array(CommandLine.arguments.dropFirst()) + ["--foreground", "--ready-fd", "3"])
+        try Launcher.spawnDaemon(
+            arguments: Array(CommandLine.arguments.dropFirst()) + ["--foreground", "--ready-fd", "3"])
     }
 }

@@ -9,7 +9,8 @@ import KeybagDaemon
 /// `keybagfs recover`.
 struct Recover: ParsableCommand {
     static let configuration = CommandConfiguration(
-        abstract: "Set a new passcode (and, if asked, a new device key) from the recovery key; the store must not be mounted.",
+        abstract:
+            "Set a new passcode (and, if asked, a new device key) from the recovery key; the store must not be mounted.",
         discussion: """
         The recovery key is read from --recovery-key-file, or as the first line of stdin with --stdin \
         (the new passcode is then the second line), or asked on the terminal. No file is re-encrypted. \
@@ -43,7 +44,9 @@ struct Recover: ParsableCommand {
         if !stdin {
             let again = try PasscodeInput.prompt("Repeat new passcode: ")
             defer { again.wipe() }
-            guard PasscodeInput.equal(passcode, again) else { throw KeybagError.invalid("the passcodes differ; nothing was changed") }
+            guard PasscodeInput.equal(passcode, again) else {
+                throw KeybagError.invalid("the passcodes differ; nothing was changed")
+            }
         }
         if newDeviceKey {
             var lst = stat()
@@ -58,10 +61,17 @@ struct Recover: ParsableCommand {
             unlink(staged)
             let dk = try DeviceKeyFile.create(at: staged)
             defer { dk.wipe() }
-            do { try kb.recover(with: recovery, newPasscode: passcode, deviceKey: dk) } catch { unlink(staged); throw error }
-            guard rename(staged, dkPath) == 0 else { throw KeybagError.system("the store now needs the device key \(staged); moving it to \(dkPath) failed", errno) }
+            do { try kb.recover(with: recovery, newPasscode: passcode, deviceKey: dk) } catch {
+                unlink(staged); throw error
+            }
+            guard rename(staged, dkPath) == 0 else {
+                throw KeybagError.system(
+                    "the store now needs the device key \(staged); moving it to \(dkPath) failed", errno)
+            }
             DeviceKeyFile.syncFolder(of: dkPath)
-            print("recovered \(target.store): new passcode set; new device key \(dkPath) (the old one no longer opens the store)")
+            print(
+                "recovered \(target.store): new passcode set; new device key \(dkPath) (the old one no longer opens the store)"
+            )
         } else {
             let dk: SecureKey
             do { dk = try DeviceKeyFile.load(from: dkPath) } catch {
@@ -69,7 +79,9 @@ struct Recover: ParsableCommand {
             }
             defer { dk.wipe() }
             do { try kb.unwrapDeviceKeySlot("D", deviceKey: dk).wipe() } catch {
-                throw KeybagError.invalid("the device key \(dkPath) does not open this store; if the right one is lost, run again with --new-device-key")
+                throw KeybagError.invalid(
+                    "the device key \(dkPath) does not open this store; if the right one is lost, run again with --new-device-key"
+                )
             }
             _ = try? kb.authenticate(deviceKey: dk)
             try kb.recover(with: recovery, newPasscode: passcode, deviceKey: dk)
@@ -89,7 +101,9 @@ struct RecoveryKeyCommand: ParsableCommand {
     struct Rotate: ParsableCommand {
         static let configuration = CommandConfiguration(
             abstract: "Make a new recovery key (the old one stops working); the store must not be mounted.",
-            discussion: "Needs the passcode (asked on the terminal, or one line of stdin with --passcode-stdin) and the device key. Also gives a recovery key to a store made without one.")
+            discussion:
+                "Needs the passcode (asked on the terminal, or one line of stdin with --passcode-stdin) and the device key. Also gives a recovery key to a store made without one."
+        )
 
         @OptionGroup var target: UnmountedStore
 
@@ -107,7 +121,9 @@ struct RecoveryKeyCommand: ParsableCommand {
             defer { dk.wipe() }
             let passcode = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ")
             defer { passcode.wipe() }
-            let recovery = try kb.rotateRecoveryKey(passcode: passcode, deviceKey: dk) { try RecoveryKeyOutput.give($0, file: recoveryKeyFile) }
+            let recovery = try kb.rotateRecoveryKey(passcode: passcode, deviceKey: dk) {
+                try RecoveryKeyOutput.give($0, file: recoveryKeyFile)
+            }
             defer { recovery.wipe() }
             print("new recovery key for \(target.store) saved; the old one no longer works")
         }

@@ -27,14 +27,19 @@ enum RecoveryKeyOutput {
             let fd = open(file, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o600)
             guard fd >= 0 else { throw KeybagError.system("cannot create the recovery key file \(file)", errno) }
             defer { close(fd) }
-            let ok = try text.withBytes { t in write(fd, t.baseAddress!, t.count) == t.count } && write(fd, "\n", 1) == 1 && fsync(fd) == 0
+            let ok =
+                try text.withBytes { t in write(fd, t.baseAddress!, t.count) == t.count } && write(fd, "\n", 1) == 1
+                && fsync(fd) == 0
             guard ok else { throw KeybagError.system("cannot write the recovery key file \(file)", errno) }
-            print("recovery key: written to \(file)  (keep it offline; it opens the store without passcode and device key)")
+            print(
+                "recovery key: written to \(file)  (keep it offline; it opens the store without passcode and device key)"
+            )
             return
         }
         // Every byte must reach stdout, or the caller saves nothing (a closed pipe is an error, not a signal).
         signal(SIGPIPE, SIG_IGN)
-        let intro = "recovery key (shown once; keep it offline, it opens the store without passcode and device key):\n    "
+        let intro =
+            "recovery key (shown once; keep it offline, it opens the store without passcode and device key):\n    "
         func put(_ p: UnsafeRawPointer, _ n: Int) -> Bool {
             var off = 0
             while off < n {
@@ -48,7 +53,9 @@ enum RecoveryKeyOutput {
         fflush(nil)
         let ok = try Array(intro.utf8).withUnsafeBytes { put($0.baseAddress!, $0.count) }
             && text.withBytes { put($0.baseAddress!, $0.count) } && put("\n", 1)
-        guard ok else { throw KeybagError.system("cannot show the recovery key on standard output; nothing was changed", errno) }
+        guard ok else {
+            throw KeybagError.system("cannot show the recovery key on standard output; nothing was changed", errno)
+        }
     }
 
     /// Reads a recovery key from a file's first line, from stdin, or from the terminal.
@@ -58,7 +65,9 @@ enum RecoveryKeyOutput {
             let fd = open(file, O_RDONLY | O_CLOEXEC)
             guard fd >= 0 else { throw KeybagError.system("cannot read the recovery key file \(file)", errno) }
             defer { close(fd) }
-            guard let t = try PasscodeInput.readLine(fd: fd) else { throw KeybagError.invalid("the recovery key file \(file) is empty") }
+            guard let t = try PasscodeInput.readLine(fd: fd) else {
+                throw KeybagError.invalid("the recovery key file \(file) is empty")
+            }
             text = t
         } else {
             text = try PasscodeInput.read(fromStdin: fromStdin, prompt: "Recovery key: ")
@@ -71,7 +80,9 @@ enum RecoveryKeyOutput {
 /// Takes the store's lock the daemon holds while mounted; refuses a mounted store.
 func lockUnmountedStore(_ store: String) throws -> Int32 {
     let lock = open(store, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
-    guard lock >= 0 else { throw KeybagError.invalid("cannot open the store \(store): \(String(cString: strerror(errno)))") }
+    guard lock >= 0 else {
+        throw KeybagError.invalid("cannot open the store \(store): \(String(cString: strerror(errno)))")
+    }
     guard flock(lock, LOCK_EX | LOCK_NB) == 0 else {
         close(lock)
         throw KeybagError.invalid("the store \(store) is mounted (a keybagfs daemon holds it); unmount it first")
