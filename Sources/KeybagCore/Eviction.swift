@@ -4,8 +4,8 @@ public protocol EvictionTarget {
     /// Every regular file whose key life is known, by node id.
     func fileKeyLives() -> [(id: UInt64, life: RWLocked<FileKeyLife>)]
     /// Asks the kernel to write back (while `pass` is `.writeBack`, through the daemon,
-    /// which still holds the keys) and then drop the cached pages of `ids`.
-    func dropPageCache(_ ids: [UInt64], pass: Eviction.Pass)
+    /// which still holds the keys) and then drop the cached pages of `ids`, for an eviction of `kind`.
+    func dropPageCache(_ ids: [UInt64], pass: Eviction.Pass, of kind: Eviction.Kind)
 }
 
 /// The one owner of eviction: a lock, and a return to `beforeFirstUnlock` after a long
@@ -22,7 +22,7 @@ public protocol EvictionTarget {
 /// 4. the page cache of the evicted files is dropped again, for anything cached between.
 public struct Eviction: Sendable {
     /// What is evicted.
-    public enum Kind: Sendable { case lock, returnToBeforeFirstUnlock }
+    public enum Kind: String, Sendable { case lock, returnToBeforeFirstUnlock = "return to beforeFirstUnlock" }
     /// The two page-cache passes.
     public enum Pass: String, Sendable { case writeBack = "write-back", afterEviction = "after eviction" }
 
@@ -34,11 +34,11 @@ public struct Eviction: Sendable {
     public func run(keyring: ClassKeyring, target: some EvictionTarget) {
         begin(keyring)
         let lives = target.fileKeyLives()
-        target.dropPageCache(lives.compactMap { f in f.life.read { mustWriteBack($0) } ? f.id : nil }, pass: .writeBack)
+        target.dropPageCache(lives.compactMap { f in f.life.read { mustWriteBack($0) } ? f.id : nil }, pass: .writeBack, of: kind)
         finish(keyring)
         let evicted = target.fileKeyLives().compactMap { f in f.life.write { evictKey(&$0) } ? f.id : nil }
         HardwareAES.forgetKeySchedules()
-        target.dropPageCache(evicted, pass: .afterEviction)
+        target.dropPageCache(evicted, pass: .afterEviction, of: kind)
     }
 
     /// Phase 1: the new epoch in which the evicted classes only write back.

@@ -145,7 +145,7 @@ extension Filesystem {
                 file.key.wipe()
                 close(file.fd)
                 let (n, _) = try lookupBacking(p, entry.name)
-                let h = try open(n.id, flags: flags)
+                let h = try open(n.id, flags: flags, caller: caller)
                 return (n, try attributes(fd: h.fd), h)
             }
             guard rc == 0 else { throw FSError(rc) }

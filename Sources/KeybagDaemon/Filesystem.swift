@@ -351,7 +351,7 @@ final class Filesystem: Sendable {
 extension Filesystem: EvictionTarget {
     func fileKeyLives() -> [(id: UInt64, life: RWLocked<FileKeyLife>)] { table.regularFiles().map { ($0.id, $0.io) } }
 
-    func dropPageCache(_ ids: [UInt64], pass: Eviction.Pass) {
-        kernel.dropPageCache(ids, pass: "eviction (\(pass.rawValue))")
+    func dropPageCache(_ ids: [UInt64], pass: Eviction.Pass, of kind: Eviction.Kind) {
+        kernel.dropPageCache(ids, pass: "\(kind.rawValue) (\(pass.rawValue))")
     }
 }

@@ -24,10 +24,15 @@ final class KernelNotifier: Sendable {
     private let queue = DispatchQueue(label: "keybagfs.kernel-notifications")
     /// Reads what INIT negotiated.
     private let negotiatedNow: @Sendable () -> MountNegotiation
+    /// Sees every page drop asked for, session or not (unit tests).
+    private let observer: (@Sendable (_ ids: [UInt64], _ pass: String) -> Void)?
 
-    /// A notifier; `negotiated` reads what the mount's INIT agreed (the FUSE channel's, by default).
-    init(negotiated: @escaping @Sendable () -> MountNegotiation = { FuseChannel.negotiated }) {
+    /// A notifier; `negotiated` reads what the mount's INIT agreed (the FUSE channel's, by
+    /// default); `observer` sees each page drop asked for.
+    init(negotiated: @escaping @Sendable () -> MountNegotiation = { FuseChannel.negotiated },
+         observer: (@Sendable (_ ids: [UInt64], _ pass: String) -> Void)? = nil) {
         negotiatedNow = negotiated
+        self.observer = observer
     }
 
     /// What INIT negotiated (all false before INIT).
@@ -37,6 +42,9 @@ final class KernelNotifier: Sendable {
     func attach(_ se: OpaquePointer) {
         session.store(UInt(bitPattern: Int(bitPattern: UnsafeRawPointer(se))), ordering: .releasing)
     }
+
+    /// Returns once the work queued so far has run.
+    func drain() { queue.sync {} }
 
     /// Messages go nowhere from now on; returns once queued work has run.
     func detach() {
@@ -51,6 +59,7 @@ final class KernelNotifier: Sendable {
     /// thread that is not a FUSE worker, holding no lock a request handler needs. Failures
     /// other than "the kernel no longer knows this inode" are logged under `pass`.
     func dropPageCache(_ ids: [UInt64], pass: String) {
+        observer?(ids, pass)
         guard let se = current else { return }
         var failed = 0, firstError: Int32 = 0
         for id in ids {

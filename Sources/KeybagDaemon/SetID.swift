@@ -81,8 +81,8 @@ extension Filesystem {
     }
 
     /// Clears the set-ID bits of an open file that `caller` just modified (write, fallocate)
-    /// as `modeAfterModification` rules. Costs nothing when the kernel said they stay (every
-    /// write but a set-ID file's by a caller without CAP_FSETID).
+    /// as `modeAfterModification` rules. Costs nothing when the kernel said they stay (writes
+    /// of callers with CAP_FSETID, and the page cache's write-back); else one `fstat`.
     func clearSetIDAfterModification(_ h: FileHandle, by caller: Caller) {
         if caller.kernelSaysClearSetID == false { return }
         var st = stat()

@@ -12,6 +12,8 @@ final class FilesystemTests: XCTestCase {
     var keyring: ClassKeyring!
     var classKeys: (a: SecureKey, b: SecureKey, c: SecureKey)!
     let root = Filesystem.Caller(uid: 0, gid: 0)
+    /// Page drops the filesystem asked the kernel for: (ids, pass).
+    let pageDrops = Locked<[([UInt64], String)]>([])
 
     override func setUpWithError() throws {
         var t = Array("/tmp/kbfs-unit.XXXXXX".utf8CString)
@@ -26,7 +28,8 @@ final class FilesystemTests: XCTestCase {
         try unlock()
         fs = try Filesystem(dataFD: fds[0], targetsFD: fds[1], xattrsFD: fds[2], names: NameCipher(volumeKey: SecureKey(random: 32)),
                             keyring: keyring, cipher: .default, defaultClass: .completeUntilFirstUserAuthentication,
-                            kernel: KernelNotifier { MountNegotiation(directIOMappable: true, writeback: false) })
+                            kernel: KernelNotifier(negotiated: { MountNegotiation(directIOMappable: true, writeback: false) },
+                                                   observer: { [pageDrops] ids, pass in pageDrops.withLock { $0.append((ids, pass)) } }))
         _ = try fs.meta(of: fs.table.root)
     }
 
@@ -89,7 +92,12 @@ final class FilesystemTests: XCTestCase {
         let h = try file("download", .completeUnlessOpen, "partial")
         Eviction(.lock).run(keyring: keyring, target: fs)
         XCTAssertEqual(try read(h).get(), "partial", "a handle opened before the lock keeps its key")
+        XCTAssertFalse(pageDrops.withLock { $0 }.contains { $0.0.contains(h.node.id) }, "an open class B file keeps its pages")
         fs.release(h)
+        XCTAssertNil(h.node.io.read { $0.readyKey(for: .write, keyring.access) }, "the last close while locked wipes the key")
+        fs.kernel.drain()
+        XCTAssertTrue(pageDrops.withLock { $0 }.contains { $0.0 == [h.node.id] && $0.1.contains("last close") },
+                      "and its cached pages go")
         XCTAssertThrowsError(try fs.open(h.node.id, flags: O_RDONLY)) { XCTAssertEqual(($0 as? FSError)?.errno, EACCES) }
         let made = try file("made-while-locked", .completeUnlessOpen, "new")
         XCTAssertEqual(try read(made).get(), "new", "class B files are created while locked")
@@ -117,6 +125,29 @@ final class FilesystemTests: XCTestCase {
         XCTAssertEqual(mode(), 0o4755)
         fs.clearSetIDAfterModification(h, by: Filesystem.Caller(uid: 1000, gid: 1000, kernelSaysClearSetID: true))
         XCTAssertEqual(mode(), 0o755)
+        // Requests without the kernel's word (fallocate): /proc tells. This test process is
+        // root with CAP_FSETID; a caller whose process is unknown counts as root only by uid.
+        XCTAssertEqual(fchmod(h.fd, 0o4755), 0)
+        fs.clearSetIDAfterModification(h, by: Filesystem.Caller(uid: 0, gid: 0, pid: getpid()))
+        XCTAssertEqual(mode(), 0o4755)
+        fs.clearSetIDAfterModification(h, by: Filesystem.Caller(uid: 1000, gid: 1000))
+        XCTAssertEqual(mode(), 0o755)
         fs.release(h)
+    }
+
+    func testACreateThatFindsTheNameTakenTruncatesAsAnOpenWould() throws {
+        let h = try file("tool", .none, "#!/bin/sh\n")
+        XCTAssertEqual(fchmod(h.fd, 0o4755), 0)
+        fs.release(h)
+        // The kernel's CREATE without O_EXCL lost the race to another create of the name:
+        // it opens the file, and its O_TRUNC by a caller without CAP_FSETID clears set-user-ID.
+        let caller = Filesystem.Caller(uid: 1000, gid: 1000, kernelSaysClearSetID: true)
+        let (_, _, again) = try fs.create(parent: 1, name: "tool", mode: S_IFREG | 0o644, flags: O_RDWR | O_CREAT | O_TRUNC,
+                                           caller: caller)
+        XCTAssertEqual(try read(again).get(), "", "truncated")
+        var st = stat()
+        XCTAssertEqual(fstat(again.fd, &st), 0)
+        XCTAssertEqual(st.st_mode & 0o7777, 0o755)
+        fs.release(again)
     }
 }

@@ -109,8 +109,9 @@ final class LockConcurrencyTests: XCTestCase {
     }
 
     /// Many threads open, read and close one file at once while a descriptor of it stays
-    /// open: every read sees the content. Under ThreadSanitizer (scripts/test.sh) this is the
-    /// daemon's per-node list of open descriptors changed from several FUSE threads at once.
+    /// open: every read sees the content. Mainly a ThreadSanitizer guard (scripts/test.sh runs
+    /// it under TSan): the daemon's per-node list of open descriptors changed from several
+    /// FUSE threads at once, under a lock TSan must see (a `Mutex` was reported as a race).
     func testParallelOpensOfOneFileReadItsContent() throws {
         let m = try MountFixture()
         addTeardownBlock { m.close() }
