@@ -52,7 +52,8 @@ public enum ProtectedData {
     public static func socketPath(for url: URL) throws -> String {
         if let s = ProcessInfo.processInfo.environment["KEYBAGFS_SOCKET"], !s.isEmpty { return s }
         guard let mount = ControlPaths.keybagfsMount(holding: url.path) else {
-            throw CocoaError(.featureUnsupported, userInfo: [NSFilePathErrorKey: url.path, NSLocalizedDescriptionKey: "\(url.path) is not on a keybagfs mount"])
+            throw CocoaError(.featureUnsupported, userInfo: [NSFilePathErrorKey: url.path,
+                NSLocalizedDescriptionKey: "\(url.path) is not on a keybagfs mount"])
         }
         return ControlPaths.defaultSocket(forMountpoint: mount)
     }

@@ -74,7 +74,8 @@ public struct ClassPolicy: Sendable, Equatable {
             throw ParseError(
                 line: 0,
                 reason:
-                    "unknown class \"\(className)\" (none, completeUntilFirstUserAuthentication, completeUnlessOpen, complete)"
+                    "unknown class \"\(className)\" (none, completeUntilFirstUserAuthentication, completeUnlessOpen, " +
+                        "complete)"
             )
         }
         var names = pattern.split(separator: "/", omittingEmptySubsequences: true).map(String.init)

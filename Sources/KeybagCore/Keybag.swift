@@ -352,7 +352,8 @@ public struct Keybag: Sendable {
         switch try Keybag.cipherIsAuthentic(file, key: key) {
         case false?:
             throw KeybagError.corrupt(
-                "keybag field cipher (\(file.cipher.prefix(40))) was edited offline: its MAC does not match; set it again with `keybagfs cipher`"
+                "keybag field cipher (\(file.cipher.prefix(40))) was edited offline: its MAC does not match; set it " +
+                    "again with `keybagfs cipher`"
             )
         case nil:
             file.cipherMAC = try Keybag.cipherMAC(file, key: key)   // keybags written before the MAC

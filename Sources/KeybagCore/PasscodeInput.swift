@@ -23,7 +23,8 @@ public enum PasscodeInput {
                 if n < 0 && errno == EINTR { continue }
                 if n <= 0 { break }
                 sawAny = true
-                if c == UInt8(ascii: "\n") || c == 0 { break }  // NUL: pam_exec's expose_authtok ends the password with one
+                // NUL: pam_exec's expose_authtok ends the password with one
+                if c == UInt8(ascii: "\n") || c == 0 { break }
                 guard count < maxLength else { throw KeybagError.invalid("passcode longer than \(maxLength) bytes") }
                 p[count] = c
                 count += 1

@@ -249,7 +249,8 @@ extension Keybag {
         defer { d.wipe(); vol.wipe() }
         let recovery = RecoveryKey.generate()
         var next = file
-        try Keybag.writeEscrow(&next, keys: [("A", classKeys.classA), ("B", classKeys.classBSecret), ("C", classKeys.classC), ("D", d), ("volume", vol)], recovery: recovery)
+        try Keybag.writeEscrow(&next, keys: [("A", classKeys.classA), ("B", classKeys.classBSecret),
+            ("C", classKeys.classC), ("D", d), ("volume", vol)], recovery: recovery)
         next.failedAttempts = 0
         next.lockoutUntil = 0
         next.recoveryFailedAttempts = nil

@@ -67,7 +67,8 @@ public final class StoreCheck {
         if try keybag.counterIsAuthentic(deviceKey: deviceKey) == false {
             note(
                 "keybag-counter", "keybag", nil,
-                "the failed-attempt counter does not authenticate (edited offline); the daemon answers with the longest lockout",
+                "the failed-attempt counter does not authenticate (edited offline); the daemon answers with the " +
+                    "longest lockout",
                 "not-repairable")
         }
     }
@@ -169,7 +170,8 @@ public final class StoreCheck {
             {
                 fix(
                     "whiteout-without-name", path, nil,
-                    "a whiteout (left by a rename of keybagfs before 2026-11) without its side file: it has no name and hides nothing"
+                    "a whiteout (left by a rename of keybagfs before 2026-11) without its side file: it has no name " +
+                        "and hides nothing"
                 ) {
                     try unlinkOrThrow(fd, e)
                 }
@@ -324,7 +326,8 @@ public final class StoreCheck {
         guard header.cipher.sharesLayout(with: keybag.cipher) else {
             return note(
                 "header-cipher", path, name,
-                "the header names \(header.cipher.name), whose blocks have another layout than the store's \(keybag.cipher.name)",
+                "the header names \(header.cipher.name), whose blocks have another layout than the store's " +
+                    "\(keybag.cipher.name)",
                 "not-repairable")
         }
         let layout = content.layout
@@ -358,7 +361,8 @@ public final class StoreCheck {
             let lost = n - 1 - lastGood
             fix(
                 "torn-tail", path, name,
-                "the last \(lost) block(s) do not authenticate (a write cut off before fsync); repair cuts the file after block \(lastGood)",
+                "the last \(lost) block(s) do not authenticate (a write cut off before fsync); repair cuts the file " +
+                    "after block \(lastGood)",
                 losesData: true
             ) {
                 try content.cut(fd: fd, afterBlocks: lastGood + 1)

@@ -55,13 +55,17 @@ final class Controller: Sendable {
     /// The `status` reply.
     func status() -> [String: Any] {
         let st = state
-        let (failures, retry) = keybag.withLock { ($0.file.failedAttempts, $0.retryAfter(now: Date().timeIntervalSince1970)) }
+        let (failures, retry) = keybag.withLock {
+            ($0.file.failedAttempts, $0.retryAfter(now: Date().timeIntervalSince1970))
+        }
         return ["ok": true, "state": st.rawValue, "protectedDataAvailable": st == .unlocked, "grace": defaultGrace,
                 "openFiles": fs.openFiles.load(ordering: .relaxed), "pid": Int(getpid()), "mountpoint": mountpoint,
                 "failedAttempts": failures, "retryAfter": Self.seconds(retry),
-                "classADirectIO": kernel.negotiated.directIOMappable, "writebackCache": kernel.negotiated.writeback, "posixACLs": fs.posixACLs.load(ordering: .relaxed), "subscribers": events.count,
+                "classADirectIO": kernel.negotiated.directIOMappable, "writebackCache": kernel.negotiated.writeback,
+                "posixACLs": fs.posixACLs.load(ordering: .relaxed), "subscribers": events.count,
                 "owner": Int(owner), "defaultClass": fs.defaultClass.name,
-                "aesMemoryLocked": HardwareAES.ownsMemory && HardwareAES.unlockedAllocations == 0, "inactivityRelock": inactivityRelock.map { $0 / 3600 } ?? NSNull(),
+                "aesMemoryLocked": HardwareAES.ownsMemory && HardwareAES.unlockedAllocations == 0,
+                "inactivityRelock": inactivityRelock.map { $0 / 3600 } ?? NSNull(),
                 "relockIn": relockDeadline.withLock { $0 }.map { Self.seconds($0 - Self.bootTime()) } ?? NSNull()]
     }
 
@@ -263,7 +267,8 @@ final class EventHub: Sendable {
 
     /// Sends an event to every subscriber.
     func publish(_ event: ProtectionEvent, state: LockState) {
-        let line = ControlProtocol.encode(["event": event.rawValue, "state": state.rawValue, "time": ControlProtocol.timestamp()])
+        let line = ControlProtocol.encode(["event": event.rawValue, "state": state.rawValue,
+            "time": ControlProtocol.timestamp()])
         let all = subscribers.withLock { Array($0.values) }
         for c in all where !c.sendEvent(line) {
             remove(c)

@@ -27,7 +27,8 @@ extension Filesystem {
                 }
             } else {
                 MountDaemon.log(
-                    "could not erase the superseded header slot of inode \(node.backingIno): \(String(cString: strerror(errno)))"
+                    "could not erase the superseded header slot of inode \(node.backingIno): " +
+                        "\(String(cString: strerror(errno)))"
                 )
             }
         }
@@ -73,7 +74,8 @@ extension Filesystem {
         let n = try node(id)
         guard n.isRegular else { throw FSError(n.isDirectory ? EISDIR : EINVAL) }
         let writable = (flags & O_ACCMODE) != O_RDONLY
-        if writable && space.noteWritten() { refreshAttributesOfKnownFiles() }  // nearly full: tight before the first write
+        // nearly full: tight before the first write
+        if writable && space.noteWritten() { refreshAttributesOfKnownFiles() }
         let fd = try check(n.open(writable ? O_RDWR : O_RDONLY))
         let cls: ProtectionClass
         do {

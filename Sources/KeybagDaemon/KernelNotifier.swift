@@ -71,7 +71,8 @@ final class KernelNotifier: Sendable {
         }
         if failed > 0 {
             MountDaemon.log(
-                "\(pass): page cache of \(failed) of \(ids.count) inodes not dropped: \(String(cString: strerror(firstError)))"
+                "\(pass): page cache of \(failed) of \(ids.count) inodes not dropped: " +
+                    "\(String(cString: strerror(firstError)))"
             )
         }
     }

@@ -132,13 +132,15 @@ public enum MountDaemon {
         _ = kbfs_set_nondumpable()
         _ = kbfs_raise_nofile()
         _ = kbfs_limit_malloc_arenas(2)  // 16 loop threads with an arena each inflate RSS
-        _ = kbfs_fix_malloc_thresholds(128 * 1024, 1 << 20)  // request buffers of exiting loop threads go back by munmap
+        // request buffers of exiting loop threads go back by munmap
+        _ = kbfs_fix_malloc_thresholds(128 * 1024, 1 << 20)
         umask(0)
         Sodium.ensureInitialized()
         HardwareAES.start()   // OpenSSL's allocator must be in place before its first allocation
         if !HardwareAES.ownsMemory {
             log(
-                "warning: OpenSSL was set up before keybagfs' allocator: its key schedules live in memory that may be swapped (freed contexts are still zeroed)"
+                "warning: OpenSSL was set up before keybagfs' allocator: its key schedules live in memory that may " +
+                    "be swapped (freed contexts are still zeroed)"
             )
         }
     }
@@ -207,7 +209,8 @@ public enum MountDaemon {
         case .upgraded: log("keybag upgraded to format \(Keybag.currentFormat) (authenticated failed-attempt counter)")
         case .tampered:
             log(
-                "the keybag's failed-attempt counter does not authenticate (edited offline?): unlock refused for \(Controller.seconds(kb.retryAfter(now: Date().timeIntervalSince1970))) s"
+                "the keybag's failed-attempt counter does not authenticate (edited offline?): unlock refused for " +
+                    "\(Controller.seconds(kb.retryAfter(now: Date().timeIntervalSince1970))) s"
             )
         }
         let volume = try kb.unwrapDeviceKeySlot("volume", deviceKey: deviceKey)

@@ -24,8 +24,9 @@ struct Follow: ParsableCommand {
     enum Sessions: String, ExpressibleByArgument, CaseIterable { case owner, all }
 
     @Option(
-        help:
-            "Sessions whose Lock/LockedHint lock the mount: owner (the mount owner's; all when the owner is root) or all."
+        help: ArgumentHelp(
+            "Sessions whose Lock/LockedHint lock the mount: owner (the mount owner's; all when the owner is root) or " +
+                "all.")
     )
     var sessions: Sessions = .owner
 
@@ -67,13 +68,15 @@ struct Follow: ParsableCommand {
                 bus, "sleep", "keybagfs", "evict class keys of \(status["mountpoint"] ?? "the mount") before sleep")
             if inhibitor < 0 {
                 say(
-                    "warning: no sleep inhibitor (\(String(cString: strerror(-inhibitor)))): the mount locks on PrepareForSleep but sleep may not wait"
+                    "warning: no sleep inhibitor (\(String(cString: strerror(-inhibitor)))): the mount locks on " +
+                        "PrepareForSleep but sleep may not wait"
                 )
             }
         }
         inhibit()
         say(
-            "following logind for \(status["mountpoint"] ?? "the mount") (owner uid \(owner), sessions: \(sessions.rawValue)\(noSleep ? ", not sleep" : ""))"
+            "following logind for \(status["mountpoint"] ?? "the mount") (owner uid \(owner), sessions: " +
+                "\(sessions.rawValue)\(noSleep ? ", not sleep" : ""))"
         )
         var forged: UInt64 = 0
         var ev = kbfs_logind_event()
@@ -199,7 +202,8 @@ struct PamUnlock: ParsableCommand {
             // attempt, never a lockout: after a failure only a deliberate unlock tries again.
             if let failed = (st["failedAttempts"] as? NSNumber)?.intValue, failed > 0 {
                 note(
-                    "\(mount): \(failed) failed attempt(s) since the last unlock; not tried (unlock with keybagctl unlock)"
+                    "\(mount): \(failed) failed attempt(s) since the last unlock; not tried (unlock with keybagctl " +
+                        "unlock)"
                 )
                 continue
             }

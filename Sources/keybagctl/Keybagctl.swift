@@ -18,7 +18,8 @@ struct Keybagctl: ParsableCommand {
         Exit codes: 0 done, 1 refused (wrong passcode, locked, throttled), 2 usage, 3 cannot reach the daemon.
         Without --socket or --mount, the only keybagfs mount in /proc/self/mountinfo is used.
         """,
-        subcommands: [Status.self, Unlock.self, Lock.self, Watch.self, Passwd.self, Protect.self, Report.self, Follow.self, PamUnlock.self])
+        subcommands: [Status.self, Unlock.self, Lock.self, Watch.self, Passwd.self, Protect.self, Report.self,
+            Follow.self, PamUnlock.self])
 
     /// Runs the command with the contract's exit codes.
     static func main() {

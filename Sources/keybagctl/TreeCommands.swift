@@ -88,7 +88,8 @@ struct Protect: ParsableCommand {
     static let configuration = CommandConfiguration(
         abstract: "Set the protection class of files, and the default class of directories.",
         discussion:
-            "With -R, also of everything below each directory. Symlinks are never followed and other file systems never entered. Exit 1 if any path failed (each is named on stderr)."
+            "With -R, also of everything below each directory. Symlinks are never followed and other file systems " +
+                "never entered. Exit 1 if any path failed (each is named on stderr)."
     )
 
     /// Accepted like every subcommand's; classes are set through the paths themselves.
@@ -106,7 +107,8 @@ struct Protect: ParsableCommand {
     func run() throws {
         guard let cls = ProtectionClass(name: protectionClass) else {
             throw ValidationError(
-                "unknown class \"\(protectionClass)\" (none, completeUntilFirstUserAuthentication, completeUnlessOpen, complete)"
+                "unknown class \"\(protectionClass)\" (none, completeUntilFirstUserAuthentication, " +
+                    "completeUnlessOpen, complete)"
             )
         }
         let name = cls.name
@@ -126,7 +128,9 @@ struct Protect: ParsableCommand {
                 guard Self.takesClass(st) else {
                     if depth == 0 {
                         failures += 1
-                        FileHandle.standardError.write(Data("keybagctl: \(path): only files and directories have a class (symlinks are not followed)\n".utf8))
+                        FileHandle.standardError.write(
+                            Data(("keybagctl: \(path): only files and directories have a class " +
+                                "(symlinks are not followed)\n").utf8))
                     }
                     return
                 }
@@ -135,7 +139,8 @@ struct Protect: ParsableCommand {
                     if st.st_mode & S_IFMT == S_IFDIR { dirs += 1 } else { files += 1 }
                 } else {
                     failures += 1
-                    FileHandle.standardError.write(Data("keybagctl: \(path): \(String(cString: strerror(errno)))\n".utf8))
+                    FileHandle.standardError.write(
+                        Data("keybagctl: \(path): \(String(cString: strerror(errno)))\n".utf8))
                 }
             }, failed: { path, err in
                 failures += 1
@@ -155,9 +160,12 @@ struct Protect: ParsableCommand {
 struct Report: ParsableCommand {
     static let configuration = CommandConfiguration(
         abstract:
-            "Count files and bytes per class, list what is unreadable now, and directories whose default differs from their parent's.",
+            "Count files and bytes per class, list what is unreadable now, and directories whose default differs " +
+                "from their parent's.",
         discussion:
-            "PATH defaults to the mount point. Symlinks are never followed and other file systems never entered. Unreadable now: complete files unless unlocked; completeUnlessOpen files (to new opens) unless unlocked; completeUntilFirstUserAuthentication files before the first unlock."
+            "PATH defaults to the mount point. Symlinks are never followed and other file systems never entered. " +
+                "Unreadable now: complete files unless unlocked; completeUnlessOpen files (to new opens) unless " +
+                "unlocked; completeUntilFirstUserAuthentication files before the first unlock."
     )
 
     @OptionGroup var target: Target
@@ -233,7 +241,8 @@ struct Report: ParsableCommand {
         }
         if let policy = t.policy {
             o["policy"] = policy.policy.rules.map {
-                ["pattern": $0.pattern, "class": $0.protectionClass.name, "directories": t.policyMatched[$0.pattern] ?? 0] as [String: Any]
+                ["pattern": $0.pattern, "class": $0.protectionClass.name,
+                    "directories": t.policyMatched[$0.pattern] ?? 0] as [String: Any]
             }
             o["offPolicyDirectories"] = t.offPolicy
             o["offPolicyDirectoryCount"] = t.offPolicyCount
@@ -366,7 +375,8 @@ struct ReportTally {
         if let policy, let rule = policy.rule(forPath: p) {
             policyMatched[rule.pattern, default: 0] += 1
             if cls != rule.protectionClass.name {
-                noteOffPolicy(["path": p, "class": cls, "policyClass": rule.protectionClass.name, "pattern": rule.pattern])
+                noteOffPolicy(["path": p, "class": cls, "policyClass": rule.protectionClass.name,
+                    "pattern": rule.pattern])
             }
         }
         if let pc = parentClass, pc != cls {

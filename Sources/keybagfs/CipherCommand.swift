@@ -46,7 +46,8 @@ struct CipherCommand: ParsableCommand {
         // An edited name (its MAC fails) says nothing about the store's layout: any cipher may be set back.
         guard authentic == false || cipher.sharesLayout(with: old) else {
             throw KeybagError.invalid(
-                "\(old.name) stores cannot change to \(cipher.name): their blocks have another layout; copy the files into a new store instead"
+                "\(old.name) stores cannot change to \(cipher.name): their blocks have another layout; copy the " +
+                    "files into a new store instead"
             )
         }
         guard cipher.isAvailable else { throw KeybagError.invalid("this CPU cannot run \(cipher.name)") }

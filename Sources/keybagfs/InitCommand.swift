@@ -11,7 +11,8 @@ struct Init: ParsableCommand {
     static let configuration = CommandConfiguration(
         abstract: "Create a new store: keybag, class keys and the device key.",
         discussion:
-            "The passcode is asked on the terminal (twice), or read as one line from stdin with --passcode-stdin. It is never taken from the command line."
+            "The passcode is asked on the terminal (twice), or read as one line from stdin with --passcode-stdin. It " +
+                "is never taken from the command line."
     )
 
     @Argument(help: "The store directory to create (must be absent or empty).")
@@ -27,8 +28,9 @@ struct Init: ParsableCommand {
     var kdf: KDFStrength = .moderate
 
     @Option(
-        help:
-            "Content cipher: xaes256gcm (the default where the CPU has AES instructions), xchacha20poly1305 (the default elsewhere) or aes256gcm (at most 2^32 block writes per file key; for compatibility only)."
+        help: ArgumentHelp(
+            "Content cipher: xaes256gcm (the default where the CPU has AES instructions), xchacha20poly1305 (the " +
+                "default elsewhere) or aes256gcm (at most 2^32 block writes per file key; for compatibility only).")
     )
     var cipher: ContentCipher = .default
 

@@ -11,7 +11,8 @@ struct Mount: ParsableCommand {
     static let configuration = CommandConfiguration(
         abstract: "Mount a store. Returns once the mount is usable (or stays in the foreground with --foreground).",
         discussion:
-            "The mount starts in state beforeFirstUnlock: only class none files are readable until `keybagctl unlock`. Unmount with `fusermount3 -u MOUNTPOINT`; the daemon then exits."
+            "The mount starts in state beforeFirstUnlock: only class none files are readable until `keybagctl " +
+                "unlock`. Unmount with `fusermount3 -u MOUNTPOINT`; the daemon then exits."
     )
 
     @Argument(help: "The store directory.")
@@ -33,8 +34,10 @@ struct Mount: ParsableCommand {
     var grace: Double = 10
 
     @Option(
-        help:
-            "Policy file: one `PATTERN CLASS` per line; a directory created at a matching path (relative to the mount root, `*` within a name, leading `**/` for any depth) gets CLASS as its default. The last matching rule wins."
+        help: ArgumentHelp(
+            "Policy file: one `PATTERN CLASS` per line; a directory created at a matching path (relative to the " +
+                "mount root, `*` within a name, leading `**/` for any depth) gets CLASS as its default. The last " +
+                "matching rule wins.")
     )
     var policy: String?
 
@@ -47,8 +50,9 @@ struct Mount: ParsableCommand {
     var owner: String?
 
     @Option(
-        help:
-            "Hours locked (suspend included) after which class completeUntilFirstUserAuthentication goes too and the state returns to beforeFirstUnlock (iOS: 72). Default: never."
+        help: ArgumentHelp(
+            "Hours locked (suspend included) after which class completeUntilFirstUserAuthentication goes too and the " +
+                "state returns to beforeFirstUnlock (iOS: 72). Default: never.")
     )
     var inactivityRelock: Double?
 
@@ -56,8 +60,9 @@ struct Mount: ParsableCommand {
     var foreground = false
 
     @Flag(
-        help:
-            "Send every write to the daemon at once instead of through the kernel's write-back cache (slower; a full disk then fails the write() itself rather than the later fsync() or close())."
+        help: ArgumentHelp(
+            "Send every write to the daemon at once instead of through the kernel's write-back cache (slower; a full " +
+                "disk then fails the write() itself rather than the later fsync() or close()).")
     )
     var noWritebackCache = false
 
@@ -66,8 +71,9 @@ struct Mount: ParsableCommand {
 
     @Option(
         name: .customShort("o"),
-        help:
-            "FUSE mount options, comma separated (e.g. allow_other; suid,dev: set-ID programs and device files work, root only, as on ext4; without them the mount is nosuid,nodev)."
+        help: ArgumentHelp(
+            "FUSE mount options, comma separated (e.g. allow_other; suid,dev: set-ID programs and device files work, " +
+                "root only, as on ext4; without them the mount is nosuid,nodev).")
     )
     var options: [String] = []
 
@@ -79,7 +85,8 @@ struct Mount: ParsableCommand {
 
     /// keybagfs' own settings inside `-o` (fstab and mount.fuse3 pass everything there):
     /// `device-key=`, `socket=`, `default-class=`, `grace=`, `policy=`, `owner=`,
-    /// `inactivity-relock=`, `no-writeback-cache`, `threads=`, `acl`, `noacl`; mount(8)'s own words are dropped; the rest goes to FUSE.
+    /// `inactivity-relock=`, `no-writeback-cache`, `threads=`, `acl`, `noacl`; mount(8)'s own words are dropped;
+    /// the rest goes to FUSE.
     mutating func takeOwnOptions() throws {
         var fuse: [String] = []
         for o in options.flatMap({ $0.split(separator: ",").map(String.init) }) where !o.isEmpty {

@@ -10,7 +10,8 @@ import KeybagDaemon
 struct Recover: ParsableCommand {
     static let configuration = CommandConfiguration(
         abstract:
-            "Set a new passcode (and, if asked, a new device key) from the recovery key; the store must not be mounted.",
+            "Set a new passcode (and, if asked, a new device key) from the recovery key; the store must not be " +
+                "mounted.",
         discussion: """
         The recovery key is read from --recovery-key-file, or as the first line of stdin with --stdin \
         (the new passcode is then the second line), or asked on the terminal. No file is re-encrypted. \
@@ -70,7 +71,8 @@ struct Recover: ParsableCommand {
             }
             DeviceKeyFile.syncFolder(of: dkPath)
             print(
-                "recovered \(target.store): new passcode set; new device key \(dkPath) (the old one no longer opens the store)"
+                "recovered \(target.store): new passcode set; new device key \(dkPath) (the old one no longer opens " +
+                    "the store)"
             )
         } else {
             let dk: SecureKey
@@ -80,7 +82,8 @@ struct Recover: ParsableCommand {
             defer { dk.wipe() }
             do { try kb.unwrapDeviceKeySlot("D", deviceKey: dk).wipe() } catch {
                 throw KeybagError.invalid(
-                    "the device key \(dkPath) does not open this store; if the right one is lost, run again with --new-device-key"
+                    "the device key \(dkPath) does not open this store; if the right one is lost, run again with " +
+                        "--new-device-key"
                 )
             }
             _ = try? kb.authenticate(deviceKey: dk)
@@ -102,7 +105,8 @@ struct RecoveryKeyCommand: ParsableCommand {
         static let configuration = CommandConfiguration(
             abstract: "Make a new recovery key (the old one stops working); the store must not be mounted.",
             discussion:
-                "Needs the passcode (asked on the terminal, or one line of stdin with --passcode-stdin) and the device key. Also gives a recovery key to a store made without one."
+                "Needs the passcode (asked on the terminal, or one line of stdin with --passcode-stdin) and the " +
+                    "device key. Also gives a recovery key to a store made without one."
         )
 
         @OptionGroup var target: UnmountedStore

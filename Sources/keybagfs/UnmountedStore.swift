@@ -32,7 +32,8 @@ enum RecoveryKeyOutput {
                 && fsync(fd) == 0
             guard ok else { throw KeybagError.system("cannot write the recovery key file \(file)", errno) }
             print(
-                "recovery key: written to \(file)  (keep it offline; it opens the store without passcode and device key)"
+                "recovery key: written to \(file)  (keep it offline; it opens the store without passcode and device " +
+                    "key)"
             )
             return
         }
