@@ -533,19 +533,23 @@ struct MemoryScan {
             for off in stride(from: 0, through: s.count - 32, by: 32) {
                 let w = s.withUnsafeBytes { $0.loadUnaligned(fromByteOffset: off, as: UInt64.self) }
                 pieces[w, default: []].append((si, off))
-                let h = Int((w &* 0x9E37_79B9_7F4A_7C15) >> 44)
+                let h = PieceIndex.bit(w)
                 filter[h >> 6] |= 1 << UInt64(h & 63)
             }
         }
+        guard !secrets.isEmpty else { return }   // a scan for key pieces (`find`) only needs `memFD`
         var found: [String] = []
         (bytesScanned, regions) = forEachChunk(overlap: 31) { b, addr in
             guard b.count >= 32 else { return }
-            for j in 0...(b.count - 32) {
-                let w = b.loadUnaligned(fromByteOffset: j, as: UInt64.self)
-                let h = Int((w &* 0x9E37_79B9_7F4A_7C15) >> 44)
-                guard filter[h >> 6] & (1 << UInt64(h & 63)) != 0, let cands = pieces[w] else { continue }
-                for (si, off) in cands where memcmp(b.baseAddress! + j, secrets[si].withUnsafeBytes { $0.baseAddress! + off }, 32) == 0 {
-                    found.append("secret \(si) offset \(off) at 0x\(String(addr + j, radix: 16))")
+            filter.withUnsafeBufferPointer { filter in
+                for j in 0...(b.count - 32) {
+                    let w = b.loadUnaligned(fromByteOffset: j, as: UInt64.self)
+                    let h = PieceIndex.bit(w)
+                    guard filter[h >> 6] & (1 << UInt64(h & 63)) != 0, let cands = pieces[w] else { continue }
+                    for (si, off) in cands
+                    where memcmp(b.baseAddress! + j, secrets[si].withUnsafeBytes { $0.baseAddress! + off }, 32) == 0 {
+                        found.append("secret \(si) offset \(off) at 0x\(String(addr + j, radix: 16))")
+                    }
                 }
             }
         }
@@ -573,22 +577,40 @@ struct MemoryScan {
         return (total, readable)
     }
 
-    /// 16-byte pieces (label, bytes) by their first 8 bytes.
-    static func pieceIndex(_ pieces: [(String, [UInt8])]) -> [UInt64: [(String, [UInt8])]] {
+    /// 16-byte pieces (label, bytes) by their first 8 bytes, with a bit filter of those words.
+    struct PieceIndex {
         var byWord: [UInt64: [(String, [UInt8])]] = [:]
+        /// 2^20 bits keyed by a hash of the first 8 bytes: most offsets are ruled out by one
+        /// bit test instead of a dictionary lookup (the tests are built without optimisation).
+        var filter = [UInt64](repeating: 0, count: 1 << 14)
+
+        /// The filter bit of a word.
+        static func bit(_ w: UInt64) -> Int { Int((w &* 0x9E37_79B9_7F4A_7C15) >> 44) }
+    }
+
+    /// Indexes 16-byte pieces (label, bytes).
+    static func pieceIndex(_ pieces: [(String, [UInt8])]) -> PieceIndex {
+        var index = PieceIndex()
         for p in pieces where p.1.count == 16 {
-            byWord[p.1.withUnsafeBytes { $0.loadUnaligned(as: UInt64.self) }, default: []].append(p)
+            let w = p.1.withUnsafeBytes { $0.loadUnaligned(as: UInt64.self) }
+            index.byWord[w, default: []].append(p)
+            let h = PieceIndex.bit(w)
+            index.filter[h >> 6] |= 1 << UInt64(h & 63)
         }
-        return byWord
+        return index
     }
 
     /// The pieces of `index` found in `b`, each as "label at " + `place(offset)`.
-    static func matches(_ b: UnsafeRawBufferPointer, _ index: [UInt64: [(String, [UInt8])]], place: (Int) -> String) -> [String] {
+    static func matches(_ b: UnsafeRawBufferPointer, _ index: PieceIndex, place: (Int) -> String) -> [String] {
         guard b.count >= 16 else { return [] }
         var found: [String] = []
-        for j in 0...(b.count - 16) {
-            guard let cands = index[b.loadUnaligned(fromByteOffset: j, as: UInt64.self)] else { continue }
-            for (label, bytes) in cands where memcmp(b.baseAddress! + j, bytes, 16) == 0 { found.append("\(label) at \(place(j))") }
+        index.filter.withUnsafeBufferPointer { filter in
+            for j in 0...(b.count - 16) {
+                let w = b.loadUnaligned(fromByteOffset: j, as: UInt64.self)
+                let h = PieceIndex.bit(w)
+                guard filter[h >> 6] & (1 << UInt64(h & 63)) != 0, let cands = index.byWord[w] else { continue }
+                for (label, bytes) in cands where memcmp(b.baseAddress! + j, bytes, 16) == 0 { found.append("\(label) at \(place(j))") }
+            }
         }
         return found
     }
