@@ -230,13 +230,16 @@ public final class StoreCheck {
                 return nil
             }
         }
-        guard let plain = try? names.decrypt(encrypted, dirIV: meta.iv) else {
+        let shown = NameCipher.isLongName(backing)
+            ? (try? names.decrypt(encrypted, dirIV: meta.iv)).map { String(decoding: $0, as: UTF8.self) }
+            : try? names.shownName(ofShort: backing, dirIV: meta.iv)
+        guard let shown else {
             note(
                 "name", path, nil, "the name does not decrypt in this directory (moved or edited offline)",
                 "not-repairable")
             return nil
         }
-        return String(decoding: plain, as: UTF8.self)
+        return shown
     }
 
     /// A symlink: its target decrypts; a long target's file exists.

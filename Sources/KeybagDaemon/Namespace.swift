@@ -154,12 +154,26 @@ extension Filesystem {
 
     // MARK: names
 
-    /// The backing entry of a plaintext name in directory `dir`.
+    /// The backing entry of a plaintext name in directory `dir`: a sync engine's conflict
+    /// copy where `name` is the readable name of one that exists, else the name's own.
     func backingName(_ dir: Node, _ name: String) throws -> BackingEntry {
         try Self.checkName(name)
-        let enc = try names.encrypt(Array(name.utf8), dirIV: try meta(of: dir).iv)
+        let iv = try meta(of: dir).iv
+        if let copy = try conflictCopy(dir, readable: name, iv: iv) { return copy }
+        let enc = try names.encrypt(Array(name.utf8), dirIV: iv)
         let (b, side) = NameCipher.backingEntry(for: enc)
         return BackingEntry(name: b, sideFile: side, encrypted: enc)
+    }
+
+    /// The backing entry of the conflict copy the mount shows as `name`, if it is in `dir`
+    /// (see `ConflictCopy`; copies of hashed long names are not recognised).
+    private func conflictCopy(_ dir: Node, readable name: String, iv: [UInt8]) throws -> BackingEntry? {
+        guard let c = ConflictCopy.parse(readable: name) else { return nil }
+        let enc = try names.encrypt(Array(c.plain.utf8), dirIV: iv)
+        guard NameCipher.backingEntry(for: enc).sideFile == nil else { return nil }
+        let backing = ConflictCopy(original: enc, date: c.date, time: c.time, device: c.device).backing
+        guard faccessat(dir.fd, backing, F_OK, AT_SYMLINK_NOFOLLOW) == 0 else { return nil }
+        return BackingEntry(name: backing, sideFile: nil, encrypted: enc)
     }
 
     /// Makes sure a long name's side file exists before its entry; returns whether it was
@@ -178,21 +192,18 @@ extension Filesystem {
     /// Throws `corrupt` for an entry that does not decrypt.
     func plaintextName(dirFD: Int32, backing: String, iv: [UInt8]) throws -> String? {
         if Self.isReserved(backing) || NameCipher.isSideFile(backing) { return nil }
-        var encrypted = backing
-        if NameCipher.isLongName(backing) {
-            let fd = openat(dirFD, backing + NameCipher.longSuffix, O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
-            guard fd >= 0 else { throw KeybagError.corrupt("long name \(backing) has no side file") }
-            defer { close(fd) }
-            var buf = [UInt8](repeating: 0, count: 1024)
-            let n = Glibc.read(fd, &buf, buf.count)
-            guard n > 0 else { throw KeybagError.corrupt("side file of \(backing) is empty") }
-            encrypted = String(decoding: buf[0..<n], as: UTF8.self)
-            guard NameCipher.backingEntry(for: encrypted).name == backing else {
-                throw KeybagError.corrupt("side file of \(backing) does not match")
-            }
+        guard NameCipher.isLongName(backing) else { return try names.shownName(ofShort: backing, dirIV: iv) }
+        let fd = openat(dirFD, backing + NameCipher.longSuffix, O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
+        guard fd >= 0 else { throw KeybagError.corrupt("long name \(backing) has no side file") }
+        defer { close(fd) }
+        var buf = [UInt8](repeating: 0, count: 1024)
+        let n = Glibc.read(fd, &buf, buf.count)
+        guard n > 0 else { throw KeybagError.corrupt("side file of \(backing) is empty") }
+        let encrypted = String(decoding: buf[0..<n], as: UTF8.self)
+        guard NameCipher.backingEntry(for: encrypted).name == backing else {
+            throw KeybagError.corrupt("side file of \(backing) does not match")
         }
-        let name = try names.decrypt(encrypted, dirIV: iv)
-        return String(decoding: name, as: UTF8.self)
+        return String(decoding: try names.decrypt(encrypted, dirIV: iv), as: UTF8.self)
     }
 
     // MARK: namespace operations

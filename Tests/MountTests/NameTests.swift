@@ -150,6 +150,46 @@ final class NameTests: XCTestCase {
         XCTAssertTrue(log.contains("does not decrypt"), log)
     }
 
+    /// A sync engine (Syncthing) that finds a file changed on two devices keeps the losing
+    /// version as `NAME.sync-conflict-DATE-TIME-DEVICE`. Placed in the store under a live
+    /// mount, it shows next to the file under a readable name, both read, fsck is clean, and
+    /// the user resolves the conflict through the mount.
+    func testSyncConflictCopiesShowUnderReadableNamesAndBothRead() throws {
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        XCTAssertEqual(mkdir(m.path("docs"), 0o755), 0)
+        let theirs = bytes("the other device's version"), ours = bytes("this device's version, a little longer")
+        XCTAssertEqual(writeFile(m.path("docs/report.txt"), theirs), 0)
+        let fd = open(m.path("docs/report.txt"), O_RDONLY)
+        XCTAssertEqual(fsync(fd), 0)
+        close(fd)
+        let backing = m.backing("docs/report.txt")
+        let saved = m.root + "/theirs"
+        try FileManager.default.copyItem(atPath: backing, toPath: saved)
+        XCTAssertEqual(writeFile(m.path("docs/report.txt"), ours), 0)
+        XCTAssertEqual(rename(saved, backing + ".sync-conflict-20261125-101010-HOSTB27"), 0)
+        let shown = "report (conflict 2026-11-25 101010 HOSTB27).txt"
+        XCTAssertEqual(Set(try FileManager.default.contentsOfDirectory(atPath: m.path("docs"))), ["report.txt", shown])
+        XCTAssertEqual(try readFile(m.path("docs/report.txt")).get(), ours)
+        XCTAssertEqual(try readFile(m.path("docs/" + shown)).get(), theirs)
+        m.unmount()
+        let check = m.fsck()
+        XCTAssertEqual(check.code, 0, "\(check.out)")
+        XCTAssertEqual(check.problems.map(\.kind), [], "a conflict copy is not a damaged name")
+        try m.mount()
+        m.unlock()
+        XCTAssertEqual(try readFile(m.path("docs/" + shown)).get(), theirs, "after a restart too")
+        // Resolved by keeping the other device's version under the file's name.
+        XCTAssertEqual(rename(m.path("docs/" + shown), m.path("docs/report.txt")), 0)
+        XCTAssertEqual(try FileManager.default.contentsOfDirectory(atPath: m.path("docs")), ["report.txt"])
+        XCTAssertEqual(try readFile(m.path("docs/report.txt")).get(), theirs)
+        // A file really named like a conflict copy is just a file.
+        XCTAssertEqual(writeFile(m.path("docs/" + shown), ours), 0)
+        XCTAssertEqual(try readFile(m.path("docs/" + shown)).get(), ours)
+        XCTAssertEqual(Set(try FileManager.default.contentsOfDirectory(atPath: m.path("docs"))), ["report.txt", shown])
+    }
+
     func testCopyOfStoreWithoutXattrsRestoresEverything() throws {
         let m = try MountFixture()
         addTeardownBlock { m.close() }
