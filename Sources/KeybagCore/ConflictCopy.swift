@@ -16,7 +16,8 @@ public struct ConflictCopy: Equatable, Sendable {
     /// The short device id of the device whose version lost.
     public let device: String
 
-    static let marker = ".sync-conflict-"
+    /// What Syncthing puts between the name and the copy's date.
+    public static let marker = ".sync-conflict-"
 
     /// The conflict copy named by a backing entry; nil for any other entry.
     public init?(backing: String) {
@@ -41,9 +42,8 @@ public struct ConflictCopy: Equatable, Sendable {
     /// The name the mount shows for a copy of the file named `plain`.
     public func readableName(of plain: String) -> String {
         let (stem, ext) = Self.split(plain)
-        let d = Array(date)
-        return stem + " (conflict " + String(d[0..<4]) + "-" + String(d[4..<6]) + "-" + String(d[6..<8])
-            + " " + time + " " + device + ")" + ext
+        let day = date.prefix(4) + "-" + date.dropFirst(4).prefix(2) + "-" + date.dropFirst(6)
+        return stem + " (conflict " + day + " " + time + " " + device + ")" + ext
     }
 
     /// The plaintext name of the file and the copy's date, time and device, from a readable

@@ -166,14 +166,31 @@ extension Filesystem {
     }
 
     /// The backing entry of the conflict copy the mount shows as `name`, if it is in `dir`
-    /// (see `ConflictCopy`; copies of hashed long names are not recognised).
+    /// and no entry really has that name (which then wins, as in `listing`). Only the exact
+    /// readable name finds it. Copies of hashed long names are not recognised.
     private func conflictCopy(_ dir: Node, readable name: String, iv: [UInt8]) throws -> BackingEntry? {
         guard let c = ConflictCopy.parse(readable: name) else { return nil }
         let enc = try names.encrypt(Array(c.plain.utf8), dirIV: iv)
         guard NameCipher.backingEntry(for: enc).sideFile == nil else { return nil }
-        let backing = ConflictCopy(original: enc, date: c.date, time: c.time, device: c.device).backing
-        guard faccessat(dir.fd, backing, F_OK, AT_SYMLINK_NOFOLLOW) == 0 else { return nil }
-        return BackingEntry(name: backing, sideFile: nil, encrypted: enc)
+        let copy = ConflictCopy(original: enc, date: c.date, time: c.time, device: c.device)
+        guard copy.readableName(of: c.plain).utf8.elementsEqual(name.utf8),
+              faccessat(dir.fd, copy.backing, F_OK, AT_SYMLINK_NOFOLLOW) == 0 else { return nil }
+        let own = NameCipher.backingEntry(for: try names.encrypt(Array(name.utf8), dirIV: iv)).name
+        guard faccessat(dir.fd, own, F_OK, AT_SYMLINK_NOFOLLOW) != 0 else { return nil }
+        return BackingEntry(name: copy.backing, sideFile: nil, encrypted: enc)
+    }
+
+    /// Whether the entry `name` of `dirFD` may share its file id, and so its xattr set, with
+    /// another entry: it is a sync engine's conflict copy, or a copy of it is there. Removing
+    /// it then keeps the set (fsck reports the set as an orphan once no entry uses it).
+    func mayShareXattrSet(dirFD: Int32, name: String) -> Bool {
+        if ConflictCopy(backing: name) != nil { return true }
+        guard !NameCipher.isLongName(name) else { return false }
+        let dfd = openat(dirFD, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+        guard dfd >= 0 else { return true }
+        defer { close(dfd) }
+        let prefix = name + ConflictCopy.marker
+        return (try? backingEntries(dirFD: dfd))?.contains { $0.name.hasPrefix(prefix) } ?? true
     }
 
     /// Makes sure a long name's side file exists before its entry; returns whether it was
@@ -492,13 +509,20 @@ extension Filesystem {
         let upIno = n.id != 1 && fstatat(dfd, "..", &up, 0) == 0 ? UInt64(up.st_ino) : n.backingIno
         var entries = [DirHandle.Entry(name: ".", backing: ".", ino: n.backingIno, type: UInt8(DT_DIR)),
                        DirHandle.Entry(name: "..", backing: "..", ino: upIno, type: UInt8(DT_DIR))]
+        var copies: [DirHandle.Entry] = []
         for e in try backingEntries(dirFD: dfd) {
             do {
                 guard let name = try plaintextName(dirFD: dfd, backing: e.name, iv: iv) else { continue }
-                entries.append(.init(name: name, backing: e.name, ino: e.ino, type: e.type))
+                let entry = DirHandle.Entry(name: name, backing: e.name, ino: e.ino, type: e.type)
+                if ConflictCopy(backing: e.name) != nil { copies.append(entry) } else { entries.append(entry) }
             } catch {
                 MountDaemon.log("skipping a store entry that does not decrypt (\(e.name.prefix(24))…): \(error)")
             }
+        }
+        // A conflict copy whose readable name an entry really has stays hidden behind it.
+        if !copies.isEmpty {
+            let taken = Set(entries.map(\.name))
+            entries += copies.filter { !taken.contains($0.name) }
         }
         return entries
     }

@@ -76,12 +76,22 @@ extension Filesystem {
         if let n = table.node(dev: UInt64(st.st_dev), ino: UInt64(st.st_ino)) {
             let (open, header) = n.io.read { ($0.openCount, $0.header) }
             if open > 0 { return nil }
-            if let header { return Base64URL.encode(header.fileID) }
+            if let header {
+                let id = Base64URL.encode(header.fileID)
+                return keptForConflictCopies(id, dirFD: dirFD, name: name) ? nil : id
+            }
         }
         let fd = openat(dirFD, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
         guard fd >= 0 else { return nil }
         defer { close(fd) }
-        return (try? EncryptedContent.readHeader(fd: fd)).map { Base64URL.encode($0.fileID) }
+        guard let id = (try? EncryptedContent.readHeader(fd: fd)).map({ Base64URL.encode($0.fileID) }) else { return nil }
+        return keptForConflictCopies(id, dirFD: dirFD, name: name) ? nil : id
+    }
+
+    /// Whether the stored set `id` of entry `name` must stay because a conflict copy may
+    /// share it (looked for only when the set exists: a directory scan).
+    private func keptForConflictCopies(_ id: String, dirFD: Int32, name: String) -> Bool {
+        faccessat(xattrsFD, id, F_OK, 0) == 0 && mayShareXattrSet(dirFD: dirFD, name: name)
     }
 
     /// getxattr: an ACL where the kernel enforces them, the virtual `user.protection`, or a

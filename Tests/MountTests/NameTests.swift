@@ -161,6 +161,7 @@ final class NameTests: XCTestCase {
         XCTAssertEqual(mkdir(m.path("docs"), 0o755), 0)
         let theirs = bytes("the other device's version"), ours = bytes("this device's version, a little longer")
         XCTAssertEqual(writeFile(m.path("docs/report.txt"), theirs), 0)
+        XCTAssertEqual(setXattr(m.path("docs/report.txt"), "blue", "user.tag"), 0)
         let fd = open(m.path("docs/report.txt"), O_RDONLY)
         XCTAssertEqual(fsync(fd), 0)
         close(fd)
@@ -173,6 +174,9 @@ final class NameTests: XCTestCase {
         XCTAssertEqual(Set(try FileManager.default.contentsOfDirectory(atPath: m.path("docs"))), ["report.txt", shown])
         XCTAssertEqual(try readFile(m.path("docs/report.txt")).get(), ours)
         XCTAssertEqual(try readFile(m.path("docs/" + shown)).get(), theirs)
+        var st = stat()
+        XCTAssertEqual(stat(m.path("docs/report (conflict 2026-11-25  101010 HOSTB27).txt"), &st), -1,
+                       "only the exact readable name finds the copy")
         m.unmount()
         let check = m.fsck()
         XCTAssertEqual(check.code, 0, "\(check.out)")
@@ -180,14 +184,20 @@ final class NameTests: XCTestCase {
         try m.mount()
         m.unlock()
         XCTAssertEqual(try readFile(m.path("docs/" + shown)).get(), theirs, "after a restart too")
-        // Resolved by keeping the other device's version under the file's name.
+        // Resolved by keeping the other device's version under the file's name: the xattrs
+        // the two versions share stay.
         XCTAssertEqual(rename(m.path("docs/" + shown), m.path("docs/report.txt")), 0)
         XCTAssertEqual(try FileManager.default.contentsOfDirectory(atPath: m.path("docs")), ["report.txt"])
         XCTAssertEqual(try readFile(m.path("docs/report.txt")).get(), theirs)
-        // A file really named like a conflict copy is just a file.
+        XCTAssertEqual(try getXattr(m.path("docs/report.txt"), "user.tag").get(), "blue")
+        // A file really named like a conflict copy is a file of its own, and wins over a copy
+        // that would show under the same name.
         XCTAssertEqual(writeFile(m.path("docs/" + shown), ours), 0)
+        let docs = (backing as NSString).deletingLastPathComponent
+        XCTAssertFalse(try FileManager.default.contentsOfDirectory(atPath: docs).contains { $0.contains(".sync-conflict-") })
+        try FileManager.default.copyItem(atPath: m.backing("docs/report.txt"), toPath: backing + ".sync-conflict-20261125-101010-HOSTB27")
+        XCTAssertEqual(try FileManager.default.contentsOfDirectory(atPath: m.path("docs")).sorted(), [shown, "report.txt"].sorted())
         XCTAssertEqual(try readFile(m.path("docs/" + shown)).get(), ours)
-        XCTAssertEqual(Set(try FileManager.default.contentsOfDirectory(atPath: m.path("docs"))), ["report.txt", shown])
     }
 
     func testCopyOfStoreWithoutXattrsRestoresEverything() throws {
