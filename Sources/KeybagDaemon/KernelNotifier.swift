@@ -43,9 +43,6 @@ final class KernelNotifier: Sendable {
         session.store(UInt(bitPattern: Int(bitPattern: UnsafeRawPointer(se))), ordering: .releasing)
     }
 
-    /// Returns once the work queued so far has run.
-    func drain() { queue.sync {} }
-
     /// Messages go nowhere from now on; returns once queued work has run.
     func detach() {
         session.store(0, ordering: .releasing)
