@@ -36,53 +36,70 @@ public struct KeyAccess: Sendable, Equatable {
     public func canCreate(_ c: ProtectionClass) -> Bool { createMask & Self.bit(c) != 0 }
 }
 
-/// The class keys in memory, by class. Class D lives from mount to exit; C from the first
-/// unlock to exit; A and the class B private key from unlock to lock. The class B public
-/// key stays after the first unlock so class B files can be created while locked. A lock
-/// evicts in two steps (`beginEviction`, `finishEviction`) so dirty pages can still be
-/// written back with keys that nothing may read with any more.
+/// The class keys in memory, by class and key set. Class D lives from mount to exit; C from
+/// the first unlock to exit; A and the class B private key from unlock to lock. The class B
+/// public key stays after the first unlock so class B files can be created while locked. A
+/// lock evicts in two steps (`beginEviction`, `finishEviction`) so dirty pages can still be
+/// written back with keys that nothing may read with any more. New files are wrapped for the
+/// current key set; older sets only unwrap files written before a device's removal.
 public final class ClassKeyring: Sendable {
     private struct Keys {
-        var a: SecureKey?
-        var bSecret: SecureKey?
-        var bPublic: [UInt8]?
-        var c: SecureKey?
-        var d: SecureKey?
+        var a: [UInt8: SecureKey] = [:]
+        var bSecret: [UInt8: SecureKey] = [:]
+        var bPublic: [UInt8: [UInt8]] = [:]
+        var c: [UInt8: SecureKey] = [:]
+        var d: [UInt8: SecureKey] = [:]
+        /// The key set of new files.
+        var current: UInt8 = 0
         var epoch: UInt64 = 1
         var evicting = false
         /// Between `beginReturnToBeforeFirstUnlock` and `returnToBeforeFirstUnlock`: class B
         /// and C keys only write back dirty pages.
         var returning = false
 
-        /// The snapshot these keys allow.
+        /// The snapshot these keys allow (the current set's keys decide).
         var access: KeyAccess {
             var open: UInt8 = 0, create: UInt8 = 0
-            if d != nil { open |= KeyAccess.bit(.none); create |= KeyAccess.bit(.none) }
-            if c != nil && !returning {
+            let s = current
+            if d[s] != nil { open |= KeyAccess.bit(.none); create |= KeyAccess.bit(.none) }
+            if c[s] != nil && !returning {
                 open |= KeyAccess.bit(.completeUntilFirstUserAuthentication);
                 create |= KeyAccess.bit(.completeUntilFirstUserAuthentication)
             }
-            if bPublic != nil && !returning { create |= KeyAccess.bit(.completeUnlessOpen) }
+            if bPublic[s] != nil && !returning { create |= KeyAccess.bit(.completeUnlessOpen) }
             if !evicting {
-                if bSecret != nil && bPublic != nil { open |= KeyAccess.bit(.completeUnlessOpen) }
-                if a != nil { open |= KeyAccess.bit(.complete); create |= KeyAccess.bit(.complete) }
+                if bSecret[s] != nil && bPublic[s] != nil { open |= KeyAccess.bit(.completeUnlessOpen) }
+                if a[s] != nil { open |= KeyAccess.bit(.complete); create |= KeyAccess.bit(.complete) }
             }
             return KeyAccess(epoch: epoch, evicting: evicting, openMask: open, createMask: create)
+        }
+
+        /// Zeroes and drops every key of the given classes' maps.
+        static func wipe(_ maps: inout [UInt8: SecureKey]) {
+            for k in maps.values { k.wipe() }
+            maps.removeAll()
         }
     }
     private let keys: Locked<Keys>
     /// `keys.access` as one word, stored under `keys`' lock and read without it.
     private let published: Atomic<UInt64>
 
-    /// A keyring holding only class D (state `beforeFirstUnlock`).
-    public init(classD: SecureKey) {
-        let k = Keys(d: classD)
+    /// A keyring holding only class D of key set 0 (state `beforeFirstUnlock`).
+    public convenience init(classD: SecureKey) { self.init(classD: [0: classD], current: 0) }
+
+    /// A keyring holding only the class D keys of each key set (state `beforeFirstUnlock`);
+    /// new files use `current`.
+    public init(classD: [UInt8: SecureKey], current: UInt8) {
+        let k = Keys(d: classD, current: current)
         keys = Locked(k)
         published = Atomic(k.access.word)
     }
 
     /// What the keys allow right now.
     public var access: KeyAccess { KeyAccess(word: published.load(ordering: .acquiring)) }
+
+    /// The key set new files are wrapped for.
+    public var currentKeySet: UInt8 { keys.withLock { $0.current } }
 
     /// Runs `body` on the keys and publishes the access it leaves.
     private func update<R>(_ body: (inout Keys) -> R) -> R {
@@ -93,16 +110,22 @@ public final class ClassKeyring: Sendable {
         }
     }
 
-    /// Installs the keys of a successful unlock; keys already present are kept and the
-    /// duplicates wiped.
-    public func install(_ unlocked: UnlockedClassKeys) {
+    /// Installs the keys of a successful unlock (one entry per key set); keys already present
+    /// are kept and the duplicates wiped.
+    public func install(_ unlocked: [UnlockedClassKeys]) {
         update { k in
-            if k.a == nil { k.a = unlocked.classA } else { unlocked.classA.wipe() }
-            if k.bSecret == nil { k.bSecret = unlocked.classBSecret } else { unlocked.classBSecret.wipe() }
-            if k.c == nil { k.c = unlocked.classC } else { unlocked.classC.wipe() }
-            k.bPublic = unlocked.classBPublic
+            for u in unlocked {
+                let s = u.keySet
+                if k.a[s] == nil { k.a[s] = u.classA } else { u.classA.wipe() }
+                if k.bSecret[s] == nil { k.bSecret[s] = u.classBSecret } else { u.classBSecret.wipe() }
+                if k.c[s] == nil { k.c[s] = u.classC } else { u.classC.wipe() }
+                k.bPublic[s] = u.classBPublic
+            }
         }
     }
+
+    /// Installs the keys of one key set (see `install(_:)` for several).
+    public func install(_ unlocked: UnlockedClassKeys) { install([unlocked]) }
 
     /// Lock, step 1: a new epoch; class A and B can no longer be opened, read or (A) created,
     /// while their keys stay in memory for writing back dirty pages.
@@ -113,11 +136,11 @@ public final class ClassKeyring: Sendable {
         }
     }
 
-    /// Lock, step 2: zeroes and drops the class A key and the class B private key.
+    /// Lock, step 2: zeroes and drops the class A keys and the class B private keys.
     public func finishEviction() {
         update { k in
-            k.a?.wipe(); k.a = nil
-            k.bSecret?.wipe(); k.bSecret = nil
+            Keys.wipe(&k.a)
+            Keys.wipe(&k.bSecret)
             k.evicting = false
         }
     }
@@ -134,12 +157,14 @@ public final class ClassKeyring: Sendable {
     }
 
     /// Return to `beforeFirstUnlock`, step 2 (after step 1, which began the new epoch):
-    /// zeroes the class C key and the class B public key too; only class D stays. Open
-    /// class B and C handles stop working (`FileKeyLife.allows`).
+    /// zeroes the class C keys and drops the class B public keys too; only class D stays.
+    /// Open class B and C handles stop working (`FileKeyLife.allows`).
     public func returnToBeforeFirstUnlock() {
         update { k in
-            for key in [k.a, k.bSecret, k.c] { key?.wipe() }
-            k.a = nil; k.bSecret = nil; k.c = nil; k.bPublic = nil
+            Keys.wipe(&k.a)
+            Keys.wipe(&k.bSecret)
+            Keys.wipe(&k.c)
+            k.bPublic.removeAll()
             k.evicting = false
             k.returning = false
         }
@@ -148,40 +173,43 @@ public final class ClassKeyring: Sendable {
     /// Daemon exit: zeroes everything.
     public func wipeAll() {
         update { k in
-            for key in [k.a, k.bSecret, k.c, k.d] { key?.wipe() }
+            for var m in [k.a, k.bSecret, k.c, k.d] { Keys.wipe(&m) }
             let epoch = k.epoch &+ 1
             k = Keys()
             k.epoch = epoch
         }
     }
 
-    /// The key that can wrap a new file key for `cls` (public key suffices for class B), with
-    /// the epoch it was taken in; nil when the class cannot create now.
-    public func wrappingKey(for cls: ProtectionClass) -> (key: FileHeader.ClassKey, epoch: UInt64)? {
+    /// The key that can wrap a new file key for `cls` in the current key set (the public key
+    /// suffices for class B), with the epoch it was taken in and the set; nil when the class
+    /// cannot create now.
+    public func wrappingKey(for cls: ProtectionClass) -> (key: FileHeader.ClassKey, epoch: UInt64, keySet: UInt8)? {
         keys.withLock { k in
             guard k.access.canCreate(cls) else { return nil }
+            let s = k.current
             let key: FileHeader.ClassKey?
             switch cls {
-            case .complete: key = k.a.map { .symmetric($0) }
-            case .completeUnlessOpen: key = k.bPublic.map { .classBPublic($0) }
-            case .completeUntilFirstUserAuthentication: key = k.c.map { .symmetric($0) }
-            case .none: key = k.d.map { .symmetric($0) }
+            case .complete: key = k.a[s].map { .symmetric($0) }
+            case .completeUnlessOpen: key = k.bPublic[s].map { .classBPublic($0) }
+            case .completeUntilFirstUserAuthentication: key = k.c[s].map { .symmetric($0) }
+            case .none: key = k.d[s].map { .symmetric($0) }
             }
-            return key.map { ($0, k.epoch) }
+            return key.map { ($0, k.epoch, s) }
         }
     }
 
-    /// The key that can unwrap an existing file key of `cls`; nil when the class cannot open now.
-    public func unwrappingKey(for cls: ProtectionClass) -> FileHeader.ClassKey? {
+    /// The key that can unwrap an existing file key of `cls` in `keySet`; nil when the class
+    /// cannot open now or this device does not hold that set (written after its removal).
+    public func unwrappingKey(for cls: ProtectionClass, keySet s: UInt8 = 0) -> FileHeader.ClassKey? {
         keys.withLock { k in
             guard k.access.canOpen(cls) else { return nil }
             switch cls {
-            case .complete: return k.a.map { .symmetric($0) }
+            case .complete: return k.a[s].map { .symmetric($0) }
             case .completeUnlessOpen:
-                guard let s = k.bSecret, let p = k.bPublic else { return nil }
-                return .classBPrivate(s, p)
-            case .completeUntilFirstUserAuthentication: return k.c.map { .symmetric($0) }
-            case .none: return k.d.map { .symmetric($0) }
+                guard let sk = k.bSecret[s], let p = k.bPublic[s] else { return nil }
+                return .classBPrivate(sk, p)
+            case .completeUntilFirstUserAuthentication: return k.c[s].map { .symmetric($0) }
+            case .none: return k.d[s].map { .symmetric($0) }
             }
         }
     }

@@ -23,6 +23,9 @@ public struct FileHeader: Sendable, Equatable {
     /// Format flags (byte 10): `sealsEnd` for files whose last block is marked in its
     /// associated data; 0 for files written before that format.
     public var flags: UInt8
+    /// The store's key set whose class key wraps the file key (byte 11): 0 for the store's
+    /// first keys; each device removal starts a new set (`KeySets`).
+    public var keySet: UInt8 = 0
     /// Random 16-byte file id, bound into every content block.
     public var fileID: [UInt8]
     /// Ephemeral X25519 public key (class B), else zeros.
@@ -54,29 +57,34 @@ public struct FileHeader: Sendable, Equatable {
     private func wrapAD() -> [UInt8] {
         var ad = FileHeader.magic
         withUnsafeBytes(of: generation.littleEndian) { ad += $0 }
-        ad += [protectionClass.rawValue, cipher.rawValue, flags, 0]
+        ad += [protectionClass.rawValue, cipher.rawValue, flags, keySet]
         ad += fileID
         ad += ephemeralPublic
         return ad
     }
 
-    /// A header for a new file: `fileKey` wrapped for `cls`.
+    /// A header for a new file: `fileKey` wrapped for `cls` by that class's key of `keySet`.
     public static func create(
-        fileKey: SecureKey, class cls: ProtectionClass, cipher: ContentCipher, using classKey: ClassKey
+        fileKey: SecureKey, class cls: ProtectionClass, cipher: ContentCipher, using classKey: ClassKey,
+        keySet: UInt8 = 0
     ) throws -> FileHeader {
         var h = FileHeader(
-            generation: 1, protectionClass: cls, cipher: cipher, flags: FileHeader.sealsEnd,
+            generation: 1, protectionClass: cls, cipher: cipher, flags: FileHeader.sealsEnd, keySet: keySet,
             fileID: Sodium.randomArray(16),
             ephemeralPublic: [UInt8](repeating: 0, count: 32), wrappedKey: [], slot: 0)
         try h.wrap(fileKey, using: classKey)
         return h
     }
 
-    /// The same file moved to class `cls`, written to the other slot with the next generation.
-    public func rewrapped(fileKey: SecureKey, to cls: ProtectionClass, using classKey: ClassKey) throws -> FileHeader {
+    /// The same file moved to class `cls` (wrapped by that class's key of `keySet`), written to
+    /// the other slot with the next generation.
+    public func rewrapped(
+        fileKey: SecureKey, to cls: ProtectionClass, using classKey: ClassKey, keySet: UInt8 = 0
+    ) throws -> FileHeader {
         var h = self
         h.generation = generation &+ 1
         h.protectionClass = cls
+        h.keySet = keySet
         h.slot = 1 - slot
         h.ephemeralPublic = [UInt8](repeating: 0, count: 32)
         try h.wrap(fileKey, using: classKey)
@@ -128,18 +136,19 @@ public struct FileHeader: Sendable, Equatable {
     public var slotOffset: Int { slot * FileHeader.slotSize }
 
     /// Parses one slot; nil when it is empty, torn or not a header. Every byte counts: the
-    /// flags and the zero bytes (11, 148..<160) must hold what this version writes.
+    /// flags and the zero bytes (148..<160) must hold what this version writes.
     static func parseSlot(_ b: ArraySlice<UInt8>, index: Int) -> FileHeader? {
         let s = Array(b)
         guard s.count == slotSize, Array(s[0..<4]) == magic else { return nil }
         var sum = [UInt8](repeating: 0, count: 16)
         crypto_generichash(&sum, 16, s, UInt64(bodySize), nil, 0)
         guard sodium_memcmp(sum, Array(s[bodySize..<(bodySize + 16)]), 16) == 0 else { return nil }
-        guard s[10] & ~knownFlags == 0, s[11] == 0, s[(bodySize + 16)...].allSatisfy({ $0 == 0 }) else { return nil }
+        guard s[10] & ~knownFlags == 0, s[(bodySize + 16)...].allSatisfy({ $0 == 0 }) else { return nil }
         let gen = UInt32(s[4]) | UInt32(s[5]) << 8 | UInt32(s[6]) << 16 | UInt32(s[7]) << 24
         guard let cls = ProtectionClass(rawValue: s[8]), let cipher = ContentCipher(rawValue: s[9]) else { return nil }
         return FileHeader(
-            generation: gen, protectionClass: cls, cipher: cipher, flags: s[10], fileID: Array(s[12..<28]),
+            generation: gen, protectionClass: cls, cipher: cipher, flags: s[10], keySet: s[11],
+            fileID: Array(s[12..<28]),
             ephemeralPublic: Array(s[28..<60]), wrappedKey: Array(s[60..<132]), slot: index)
     }
 

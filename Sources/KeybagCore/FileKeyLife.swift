@@ -70,7 +70,9 @@ public struct FileKeyLife: Sendable {
         if let k = readyKey(for: use, access) { return k }
         guard let h = header else { throw KeybagError.corrupt("file header not loaded") }
         dropKey()
-        guard access.canOpen(h.protectionClass), let classKey = keyring.unwrappingKey(for: h.protectionClass) else {
+        guard access.canOpen(h.protectionClass),
+            let classKey = keyring.unwrappingKey(for: h.protectionClass, keySet: h.keySet)
+        else {
             throw KeybagError.keyUnavailable
         }
         guard h.cipher.sharesLayout(with: cipher) else {
@@ -167,8 +169,8 @@ public struct FileKeyLife: Sendable {
         guard h.protectionClass != cls else { return }
         guard keyring.access.canOpen(h.protectionClass) else { throw KeybagError.keyUnavailable }
         let k = try key(for: .read, keyring: keyring, cipher: cipher)
-        guard let (wrapKey, epoch) = keyring.wrappingKey(for: cls) else { throw KeybagError.keyUnavailable }
-        let next = try h.rewrapped(fileKey: k.key, to: cls, using: wrapKey)
+        guard let (wrapKey, epoch, keySet) = keyring.wrappingKey(for: cls) else { throw KeybagError.keyUnavailable }
+        let next = try h.rewrapped(fileKey: k.key, to: cls, using: wrapKey, keySet: keySet)
         try persist(next)
         header = next
         keyEpoch = epoch

@@ -59,6 +59,18 @@ public struct KeybagFile: Codable, Sendable, Equatable {
     public var recoveryFailedAttempts: Int? = nil
     /// Unix time before which no recovery is attempted (absent: none).
     public var recoveryLockoutUntil: Double? = nil
+    /// Format 3: the key set new files are wrapped for (absent: 0, the store's first keys).
+    /// Each device removal adds a set; slots of set N ≥ 1 are named `A.N`, `B.N`, `C.N`, `D.N`.
+    public var keySet: Int? = nil
+    /// Class B public keys of key sets 1 and up, by set number (base64).
+    public var classBPublics: [String: String]? = nil
+    /// The recovery key's X25519 public key (base64): key sets made after the recovery key
+    /// are sealed to it (`rA.N`…), so a device removal needs no recovery key at hand.
+    public var escrowPublic: String? = nil
+    /// The device this keybag belongs to (`DeviceIdentity`); absent before devices existed.
+    public var deviceID: String? = nil
+    /// A name for people (`keybagfs device list`), not authenticated.
+    public var deviceName: String? = nil
 }
 
 /// Delay policy after failed unlocks: none for the first four, then 1, 5, 15, 15 minutes,
@@ -76,7 +88,7 @@ public enum UnlockThrottle {
     }
 }
 
-/// The unwrapped class keys of a successful unlock.
+/// The unwrapped class keys of one key set, from a successful unlock.
 public struct UnlockedClassKeys: Sendable {
     /// Class A key.
     public let classA: SecureKey
@@ -86,6 +98,8 @@ public struct UnlockedClassKeys: Sendable {
     public let classBPublic: [UInt8]
     /// Class C key.
     public let classC: SecureKey
+    /// The key set these keys belong to.
+    public var keySet: UInt8 = 0
 
     /// Zeroes all three secrets.
     public func wipe() { classA.wipe(); classBSecret.wipe(); classC.wipe() }
@@ -105,10 +119,15 @@ public struct Keybag: Sendable {
 
     /// Path of the store.
     public let storePath: String
+    /// The keybag file's path inside the store: `keybag` (the device that made the store) or
+    /// `devices/ID.keybag`.
+    public let relativePath: String
     /// The parsed file.
     public internal(set) var file: KeybagFile
     /// The key that authenticates the failed-attempt counter (from the device key), once known.
     var counterKey: SecureKey?
+    /// The first device's keybag learnt its device id on load; `authenticate` saves it.
+    var pendingDeviceID = false
     /// Current keybag format: 2 (counter MAC; device-only slots wrapped with the v2 AD).
     public static let currentFormat = 2
     /// Most Argon2id passes and memory a keybag may ask for (hostile values would stall or kill the daemon).
@@ -117,8 +136,9 @@ public struct Keybag: Sendable {
     /// Most failures in a row a keybag may record.
     public static let maxFailedAttempts = 1_000_000
 
-    init(storePath: String, file: KeybagFile, counterKey: SecureKey? = nil) {
+    init(storePath: String, file: KeybagFile, counterKey: SecureKey? = nil, relativePath: String = Keybag.fileName) {
         self.storePath = storePath
+        self.relativePath = relativePath
         self.file = file
         self.counterKey = counterKey
     }
@@ -126,13 +146,21 @@ public struct Keybag: Sendable {
     /// The store's content cipher.
     public var cipher: ContentCipher { ContentCipher(name: file.cipher) ?? .xchacha20poly1305 }
     /// Path of the keybag file.
-    public var path: String { storePath + "/" + Keybag.fileName }
+    public var path: String { storePath + "/" + relativePath }
+    /// The key set new files are wrapped for.
+    public var currentKeySet: Int { file.keySet ?? 0 }
+    /// The keybag format that marks key sets (an older daemon refuses such a keybag).
+    public static let keySetsFormat = 3
+
+    /// Name of `base`'s slot in key set `set` (`A`, `A.1`, …).
+    public static func slot(_ base: String, _ set: Int) -> String { set == 0 ? base : "\(base).\(set)" }
 
     /// Associated data of a wrapped slot. Format 2 wraps the device-only slots (`D`,
     /// `volume`) under a v2 tag, so a format-2 keybag edited to claim format 1 (to drop the
     /// counter MAC) no longer opens with the device key.
     static func ad(_ storeID: String, _ slot: String, format: Int = 1) -> [UInt8] {
-        let v = format >= 2 && (slot == "D" || slot == "volume") ? "v2" : "v1"
+        let deviceOnly = slot == "volume" || slot == "D" || slot.hasPrefix("D.")
+        let v = format >= 2 && deviceOnly ? "v2" : "v1"
         return Array("keybagfs-keybag-\(v)|\(storeID)|\(slot)".utf8)
     }
 
@@ -160,8 +188,14 @@ public struct Keybag: Sendable {
     }
 
     /// The MAC of the cipher name of `f`.
+    /// Besides the cipher it covers the key set of new files and the recovery key's public
+    /// key once they exist (keybags without them keep the message they were written with).
     static func cipherMAC(_ f: KeybagFile, key: SecureKey) throws -> String {
-        let msg = Array("keybagfs-cipher-v1|\(f.storeID)|\(f.cipher)".utf8)
+        var text = "keybagfs-cipher-v1|\(f.storeID)|\(f.cipher)"
+        if (f.keySet ?? 0) > 0 || f.escrowPublic != nil {
+            text += "|set=\(f.keySet ?? 0)|escrow=\(f.escrowPublic ?? "")"
+        }
+        let msg = Array(text.utf8)
         var mac = [UInt8](repeating: 0, count: 32)
         try key.withBytes { k in
             _ = crypto_generichash(
@@ -218,13 +252,16 @@ public struct Keybag: Sendable {
     /// With `recovery`, the five keys are also wrapped for that recovery key.
     public static func create(
         storePath: String, storeID: String, passcode: SecureKey, deviceKey: SecureKey, strength: KDFStrength,
-        cipher: ContentCipher = .default, format: Int = Keybag.currentFormat, recovery: RecoveryKey? = nil
+        cipher: ContentCipher = .default, format: Int = Keybag.currentFormat, recovery: RecoveryKey? = nil,
+        deviceName: String? = nil
     ) throws -> Keybag {
         var file = KeybagFile(
             format: format, storeID: storeID, cipher: cipher.name, kdfOpsLimit: strength.opsLimit,
             kdfMemLimit: strength.memLimit,
             kdfSalt: Data(Sodium.randomArray(Int(crypto_pwhash_SALTBYTES))).base64EncodedString(),
             wrapped: [:], classBPublic: "", failedAttempts: 0, lockoutUntil: 0, counterMAC: nil)
+        file.deviceID = try DeviceIdentity.id(deviceKey: deviceKey, storeID: storeID)
+        file.deviceName = deviceName
         let kek = try passcodeKey(passcode: passcode, file: file, deviceKey: deviceKey)
         defer { kek.wipe() }
         let dwk = try deviceWrapKey(deviceKey)
@@ -248,29 +285,14 @@ public struct Keybag: Sendable {
         return kb
     }
 
-    /// Reads the keybag of a store.
-    public static func load(storePath: String, now: Double = Date().timeIntervalSince1970) throws -> Keybag {
-        let p = storePath + "/" + fileName
-        guard let data = FileManager.default.contents(atPath: p) else {
-            throw KeybagError.invalid("no keybag at \(p): not a keybagfs store (run `keybagfs init` first)")
-        }
-        do {
-            var file = try JSONDecoder().decode(KeybagFile.self, from: data)
-            try validate(&file, now: now)
-            return Keybag(storePath: storePath, file: file)
-        } catch let e as KeybagError {
-            throw e
-        } catch {
-            throw KeybagError.corrupt("keybag \(p) is not valid JSON")
-        }
-    }
-
     /// Checks every field a hostile keybag could use against the daemon: each bad value is a
     /// `corrupt` error naming the field, never a trap. A lockout further away than the
     /// longest delay stays as stored (its MAC covers it); `retryAfter` cuts the wait.
     static func validate(_ f: inout KeybagFile, now: Double = Date().timeIntervalSince1970) throws {
         func bad(_ field: String, _ why: String) -> KeybagError { .corrupt("keybag field \(field): \(why)") }
-        guard f.format == 1 || f.format == 2 else { throw bad("format", "unknown format \(f.format)") }
+        guard (1...keySetsFormat).contains(f.format) else {
+            throw bad("format", "unknown format \(f.format) (written by a newer keybagfs?)")
+        }
         guard f.storeID.utf8.count == 32,
             f.storeID.utf8.allSatisfy({ (0x30...0x39).contains($0) || (0x61...0x66).contains($0) })
         else {
@@ -296,6 +318,7 @@ public struct Keybag: Sendable {
         guard let pk = Data(base64Encoded: f.classBPublic), pk.count == 32 else {
             throw bad("classBPublic", "not a public key")
         }
+        try validateKeySets(f)
         guard f.failedAttempts >= 0, f.failedAttempts <= maxFailedAttempts else {
             throw bad("failedAttempts", "out of range")
         }
@@ -359,7 +382,7 @@ public struct Keybag: Sendable {
             file.cipherMAC = try Keybag.cipherMAC(file, key: key)   // keybags written before the MAC
             try saveWithoutCounter()
         case true?:
-            break
+            if pendingDeviceID { try saveWithoutCounter(); pendingDeviceID = false }
         }
         let expected = [UInt8](Data(base64Encoded: try Keybag.counterMAC(file, key: key)) ?? Data())
         if let stored = file.counterMAC.flatMap({ Data(base64Encoded: $0) }).map([UInt8].init),
@@ -420,7 +443,11 @@ public struct Keybag: Sendable {
         }
         let enc = JSONEncoder()
         enc.outputFormatting = [.prettyPrinted, .sortedKeys]
-        let data = try enc.encode(file)
+        try Keybag.writeAtomically(try enc.encode(file), to: path)
+    }
+
+    /// Writes `data` to `path` atomically: temp file, fsync, rename, fsync of the folder.
+    static func writeAtomically(_ data: Data, to path: String) throws {
         // The temporary is always a new file of our own: a stale one (or a symlink planted in
         // its place) is removed first, and O_EXCL|O_NOFOLLOW never writes through a link
         // that appears in between (the daemon runs as root).
@@ -441,8 +468,7 @@ public struct Keybag: Sendable {
         close(fd)
         guard ok else { unlink(tmp); throw KeybagError.system("cannot write \(tmp)", err) }
         guard rename(tmp, path) == 0 else { throw KeybagError.system("cannot replace \(path)", errno) }
-        let dfd = open(storePath, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
-        if dfd >= 0 { fsync(dfd); close(dfd) }
+        DeviceKeyFile.syncFolder(of: path)
     }
 
     func blob(_ slot: String) throws -> [UInt8] {
@@ -463,33 +489,65 @@ public struct Keybag: Sendable {
         }
     }
 
-    /// Unwraps A, B and C with a passcode; `badPasscode` when it is wrong. Does not count attempts.
+    /// Unwraps A, B and C of key set 0 with a passcode; `badPasscode` when it is wrong. Does
+    /// not count attempts.
     public func unlock(passcode: SecureKey, deviceKey: SecureKey) throws -> UnlockedClassKeys {
+        let sets = try unlockAll(passcode: passcode, deviceKey: deviceKey)
+        for s in sets.dropFirst() { s.wipe() }
+        return sets[0]
+    }
+
+    /// Unwraps A, B and C of every key set with a passcode, oldest first; `badPasscode` when
+    /// it is wrong. Does not count attempts.
+    public func unlockAll(passcode: SecureKey, deviceKey: SecureKey) throws -> [UnlockedClassKeys] {
         let kek = try Keybag.passcodeKey(passcode: passcode, file: file, deviceKey: deviceKey)
         defer { kek.wipe() }
+        var sets: [UnlockedClassKeys] = []
         do {
-            let a = try KeyWrap.unwrap(try blob("A"), with: kek, ad: Keybag.ad(file.storeID, "A"))
-            let b = try KeyWrap.unwrap(try blob("B"), with: kek, ad: Keybag.ad(file.storeID, "B"))
-            let c = try KeyWrap.unwrap(try blob("C"), with: kek, ad: Keybag.ad(file.storeID, "C"))
-            let pk = try ClassBAgreement.publicKey(of: b)
-            return UnlockedClassKeys(classA: a, classBSecret: b, classBPublic: pk, classC: c)
+            for n in 0...currentKeySet {
+                func take(_ base: String) throws -> SecureKey {
+                    let slot = Keybag.slot(base, n)
+                    return try KeyWrap.unwrap(try blob(slot), with: kek, ad: Keybag.ad(file.storeID, slot))
+                }
+                let a = try take("A")
+                let b: SecureKey, c: SecureKey
+                do { b = try take("B") } catch { a.wipe(); throw error }
+                do { c = try take("C") } catch { a.wipe(); b.wipe(); throw error }
+                let pk: [UInt8]
+                do { pk = try ClassBAgreement.publicKey(of: b) } catch { a.wipe(); b.wipe(); c.wipe(); throw error }
+                sets.append(
+                    UnlockedClassKeys(classA: a, classBSecret: b, classBPublic: pk, classC: c, keySet: UInt8(n)))
+            }
+            return sets
         } catch KeybagError.corrupt {
+            for s in sets { s.wipe() }
             throw KeybagError.badPasscode
         }
     }
 
-    /// Rewraps A, B and C under a new passcode (new salt); no file data changes.
+    /// The class D key of every key set (the device key alone opens them).
+    public func classDKeys(deviceKey: SecureKey) throws -> [UInt8: SecureKey] {
+        var keys: [UInt8: SecureKey] = [:]
+        do {
+            for n in 0...currentKeySet {
+                keys[UInt8(n)] = try unwrapDeviceKeySlot(Keybag.slot("D", n), deviceKey: deviceKey)
+            }
+        } catch {
+            for k in keys.values { k.wipe() }
+            throw error
+        }
+        return keys
+    }
+
+    /// Rewraps A, B and C of every key set under a new passcode (new salt); no file data changes.
     public mutating func changePasscode(old: SecureKey, new: SecureKey, deviceKey: SecureKey) throws {
-        let keys = try unlock(passcode: old, deviceKey: deviceKey)
-        defer { keys.wipe() }
+        let sets = try unlockAll(passcode: old, deviceKey: deviceKey)
+        defer { for s in sets { s.wipe() } }
         var next = file
         next.kdfSalt = Data(Sodium.randomArray(Int(crypto_pwhash_SALTBYTES))).base64EncodedString()
         let kek = try Keybag.passcodeKey(passcode: new, file: next, deviceKey: deviceKey)
         defer { kek.wipe() }
-        for (slot, key) in [("A", keys.classA), ("B", keys.classBSecret), ("C", keys.classC)] {
-            next.wrapped[slot] = Data(try KeyWrap.wrap(key, with: kek, ad: Keybag.ad(file.storeID, slot)))
-                .base64EncodedString()
-        }
+        try Keybag.wrapPasscodeSlots(sets, into: &next, passcodeKey: kek)
         next.failedAttempts = 0
         next.lockoutUntil = 0
         file = next

@@ -66,6 +66,21 @@ public enum PasscodeInput {
         return try prompt(text)
     }
 
+    /// A new passcode: one line of stdin with `fromStdin`, else prompted twice; `invalid`
+    /// with `mismatch` when the two differ.
+    public static func readNew(fromStdin: Bool, prompt text: String, mismatch: String) throws -> SecureKey {
+        let passcode = try read(fromStdin: fromStdin, prompt: text)
+        guard !fromStdin else { return passcode }
+        let again: SecureKey
+        do { again = try prompt("Repeat passcode: ") } catch { passcode.wipe(); throw error }
+        defer { again.wipe() }
+        guard equal(passcode, again) else {
+            passcode.wipe()
+            throw KeybagError.invalid(mismatch)
+        }
+        return passcode
+    }
+
     /// Whether two secrets are equal (constant time).
     public static func equal(_ a: SecureKey, _ b: SecureKey) -> Bool {
         guard a.count == b.count else { return false }

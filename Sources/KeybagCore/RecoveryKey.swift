@@ -121,6 +121,20 @@ public struct RecoveryKey: Sendable {
         }
     }
 
+    /// The X25519 secret that opens escrow slots sealed to `escrowPublic(storeID:)`.
+    func escrowSecret(storeID: String) throws -> SecureKey {
+        try secret.withBytes { k in
+            KeyWrap.keyedHash(key: k, parts: [Array("keybagfs-escrow-x25519-v1".utf8), Array(storeID.utf8)])
+        }
+    }
+
+    /// The public key key sets are sealed to when the recovery key is not at hand.
+    public func escrowPublic(storeID: String) throws -> [UInt8] {
+        let s = try escrowSecret(storeID: storeID)
+        defer { s.wipe() }
+        return try ClassBAgreement.publicKey(of: s)
+    }
+
     /// Zeroes the secret.
     public func wipe() { secret.wipe() }
 }
@@ -134,10 +148,19 @@ extension Keybag {
         Array("keybagfs-escrow-v1|\(storeID)|\(slot)".utf8)
     }
 
+    /// The tag that binds a sealed escrow slot to its name and store (inside the box).
+    static func sealedEscrowTag(_ storeID: String, _ slot: String) -> [UInt8] {
+        var tag = [UInt8](repeating: 0, count: 16)
+        let msg = escrowAD(storeID, slot)
+        crypto_generichash(&tag, 16, msg, UInt64(msg.count), nil, 0)
+        return tag
+    }
+
     /// Whether the store has a recovery key.
     public var hasRecoveryKey: Bool { file.wrapped["rA"] != nil }
 
-    /// Wraps `keys` (slot name → key) for the recovery key into `f`.
+    /// Wraps `keys` (slot name → key) for the recovery key into `f`, and names its public
+    /// key, so later key sets can be sealed to it.
     static func writeEscrow(_ f: inout KeybagFile, keys: [(String, SecureKey)], recovery: RecoveryKey) throws {
         let rwk = try recovery.wrapKey(storeID: f.storeID)
         defer { rwk.wipe() }
@@ -145,6 +168,95 @@ extension Keybag {
             f.wrapped["r" + slot] = Data(try KeyWrap.wrap(key, with: rwk, ad: escrowAD(f.storeID, slot)))
                 .base64EncodedString()
         }
+        f.escrowPublic = Data(try recovery.escrowPublic(storeID: f.storeID)).base64EncodedString()
+    }
+
+    /// Seals `entries` to the recovery key's public key (`crypto_box_seal` of tag ‖ key): a
+    /// device removal escrows its new key set without the recovery key at hand.
+    static func sealEscrow(_ f: inout KeybagFile, entries: [(String, SecureKey)]) throws {
+        guard let pk = f.escrowPublic.flatMap({ Data(base64Encoded: $0) }).map([UInt8].init), pk.count == 32 else {
+            throw KeybagError.corrupt("keybag field escrowPublic missing")
+        }
+        for (slot, key) in entries {
+            let message = SecureKey(zeroed: 48)
+            defer { message.wipe() }
+            var out = [UInt8](repeating: 0, count: sealedEscrowSize)
+            let rc = try message.withBytes { m in
+                let mp = UnsafeMutableRawPointer(mutating: m.baseAddress!)
+                sealedEscrowTag(f.storeID, slot).withUnsafeBytes { mp.copyMemory(from: $0.baseAddress!, byteCount: 16) }
+                try key.withBytes { (mp + 16).copyMemory(from: $0.baseAddress!, byteCount: 32) }
+                return crypto_box_seal(&out, m.baseAddress!.assumingMemoryBound(to: UInt8.self), 48, pk)
+            }
+            guard rc == 0 else { throw KeybagError.corrupt("cannot seal a recovery slot") }
+            f.wrapped["r" + slot] = Data(out).base64EncodedString()
+        }
+    }
+
+    /// Opens escrow slot `slot` with the recovery key: wrapped under its wrap key, or sealed
+    /// to its public key. `corrupt` when it does not open (a wrong key or a damaged slot).
+    func openEscrow(_ slot: String, rwk: SecureKey, escrowSecret: SecureKey) throws -> SecureKey {
+        let b = try blob("r" + slot)
+        if b.count != Keybag.sealedEscrowSize {
+            return try KeyWrap.unwrap(b, with: rwk, ad: Keybag.escrowAD(file.storeID, slot))
+        }
+        let pk = try ClassBAgreement.publicKey(of: escrowSecret)
+        let message = SecureKey(zeroed: 48)
+        defer { message.wipe() }
+        let rc = try message.withBytes { m in
+            try escrowSecret.withBytes { sk in
+                crypto_box_seal_open(
+                    UnsafeMutablePointer(mutating: m.baseAddress!.assumingMemoryBound(to: UInt8.self)), b,
+                    UInt64(b.count), pk, sk.baseAddress!.assumingMemoryBound(to: UInt8.self))
+            }
+        }
+        let tag = Keybag.sealedEscrowTag(file.storeID, slot)
+        guard rc == 0, try message.withBytes({ sodium_memcmp($0.baseAddress!, tag, 16) }) == 0 else {
+            throw KeybagError.corrupt("recovery slot \(slot) does not open")
+        }
+        return try message.withBytes { m in
+            SecureKey(count: 32) { $0.copyMemory(from: UnsafeRawBufferPointer(rebasing: m[16..<48])) }
+        }
+    }
+
+    /// Every key of the store from its escrow slots; `badRecoveryKey` when the key is wrong,
+    /// `corrupt` when the slots do not match this keybag (planted, swapped or damaged).
+    public func escrowedKeys(recovery: RecoveryKey) throws -> StoreKeys {
+        let rwk = try recovery.wrapKey(storeID: file.storeID)
+        defer { rwk.wipe() }
+        let esk = try recovery.escrowSecret(storeID: file.storeID)
+        defer { esk.wipe() }
+        var taken: [String: SecureKey] = [:]
+        defer { taken.values.forEach { $0.wipe() } }
+        do {
+            taken["volume"] = try openEscrow("volume", rwk: rwk, escrowSecret: esk)
+        } catch KeybagError.corrupt { throw KeybagError.badRecoveryKey }
+        for n in 0...currentKeySet {
+            for base in ["A", "B", "C", "D"] {
+                let slot = Keybag.slot(base, n)
+                guard file.wrapped["r" + slot] != nil else {
+                    throw KeybagError.corrupt(
+                        "the recovery key does not cover key set \(n) (made before it); nothing was changed")
+                }
+                taken[slot] = try openEscrow(slot, rwk: rwk, escrowSecret: esk)
+            }
+        }
+        // Escrow slots planted or swapped: each escrowed class B key must be the one whose
+        // public key the keybag names. (Damage, not a guess: not counted.)
+        var sets: [UnlockedClassKeys] = [], classD: [SecureKey] = []
+        for n in 0...currentKeySet {
+            let pk = try ClassBAgreement.publicKey(of: taken[Keybag.slot("B", n)]!)
+            let named = n == 0 ? file.classBPublic : file.classBPublics?[String(n)] ?? ""
+            guard Data(base64Encoded: named).map([UInt8].init) == pk else {
+                throw KeybagError.corrupt(
+                    "the recovery slots do not match this keybag (damaged or replaced); nothing was changed")
+            }
+            sets.append(UnlockedClassKeys(
+                classA: taken.removeValue(forKey: Keybag.slot("A", n))!,
+                classBSecret: taken.removeValue(forKey: Keybag.slot("B", n))!, classBPublic: pk,
+                classC: taken.removeValue(forKey: Keybag.slot("C", n))!, keySet: UInt8(n)))
+            classD.append(taken.removeValue(forKey: Keybag.slot("D", n))!)
+        }
+        return StoreKeys(sets: sets, classD: classD, volume: taken.removeValue(forKey: "volume")!)
     }
 
     /// Seconds until the next recovery attempt is allowed.
@@ -154,24 +266,20 @@ extension Keybag {
 
     /// Sets a new passcode and binds the store to `deviceKey` (the old one, or a new one
     /// when it was lost), from the recovery key. The class keys stay, so no file changes.
-    /// A wrong key is counted and throttled like a passcode.
+    /// A wrong key is counted and throttled like a passcode. The escrow slots are read from
+    /// `escrowFrom` when given (the keybag with the newest key set: a device that missed a
+    /// removal takes up the new set this way).
     public mutating func recover(with recovery: RecoveryKey, newPasscode: SecureKey, deviceKey: SecureKey,
-                                 now: Double = Date().timeIntervalSince1970) throws {
+                                 escrowFrom: Keybag? = nil, now: Double = Date().timeIntervalSince1970) throws {
         guard hasRecoveryKey else {
             throw KeybagError.invalid(
                 "this store has no recovery key (it was made before recovery keys, or with --no-recovery-key)")
         }
         let wait = recoveryRetryAfter(now: now)
         guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
-        let rwk = try recovery.wrapKey(storeID: file.storeID)
-        defer { rwk.wipe() }
-        var keys: [String: SecureKey] = [:]
-        defer { keys.values.forEach { $0.wipe() } }
-        do {
-            for slot in Self.escrowedSlots {
-                keys[slot] = try KeyWrap.unwrap(try blob("r" + slot), with: rwk, ad: Self.escrowAD(file.storeID, slot))
-            }
-        } catch KeybagError.corrupt {
+        let keys: StoreKeys
+        let source = escrowFrom.flatMap { $0.currentKeySet > currentKeySet ? $0 : nil } ?? self
+        do { keys = try source.escrowedKeys(recovery: recovery) } catch KeybagError.badRecoveryKey {
             var failed = file
             failed.recoveryFailedAttempts = (failed.recoveryFailedAttempts ?? 0) + 1
             let d = UnlockThrottle.delay(afterFailures: failed.recoveryFailedAttempts!)
@@ -180,42 +288,33 @@ extension Keybag {
             if counterKey != nil { try save() } else { try saveWithoutCounter() }
             throw KeybagError.badRecoveryKey
         }
-        // Escrow slots planted or swapped in this keybag: the escrowed class B key must be the
-        // one whose public key the keybag names, and with the current device key the escrowed
-        // D and volume keys must be the ones it opens. (Damage, not a guess: not counted.)
+        defer { keys.wipe() }
+        // With the current device key the escrowed D and volume keys must be the ones it opens.
         let mismatch = KeybagError.corrupt(
             "the recovery slots do not match this keybag (damaged or replaced); nothing was changed")
-        guard let pub = Data(base64Encoded: file.classBPublic),
-            try ClassBAgreement.publicKey(of: keys["B"]!) == [UInt8](pub)
-        else { throw mismatch }
-        for slot in ["D", "volume"] {
+        for (slot, escrowed) in [("D", keys.classD[0]), ("volume", keys.volume)] {
             guard let current = try? unwrapDeviceKeySlot(slot, deviceKey: deviceKey) else { continue }
             defer { current.wipe() }
             let same = try current.withBytes { a in
-                try keys[slot]!.withBytes { b in sodium_memcmp(a.baseAddress!, b.baseAddress!, 32) == 0 }
+                try escrowed.withBytes { b in sodium_memcmp(a.baseAddress!, b.baseAddress!, 32) == 0 }
             }
             guard same else { throw mismatch }
         }
         var next = file
+        let id = try DeviceIdentity.id(deviceKey: deviceKey, storeID: file.storeID)
+        guard relativePath == Keybag.fileName || id == file.deviceID else {
+            throw KeybagError.invalid(
+                "a device added with `keybagfs device add` cannot take a new device key: add it again instead")
+        }
+        next.deviceID = id
         next.kdfSalt = Data(Sodium.randomArray(Int(crypto_pwhash_SALTBYTES))).base64EncodedString()
         // Never weaker than `interactive`, whatever the keybag says.
         next.kdfOpsLimit = max(next.kdfOpsLimit, KDFStrength.interactive.opsLimit)
         next.kdfMemLimit = max(next.kdfMemLimit, KDFStrength.interactive.memLimit)
-        let kek = try Keybag.passcodeKey(passcode: newPasscode, file: next, deviceKey: deviceKey)
-        defer { kek.wipe() }
-        let dwk = try Keybag.deviceWrapKey(deviceKey)
-        defer { dwk.wipe() }
-        for slot in ["A", "B", "C"] {
-            next.wrapped[slot] = Data(try KeyWrap.wrap(keys[slot]!, with: kek, ad: Keybag.ad(next.storeID, slot)))
-                .base64EncodedString()
-        }
-        for slot in ["D", "volume"] {
-            next.wrapped[slot] = Data(
-                try KeyWrap.wrap(
-                    keys[slot]!, with: dwk, ad: Keybag.ad(next.storeID, slot, format: Keybag.currentFormat))
-            ).base64EncodedString()
-        }
-        next.format = Keybag.currentFormat
+        next.format = max(next.format, Keybag.currentFormat)
+        try Keybag.wrapAll(keys, into: &next, passcode: newPasscode, deviceKey: deviceKey)
+        // Every set escrowed under the recovery key itself from now on (sealed slots too).
+        try Keybag.writeEscrow(&next, keys: keys.escrowEntries(), recovery: recovery)
         next.failedAttempts = 0
         next.lockoutUntil = 0
         next.recoveryFailedAttempts = nil
@@ -228,7 +327,8 @@ extension Keybag {
     /// Replaces the recovery key (a first one for a store made without); the old one stops
     /// working. Needs the passcode and the device key; a wrong passcode counts as a failure.
     /// `deliver` hands the new key to the user (a file, the terminal) before anything is
-    /// saved: if it throws, the keybag and the old key stay as they were.
+    /// saved: if it throws, the keybag and the old key stay as they were. Every key set is
+    /// escrowed for the new key.
     public mutating func rotateRecoveryKey(
         passcode: SecureKey, deviceKey: SecureKey, now: Double = Date().timeIntervalSince1970,
         deliver: (RecoveryKey) throws -> Void = { _ in }
@@ -238,19 +338,15 @@ extension Keybag {
         if counterKey == nil { _ = try authenticate(deviceKey: deviceKey, now: now) }
         let wait = retryAfter(now: now)
         guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
-        let classKeys: UnlockedClassKeys
-        do { classKeys = try unlock(passcode: passcode, deviceKey: deviceKey) } catch KeybagError.badPasscode {
+        let keys: StoreKeys
+        do { keys = try openAll(passcode: passcode, deviceKey: deviceKey) } catch KeybagError.badPasscode {
             try recordFailure(now: now)
             throw KeybagError.badPasscode
         }
-        defer { classKeys.wipe() }
-        let d = try unwrapDeviceKeySlot("D", deviceKey: deviceKey),
-            vol = try unwrapDeviceKeySlot("volume", deviceKey: deviceKey)
-        defer { d.wipe(); vol.wipe() }
+        defer { keys.wipe() }
         let recovery = RecoveryKey.generate()
         var next = file
-        try Keybag.writeEscrow(&next, keys: [("A", classKeys.classA), ("B", classKeys.classBSecret),
-            ("C", classKeys.classC), ("D", d), ("volume", vol)], recovery: recovery)
+        try Keybag.writeEscrow(&next, keys: keys.escrowEntries(), recovery: recovery)
         next.failedAttempts = 0
         next.lockoutUntil = 0
         next.recoveryFailedAttempts = nil

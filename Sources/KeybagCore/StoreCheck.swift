@@ -40,9 +40,10 @@ public final class StoreCheck {
     private let options: Options
     private let keybag: Keybag
     private let names: NameCipher
-    private let classD: SecureKey
+    /// Class D of every key set, and A, B, C too with the passcode.
+    private let keyring: ClassKeyring
+    /// The current key set's class B public key (class B headers without the passcode).
     private let classBPublic: [UInt8]
-    private let unlocked: UnlockedClassKeys?
     private let content: EncryptedContent
     private var seenInodes = Set<UInt64>()
     private var xattrIDs = Set<String>()
@@ -55,14 +56,16 @@ public final class StoreCheck {
     public init(storePath: String, deviceKey: SecureKey, passcode: SecureKey?, options: Options) throws {
         store = storePath
         self.options = options
-        let kb = try Keybag.load(storePath: storePath)
+        let kb = try Keybag.load(storePath: storePath, deviceKey: deviceKey)
         keybag = kb
-        classD = try kb.unwrapDeviceKeySlot("D", deviceKey: deviceKey)
+        keyring = ClassKeyring(classD: try kb.classDKeys(deviceKey: deviceKey), current: UInt8(kb.currentKeySet))
         let volume = try kb.unwrapDeviceKeySlot("volume", deviceKey: deviceKey)
         defer { volume.wipe() }
         names = try NameCipher(volumeKey: volume)
-        classBPublic = [UInt8](Data(base64Encoded: kb.file.classBPublic) ?? Data())
-        unlocked = try passcode.map { try kb.unlock(passcode: $0, deviceKey: deviceKey) }
+        let set = kb.currentKeySet
+        classBPublic = [UInt8](
+            Data(base64Encoded: set == 0 ? kb.file.classBPublic : kb.file.classBPublics?[String(set)] ?? "") ?? Data())
+        if let passcode { keyring.install(try kb.unlockAll(passcode: passcode, deviceKey: deviceKey)) }
         content = EncryptedContent(layout: BlockLayout(cipher: kb.cipher))
         if try keybag.counterIsAuthentic(deviceKey: deviceKey) == false {
             note(
@@ -74,7 +77,7 @@ public final class StoreCheck {
     }
 
     /// Wipes the class keys.
-    public func wipe() { classD.wipe(); unlocked?.wipe() }
+    public func wipe() { keyring.wipeAll() }
 
     /// Runs every check (and repair).
     public func run() throws {
@@ -263,28 +266,24 @@ public final class StoreCheck {
 
     // MARK: files
 
-    /// The wrapping/unwrapping key of a class, when at hand.
-    private func classKey(_ cls: ProtectionClass) -> FileHeader.ClassKey? {
-        switch cls {
-        case .none: return .symmetric(classD)
-        case .completeUnlessOpen: return unlocked.map { .classBPrivate($0.classBSecret, $0.classBPublic) }
-        case .completeUntilFirstUserAuthentication: return unlocked.map { .symmetric($0.classC) }
-        case .complete: return unlocked.map { .symmetric($0.classA) }
-        }
+    /// The unwrapping key of a class in a key set, when at hand (B needs its private key).
+    private func classKey(_ cls: ProtectionClass, keySet: UInt8) -> FileHeader.ClassKey? {
+        keyring.unwrappingKey(for: cls, keySet: keySet)
     }
 
     /// Gives a headerless file a header of `cls` (a fresh key; it holds no data).
     private func writeFreshHeader(_ fd: Int32, _ cls: ProtectionClass) throws {
+        let set = keyring.currentKeySet
         let wrap: FileHeader.ClassKey
         if cls == .completeUnlessOpen { wrap = .classBPublic(classBPublic) } else {
-            guard let k = classKey(cls) else { throw KeybagError.keyUnavailable }
+            guard let k = classKey(cls, keySet: set) else { throw KeybagError.keyUnavailable }
             wrap = k
         }
         guard ftruncate(fd, 0) == 0 else { throw KeybagError.system("ftruncate", errno) }
         let raw = SecureKey(random: 32)
         defer { raw.wipe() }
         try EncryptedContent.writeNewHeader(
-            fd: fd, try FileHeader.create(fileKey: raw, class: cls, cipher: keybag.cipher, using: wrap))
+            fd: fd, try FileHeader.create(fileKey: raw, class: cls, cipher: keybag.cipher, using: wrap, keySet: set))
         guard fsync(fd) == 0 else { throw KeybagError.system("fsync", errno) }
     }
 
@@ -297,7 +296,7 @@ public final class StoreCheck {
         fstat(fd, &st)
         let size = Int(st.st_size)
         if size < FileHeader.size {
-            let keyAtHand = dirClass == .completeUnlessOpen || classKey(dirClass) != nil
+            let keyAtHand = dirClass == .completeUnlessOpen || classKey(dirClass, keySet: keyring.currentKeySet) != nil
             let detail =
                 size == 0
                 ? "an empty file without header (a crash during create); it becomes an empty \(dirClass.name) file"
@@ -340,7 +339,7 @@ public final class StoreCheck {
                 guard ftruncate(fd, off_t(size - rest)) == 0 else { throw KeybagError.system("ftruncate", errno) }
             }
         }
-        guard let ck = classKey(header.protectionClass) else { keyless += 1; return }
+        guard let ck = classKey(header.protectionClass, keySet: header.keySet) else { keyless += 1; return }
         let key: FileContentKey
         do { key = try FileContentKey(key: try header.unwrap(using: ck), header: header) } catch {
             return note(

@@ -55,8 +55,9 @@ final class Controller: Sendable {
     /// The `status` reply.
     func status() -> [String: Any] {
         let st = state
-        let (failures, retry) = keybag.withLock {
-            ($0.file.failedAttempts, $0.retryAfter(now: Date().timeIntervalSince1970))
+        let (failures, retry, device, keySet, store) = keybag.withLock {
+            ($0.file.failedAttempts, $0.retryAfter(now: Date().timeIntervalSince1970), $0.deviceID, $0.currentKeySet,
+             $0.storePath)
         }
         return ["ok": true, "state": st.rawValue, "protectedDataAvailable": st == .unlocked, "grace": defaultGrace,
                 "openFiles": fs.openFiles.load(ordering: .relaxed), "pid": Int(getpid()), "mountpoint": mountpoint,
@@ -66,7 +67,9 @@ final class Controller: Sendable {
                 "owner": Int(owner), "defaultClass": fs.defaultClass.name,
                 "aesMemoryLocked": HardwareAES.ownsMemory && HardwareAES.unlockedAllocations == 0,
                 "inactivityRelock": inactivityRelock.map { $0 / 3600 } ?? NSNull(),
-                "relockIn": relockDeadline.withLock { $0 }.map { Self.seconds($0 - Self.bootTime()) } ?? NSNull()]
+                "relockIn": relockDeadline.withLock { $0 }.map { Self.seconds($0 - Self.bootTime()) } ?? NSNull(),
+                "deviceID": device ?? NSNull(), "keySet": keySet,
+                "keySetBehind": StoreDevices.newestKeySet(storePath: store) > keySet]
     }
 
     /// Seconds since boot, suspend included (CLOCK_BOOTTIME).
@@ -121,7 +124,7 @@ final class Controller: Sendable {
     }
 
     /// Outcome of a passcode check.
-    private enum Verification { case accepted(UnlockedClassKeys), refused([String: Any]) }
+    private enum Verification { case accepted([UnlockedClassKeys]), refused([String: Any]) }
 
     /// Checks the throttle, then the passcode, counting failures in the keybag. The KDF
     /// runs on a copy of the keybag, so `status` (which reads it) never waits for a KDF;
@@ -135,7 +138,7 @@ final class Controller: Sendable {
             return .refused(Self.refusal("throttled", "too many failed attempts; retry in \(s) s", ["retryAfter": s]))
         }
         do {
-            let keys = try snapshot.unlock(passcode: passcode, deviceKey: deviceKey)
+            let keys = try snapshot.unlockAll(passcode: passcode, deviceKey: deviceKey)
             keybag.withLock { try? $0.recordSuccess() }
             return .accepted(keys)
         } catch KeybagError.badPasscode {
@@ -184,7 +187,7 @@ final class Controller: Sendable {
             switch verify(old) {
             case .refused(let reply): return reply
             case .accepted(let keys):
-                keys.wipe()
+                for k in keys { k.wipe() }
                 do {
                     var next = keybag.withLock { $0 }
                     try next.changePasscode(old: old, new: new, deviceKey: deviceKey)   // two KDFs, off the lock

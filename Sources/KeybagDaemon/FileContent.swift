@@ -130,12 +130,13 @@ extension Filesystem {
         try Self.checkName(name)
         let p = try node(parent)
         let cls = try inheritedClass(p)
-        guard let (wrapKey, epoch) = keyring.wrappingKey(for: cls) else { throw FSError(EACCES) }
+        guard let (wrapKey, epoch, keySet) = keyring.wrappingKey(for: cls) else { throw FSError(EACCES) }
         let entry = try backingName(p, name)
         let sideCreated = try ensureSideFile(p, entry)
         let file: NewFile
         do {
-            file = try newFile(in: p, class: cls, wrapKey: wrapKey, mode: mode, caller: caller, nameless: false)
+            file = try newFile(
+                in: p, class: cls, wrapKey: wrapKey, keySet: keySet, mode: mode, caller: caller, nameless: false)
         } catch {
             if sideCreated { removeSideFile(p, entry) }
             throw FSError(error)
@@ -173,8 +174,9 @@ extension Filesystem {
         try retryingWhileSpaceReturns {
             let p = try node(parent)
             let cls = try inheritedClass(p)
-            guard let (wrapKey, epoch) = keyring.wrappingKey(for: cls) else { throw FSError(EACCES) }
-            let file = try newFile(in: p, class: cls, wrapKey: wrapKey, mode: mode, caller: caller, nameless: true)
+            guard let (wrapKey, epoch, keySet) = keyring.wrappingKey(for: cls) else { throw FSError(EACCES) }
+            let file = try newFile(
+                in: p, class: cls, wrapKey: wrapKey, keySet: keySet, mode: mode, caller: caller, nameless: true)
             do {
                 let pathFD = try check(Glibc.open("/proc/self/fd/\(file.fd)", kbfs_O_PATH | O_CLOEXEC))
                 var st = stat()
@@ -202,8 +204,8 @@ extension Filesystem {
     /// no name of its own (`unnamedFile`; `nameless` refuses the temporary-name fallback).
     /// Leaves nothing behind when it throws.
     private func newFile(
-        in p: Node, class cls: ProtectionClass, wrapKey: FileHeader.ClassKey, mode: mode_t, caller: Caller,
-        nameless: Bool
+        in p: Node, class cls: ProtectionClass, wrapKey: FileHeader.ClassKey, keySet: UInt8, mode: mode_t,
+        caller: Caller, nameless: Bool
     ) throws -> NewFile {
         // Made without set-ID bits: they come once the file is the caller's (the kernel already
         // dropped those the caller may not set, Linux 6.0+); never on a file left as root's.
@@ -218,7 +220,8 @@ extension Filesystem {
                 fchmod(bfd, st.st_mode & 0o1777 | mode & (S_ISUID | S_ISGID))
             }
             let raw = SecureKey(random: 32)
-            let header = try FileHeader.create(fileKey: raw, class: cls, cipher: cipher, using: wrapKey)
+            let header = try FileHeader.create(
+                fileKey: raw, class: cls, cipher: cipher, using: wrapKey, keySet: keySet)
             try EncryptedContent.writeNewHeader(fd: bfd, header)
             return NewFile(fd: bfd, temp: temp, header: header, key: try FileContentKey(key: raw, header: header))
         } catch {
@@ -273,7 +276,7 @@ extension Filesystem {
     /// directory's class (a fresh file key; there is no data to lose). Needs that class's
     /// wrapping key now; otherwise the file stays as it is (EIO) until it can.
     func giveHeaderToEmptyFile(_ n: Node, parent p: Node) {
-        guard let cls = try? inheritedClass(p), let (wrapKey, _) = keyring.wrappingKey(for: cls) else { return }
+        guard let cls = try? inheritedClass(p), let (wrapKey, _, keySet) = keyring.wrappingKey(for: cls) else { return }
         n.io.write { st in
             guard st.header == nil else { return }
             let fd = n.open(O_RDWR)
@@ -285,7 +288,8 @@ extension Filesystem {
             defer { raw.wipe() }
             do {
                 try EncryptedContent.writeNewHeader(
-                    fd: fd, try FileHeader.create(fileKey: raw, class: cls, cipher: cipher, using: wrapKey))
+                    fd: fd,
+                    try FileHeader.create(fileKey: raw, class: cls, cipher: cipher, using: wrapKey, keySet: keySet))
                 MountDaemon.log(
                     "inode \(n.backingIno) had no header (0 bytes, left by a crash): now an empty \(cls.name) file")
             } catch {

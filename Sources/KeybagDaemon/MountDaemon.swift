@@ -153,7 +153,7 @@ public enum MountDaemon {
         let data = try openFolder(cfg.store, Keybag.dataDirName, create: false)
         let targets = try openFolder(cfg.store, Keybag.targetsDirName, create: true)
         let xattrs = try openFolder(cfg.store, Keybag.xattrsDirName, create: true)
-        let keyring = ClassKeyring(classD: classD)
+        let keyring = ClassKeyring(classD: classD, current: UInt8(keybag.currentKeySet))
         let cipher = keybag.cipher.isAvailable ? keybag.cipher : .xchacha20poly1305
         let fs = try Filesystem(dataFD: data, targetsFD: targets, xattrsFD: xattrs, names: names, keyring: keyring,
                                 cipher: cipher, defaultClass: cfg.defaultClass, policy: cfg.policy,
@@ -193,17 +193,21 @@ public enum MountDaemon {
         }
     }
 
-    /// The keybag, the device key, the class D key and the name cipher (volume key).
-    private static func loadKeys(_ cfg: MountConfiguration) throws -> (Keybag, SecureKey, SecureKey, NameCipher) {
-        var kb = try Keybag.load(storePath: cfg.store)
+    /// This device's keybag, the device key, the class D key of each key set and the name
+    /// cipher (volume key).
+    private static func loadKeys(
+        _ cfg: MountConfiguration
+    ) throws -> (Keybag, SecureKey, [UInt8: SecureKey], NameCipher) {
+        let any = try Keybag.load(storePath: cfg.store)
+        let dkPath =
+            cfg.deviceKeyPath ?? Self.credentialPath("device-key")
+            ?? DeviceKeyFile.defaultPath(storeID: any.file.storeID)
+        let deviceKey = try DeviceKeyFile.load(from: dkPath)
+        var kb = try Keybag.load(storePath: cfg.store, deviceKey: deviceKey)
         guard kb.cipher.isAvailable || kb.cipher.sharesLayout(with: .xchacha20poly1305) else {
             throw KeybagError.invalid("this CPU cannot run the store's cipher \(kb.cipher.name)")
         }
-        let dkPath =
-            cfg.deviceKeyPath ?? Self.credentialPath("device-key")
-            ?? DeviceKeyFile.defaultPath(storeID: kb.file.storeID)
-        let deviceKey = try DeviceKeyFile.load(from: dkPath)
-        let classD = try kb.unwrapDeviceKeySlot("D", deviceKey: deviceKey)
+        let classD = try kb.classDKeys(deviceKey: deviceKey)
         switch try kb.authenticate(deviceKey: deviceKey) {
         case .authentic: break
         case .upgraded: log("keybag upgraded to format \(Keybag.currentFormat) (authenticated failed-attempt counter)")
@@ -212,6 +216,13 @@ public enum MountDaemon {
                 "the keybag's failed-attempt counter does not authenticate (edited offline?): unlock refused for " +
                     "\(Controller.seconds(kb.retryAfter(now: Date().timeIntervalSince1970))) s"
             )
+        }
+        let newest = StoreDevices.newestKeySet(storePath: cfg.store)
+        if newest > kb.currentKeySet {
+            log(
+                "warning: a device was removed from this store (key set \(newest)) and this device holds key set " +
+                    "\(kb.currentKeySet): the removed device can still open files this device writes; take up the " +
+                    "new keys with `keybagfs recover`")
         }
         let volume = try kb.unwrapDeviceKeySlot("volume", deviceKey: deviceKey)
         defer { volume.wipe() }

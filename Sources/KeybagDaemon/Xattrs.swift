@@ -84,7 +84,9 @@ extension Filesystem {
         let fd = openat(dirFD, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
         guard fd >= 0 else { return nil }
         defer { close(fd) }
-        guard let id = (try? EncryptedContent.readHeader(fd: fd)).map({ Base64URL.encode($0.fileID) }) else { return nil }
+        guard let id = (try? EncryptedContent.readHeader(fd: fd)).map({ Base64URL.encode($0.fileID) }) else {
+            return nil
+        }
         return keptForConflictCopies(id, dirFD: dirFD, name: name) ? nil : id
     }
 

@@ -37,9 +37,10 @@ struct CipherCommand: ParsableCommand {
         }
         let lock = try lockUnmountedStore(store)
         defer { close(lock) }
-        var kb = try Keybag.load(storePath: store)
-        let dk = try DeviceKeyFile.load(from: deviceKey ?? DeviceKeyFile.defaultPath(storeID: kb.file.storeID))
+        let storeID = try Keybag.load(storePath: store).file.storeID
+        let dk = try DeviceKeyFile.load(from: deviceKey ?? DeviceKeyFile.defaultPath(storeID: storeID))
         defer { dk.wipe() }
+        var kb = try Keybag.load(storePath: store, deviceKey: dk)
         try kb.unwrapDeviceKeySlot("D", deviceKey: dk).wipe()   // the right device key, or badDeviceKey
         let old = kb.cipher
         let authentic = try kb.cipherIsAuthentic(deviceKey: dk)

@@ -53,15 +53,9 @@ struct Init: ParsableCommand {
             try fm.createDirectory(
                 atPath: store, withIntermediateDirectories: true, attributes: [.posixPermissions: 0o700])
         }
-        let passcode = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "New passcode: ")
+        let passcode = try PasscodeInput.readNew(
+            fromStdin: passcodeStdin, prompt: "New passcode: ", mismatch: "the passcodes differ; nothing was created")
         defer { passcode.wipe() }
-        if !passcodeStdin {
-            let again = try PasscodeInput.prompt("Repeat passcode: ")
-            defer { again.wipe() }
-            guard PasscodeInput.equal(passcode, again) else {
-                throw KeybagError.invalid("the passcodes differ; nothing was created")
-            }
-        }
         let storeID = Sodium.randomArray(16).map { String(format: "%02x", $0) }.joined()
         let dkPath = deviceKey ?? DeviceKeyFile.defaultPath(storeID: storeID)
         let dk =
@@ -77,13 +71,14 @@ struct Init: ParsableCommand {
         if let recovery { try RecoveryKeyOutput.give(recovery, file: recoveryKeyFile) }
         let kb = try Keybag.create(
             storePath: store, storeID: storeID, passcode: passcode, deviceKey: dk, strength: kdf, cipher: cipher,
-            recovery: recovery)
+            recovery: recovery, deviceName: ProcessInfo.processInfo.hostName)
         try fm.createDirectory(
             atPath: store + "/" + Keybag.dataDirName, withIntermediateDirectories: false,
             attributes: [.posixPermissions: 0o755])
         print("initialised store \(store)")
         print("  store id:   \(kb.file.storeID)")
         print("  cipher:     \(kb.file.cipher)")
+        print("  device id:  \(kb.file.deviceID ?? "")")
         print("  device key: \(dkPath)  (keep it; without it the store cannot be opened)")
     }
 }

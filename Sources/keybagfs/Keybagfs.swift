@@ -18,7 +18,10 @@ struct Keybagfs: ParsableCommand {
         with `keybagctl`. Each file's class is the xattr user.protection (none, \
         completeUntilFirstUserAuthentication, completeUnlessOpen, complete).
         """,
-        subcommands: [Init.self, Mount.self, Fsck.self, Recover.self, RecoveryKeyCommand.self, CipherCommand.self])
+        subcommands: [
+            Init.self, Mount.self, Fsck.self, Recover.self, RecoveryKeyCommand.self, CipherCommand.self,
+            DeviceCommand.self,
+        ])
 
     /// Runs the command; usage errors exit 2, refusals 1.
     static func main() {

@@ -40,15 +40,9 @@ struct Recover: ParsableCommand {
         guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
         let recovery = try RecoveryKeyOutput.read(file: recoveryKeyFile, fromStdin: stdin)
         defer { recovery.wipe() }
-        let passcode = try PasscodeInput.read(fromStdin: stdin, prompt: "New passcode: ")
+        let passcode = try PasscodeInput.readNew(
+            fromStdin: stdin, prompt: "New passcode: ", mismatch: "the passcodes differ; nothing was changed")
         defer { passcode.wipe() }
-        if !stdin {
-            let again = try PasscodeInput.prompt("Repeat new passcode: ")
-            defer { again.wipe() }
-            guard PasscodeInput.equal(passcode, again) else {
-                throw KeybagError.invalid("the passcodes differ; nothing was changed")
-            }
-        }
         if newDeviceKey {
             var lst = stat()
             if lstat(dkPath, &lst) == 0 && lst.st_mode & S_IFMT == S_IFLNK {
@@ -58,12 +52,23 @@ struct Recover: ParsableCommand {
             // saved, then the key is renamed into place and the folder synced again. A crash
             // after the keybag save leaves the store needing `<key>.new`: rename it, or run
             // `recover` again (the recovery key stays valid).
+            guard FileManager.default.fileExists(atPath: target.store + "/" + Keybag.fileName) else {
+                throw KeybagError.invalid(
+                    "the device that made this store was removed; add this device again with `keybagfs device add` " +
+                        "and a new device key")
+            }
+            kb = try Keybag.load(storePath: target.store, relativePath: Keybag.fileName)
             let staged = dkPath + ".new"
             unlink(staged)
             let dk = try DeviceKeyFile.create(at: staged)
             defer { dk.wipe() }
-            do { try kb.recover(with: recovery, newPasscode: passcode, deviceKey: dk) } catch {
-                unlink(staged); throw error
+            do {
+                try kb.recover(
+                    with: recovery, newPasscode: passcode, deviceKey: dk,
+                    escrowFrom: try Keybag.newest(storePath: target.store))
+            } catch {
+                unlink(staged)
+                throw error
             }
             guard rename(staged, dkPath) == 0 else {
                 throw KeybagError.system(
@@ -80,14 +85,19 @@ struct Recover: ParsableCommand {
                 throw KeybagError.invalid("\(error); if the device key is lost, run again with --new-device-key")
             }
             defer { dk.wipe() }
-            do { try kb.unwrapDeviceKeySlot("D", deviceKey: dk).wipe() } catch {
+            do {
+                kb = try Keybag.load(storePath: target.store, deviceKey: dk)
+                try kb.unwrapDeviceKeySlot("D", deviceKey: dk).wipe()
+            } catch KeybagError.badDeviceKey {
                 throw KeybagError.invalid(
                     "the device key \(dkPath) does not open this store; if the right one is lost, run again with " +
                         "--new-device-key"
                 )
             }
             _ = try? kb.authenticate(deviceKey: dk)
-            try kb.recover(with: recovery, newPasscode: passcode, deviceKey: dk)
+            try kb.recover(
+                with: recovery, newPasscode: passcode, deviceKey: dk,
+                escrowFrom: try Keybag.newest(storePath: target.store))
             print("recovered \(target.store): new passcode set")
         }
     }
@@ -120,8 +130,7 @@ struct RecoveryKeyCommand: ParsableCommand {
         func run() throws {
             let lock = try lockUnmountedStore(target.store)
             defer { close(lock) }
-            var kb = try Keybag.load(storePath: target.store)
-            let dk = try DeviceKeyFile.load(from: target.deviceKeyPath(kb))
+            var (kb, dk) = try target.deviceKeybag()
             defer { dk.wipe() }
             let passcode = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ")
             defer { passcode.wipe() }

@@ -16,6 +16,12 @@ struct UnmountedStore: ParsableArguments {
 
     /// The device key path for a keybag.
     func deviceKeyPath(_ kb: Keybag) -> String { deviceKey ?? DeviceKeyFile.defaultPath(storeID: kb.file.storeID) }
+
+    /// The device key and its device's keybag (the caller wipes the key).
+    func deviceKeybag() throws -> (Keybag, SecureKey) {
+        let dk = try DeviceKeyFile.load(from: deviceKeyPath(try Keybag.load(storePath: store)))
+        do { return (try Keybag.load(storePath: store, deviceKey: dk), dk) } catch { dk.wipe(); throw error }
+    }
 }
 
 /// Hands a new recovery key to the user: into a new 0600 file, or printed once.

@@ -38,7 +38,7 @@ final class FileKeyLifeTests: KeyLifeTestCase {
 
     func testCreateOvertakenByALockIsRefused() throws {
         let ring = try unlockedKeyring()
-        let (wrap, epoch) = try XCTUnwrap(ring.wrappingKey(for: .complete))
+        let (wrap, epoch, _) = try XCTUnwrap(ring.wrappingKey(for: .complete))
         let raw = SecureKey(random: 32)
         let h = try FileHeader.create(fileKey: raw, class: .complete, cipher: cipher, using: wrap)
         let key = try FileContentKey(key: raw, header: h)
@@ -49,14 +49,14 @@ final class FileKeyLifeTests: KeyLifeTestCase {
         XCTAssertTrue(key.isWiped)
         XCTAssertEqual(a.openCount, 0)
         // In the same epoch it is adopted with its first handle.
-        let (w2, e2) = try XCTUnwrap(ring.wrappingKey(for: .complete))
+        let (w2, e2, _) = try XCTUnwrap(ring.wrappingKey(for: .complete))
         let raw2 = SecureKey(random: 32)
         let h2 = try FileHeader.create(fileKey: raw2, class: .complete, cipher: cipher, using: w2)
         try a.adoptCreated(header: h2, key: try FileContentKey(key: raw2, header: h2), epoch: e2, keyring: ring)
         XCTAssertEqual(a.openCount, 1)
         // Class B is created while locked with the public key alone, across epochs too.
         ring.evictForLock()
-        let (wb, eb) = try XCTUnwrap(ring.wrappingKey(for: .completeUnlessOpen))
+        let (wb, eb, _) = try XCTUnwrap(ring.wrappingKey(for: .completeUnlessOpen))
         XCTAssertNil(ring.wrappingKey(for: .complete))
         let rawB = SecureKey(random: 32)
         let hb = try FileHeader.create(fileKey: rawB, class: .completeUnlessOpen, cipher: cipher, using: wb)

@@ -24,7 +24,7 @@ class KeyLifeTestCase: XCTestCase {
 
     /// A file of `cls` as the daemon knows it right after loading its header.
     func file(_ cls: ProtectionClass, _ ring: ClassKeyring) throws -> FileKeyLife {
-        let (wrap, _) = try XCTUnwrap(ring.wrappingKey(for: cls))
+        let (wrap, _, _) = try XCTUnwrap(ring.wrappingKey(for: cls))
         let h = try FileHeader.create(fileKey: SecureKey(random: 32), class: cls, cipher: cipher, using: wrap)
         var life = FileKeyLife()
         _ = try life.header { h }

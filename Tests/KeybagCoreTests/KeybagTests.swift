@@ -5,11 +5,6 @@ import XCTest
 
 /// Keybag, keyring, throttle, lock state machine and path helpers.
 final class KeybagTests: TempDirTestCase {
-    func secret(_ s: String) -> SecureKey {
-        let b = Array(s.utf8)
-        return SecureKey(count: b.count) { $0.copyBytes(from: b) }
-    }
-
     func testUnlockWrongPasscodeWrongDeviceKeyAndPasswd() throws {
         let dk = SecureKey(random: 32)
         var kb = try Keybag.create(storePath: dir, storeID: "00112233445566778899aabbccddeeff", passcode: secret("right"), deviceKey: dk, strength: .interactive)
@@ -179,8 +174,6 @@ final class NameCipherTests: XCTestCase {
 /// The keybag as an attacker with write access to the store edits it.
 final class KeybagTrustTests: TempDirTestCase {
     let id = "0123456789abcdef0123456789abcdef"
-
-    func secret(_ s: String) -> SecureKey { let b = Array(s.utf8); return SecureKey(count: b.count) { $0.copyBytes(from: b) } }
 
     /// Rewrites the keybag JSON through `edit`.
     func editJSON(_ edit: (inout [String: Any]) -> Void) throws {

@@ -9,14 +9,8 @@ import XCTest
 final class RecoveryKeyTests: TempDirTestCase {
     let id = "5555aaaa5555aaaa5555aaaa5555aaaa"
 
-    func secret(_ s: String) -> SecureKey {
-        let b = Array(s.utf8)
-        return SecureKey(count: b.count) { $0.copyBytes(from: b) }
-    }
-
     func text(_ k: RecoveryKey) throws -> String { try k.text().withBytes { String(decoding: $0, as: UTF8.self) } }
 
-    func same(_ a: SecureKey, _ b: SecureKey) throws -> Bool { try a.withBytes { x in try b.withBytes { y in Array(x) == Array(y) } } }
 
     func testTheWrittenFormRoundTripsAndCatchesTypos() throws {
         let random = RecoveryKey.generate()

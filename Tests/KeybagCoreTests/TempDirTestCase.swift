@@ -1,6 +1,7 @@
 import Foundation
 import Glibc
 import XCTest
+@testable import KeybagCore
 
 /// A test case with a fresh temporary folder per test, removed afterwards.
 class TempDirTestCase: XCTestCase {
@@ -12,4 +13,16 @@ class TempDirTestCase: XCTestCase {
     }
 
     override func tearDown() { try? FileManager.default.removeItem(atPath: dir) }
+
+    /// A secret holding the UTF-8 bytes of `s`.
+    func secret(_ s: String) -> SecureKey {
+        let b = Array(s.utf8)
+        return SecureKey(count: b.count) { $0.copyBytes(from: b) }
+    }
+
+    /// Whether two secrets hold the same bytes.
+    func same(_ a: SecureKey, _ b: SecureKey) throws -> Bool {
+        try a.withBytes { x in try b.withBytes { y in Array(x) == Array(y) } }
+    }
 }
+

@@ -48,14 +48,27 @@ final class MountFixture {
 
     /// Creates a store (Argon2id interactive, for speed) and mounts it in the foreground.
     /// `cipher`: `init --cipher` (nil: the default of this machine).
-    init(passcode: String = "correct horse battery", grace: Double = 0, defaultClass: String? = nil, kdf: String = "interactive",
+    convenience init(passcode: String = "correct horse battery", grace: Double = 0, defaultClass: String? = nil, kdf: String = "interactive",
          cipher: String? = nil, mount: Bool = true) throws {
         guard FileManager.default.fileExists(atPath: "/dev/fuse") else { throw NSError(domain: "/dev/fuse is missing: the mount tests need FUSE (they fail rather than skip)", code: 1) }
-        let template = "/tmp/kbfs-test.XXXXXX"
-        var buf = Array(template.utf8CString)
-        guard let p = mkdtemp(&buf) else { throw NSError(domain: "mkdtemp", code: Int(errno)) }
-        root = String(cString: p)
-        chmod(root, 0o755)
+        try self.init(root: try Self.makeRoot(), passcode: passcode, grace: grace, defaultClass: defaultClass)
+        let r = Self.run(Self.binDir + "/keybagfs", ["init", store, "--passcode-stdin", "--device-key", deviceKey, "--kdf", kdf]
+                         + (cipher.map { ["--cipher", $0] } ?? []), stdin: passcode + "\n")
+        guard r.code == 0 else { throw NSError(domain: "keybagfs init failed: \(r.stderr)", code: Int(r.code)) }
+        if mount { try self.mount() }
+    }
+
+    /// A second device's replica of `other`'s store (as a sync engine would copy it), with its
+    /// own mount point, socket and (not yet made) device key; not mounted.
+    convenience init(replicaOf other: MountFixture, passcode: String) throws {
+        try self.init(root: try Self.makeRoot(), passcode: passcode, grace: 0, defaultClass: nil)
+        let r = Self.run("/bin/cp", ["-a", other.store, store])
+        guard r.code == 0 else { throw NSError(domain: "cp -a failed: \(r.stderr)", code: Int(r.code)) }
+    }
+
+    /// The paths of a fixture in `root`, its mount point made.
+    private init(root: String, passcode: String, grace: Double, defaultClass: String?) throws {
+        self.root = root
         store = root + "/store"
         mnt = root + "/mnt"
         socket = root + "/ctl.sock"
@@ -64,13 +77,18 @@ final class MountFixture {
         self.grace = grace
         self.defaultClass = defaultClass
         try FileManager.default.createDirectory(atPath: mnt, withIntermediateDirectories: true)
-        let r = Self.run(Self.binDir + "/keybagfs", ["init", store, "--passcode-stdin", "--device-key", deviceKey, "--kdf", kdf]
-                         + (cipher.map { ["--cipher", $0] } ?? []), stdin: passcode + "\n")
-        guard r.code == 0 else { throw NSError(domain: "keybagfs init failed: \(r.stderr)", code: Int(r.code)) }
-        if mount { try self.mount() }
     }
 
     deinit { close() }
+
+    /// A new temporary folder for one fixture (mode 0755: other users' tests reach the mount).
+    static func makeRoot() throws -> String {
+        var buf = Array("/tmp/kbfs-test.XXXXXX".utf8CString)
+        guard let p = mkdtemp(&buf) else { throw NSError(domain: "mkdtemp", code: Int(errno)) }
+        let root = String(cString: p)
+        chmod(root, 0o755)
+        return root
+    }
 
     /// Path inside the mount.
     func path(_ rel: String) -> String { mnt + "/" + rel }

@@ -1,0 +1,245 @@
+import CSodium
+import Foundation
+
+/// A device's name for itself inside a store: BLAKE2b-128 keyed by its device key over the
+/// store id, in hex. It says nothing about the key, and differs from store to store.
+public enum DeviceIdentity {
+    /// The id of the device holding `deviceKey` in store `storeID`.
+    public static func id(deviceKey: SecureKey, storeID: String) throws -> String {
+        var out = [UInt8](repeating: 0, count: 16)
+        let msg = Array("keybagfs-device-id-v1|\(storeID)".utf8)
+        try deviceKey.withBytes { k in
+            _ = crypto_generichash(
+                &out, 16, msg, UInt64(msg.count), k.baseAddress!.assumingMemoryBound(to: UInt8.self), k.count)
+        }
+        return out.map { String(format: "%02x", $0) }.joined()
+    }
+
+    /// Whether `s` has the shape of a device id (32 lowercase hex digits).
+    public static func isWellFormed(_ s: String) -> Bool {
+        s.utf8.count == 32 && s.utf8.allSatisfy { (0x30...0x39).contains($0) || (0x61...0x66).contains($0) }
+    }
+}
+
+/// One device of a store, as `keybagfs device list` shows it.
+public struct StoreDevice: Sendable, Equatable {
+    /// Its id (nil: the device that made the store, before it mounted with devices support).
+    public var id: String?
+    /// Its name, as it gave it.
+    public var name: String?
+    /// Its keybag inside the store (nil once removed).
+    public var keybag: String?
+    /// When it was removed (Unix time), or nil.
+    public var removedAt: Double?
+    /// The key set its removal started (files of this set and later are closed to it).
+    public var removedBeforeKeySet: Int?
+}
+
+/// A removal record, `devices/ID.removed` (JSON): written once by the device that removed it.
+struct DeviceRemoval: Codable {
+    var deviceID: String
+    var removedAt: Double
+    var keySet: Int
+}
+
+/// The devices of a store: one keybag per device (`keybag` for the device that made the
+/// store, `devices/ID.keybag` for each added one), each written only by its own device, and
+/// a record per removed device. Nothing here is shared state that two devices rewrite.
+public enum StoreDevices {
+    /// Folder inside the store for added devices' keybags and removal records.
+    public static let dirName = "devices"
+
+    /// A device keybag's path inside the store.
+    public static func keybagPath(_ id: String) -> String { "\(dirName)/\(id).keybag" }
+
+    /// A removal record's path inside the store.
+    static func removalPath(_ id: String) -> String { "\(dirName)/\(id).removed" }
+
+    /// The removal record of `id`, or nil when it was never removed.
+    static func removal(storePath: String, id: String) -> DeviceRemoval? {
+        guard let data = FileManager.default.contents(atPath: storePath + "/" + removalPath(id)) else { return nil }
+        return try? JSONDecoder().decode(DeviceRemoval.self, from: data)
+    }
+
+    /// File names in the devices folder (none when it does not exist).
+    static func entries(_ storePath: String) -> [String] {
+        ((try? FileManager.default.contentsOfDirectory(atPath: storePath + "/" + dirName)) ?? []).sorted()
+    }
+
+    /// The newest key set a removal started (0 when no device was removed). A device whose
+    /// keybag is older writes files that removed devices can still open, until it takes up
+    /// the newer set (`keybagfs recover`).
+    public static func newestKeySet(storePath: String) -> Int {
+        entries(storePath).filter { $0.hasSuffix(".removed") }
+            .compactMap { removal(storePath: storePath, id: String($0.dropLast(8)))?.keySet }.max() ?? 0
+    }
+
+    /// Every device of the store, present and removed.
+    public static func list(storePath: String) -> [StoreDevice] {
+        var out: [StoreDevice] = []
+        if let kb = try? Keybag.load(storePath: storePath, relativePath: Keybag.fileName) {
+            out.append(StoreDevice(id: kb.file.deviceID, name: kb.file.deviceName, keybag: Keybag.fileName))
+        }
+        for e in entries(storePath) {
+            let rel = dirName + "/" + e
+            if e.hasSuffix(".keybag"), let kb = try? Keybag.load(storePath: storePath, relativePath: rel) {
+                out.append(StoreDevice(id: kb.file.deviceID, name: kb.file.deviceName, keybag: dirName + "/" + e))
+            } else if e.hasSuffix(".removed"), let r = removal(storePath: storePath, id: String(e.dropLast(8))) {
+                out.append(StoreDevice(id: r.deviceID, removedAt: r.removedAt, removedBeforeKeySet: r.keySet))
+            }
+        }
+        return out
+    }
+}
+
+extension Keybag {
+    /// Reads one keybag file of a store (`keybag` or `devices/ID.keybag`).
+    public static func load(
+        storePath: String, relativePath: String, now: Double = Date().timeIntervalSince1970
+    ) throws -> Keybag {
+        let p = storePath + "/" + relativePath
+        guard let data = FileManager.default.contents(atPath: p) else {
+            throw KeybagError.invalid("no keybag at \(p): not a keybagfs store (run `keybagfs init` first)")
+        }
+        do {
+            var file = try JSONDecoder().decode(KeybagFile.self, from: data)
+            try validate(&file, now: now)
+            return Keybag(storePath: storePath, file: file, relativePath: relativePath)
+        } catch let e as KeybagError {
+            throw e
+        } catch {
+            throw KeybagError.corrupt("keybag \(p) is not valid JSON")
+        }
+    }
+
+    /// Some keybag of the store (the first device's, else an added device's): its store id
+    /// and settings, before the device key is known.
+    public static func load(storePath: String, now: Double = Date().timeIntervalSince1970) throws -> Keybag {
+        if FileManager.default.fileExists(atPath: storePath + "/" + fileName) {
+            return try load(storePath: storePath, relativePath: fileName, now: now)
+        }
+        if let e = StoreDevices.entries(storePath).first(where: { $0.hasSuffix(".keybag") }) {
+            return try load(storePath: storePath, relativePath: StoreDevices.dirName + "/" + e, now: now)
+        }
+        return try load(storePath: storePath, relativePath: fileName, now: now)   // the "no keybag" error
+    }
+
+    /// The keybag of the device holding `deviceKey`: its own `devices/ID.keybag`, else the
+    /// store's first keybag. A removed device is told so (its keys stay what they were).
+    public static func load(
+        storePath: String, deviceKey: SecureKey, now: Double = Date().timeIntervalSince1970
+    ) throws -> Keybag {
+        let any = try load(storePath: storePath, now: now)
+        let id = try DeviceIdentity.id(deviceKey: deviceKey, storeID: any.file.storeID)
+        if let r = StoreDevices.removal(storePath: storePath, id: id) {
+            let when = Date(timeIntervalSince1970: r.removedAt)
+            throw KeybagError.invalid(
+                "this device (\(id)) was removed from the store on \(when); it can open only files written before " +
+                    "that. Add it again with `keybagfs device add` and a new device key")
+        }
+        let own = StoreDevices.keybagPath(id)
+        if FileManager.default.fileExists(atPath: storePath + "/" + own) {
+            let kb = try load(storePath: storePath, relativePath: own, now: now)
+            guard kb.file.storeID == any.file.storeID, kb.file.deviceID == id else {
+                throw KeybagError.corrupt("keybag \(own) belongs to another store or device")
+            }
+            return kb
+        }
+        var first = try load(storePath: storePath, relativePath: fileName, now: now)
+        if let other = first.file.deviceID, other != id { throw KeybagError.badDeviceKey }
+        if first.file.deviceID == nil {
+            first.file.deviceID = id   // saved by `authenticate` at the next mount
+            first.pendingDeviceID = true
+        }
+        return first
+    }
+
+    /// The keybag with the newest key set (a removal writes its new set's recovery slots into
+    /// the remover's keybag): where the recovery key finds every set.
+    public static func newest(storePath: String) throws -> Keybag {
+        var best = try load(storePath: storePath)
+        for d in StoreDevices.list(storePath: storePath) {
+            guard let path = d.keybag, let kb = try? load(storePath: storePath, relativePath: path) else { continue }
+            if kb.file.storeID == best.file.storeID && kb.currentKeySet > best.currentKeySet { best = kb }
+        }
+        return best
+    }
+
+    /// This keybag's device id (nil: the first device's keybag, before it learnt its id).
+    public var deviceID: String? { file.deviceID }
+
+    /// Adds the device holding `deviceKey` to the store with the recovery key: a keybag of
+    /// its own (`devices/ID.keybag`) with every key set the recovery key covers, under its
+    /// own passcode and device key, with its own counter. No key leaves either device; the
+    /// keys come from the store's escrow slots.
+    public static func addDevice(
+        storePath: String, recovery: RecoveryKey, passcode: SecureKey, deviceKey: SecureKey, name: String?,
+        strength: KDFStrength
+    ) throws -> Keybag {
+        let source = try newest(storePath: storePath)
+        guard source.hasRecoveryKey else {
+            throw KeybagError.invalid("this store has no recovery key: a device can only be added with one")
+        }
+        let storeID = source.file.storeID
+        let id = try DeviceIdentity.id(deviceKey: deviceKey, storeID: storeID)
+        guard StoreDevices.removal(storePath: storePath, id: id) == nil else {
+            throw KeybagError.invalid("this device key was removed from the store: make a new device key")
+        }
+        let first = try? load(storePath: storePath, relativePath: fileName)
+        var opensFirst = false
+        if let first, let d = try? first.unwrapDeviceKeySlot("D", deviceKey: deviceKey) {
+            d.wipe()
+            opensFirst = true
+        }
+        let taken = opensFirst || StoreDevices.list(storePath: storePath).contains { $0.id == id }
+        guard !taken else {
+            throw KeybagError.invalid(
+                "this device key is already a device of the store (\(id)); `keybagfs recover` gives it key sets " +
+                    "made since it was added")
+        }
+        let keys = try source.escrowedKeys(recovery: recovery)
+        defer { keys.wipe() }
+        var file = KeybagFile(
+            format: Keybag.currentFormat, storeID: storeID, cipher: source.file.cipher,
+            kdfOpsLimit: strength.opsLimit, kdfMemLimit: strength.memLimit,
+            kdfSalt: Data(Sodium.randomArray(Int(crypto_pwhash_SALTBYTES))).base64EncodedString(),
+            wrapped: [:], classBPublic: "", failedAttempts: 0, lockoutUntil: 0, counterMAC: nil)
+        file.deviceID = id
+        file.deviceName = name
+        try wrapAll(keys, into: &file, passcode: passcode, deviceKey: deviceKey)
+        try writeEscrow(&file, keys: keys.escrowEntries(), recovery: recovery)
+        mkdir(storePath + "/" + StoreDevices.dirName, 0o700)
+        let kb = Keybag(
+            storePath: storePath, file: file, counterKey: try counterKey(deviceKey),
+            relativePath: StoreDevices.keybagPath(id))
+        try kb.save()
+        return kb
+    }
+
+    /// Removes device `id` (a lost laptop): starts a new key set, so that nothing written from
+    /// now on opens with the keys that device holds, records the removal and deletes its
+    /// keybag from the store. Files written before stay readable to it. Needs this device's
+    /// passcode (a wrong one is counted). Returns the new key set.
+    public mutating func removeDevice(
+        _ id: String, passcode: SecureKey, deviceKey: SecureKey, now: Double = Date().timeIntervalSince1970
+    ) throws -> Int {
+        guard DeviceIdentity.isWellFormed(id) else { throw KeybagError.invalid("not a device id: \(id.prefix(40))") }
+        let own = try DeviceIdentity.id(deviceKey: deviceKey, storeID: file.storeID)
+        guard id != own else { throw KeybagError.invalid("a device cannot remove itself; remove it from another one") }
+        guard StoreDevices.removal(storePath: storePath, id: id) == nil else {
+            throw KeybagError.invalid("device \(id) was already removed")
+        }
+        let target = StoreDevices.list(storePath: storePath).first { $0.id == id && $0.keybag != nil }
+        guard let target, let keybag = target.keybag else {
+            throw KeybagError.invalid("no device \(id) in this store (`keybagfs device list` shows them)")
+        }
+        let set = try startKeySet(passcode: passcode, deviceKey: deviceKey, now: now)
+        let record = try JSONEncoder().encode(DeviceRemoval(deviceID: id, removedAt: now, keySet: set))
+        try Keybag.writeAtomically(record, to: storePath + "/" + StoreDevices.removalPath(id))
+        if unlink(storePath + "/" + keybag) != 0 && errno != ENOENT {
+            throw KeybagError.system("cannot delete \(keybag)", errno)
+        }
+        DeviceKeyFile.syncFolder(of: storePath + "/" + keybag)
+        return set
+    }
+}

@@ -1,0 +1,176 @@
+import CSodium
+import Foundation
+
+/// Every key of a store as one device holds it: the class keys of each key set (set n at
+/// index n) and the volume key. What a device keybag is made from, and what escrow restores.
+public struct StoreKeys: Sendable {
+    /// Class A, B and C of each key set, oldest first.
+    public var sets: [UnlockedClassKeys]
+    /// Class D of each key set, oldest first.
+    public var classD: [SecureKey]
+    /// The volume key (names); one for the store's life.
+    public let volume: SecureKey
+
+    /// The newest key set: the one new files are wrapped for.
+    public var current: Int { sets.count - 1 }
+
+    /// Zeroes every key.
+    public func wipe() {
+        for s in sets { s.wipe() }
+        for d in classD { d.wipe() }
+        volume.wipe()
+    }
+
+    /// Appends a key set of fresh random keys (a device removal).
+    mutating func addFreshSet() throws {
+        let a = SecureKey(random: 32), b = SecureKey(random: 32), c = SecureKey(random: 32)
+        let pk = try ClassBAgreement.publicKey(of: b)
+        sets.append(
+            UnlockedClassKeys(classA: a, classBSecret: b, classBPublic: pk, classC: c, keySet: UInt8(sets.count)))
+        classD.append(SecureKey(random: 32))
+    }
+
+    /// Slot name and key of every escrowed key of sets `from...` (`A`, `B`, `C`, `D` per set,
+    /// and `volume` with set 0).
+    func escrowEntries(from first: Int = 0) -> [(String, SecureKey)] {
+        var out: [(String, SecureKey)] = []
+        for n in first...current {
+            let s = sets[n]
+            out += [("A", s.classA), ("B", s.classBSecret), ("C", s.classC), ("D", classD[n])].map {
+                (Keybag.slot($0.0, n), $0.1)
+            }
+        }
+        if first == 0 { out.append(("volume", volume)) }
+        return out
+    }
+}
+
+extension Keybag {
+    /// Most key sets a store may have (the set number is one header byte).
+    public static let maxKeySet = 255
+    /// Bytes of an escrow slot sealed to the recovery key's public key: a 16-byte slot tag
+    /// and the key, in a `crypto_box_seal` box.
+    static let sealedEscrowSize = Int(crypto_box_sealbytes()) + 16 + 32
+
+    /// Checks the slots of key sets 1 and up: each set's four class slots and class B public
+    /// key present, escrow slots all present or all absent per set.
+    static func validateKeySets(_ f: KeybagFile) throws {
+        func bad(_ field: String, _ why: String) -> KeybagError { .corrupt("keybag field \(field): \(why)") }
+        let top = f.keySet ?? 0
+        guard (0...maxKeySet).contains(top) else { throw bad("keySet", "out of range") }
+        guard top == 0 || f.format >= keySetsFormat else { throw bad("keySet", "needs format \(keySetsFormat)") }
+        if let e = f.escrowPublic {
+            guard let k = Data(base64Encoded: e), k.count == 32 else { throw bad("escrowPublic", "not a public key") }
+        }
+        guard top > 0 else { return }
+        for n in 1...top {
+            for base in ["A", "B", "C", "D"] {
+                let slot = slot(base, n)
+                guard let w = f.wrapped[slot].flatMap({ Data(base64Encoded: $0) }), w.count == 32 + KeyWrap.overhead
+                else { throw bad("wrapped.\(slot)", "missing or not a wrapped key") }
+            }
+            guard let pk = f.classBPublics?[String(n)].flatMap({ Data(base64Encoded: $0) }), pk.count == 32 else {
+                throw bad("classBPublics.\(n)", "not a public key")
+            }
+            let escrow = ["A", "B", "C", "D"].map { f.wrapped["r" + slot($0, n)].flatMap { Data(base64Encoded: $0) } }
+            guard escrow.allSatisfy({ $0 == nil })
+                || escrow.allSatisfy({ [32 + KeyWrap.overhead, sealedEscrowSize].contains($0?.count ?? -1) })
+            else { throw bad("wrapped.r*.\(n)", "some recovery slots of key set \(n) are missing or damaged") }
+        }
+    }
+
+    /// Wraps class A, B and C of every set under the passcode key into `f`, with each set's
+    /// class B public key; `f.keySet` becomes the newest set.
+    static func wrapPasscodeSlots(
+        _ sets: [UnlockedClassKeys], into f: inout KeybagFile, passcodeKey: SecureKey
+    ) throws {
+        for (n, s) in sets.enumerated() {
+            for (base, key) in [("A", s.classA), ("B", s.classBSecret), ("C", s.classC)] {
+                let slot = slot(base, n)
+                f.wrapped[slot] = Data(try KeyWrap.wrap(key, with: passcodeKey, ad: ad(f.storeID, slot)))
+                    .base64EncodedString()
+            }
+            let pk = Data(s.classBPublic).base64EncodedString()
+            if n == 0 {
+                f.classBPublic = pk
+            } else {
+                f.classBPublics = (f.classBPublics ?? [:]).merging([String(n): pk]) { $1 }
+            }
+        }
+        f.keySet = sets.count > 1 ? sets.count - 1 : nil
+        if sets.count > 1 { f.format = max(f.format, keySetsFormat) }
+    }
+
+    /// Wraps class D of every set and the volume key under the device wrap key into `f`
+    /// (format 2's associated data or later).
+    static func wrapDeviceSlots(_ keys: StoreKeys, into f: inout KeybagFile, deviceWrapKey: SecureKey) throws {
+        var entries = keys.classD.enumerated().map { (slot("D", $0.offset), $0.element) }
+        entries.append(("volume", keys.volume))
+        for (slot, key) in entries {
+            let ad = ad(f.storeID, slot, format: f.format)
+            f.wrapped[slot] = Data(try KeyWrap.wrap(key, with: deviceWrapKey, ad: ad)).base64EncodedString()
+        }
+    }
+
+    /// Wraps every key of `keys` into `f`: classes A, B, C under the passcode key of
+    /// `passcode` and `deviceKey` (with `f`'s salt and cost), D and the volume key under the
+    /// device wrap key.
+    static func wrapAll(_ keys: StoreKeys, into f: inout KeybagFile, passcode: SecureKey, deviceKey: SecureKey) throws {
+        let kek = try passcodeKey(passcode: passcode, file: f, deviceKey: deviceKey)
+        defer { kek.wipe() }
+        let dwk = try deviceWrapKey(deviceKey)
+        defer { dwk.wipe() }
+        try wrapPasscodeSlots(keys.sets, into: &f, passcodeKey: kek)
+        try wrapDeviceSlots(keys, into: &f, deviceWrapKey: dwk)
+    }
+
+    /// Every key this keybag holds, from the passcode and the device key; `badPasscode`
+    /// when the passcode is wrong (not counted here).
+    public func openAll(passcode: SecureKey, deviceKey: SecureKey) throws -> StoreKeys {
+        let d = try classDKeys(deviceKey: deviceKey)
+        let volume: SecureKey
+        do { volume = try unwrapDeviceKeySlot("volume", deviceKey: deviceKey) } catch {
+            d.values.forEach { $0.wipe() }
+            throw error
+        }
+        let sets: [UnlockedClassKeys]
+        do { sets = try unlockAll(passcode: passcode, deviceKey: deviceKey) } catch {
+            d.values.forEach { $0.wipe() }; volume.wipe(); throw error
+        }
+        return StoreKeys(sets: sets, classD: (0...currentKeySet).map { d[UInt8($0)]! }, volume: volume)
+    }
+
+    /// Starts a new key set (a device removal): fresh class keys A, B, C, D wrapped beside the
+    /// older sets, which stay to open older files. New files are wrapped for the new set, which
+    /// removed devices never get. A wrong passcode is counted. Returns the new set's number.
+    public mutating func startKeySet(
+        passcode: SecureKey, deviceKey: SecureKey, now: Double = Date().timeIntervalSince1970
+    ) throws -> Int {
+        if counterKey == nil { _ = try authenticate(deviceKey: deviceKey, now: now) }
+        let wait = retryAfter(now: now)
+        guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
+        guard currentKeySet < Keybag.maxKeySet else {
+            throw KeybagError.invalid("this store has \(Keybag.maxKeySet + 1) key sets, the most it can have")
+        }
+        guard !hasRecoveryKey || file.escrowPublic != nil else {
+            throw KeybagError.invalid(
+                "the recovery key of this store predates key sets and could not open files written after this " +
+                    "change: run `keybagfs recovery-key rotate` first, then try again")
+        }
+        var keys: StoreKeys
+        do { keys = try openAll(passcode: passcode, deviceKey: deviceKey) } catch KeybagError.badPasscode {
+            try recordFailure(now: now)
+            throw KeybagError.badPasscode
+        }
+        defer { keys.wipe() }
+        try keys.addFreshSet()
+        var next = file
+        try Keybag.wrapAll(keys, into: &next, passcode: passcode, deviceKey: deviceKey)
+        if next.escrowPublic != nil { try Keybag.sealEscrow(&next, entries: keys.escrowEntries(from: keys.current)) }
+        next.failedAttempts = 0
+        next.lockoutUntil = 0
+        file = next
+        try save()
+        return keys.current
+    }
+}

@@ -1,0 +1,156 @@
+import ArgumentParser
+import Foundation
+import Glibc
+import KeybagCLI
+import KeybagCore
+
+/// `keybagfs device`: the devices of a store that several machines share (one keybag each).
+struct DeviceCommand: ParsableCommand {
+    static let configuration = CommandConfiguration(
+        commandName: "device",
+        abstract: "List, add and remove the devices of a store shared by several machines.",
+        discussion: """
+        Each device has its own device key, passcode, failed-attempt counter and lock. A device is added on \
+        the new machine, with the store's recovery key, from its copy of the store; it is removed from \
+        another device, with that device's passcode: files written from then on cannot be opened with the \
+        removed device's keys. See README "Several devices".
+        """,
+        subcommands: [ID.self, List.self, Add.self, Remove.self])
+
+    /// `keybagfs device id`.
+    struct ID: ParsableCommand {
+        static let configuration = CommandConfiguration(
+            commandName: "id", abstract: "Print this device's id in the store (from its device key).")
+
+        @OptionGroup var target: UnmountedStore
+
+        func run() throws {
+            let kb = try Keybag.load(storePath: target.store)
+            let dk = try DeviceKeyFile.load(from: target.deviceKeyPath(kb))
+            defer { dk.wipe() }
+            print(try DeviceIdentity.id(deviceKey: dk, storeID: kb.file.storeID))
+        }
+    }
+
+    /// `keybagfs device list`.
+    struct List: ParsableCommand {
+        static let configuration = CommandConfiguration(abstract: "List the store's devices, present and removed.")
+
+        @Argument(help: "The store directory.")
+        var store: String
+
+        @Flag(help: "Print JSON.")
+        var json = false
+
+        func run() throws {
+            _ = try Keybag.load(storePath: store)   // a clear error when it is no store
+            let devices = StoreDevices.list(storePath: store)
+            if json {
+                let rows: [[String: Any]] = devices.map { d in
+                    var r: [String: Any] = ["id": d.id ?? NSNull(), "name": d.name ?? NSNull()]
+                    if let k = d.keybag { r["keybag"] = k }
+                    if let t = d.removedAt { r["removedAt"] = t; r["removedBeforeKeySet"] = d.removedBeforeKeySet ?? 0 }
+                    return r
+                }
+                let data = try JSONSerialization.data(withJSONObject: ["devices": rows], options: [.sortedKeys])
+                print(String(decoding: data, as: UTF8.self))
+                return
+            }
+            for d in devices {
+                let id = d.id ?? "(the first device; its id is written at its next mount)"
+                if let t = d.removedAt {
+                    print("\(id)  removed \(Date(timeIntervalSince1970: t))")
+                } else {
+                    print("\(id)  \(d.name ?? "")  \(d.keybag ?? "")")
+                }
+            }
+        }
+    }
+
+    /// `keybagfs device add`.
+    struct Add: ParsableCommand {
+        static let configuration = CommandConfiguration(
+            abstract: "Make this machine a device of a store it holds a copy of (needs the recovery key).",
+            discussion: """
+            Run on the new machine, with the store unmounted. The device key is made at --device-key (or the \
+            default path) unless a 32-byte key is there. The recovery key is read from --recovery-key-file, \
+            or as the first line of stdin with --stdin (the new device's passcode is then the second line), \
+            or asked on the terminal. The keys come from the store's recovery slots; no key travels between \
+            machines.
+            """)
+
+        @OptionGroup var target: UnmountedStore
+
+        @Option(help: "A name for this device (default: the host name).")
+        var name: String?
+
+        @Option(help: "Read the recovery key from this file's first line.")
+        var recoveryKeyFile: String?
+
+        @Flag(help: "Read the recovery key (unless --recovery-key-file) and then the passcode as lines from stdin.")
+        var stdin = false
+
+        @Option(help: "Argon2id cost of this device's passcode: interactive, moderate or sensitive.")
+        var kdf: KDFStrength = .moderate
+
+        func run() throws {
+            let lock = try lockUnmountedStore(target.store)
+            defer { close(lock) }
+            let any = try Keybag.load(storePath: target.store)
+            let recovery = try RecoveryKeyOutput.read(file: recoveryKeyFile, fromStdin: stdin)
+            defer { recovery.wipe() }
+            let passcode = try PasscodeInput.readNew(
+                fromStdin: stdin, prompt: "Passcode of this device: ",
+                mismatch: "the passcodes differ; nothing was changed")
+            defer { passcode.wipe() }
+            let dkPath = target.deviceKeyPath(any)
+            let existed = FileManager.default.fileExists(atPath: dkPath)
+            let dk = existed ? try DeviceKeyFile.load(from: dkPath) : try DeviceKeyFile.create(at: dkPath)
+            defer { dk.wipe() }
+            do {
+                let kb = try Keybag.addDevice(
+                    storePath: target.store, recovery: recovery, passcode: passcode, deviceKey: dk,
+                    name: name ?? ProcessInfo.processInfo.hostName, strength: kdf)
+                print("added this device to \(target.store)")
+                print("  device id:  \(kb.file.deviceID ?? "")")
+                print("  keybag:     \(kb.relativePath)")
+                print("  device key: \(dkPath)")
+            } catch {
+                if !existed { unlink(dkPath) }
+                throw error
+            }
+        }
+    }
+
+    /// `keybagfs device remove`.
+    struct Remove: ParsableCommand {
+        static let configuration = CommandConfiguration(
+            abstract: "Remove another device (a lost machine): it cannot open files written from now on.",
+            discussion: """
+            Run on a device that stays, with the store unmounted; needs that device's passcode (asked on the \
+            terminal, or one line of stdin with --passcode-stdin). New class keys are made for files written \
+            from now on; the removed device keeps what it could already read. Other devices open the new \
+            files after `keybagfs recover` there (the recovery key holds the new keys).
+            """)
+
+        @OptionGroup var target: UnmountedStore
+
+        @Argument(help: "The id of the device to remove (`keybagfs device list`).")
+        var id: String
+
+        @Flag(help: "Read the passcode as one line from standard input.")
+        var passcodeStdin = false
+
+        func run() throws {
+            let lock = try lockUnmountedStore(target.store)
+            defer { close(lock) }
+            var (kb, dk) = try target.deviceKeybag()
+            defer { dk.wipe() }
+            try kb.unwrapDeviceKeySlot("D", deviceKey: dk).wipe()
+            let passcode = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ")
+            defer { passcode.wipe() }
+            let set = try kb.removeDevice(id, passcode: passcode, deviceKey: dk)
+            print("removed device \(id); files written from now on use key set \(set)")
+        }
+    }
+}
