@@ -83,16 +83,20 @@ public final class ClassKeyring: Sendable {
     private let keys: Locked<Keys>
     /// `keys.access` as one word, stored under `keys`' lock and read without it.
     private let published: Atomic<UInt64>
+    /// Another device made a newer key set (a removal) that this device lacks: nothing new is
+    /// wrapped (creates and class changes are refused), since the removed device would open it.
+    public let refusesNewWraps: Bool
 
     /// A keyring holding only class D of key set 0 (state `beforeFirstUnlock`).
     public convenience init(classD: SecureKey) { self.init(classD: [0: classD], current: 0) }
 
     /// A keyring holding only the class D keys of each key set (state `beforeFirstUnlock`);
-    /// new files use `current`.
-    public init(classD: [UInt8: SecureKey], current: UInt8) {
+    /// new files use `current`, unless `behind` (see `refusesNewWraps`).
+    public init(classD: [UInt8: SecureKey], current: UInt8, behind: Bool = false) {
         let k = Keys(d: classD, current: current)
         keys = Locked(k)
         published = Atomic(k.access.word)
+        refusesNewWraps = behind
     }
 
     /// What the keys allow right now.
@@ -185,7 +189,7 @@ public final class ClassKeyring: Sendable {
     /// cannot create now.
     public func wrappingKey(for cls: ProtectionClass) -> (key: FileHeader.ClassKey, epoch: UInt64, keySet: UInt8)? {
         keys.withLock { k in
-            guard k.access.canCreate(cls) else { return nil }
+            guard k.access.canCreate(cls), !refusesNewWraps else { return nil }
             let s = k.current
             let key: FileHeader.ClassKey?
             switch cls {

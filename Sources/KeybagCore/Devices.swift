@@ -61,9 +61,21 @@ public enum StoreDevices {
         return try? JSONDecoder().decode(DeviceRemoval.self, from: data)
     }
 
-    /// File names in the devices folder (none when it does not exist).
+    /// File names in the devices folder (none when it does not exist or is not a real folder).
     static func entries(_ storePath: String) -> [String] {
-        ((try? FileManager.default.contentsOfDirectory(atPath: storePath + "/" + dirName)) ?? []).sorted()
+        var st = stat()
+        guard lstat(storePath + "/" + dirName, &st) == 0, st.st_mode & S_IFMT == S_IFDIR else { return [] }
+        return ((try? FileManager.default.contentsOfDirectory(atPath: storePath + "/" + dirName)) ?? []).sorted()
+    }
+
+    /// Makes the devices folder; refuses one that is a symlink or no folder (the tools run as root).
+    static func makeFolder(_ storePath: String) throws {
+        let path = storePath + "/" + dirName
+        if mkdir(path, 0o700) != 0 && errno != EEXIST { throw KeybagError.system("cannot make \(path)", errno) }
+        var st = stat()
+        guard lstat(path, &st) == 0, st.st_mode & S_IFMT == S_IFDIR else {
+            throw KeybagError.invalid("\(path) is not a folder (a symlink?)")
+        }
     }
 
     /// The newest key set a removal started (0 when no device was removed). A device whose
@@ -154,15 +166,18 @@ extension Keybag {
         return first
     }
 
-    /// The keybag with the newest key set (a removal writes its new set's recovery slots into
-    /// the remover's keybag): where the recovery key finds every set.
-    public static func newest(storePath: String) throws -> Keybag {
-        var best = try load(storePath: storePath)
-        for d in StoreDevices.list(storePath: storePath) {
-            guard let path = d.keybag, let kb = try? load(storePath: storePath, relativePath: path) else { continue }
-            if kb.file.storeID == best.file.storeID && kb.currentKeySet > best.currentKeySet { best = kb }
+    /// The keybag whose recovery slots open with `recovery` and hold the most key sets, with
+    /// its keys. Escrow slots are sealed under the recovery key itself, so only its holders
+    /// can have written them; a keybag that claims more sets without such slots is passed over.
+    public static func escrowSource(storePath: String, recovery: RecoveryKey) throws -> (Keybag, StoreKeys) {
+        let keybags = StoreDevices.list(storePath: storePath).compactMap { d in
+            d.keybag.flatMap { try? load(storePath: storePath, relativePath: $0) }
         }
-        return best
+        var failure: Error = KeybagError.invalid("this store has no keybag with recovery slots")
+        for kb in keybags.sorted(by: { $0.currentKeySet > $1.currentKeySet }) where kb.hasRecoveryKey {
+            do { return (kb, try kb.escrowedKeys(recovery: recovery)) } catch { failure = error }
+        }
+        throw failure
     }
 
     /// This keybag's device id (nil: the first device's keybag, before it learnt its id).
@@ -176,11 +191,11 @@ extension Keybag {
         storePath: String, recovery: RecoveryKey, passcode: SecureKey, deviceKey: SecureKey, name: String?,
         strength: KDFStrength
     ) throws -> Keybag {
-        let source = try newest(storePath: storePath)
-        guard source.hasRecoveryKey else {
+        let any = try load(storePath: storePath)
+        guard any.hasRecoveryKey else {
             throw KeybagError.invalid("this store has no recovery key: a device can only be added with one")
         }
-        let storeID = source.file.storeID
+        let storeID = any.file.storeID
         let id = try DeviceIdentity.id(deviceKey: deviceKey, storeID: storeID)
         guard StoreDevices.removal(storePath: storePath, id: id) == nil else {
             throw KeybagError.invalid("this device key was removed from the store: make a new device key")
@@ -197,7 +212,7 @@ extension Keybag {
                 "this device key is already a device of the store (\(id)); `keybagfs recover` gives it key sets " +
                     "made since it was added")
         }
-        let keys = try source.escrowedKeys(recovery: recovery)
+        let (source, keys) = try escrowSource(storePath: storePath, recovery: recovery)
         defer { keys.wipe() }
         var file = KeybagFile(
             format: Keybag.currentFormat, storeID: storeID, cipher: source.file.cipher,
@@ -208,7 +223,7 @@ extension Keybag {
         file.deviceName = name
         try wrapAll(keys, into: &file, passcode: passcode, deviceKey: deviceKey)
         try writeEscrow(&file, keys: keys.escrowEntries(), recovery: recovery)
-        mkdir(storePath + "/" + StoreDevices.dirName, 0o700)
+        try StoreDevices.makeFolder(storePath)
         let kb = Keybag(
             storePath: storePath, file: file, counterKey: try counterKey(deviceKey),
             relativePath: StoreDevices.keybagPath(id))
@@ -216,26 +231,56 @@ extension Keybag {
         return kb
     }
 
-    /// Removes device `id` (a lost laptop): starts a new key set, so that nothing written from
-    /// now on opens with the keys that device holds, records the removal and deletes its
-    /// keybag from the store. Files written before stay readable to it. Needs this device's
-    /// passcode (a wrong one is counted). Returns the new key set.
+    /// Removes device `id` (a lost laptop; `first` names the store's first device): starts a
+    /// new key set, so that nothing written from now on opens with the keys that device holds,
+    /// records the removal and deletes its keybag from the store. Files written before stay
+    /// readable to it. Needs this device's passcode (a wrong one is counted) and, when the
+    /// store has one, the recovery key. Refused while this device lacks a newer key set
+    /// another device made (two sets of one number would split the store). Returns the new set.
     public mutating func removeDevice(
-        _ id: String, passcode: SecureKey, deviceKey: SecureKey, now: Double = Date().timeIntervalSince1970
+        _ id: String, passcode: SecureKey, deviceKey: SecureKey, recovery: RecoveryKey?,
+        now: Double = Date().timeIntervalSince1970
     ) throws -> Int {
-        guard DeviceIdentity.isWellFormed(id) else { throw KeybagError.invalid("not a device id: \(id.prefix(40))") }
         let own = try DeviceIdentity.id(deviceKey: deviceKey, storeID: file.storeID)
-        guard id != own else { throw KeybagError.invalid("a device cannot remove itself; remove it from another one") }
-        guard StoreDevices.removal(storePath: storePath, id: id) == nil else {
-            throw KeybagError.invalid("device \(id) was already removed")
+        let keybag: String
+        if id == "first" {
+            guard relativePath != Keybag.fileName else {
+                throw KeybagError.invalid("a device cannot remove itself; remove it from another one")
+            }
+            keybag = Keybag.fileName
+        } else {
+            guard DeviceIdentity.isWellFormed(id) else {
+                throw KeybagError.invalid("not a device id: \(id.prefix(40))")
+            }
+            guard id != own else {
+                throw KeybagError.invalid("a device cannot remove itself; remove it from another one")
+            }
+            if FileManager.default.fileExists(atPath: storePath + "/" + StoreDevices.keybagPath(id)) {
+                keybag = StoreDevices.keybagPath(id)
+            } else if (try? Keybag.load(storePath: storePath, relativePath: Keybag.fileName))?.file.deviceID == id {
+                keybag = Keybag.fileName
+            } else {
+                throw KeybagError.invalid("no device \(id) in this store (`keybagfs device list` shows them)")
+            }
         }
-        let target = StoreDevices.list(storePath: storePath).first { $0.id == id && $0.keybag != nil }
-        guard let target, let keybag = target.keybag else {
-            throw KeybagError.invalid("no device \(id) in this store (`keybagfs device list` shows them)")
+        let target = try Keybag.load(storePath: storePath, relativePath: keybag)
+        let removedID = target.file.deviceID ?? "first"
+        guard StoreDevices.removal(storePath: storePath, id: removedID) == nil else {
+            throw KeybagError.invalid("device \(removedID) was already removed")
         }
-        let set = try startKeySet(passcode: passcode, deviceKey: deviceKey, now: now)
-        let record = try JSONEncoder().encode(DeviceRemoval(deviceID: id, removedAt: now, keySet: set))
-        try Keybag.writeAtomically(record, to: storePath + "/" + StoreDevices.removalPath(id))
+        let keybagSets = StoreDevices.list(storePath: storePath).compactMap { d in
+            d.keybag.flatMap { try? Keybag.load(storePath: storePath, relativePath: $0) }?.currentKeySet
+        }
+        let newest = max(StoreDevices.newestKeySet(storePath: storePath), keybagSets.max() ?? 0)
+        guard newest <= currentKeySet else {
+            throw KeybagError.invalid(
+                "another device made key set \(newest) and this device holds \(currentKeySet): take it up with " +
+                    "`keybagfs recover` first")
+        }
+        let set = try startKeySet(passcode: passcode, deviceKey: deviceKey, recovery: recovery, now: now)
+        let record = try JSONEncoder().encode(DeviceRemoval(deviceID: removedID, removedAt: now, keySet: set))
+        try StoreDevices.makeFolder(storePath)
+        try Keybag.writeAtomically(record, to: storePath + "/" + StoreDevices.removalPath(removedID))
         if unlink(storePath + "/" + keybag) != 0 && errno != ENOENT {
             throw KeybagError.system("cannot delete \(keybag)", errno)
         }

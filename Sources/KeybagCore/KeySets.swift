@@ -30,17 +30,35 @@ public struct StoreKeys: Sendable {
         classD.append(SecureKey(random: 32))
     }
 
-    /// Slot name and key of every escrowed key of sets `from...` (`A`, `B`, `C`, `D` per set,
-    /// and `volume` with set 0).
-    func escrowEntries(from first: Int = 0) -> [(String, SecureKey)] {
+    /// Whether `other` holds the very same keys, set by set.
+    func sameKeys(as other: StoreKeys) throws -> Bool {
+        guard sets.count == other.sets.count else { return false }
+        func eq(_ a: SecureKey, _ b: SecureKey) throws -> Bool {
+            try a.withBytes { x in
+                try b.withBytes { y in
+                    x.count == y.count && sodium_memcmp(x.baseAddress!, y.baseAddress!, x.count) == 0
+                }
+            }
+        }
+        for (x, y) in zip(sets, other.sets) {
+            guard try eq(x.classA, y.classA), try eq(x.classBSecret, y.classBSecret), try eq(x.classC, y.classC) else {
+                return false
+            }
+        }
+        for (x, y) in zip(classD, other.classD) where try !eq(x, y) { return false }
+        return try eq(volume, other.volume)
+    }
+
+    /// Slot name and key of every escrowed key (`A`, `B`, `C`, `D` per set, and `volume`).
+    func escrowEntries() -> [(String, SecureKey)] {
         var out: [(String, SecureKey)] = []
-        for n in first...current {
+        for n in 0...current {
             let s = sets[n]
             out += [("A", s.classA), ("B", s.classBSecret), ("C", s.classC), ("D", classD[n])].map {
                 (Keybag.slot($0.0, n), $0.1)
             }
         }
-        if first == 0 { out.append(("volume", volume)) }
+        out.append(("volume", volume))
         return out
     }
 }
@@ -48,19 +66,23 @@ public struct StoreKeys: Sendable {
 extension Keybag {
     /// Most key sets a store may have (the set number is one header byte).
     public static let maxKeySet = 255
-    /// Bytes of an escrow slot sealed to the recovery key's public key: a 16-byte slot tag
-    /// and the key, in a `crypto_box_seal` box.
-    static let sealedEscrowSize = Int(crypto_box_sealbytes()) + 16 + 32
 
     /// Checks the slots of key sets 1 and up: each set's four class slots and class B public
-    /// key present, escrow slots all present or all absent per set.
+    /// key present, escrow slots all present or all absent per set, and no slot of a set
+    /// above `keySet` (lowering `keySet` means removing slots: a rolled-back keybag).
     static func validateKeySets(_ f: KeybagFile) throws {
         func bad(_ field: String, _ why: String) -> KeybagError { .corrupt("keybag field \(field): \(why)") }
         let top = f.keySet ?? 0
         guard (0...maxKeySet).contains(top) else { throw bad("keySet", "out of range") }
         guard top == 0 || f.format >= keySetsFormat else { throw bad("keySet", "needs format \(keySetsFormat)") }
-        if let e = f.escrowPublic {
-            guard let k = Data(base64Encoded: e), k.count == 32 else { throw bad("escrowPublic", "not a public key") }
+        for name in f.wrapped.keys {
+            guard let dot = name.lastIndex(of: ".") else { continue }
+            guard let n = Int(name[name.index(after: dot)...]), n >= 1, n <= top else {
+                throw bad("wrapped.\(name.prefix(40))", "a slot of no key set of this keybag")
+            }
+        }
+        for n in (f.classBPublics ?? [:]).keys where Int(n).map({ $0 < 1 || $0 > top }) ?? true {
+            throw bad("classBPublics.\(n.prefix(10))", "a public key of no key set of this keybag")
         }
         guard top > 0 else { return }
         for n in 1...top {
@@ -73,9 +95,9 @@ extension Keybag {
                 throw bad("classBPublics.\(n)", "not a public key")
             }
             let escrow = ["A", "B", "C", "D"].map { f.wrapped["r" + slot($0, n)].flatMap { Data(base64Encoded: $0) } }
-            guard escrow.allSatisfy({ $0 == nil })
-                || escrow.allSatisfy({ [32 + KeyWrap.overhead, sealedEscrowSize].contains($0?.count ?? -1) })
-            else { throw bad("wrapped.r*.\(n)", "some recovery slots of key set \(n) are missing or damaged") }
+            guard escrow.allSatisfy({ $0 == nil }) || escrow.allSatisfy({ $0?.count == 32 + KeyWrap.overhead }) else {
+                throw bad("wrapped.r*.\(n)", "some recovery slots of key set \(n) are missing or damaged")
+            }
         }
     }
 
@@ -142,9 +164,12 @@ extension Keybag {
 
     /// Starts a new key set (a device removal): fresh class keys A, B, C, D wrapped beside the
     /// older sets, which stay to open older files. New files are wrapped for the new set, which
-    /// removed devices never get. A wrong passcode is counted. Returns the new set's number.
+    /// removed devices never get. A store with a recovery key needs it (every set is escrowed
+    /// under it, so only its holders can write escrow slots); a wrong passcode is counted.
+    /// Returns the new set's number.
     public mutating func startKeySet(
-        passcode: SecureKey, deviceKey: SecureKey, now: Double = Date().timeIntervalSince1970
+        passcode: SecureKey, deviceKey: SecureKey, recovery: RecoveryKey?,
+        now: Double = Date().timeIntervalSince1970
     ) throws -> Int {
         if counterKey == nil { _ = try authenticate(deviceKey: deviceKey, now: now) }
         let wait = retryAfter(now: now)
@@ -152,10 +177,11 @@ extension Keybag {
         guard currentKeySet < Keybag.maxKeySet else {
             throw KeybagError.invalid("this store has \(Keybag.maxKeySet + 1) key sets, the most it can have")
         }
-        guard !hasRecoveryKey || file.escrowPublic != nil else {
+        guard hasRecoveryKey == (recovery != nil) else {
             throw KeybagError.invalid(
-                "the recovery key of this store predates key sets and could not open files written after this " +
-                    "change: run `keybagfs recovery-key rotate` first, then try again")
+                hasRecoveryKey
+                    ? "this store has a recovery key: give it (--recovery-key-file, --stdin) to cover the new keys"
+                    : "this store has no recovery key")
         }
         var keys: StoreKeys
         do { keys = try openAll(passcode: passcode, deviceKey: deviceKey) } catch KeybagError.badPasscode {
@@ -163,10 +189,17 @@ extension Keybag {
             throw KeybagError.badPasscode
         }
         defer { keys.wipe() }
+        if let recovery {
+            let escrowed = try escrowedKeys(recovery: recovery)
+            defer { escrowed.wipe() }
+            guard try escrowed.sameKeys(as: keys) else {
+                throw KeybagError.corrupt("the recovery slots do not match this keybag (damaged or replaced)")
+            }
+        }
         try keys.addFreshSet()
         var next = file
         try Keybag.wrapAll(keys, into: &next, passcode: passcode, deviceKey: deviceKey)
-        if next.escrowPublic != nil { try Keybag.sealEscrow(&next, entries: keys.escrowEntries(from: keys.current)) }
+        if let recovery { try Keybag.writeEscrow(&next, keys: keys.escrowEntries(), recovery: recovery) }
         next.failedAttempts = 0
         next.lockoutUntil = 0
         file = next

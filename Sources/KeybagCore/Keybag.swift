@@ -64,9 +64,6 @@ public struct KeybagFile: Codable, Sendable, Equatable {
     public var keySet: Int? = nil
     /// Class B public keys of key sets 1 and up, by set number (base64).
     public var classBPublics: [String: String]? = nil
-    /// The recovery key's X25519 public key (base64): key sets made after the recovery key
-    /// are sealed to it (`rA.N`…), so a device removal needs no recovery key at hand.
-    public var escrowPublic: String? = nil
     /// The device this keybag belongs to (`DeviceIdentity`); absent before devices existed.
     public var deviceID: String? = nil
     /// A name for people (`keybagfs device list`), not authenticated.
@@ -188,13 +185,11 @@ public struct Keybag: Sendable {
     }
 
     /// The MAC of the cipher name of `f`.
-    /// Besides the cipher it covers the key set of new files and the recovery key's public
-    /// key once they exist (keybags without them keep the message they were written with).
+    /// Besides the cipher it covers the key set of new files once there is more than one
+    /// (keybags without key sets keep the message they were written with).
     static func cipherMAC(_ f: KeybagFile, key: SecureKey) throws -> String {
         var text = "keybagfs-cipher-v1|\(f.storeID)|\(f.cipher)"
-        if (f.keySet ?? 0) > 0 || f.escrowPublic != nil {
-            text += "|set=\(f.keySet ?? 0)|escrow=\(f.escrowPublic ?? "")"
-        }
+        if let set = f.keySet, set > 0 { text += "|set=\(set)" }
         let msg = Array(text.utf8)
         var mac = [UInt8](repeating: 0, count: 32)
         try key.withBytes { k in
@@ -379,6 +374,11 @@ public struct Keybag: Sendable {
                     "again with `keybagfs cipher`"
             )
         case nil:
+            // Every keybag written since devices and key sets has the MAC: one without it is stripped.
+            guard currentKeySet == 0, file.format < Keybag.keySetsFormat, file.deviceID == nil || pendingDeviceID
+            else {
+                throw KeybagError.corrupt("keybag field cipherMAC was removed offline (the keybag was edited)")
+            }
             file.cipherMAC = try Keybag.cipherMAC(file, key: key)   // keybags written before the MAC
             try saveWithoutCounter()
         case true?:

@@ -121,20 +121,6 @@ public struct RecoveryKey: Sendable {
         }
     }
 
-    /// The X25519 secret that opens escrow slots sealed to `escrowPublic(storeID:)`.
-    func escrowSecret(storeID: String) throws -> SecureKey {
-        try secret.withBytes { k in
-            KeyWrap.keyedHash(key: k, parts: [Array("keybagfs-escrow-x25519-v1".utf8), Array(storeID.utf8)])
-        }
-    }
-
-    /// The public key key sets are sealed to when the recovery key is not at hand.
-    public func escrowPublic(storeID: String) throws -> [UInt8] {
-        let s = try escrowSecret(storeID: storeID)
-        defer { s.wipe() }
-        return try ClassBAgreement.publicKey(of: s)
-    }
-
     /// Zeroes the secret.
     public func wipe() { secret.wipe() }
 }
@@ -148,19 +134,10 @@ extension Keybag {
         Array("keybagfs-escrow-v1|\(storeID)|\(slot)".utf8)
     }
 
-    /// The tag that binds a sealed escrow slot to its name and store (inside the box).
-    static func sealedEscrowTag(_ storeID: String, _ slot: String) -> [UInt8] {
-        var tag = [UInt8](repeating: 0, count: 16)
-        let msg = escrowAD(storeID, slot)
-        crypto_generichash(&tag, 16, msg, UInt64(msg.count), nil, 0)
-        return tag
-    }
-
     /// Whether the store has a recovery key.
     public var hasRecoveryKey: Bool { file.wrapped["rA"] != nil }
 
-    /// Wraps `keys` (slot name → key) for the recovery key into `f`, and names its public
-    /// key, so later key sets can be sealed to it.
+    /// Wraps `keys` (slot name → key) for the recovery key into `f`.
     static func writeEscrow(_ f: inout KeybagFile, keys: [(String, SecureKey)], recovery: RecoveryKey) throws {
         let rwk = try recovery.wrapKey(storeID: f.storeID)
         defer { rwk.wipe() }
@@ -168,54 +145,12 @@ extension Keybag {
             f.wrapped["r" + slot] = Data(try KeyWrap.wrap(key, with: rwk, ad: escrowAD(f.storeID, slot)))
                 .base64EncodedString()
         }
-        f.escrowPublic = Data(try recovery.escrowPublic(storeID: f.storeID)).base64EncodedString()
     }
 
-    /// Seals `entries` to the recovery key's public key (`crypto_box_seal` of tag ‖ key): a
-    /// device removal escrows its new key set without the recovery key at hand.
-    static func sealEscrow(_ f: inout KeybagFile, entries: [(String, SecureKey)]) throws {
-        guard let pk = f.escrowPublic.flatMap({ Data(base64Encoded: $0) }).map([UInt8].init), pk.count == 32 else {
-            throw KeybagError.corrupt("keybag field escrowPublic missing")
-        }
-        for (slot, key) in entries {
-            let message = SecureKey(zeroed: 48)
-            defer { message.wipe() }
-            var out = [UInt8](repeating: 0, count: sealedEscrowSize)
-            let rc = try message.withBytes { m in
-                let mp = UnsafeMutableRawPointer(mutating: m.baseAddress!)
-                sealedEscrowTag(f.storeID, slot).withUnsafeBytes { mp.copyMemory(from: $0.baseAddress!, byteCount: 16) }
-                try key.withBytes { (mp + 16).copyMemory(from: $0.baseAddress!, byteCount: 32) }
-                return crypto_box_seal(&out, m.baseAddress!.assumingMemoryBound(to: UInt8.self), 48, pk)
-            }
-            guard rc == 0 else { throw KeybagError.corrupt("cannot seal a recovery slot") }
-            f.wrapped["r" + slot] = Data(out).base64EncodedString()
-        }
-    }
-
-    /// Opens escrow slot `slot` with the recovery key: wrapped under its wrap key, or sealed
-    /// to its public key. `corrupt` when it does not open (a wrong key or a damaged slot).
-    func openEscrow(_ slot: String, rwk: SecureKey, escrowSecret: SecureKey) throws -> SecureKey {
-        let b = try blob("r" + slot)
-        if b.count != Keybag.sealedEscrowSize {
-            return try KeyWrap.unwrap(b, with: rwk, ad: Keybag.escrowAD(file.storeID, slot))
-        }
-        let pk = try ClassBAgreement.publicKey(of: escrowSecret)
-        let message = SecureKey(zeroed: 48)
-        defer { message.wipe() }
-        let rc = try message.withBytes { m in
-            try escrowSecret.withBytes { sk in
-                crypto_box_seal_open(
-                    UnsafeMutablePointer(mutating: m.baseAddress!.assumingMemoryBound(to: UInt8.self)), b,
-                    UInt64(b.count), pk, sk.baseAddress!.assumingMemoryBound(to: UInt8.self))
-            }
-        }
-        let tag = Keybag.sealedEscrowTag(file.storeID, slot)
-        guard rc == 0, try message.withBytes({ sodium_memcmp($0.baseAddress!, tag, 16) }) == 0 else {
-            throw KeybagError.corrupt("recovery slot \(slot) does not open")
-        }
-        return try message.withBytes { m in
-            SecureKey(count: 32) { $0.copyMemory(from: UnsafeRawBufferPointer(rebasing: m[16..<48])) }
-        }
+    /// Opens escrow slot `slot` with the recovery key's wrap key; `corrupt` when it does not
+    /// open (a wrong key, or a slot damaged, swapped or planted).
+    func openEscrow(_ slot: String, rwk: SecureKey) throws -> SecureKey {
+        try KeyWrap.unwrap(try blob("r" + slot), with: rwk, ad: Keybag.escrowAD(file.storeID, slot))
     }
 
     /// Every key of the store from its escrow slots; `badRecoveryKey` when the key is wrong,
@@ -223,12 +158,10 @@ extension Keybag {
     public func escrowedKeys(recovery: RecoveryKey) throws -> StoreKeys {
         let rwk = try recovery.wrapKey(storeID: file.storeID)
         defer { rwk.wipe() }
-        let esk = try recovery.escrowSecret(storeID: file.storeID)
-        defer { esk.wipe() }
         var taken: [String: SecureKey] = [:]
         defer { taken.values.forEach { $0.wipe() } }
         do {
-            taken["volume"] = try openEscrow("volume", rwk: rwk, escrowSecret: esk)
+            taken["volume"] = try openEscrow("volume", rwk: rwk)
         } catch KeybagError.corrupt { throw KeybagError.badRecoveryKey }
         for n in 0...currentKeySet {
             for base in ["A", "B", "C", "D"] {
@@ -237,7 +170,7 @@ extension Keybag {
                     throw KeybagError.corrupt(
                         "the recovery key does not cover key set \(n) (made before it); nothing was changed")
                 }
-                taken[slot] = try openEscrow(slot, rwk: rwk, escrowSecret: esk)
+                taken[slot] = try openEscrow(slot, rwk: rwk)
             }
         }
         // Escrow slots planted or swapped: each escrowed class B key must be the one whose

@@ -55,9 +55,8 @@ final class Controller: Sendable {
     /// The `status` reply.
     func status() -> [String: Any] {
         let st = state
-        let (failures, retry, device, keySet, store) = keybag.withLock {
-            ($0.file.failedAttempts, $0.retryAfter(now: Date().timeIntervalSince1970), $0.deviceID, $0.currentKeySet,
-             $0.storePath)
+        let (failures, retry, device, keySet) = keybag.withLock {
+            ($0.file.failedAttempts, $0.retryAfter(now: Date().timeIntervalSince1970), $0.deviceID, $0.currentKeySet)
         }
         return ["ok": true, "state": st.rawValue, "protectedDataAvailable": st == .unlocked, "grace": defaultGrace,
                 "openFiles": fs.openFiles.load(ordering: .relaxed), "pid": Int(getpid()), "mountpoint": mountpoint,
@@ -69,7 +68,7 @@ final class Controller: Sendable {
                 "inactivityRelock": inactivityRelock.map { $0 / 3600 } ?? NSNull(),
                 "relockIn": relockDeadline.withLock { $0 }.map { Self.seconds($0 - Self.bootTime()) } ?? NSNull(),
                 "deviceID": device ?? NSNull(), "keySet": keySet,
-                "keySetBehind": StoreDevices.newestKeySet(storePath: store) > keySet]
+                "keySetBehind": keyring.refusesNewWraps]
     }
 
     /// Seconds since boot, suspend included (CLOCK_BOOTTIME).

@@ -153,7 +153,8 @@ public enum MountDaemon {
         let data = try openFolder(cfg.store, Keybag.dataDirName, create: false)
         let targets = try openFolder(cfg.store, Keybag.targetsDirName, create: true)
         let xattrs = try openFolder(cfg.store, Keybag.xattrsDirName, create: true)
-        let keyring = ClassKeyring(classD: classD, current: UInt8(keybag.currentKeySet))
+        let behind = StoreDevices.newestKeySet(storePath: cfg.store) > keybag.currentKeySet
+        let keyring = ClassKeyring(classD: classD, current: UInt8(keybag.currentKeySet), behind: behind)
         let cipher = keybag.cipher.isAvailable ? keybag.cipher : .xchacha20poly1305
         let fs = try Filesystem(dataFD: data, targetsFD: targets, xattrsFD: xattrs, names: names, keyring: keyring,
                                 cipher: cipher, defaultClass: cfg.defaultClass, policy: cfg.policy,
@@ -204,6 +205,7 @@ public enum MountDaemon {
             ?? DeviceKeyFile.defaultPath(storeID: any.file.storeID)
         let deviceKey = try DeviceKeyFile.load(from: dkPath)
         var kb = try Keybag.load(storePath: cfg.store, deviceKey: deviceKey)
+        try KeySetFloor.check(kb, deviceKeyPath: dkPath)
         guard kb.cipher.isAvailable || kb.cipher.sharesLayout(with: .xchacha20poly1305) else {
             throw KeybagError.invalid("this CPU cannot run the store's cipher \(kb.cipher.name)")
         }
@@ -220,9 +222,9 @@ public enum MountDaemon {
         let newest = StoreDevices.newestKeySet(storePath: cfg.store)
         if newest > kb.currentKeySet {
             log(
-                "warning: a device was removed from this store (key set \(newest)) and this device holds key set " +
-                    "\(kb.currentKeySet): the removed device can still open files this device writes; take up the " +
-                    "new keys with `keybagfs recover`")
+                "a device was removed from this store (key set \(newest)) and this device holds key set " +
+                    "\(kb.currentKeySet): new files and class changes are refused (the removed device could open " +
+                    "them) until this device takes up the new keys with `keybagfs recover`")
         }
         let volume = try kb.unwrapDeviceKeySlot("volume", deviceKey: deviceKey)
         defer { volume.wipe() }

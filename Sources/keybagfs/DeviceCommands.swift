@@ -57,11 +57,16 @@ struct DeviceCommand: ParsableCommand {
                 return
             }
             for d in devices {
-                let id = d.id ?? "(the first device; its id is written at its next mount)"
+                let id = d.id ?? "first (its id is written at its next mount; `device remove` takes 'first')"
                 if let t = d.removedAt {
                     print("\(id)  removed \(Date(timeIntervalSince1970: t))")
                 } else {
-                    print("\(id)  \(d.name ?? "")  \(d.keybag ?? "")")
+                    // A name is whatever the device wrote: no terminal control characters pass.
+                    let scalars = (d.name ?? "").unicodeScalars.filter {
+                        $0.value >= 0x20 && !(0x7f..<0xa0).contains($0.value)
+                    }
+                    let name = scalars.map(String.init).joined()
+                    print("\(id)  \(name)  \(d.keybag ?? "")")
                 }
             }
         }
@@ -111,6 +116,7 @@ struct DeviceCommand: ParsableCommand {
                 let kb = try Keybag.addDevice(
                     storePath: target.store, recovery: recovery, passcode: passcode, deviceKey: dk,
                     name: name ?? ProcessInfo.processInfo.hostName, strength: kdf)
+                try KeySetFloor.check(kb, deviceKeyPath: dkPath)
                 print("added this device to \(target.store)")
                 print("  device id:  \(kb.file.deviceID ?? "")")
                 print("  keybag:     \(kb.relativePath)")
@@ -127,19 +133,24 @@ struct DeviceCommand: ParsableCommand {
         static let configuration = CommandConfiguration(
             abstract: "Remove another device (a lost machine): it cannot open files written from now on.",
             discussion: """
-            Run on a device that stays, with the store unmounted; needs that device's passcode (asked on the \
-            terminal, or one line of stdin with --passcode-stdin). New class keys are made for files written \
-            from now on; the removed device keeps what it could already read. Other devices open the new \
-            files after `keybagfs recover` there (the recovery key holds the new keys).
+            Run on a device that stays, with the store unmounted; needs that device's passcode and the \
+            store's recovery key (it must cover the new keys): from --recovery-key-file, or the first line of \
+            stdin with --stdin (the passcode is then the second line), or asked on the terminal. New class \
+            keys are made for files written from now on; the removed device keeps what it could already \
+            read. Other devices take up the new keys with `keybagfs recover`; until then they refuse new \
+            files. Also remove the device from the sync engine.
             """)
 
         @OptionGroup var target: UnmountedStore
 
-        @Argument(help: "The id of the device to remove (`keybagfs device list`).")
+        @Argument(help: "The id of the device to remove (`keybagfs device list`), or `first` for the store's first.")
         var id: String
 
-        @Flag(help: "Read the passcode as one line from standard input.")
-        var passcodeStdin = false
+        @Option(help: "Read the recovery key from this file's first line.")
+        var recoveryKeyFile: String?
+
+        @Flag(help: "Read the recovery key (unless --recovery-key-file) and then the passcode as lines from stdin.")
+        var stdin = false
 
         func run() throws {
             let lock = try lockUnmountedStore(target.store)
@@ -147,9 +158,12 @@ struct DeviceCommand: ParsableCommand {
             var (kb, dk) = try target.deviceKeybag()
             defer { dk.wipe() }
             try kb.unwrapDeviceKeySlot("D", deviceKey: dk).wipe()
-            let passcode = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ")
+            let recovery = kb.hasRecoveryKey ? try RecoveryKeyOutput.read(file: recoveryKeyFile, fromStdin: stdin) : nil
+            defer { recovery?.wipe() }
+            let passcode = try PasscodeInput.read(fromStdin: stdin, prompt: "Passcode: ")
             defer { passcode.wipe() }
-            let set = try kb.removeDevice(id, passcode: passcode, deviceKey: dk)
+            let set = try kb.removeDevice(id, passcode: passcode, deviceKey: dk, recovery: recovery)
+            try KeySetFloor.check(kb, deviceKeyPath: target.deviceKeyPath(kb))
             print("removed device \(id); files written from now on use key set \(set)")
         }
     }

@@ -31,6 +31,17 @@ struct Recover: ParsableCommand {
     @Flag(help: "Read the recovery key (unless --recovery-key-file) and then the new passcode as lines from stdin.")
     var stdin = false
 
+    @Flag(help: "With --new-device-key on a store of several devices: this is the device that made the store.")
+    var firstDevice = false
+
+    /// The keybag holding the most key sets the recovery key opens (a device that missed a
+    /// removal takes up its new set from there); nil when none opens (`recover` counts that).
+    static func escrowSource(_ store: String, _ recovery: RecoveryKey) -> Keybag? {
+        guard let (kb, keys) = try? Keybag.escrowSource(storePath: store, recovery: recovery) else { return nil }
+        keys.wipe()
+        return kb
+    }
+
     func run() throws {
         let lock = try lockUnmountedStore(target.store)
         defer { close(lock) }
@@ -57,6 +68,13 @@ struct Recover: ParsableCommand {
                     "the device that made this store was removed; add this device again with `keybagfs device add` " +
                         "and a new device key")
             }
+            let others = StoreDevices.list(storePath: target.store).contains { $0.keybag != Keybag.fileName }
+            guard firstDevice || !others else {
+                throw KeybagError.invalid(
+                    "this store has several devices and a new device key takes over the keybag of the device that " +
+                        "made it: add --first-device if this is that device; any other device is added again with " +
+                        "`keybagfs device add` and a new device key, and its old id removed")
+            }
             kb = try Keybag.load(storePath: target.store, relativePath: Keybag.fileName)
             let staged = dkPath + ".new"
             unlink(staged)
@@ -65,7 +83,7 @@ struct Recover: ParsableCommand {
             do {
                 try kb.recover(
                     with: recovery, newPasscode: passcode, deviceKey: dk,
-                    escrowFrom: try Keybag.newest(storePath: target.store))
+                    escrowFrom: Self.escrowSource(target.store, recovery))
             } catch {
                 unlink(staged)
                 throw error
@@ -75,6 +93,7 @@ struct Recover: ParsableCommand {
                     "the store now needs the device key \(staged); moving it to \(dkPath) failed", errno)
             }
             DeviceKeyFile.syncFolder(of: dkPath)
+            try KeySetFloor.check(kb, deviceKeyPath: dkPath)
             print(
                 "recovered \(target.store): new passcode set; new device key \(dkPath) (the old one no longer opens " +
                     "the store)"
@@ -97,7 +116,8 @@ struct Recover: ParsableCommand {
             _ = try? kb.authenticate(deviceKey: dk)
             try kb.recover(
                 with: recovery, newPasscode: passcode, deviceKey: dk,
-                escrowFrom: try Keybag.newest(storePath: target.store))
+                escrowFrom: Self.escrowSource(target.store, recovery))
+            try KeySetFloor.check(kb, deviceKeyPath: dkPath)
             print("recovered \(target.store): new passcode set")
         }
     }

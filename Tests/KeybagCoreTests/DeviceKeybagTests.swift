@@ -43,11 +43,16 @@ final class DeviceKeybagTests: TempDirTestCase {
     }
 
     func testARemovalStartsAKeySetTheRemovedDeviceNeverHolds() throws {
-        var (a, dkA, b, dkB, _) = try twoDevices()
+        var (a, dkA, b, dkB, recovery) = try twoDevices()
         let idB = try DeviceIdentity.id(deviceKey: dkB, storeID: storeID)
-        XCTAssertThrowsError(try a.removeDevice(idB, passcode: secret("wrong"), deviceKey: dkA, now: 1000))
+        XCTAssertThrowsError(try a.removeDevice(idB, passcode: secret("wrong"), deviceKey: dkA, recovery: recovery, now: 1000))
         XCTAssertEqual(a.file.failedAttempts, 1, "a wrong passcode counts")
-        XCTAssertEqual(try a.removeDevice(idB, passcode: secret("pa"), deviceKey: dkA, now: 2000), 1)
+        XCTAssertThrowsError(try a.removeDevice(idB, passcode: secret("pa"), deviceKey: dkA, recovery: nil, now: 1500)) {
+            XCTAssertTrue("\($0)".contains("recovery key"), "the recovery key must cover the new set: \($0)")
+        }
+        XCTAssertThrowsError(try a.removeDevice(idB, passcode: secret("pa"), deviceKey: dkA, recovery: RecoveryKey.generate(), now: 1600))
+        XCTAssertEqual(a.currentKeySet, 0, "nothing changed")
+        XCTAssertEqual(try a.removeDevice(idB, passcode: secret("pa"), deviceKey: dkA, recovery: recovery, now: 2000), 1)
         XCTAssertEqual(a.file.format, Keybag.keySetsFormat, "a keybag older versions refuse")
         XCTAssertFalse(FileManager.default.fileExists(atPath: dir + "/" + b.relativePath))
         XCTAssertEqual(StoreDevices.list(storePath: dir).first { $0.id == idB }?.removedBeforeKeySet, 1)
@@ -76,53 +81,81 @@ final class DeviceKeybagTests: TempDirTestCase {
         XCTAssertNoThrow(try old.unwrap(using: XCTUnwrap(ringA.unwrappingKey(for: .complete, keySet: 0))))
         // The removed device's key now only tells it that it was removed.
         XCTAssertThrowsError(try Keybag.load(storePath: dir, deviceKey: dkB)) { XCTAssertTrue("\($0)".contains("was removed"), "\($0)") }
-        XCTAssertThrowsError(try a.removeDevice(idB, passcode: secret("pa"), deviceKey: dkA))
-        XCTAssertThrowsError(try a.removeDevice(try DeviceIdentity.id(deviceKey: dkA, storeID: storeID), passcode: secret("pa"), deviceKey: dkA))
+        XCTAssertThrowsError(try a.removeDevice(idB, passcode: secret("pa"), deviceKey: dkA, recovery: recovery))
+        XCTAssertThrowsError(try a.removeDevice(try DeviceIdentity.id(deviceKey: dkA, storeID: storeID), passcode: secret("pa"), deviceKey: dkA, recovery: recovery))
     }
 
-    func testTheRecoveryKeyCoversKeySetsMadeWithoutIt() throws {
+    func testTheRecoveryKeyCoversEveryKeySetAndOnlyItsHoldersWriteEscrow() throws {
         var (a, dkA, _, dkB, recovery) = try twoDevices()
         // A third device C joins before B is removed.
         let dkC = SecureKey(random: 32)
         var c = try Keybag.addDevice(storePath: dir, recovery: recovery, passcode: secret("pc"), deviceKey: dkC, name: "c", strength: .interactive)
-        _ = try a.removeDevice(try DeviceIdentity.id(deviceKey: dkB, storeID: storeID), passcode: secret("pa"), deviceKey: dkA)
+        _ = try a.removeDevice(try DeviceIdentity.id(deviceKey: dkB, storeID: storeID), passcode: secret("pa"), deviceKey: dkA, recovery: recovery)
         let keysA = try a.openAll(passcode: secret("pa"), deviceKey: dkA)
         XCTAssertEqual(keysA.sets.count, 2)
-        // The set was sealed to the recovery key's public key: the recovery key opens it.
         let escrowed = try a.escrowedKeys(recovery: recovery)
         XCTAssertEqual(escrowed.sets.count, 2)
-        XCTAssertTrue(try same(escrowed.sets[1].classA, keysA.sets[1].classA))
-        XCTAssertTrue(try same(escrowed.classD[1], keysA.classD[1]))
+        XCTAssertTrue(try escrowed.sameKeys(as: keysA))
         XCTAssertThrowsError(try a.escrowedKeys(recovery: RecoveryKey.generate())) { XCTAssertEqual($0 as? KeybagError, .badRecoveryKey) }
-        // C takes up set 1 with `recover` from the newest keybag; a device added now gets both sets.
+        // C is behind: it may not remove anyone (its set 1 would be another set 1), and takes up
+        // set 1 with `recover` from the keybag that holds it.
         XCTAssertEqual(c.currentKeySet, 0)
         XCTAssertEqual(StoreDevices.newestKeySet(storePath: dir), 1, "C can tell it is behind")
-        try c.recover(with: recovery, newPasscode: secret("pc2"), deviceKey: dkC, escrowFrom: try Keybag.newest(storePath: dir))
+        XCTAssertThrowsError(try c.removeDevice("first", passcode: secret("pc"), deviceKey: dkC, recovery: recovery)) {
+            XCTAssertTrue("\($0)".contains("recover"), "\($0)")
+        }
+        // A keybag planted by someone who can write the store, claiming more sets, is passed over.
+        var planted = try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: dir + "/keybag"))) as! [String: Any]
+        planted["keySet"] = 2
+        planted["deviceID"] = String(repeating: "e", count: 32)
+        var wrapped = planted["wrapped"] as! [String: String]
+        for slot in ["A.2", "B.2", "C.2", "D.2", "rA.2", "rB.2", "rC.2", "rD.2"] { wrapped[slot] = wrapped[slot.replacingOccurrences(of: ".2", with: ".1")] }
+        planted["wrapped"] = wrapped
+        planted["classBPublics"] = ["1": (planted["classBPublics"] as! [String: String])["1"]!, "2": (planted["classBPublics"] as! [String: String])["1"]!]
+        try JSONSerialization.data(withJSONObject: planted).write(to: URL(fileURLWithPath: dir + "/devices/\(String(repeating: "e", count: 32)).keybag"))
+        let (source, keys) = try Keybag.escrowSource(storePath: dir, recovery: recovery)
+        XCTAssertEqual(source.relativePath, "keybag", "the planted keybag's slots do not open under their names")
+        XCTAssertTrue(try keys.sameKeys(as: keysA))
+        try c.recover(with: recovery, newPasscode: secret("pc2"), deviceKey: dkC, escrowFrom: source)
         let keysC = try Keybag.load(storePath: dir, deviceKey: dkC).openAll(passcode: secret("pc2"), deviceKey: dkC)
-        XCTAssertTrue(try same(keysC.sets[1].classC, keysA.sets[1].classC))
+        XCTAssertTrue(try keysC.sameKeys(as: keysA))
         let dkD = SecureKey(random: 32)
         let d = try Keybag.addDevice(storePath: dir, recovery: recovery, passcode: secret("pd"), deviceKey: dkD, name: nil, strength: .interactive)
         XCTAssertEqual(d.currentKeySet, 1)
-        // A sealed slot moved to another slot's name does not open there.
+        // A slot moved to another slot's name does not open there.
         var swapped = a
         swapped.file.wrapped["rA.1"] = a.file.wrapped["rC.1"]
         XCTAssertThrowsError(try swapped.escrowedKeys(recovery: recovery))
     }
 
-    func testTheKeySetOfNewFilesCannotBeEditedOffline() throws {
-        var (a, dkA, b, dkB, _) = try twoDevices()
-        _ = try a.removeDevice(try DeviceIdentity.id(deviceKey: dkB, storeID: storeID), passcode: secret("pa"), deviceKey: dkA)
-        _ = b
-        // Someone with the store sets the key set of new files back to 0 (which B still holds).
-        var json = try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: dir + "/keybag"))) as! [String: Any]
-        json["keySet"] = 0
-        try JSONSerialization.data(withJSONObject: json).write(to: URL(fileURLWithPath: dir + "/keybag"))
-        var edited = try Keybag.load(storePath: dir, deviceKey: dkA)
-        XCTAssertThrowsError(try edited.authenticate(deviceKey: dkA)) { XCTAssertTrue("\($0)".contains("edited offline"), "\($0)") }
-        // A format-3 keybag claiming format 2 is refused (its key sets would be ignored by older versions).
-        json["keySet"] = 1
-        json["format"] = 2
-        try JSONSerialization.data(withJSONObject: json).write(to: URL(fileURLWithPath: dir + "/keybag"))
+    func testTheKeySetOfNewFilesCannotBeEditedOrRolledBackOffline() throws {
+        var (a, dkA, _, dkB, recovery) = try twoDevices()
+        let before = try Data(contentsOf: URL(fileURLWithPath: dir + "/keybag"))
+        let dkPath = dir + "/a.key"
+        try KeySetFloor.check(a, deviceKeyPath: dkPath)
+        _ = try a.removeDevice(try DeviceIdentity.id(deviceKey: dkB, storeID: storeID), passcode: secret("pa"), deviceKey: dkA, recovery: recovery)
+        try KeySetFloor.check(a, deviceKeyPath: dkPath)
+        let after = try Data(contentsOf: URL(fileURLWithPath: dir + "/keybag"))
+        func write(_ edit: (inout [String: Any]) -> Void) throws {
+            var json = try JSONSerialization.jsonObject(with: after) as! [String: Any]
+            edit(&json)
+            try JSONSerialization.data(withJSONObject: json).write(to: URL(fileURLWithPath: dir + "/keybag"))
+        }
+        // The key set of new files set back to 0 (which B still holds): set 1's slots are still there.
+        try write { $0["keySet"] = 0 }
         XCTAssertThrowsError(try Keybag.load(storePath: dir, deviceKey: dkA))
+        // The MAC stripped from a keybag with key sets is refused.
+        try write { $0["cipherMAC"] = nil }
+        var stripped = try Keybag.load(storePath: dir, deviceKey: dkA)
+        XCTAssertThrowsError(try stripped.authenticate(deviceKey: dkA)) { XCTAssertTrue("\($0)".contains("removed offline"), "\($0)") }
+        // A format-3 keybag claiming format 2 is refused.
+        try write { $0["format"] = 2 }
+        XCTAssertThrowsError(try Keybag.load(storePath: dir, deviceKey: dkA))
+        // The whole keybag from before the removal: its own MACs verify, but this device held set 1.
+        try before.write(to: URL(fileURLWithPath: dir + "/keybag"))
+        let rolledBack = try Keybag.load(storePath: dir, deviceKey: dkA)
+        XCTAssertEqual(rolledBack.currentKeySet, 0)
+        XCTAssertThrowsError(try KeySetFloor.check(rolledBack, deviceKeyPath: dkPath)) { XCTAssertTrue("\($0)".contains("rolled back"), "\($0)") }
+        XCTAssertNoThrow(try KeySetFloor.check(rolledBack, deviceKeyPath: dir + "/other-device.key"), "another device key has its own floor")
     }
 }

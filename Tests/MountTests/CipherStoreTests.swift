@@ -116,9 +116,10 @@ final class CipherStoreTests: XCTestCase {
         XCTAssertFalse(m.isMounted)
         let set = keybagfs(["cipher", m.store, name, "--device-key", m.deviceKey])
         XCTAssertEqual(set.code, 0, set.stderr)
-        // A keybag from before the MAC: accepted, and the MAC is added.
+        // A keybag from before the MAC (and before devices): accepted, and the MAC is added.
         let current = try String(contentsOfFile: path, encoding: .utf8)
-        let withoutMAC = current.split(separator: "\n").filter { !$0.contains("\"cipherMAC\"") }.joined(separator: "\n")
+        let newer = ["\"cipherMAC\"", "\"deviceID\"", "\"deviceName\""]
+        let withoutMAC = current.split(separator: "\n").filter { l in !newer.contains { l.contains($0) } }.joined(separator: "\n")
         try withoutMAC.write(toFile: path, atomically: true, encoding: .utf8)
         try m.mount()
         m.unlock()

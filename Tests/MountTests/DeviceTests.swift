@@ -67,10 +67,10 @@ final class DeviceTests: XCTestCase {
         XCTAssertEqual(kbA["failedAttempts"] as? Int, 0, "B's wrong passcode is not counted in A's keybag")
 
         // A removes B: a wrong passcode is refused and nothing changes; the right one starts key set 1.
-        let bad = keybagfs(["device", "remove", a.store, idB, "--device-key", a.deviceKey, "--passcode-stdin"], stdin: "not it\n")
+        let bad = keybagfs(["device", "remove", a.store, idB, "--device-key", a.deviceKey, "--recovery-key-file", rk, "--stdin"], stdin: "not it\n")
         XCTAssertNotEqual(bad.code, 0)
         XCTAssertTrue(FileManager.default.fileExists(atPath: a.store + "/devices/\(idB).keybag"))
-        let rm = keybagfs(["device", "remove", a.store, idB, "--device-key", a.deviceKey, "--passcode-stdin"], stdin: a.passcode + "\n")
+        let rm = keybagfs(["device", "remove", a.store, idB, "--device-key", a.deviceKey, "--recovery-key-file", rk, "--stdin"], stdin: a.passcode + "\n")
         XCTAssertEqual(rm.code, 0, rm.stderr)
         XCTAssertFalse(FileManager.default.fileExists(atPath: a.store + "/devices/\(idB).keybag"))
         XCTAssertTrue(keybagfs(["device", "list", a.store]).stdout.contains("\(idB)  removed"))

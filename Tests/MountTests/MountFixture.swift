@@ -58,10 +58,12 @@ final class MountFixture {
         if mount { try self.mount() }
     }
 
-    /// A second device's replica of `other`'s store (as a sync engine would copy it), with its
-    /// own mount point, socket and (not yet made) device key; not mounted.
-    convenience init(replicaOf other: MountFixture, passcode: String) throws {
+    /// A second device's replica of `other`'s store (as a sync engine would copy it; with
+    /// `copy` false the store is left for a real sync engine to fill), with its own mount
+    /// point, socket and (not yet made) device key; not mounted.
+    convenience init(replicaOf other: MountFixture, passcode: String, copy: Bool = true) throws {
         try self.init(root: try Self.makeRoot(), passcode: passcode, grace: 0, defaultClass: nil)
+        guard copy else { return }
         let r = Self.run("/bin/cp", ["-a", other.store, store])
         guard r.code == 0 else { throw NSError(domain: "cp -a failed: \(r.stderr)", code: Int(r.code)) }
     }
