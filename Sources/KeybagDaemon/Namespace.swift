@@ -69,11 +69,16 @@ extension Filesystem {
         return m
     }
 
-    /// A directory node's metadata, read once and cached.
+    /// A directory node's metadata, read once and cached. Only the root gets one made here (a
+    /// new store); another directory without it is one a sync engine is still bringing in
+    /// (folder first, then its files): EIO until it arrives, as an IV made now would hide
+    /// every name that comes with it.
     func meta(of dir: Node) throws -> DirectoryMeta {
         guard dir.isDirectory else { throw FSError(ENOTDIR) }
         if let m = dir.dirMeta.withLock({ $0 }) { return m }
-        let m = try ensureMeta(dirFD: dir.fd)
+        guard let m = try dir.id == 1 ? ensureMeta(dirFD: dir.fd) : readMeta(dirFD: dir.fd) else {
+            throw FSError(EIO)
+        }
         dir.dirMeta.withLock { $0 = m }
         return m
     }
@@ -511,6 +516,7 @@ extension Filesystem {
                        DirHandle.Entry(name: "..", backing: "..", ino: upIno, type: UInt8(DT_DIR))]
         var copies: [DirHandle.Entry] = []
         for e in try backingEntries(dirFD: dfd) {
+            if case .syncEngine = BackingKind.of(e.name) { continue }   // a transfer in progress, .stfolder
             do {
                 guard let name = try plaintextName(dirFD: dfd, backing: e.name, iv: iv) else { continue }
                 let entry = DirHandle.Entry(name: name, backing: e.name, ino: e.ino, type: e.type)
