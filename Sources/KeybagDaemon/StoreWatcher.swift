@@ -212,6 +212,7 @@ final class StoreWatcher: Sendable {
             }
         }
         for d in ownDirectories { watchNew(d.name, in: d.handle, parent: nil) }
+        if !changes.isEmpty && Failpoint.watcherLosesEvents.isOn { changes = []; overflow = true }
         for c in changes { apply(c.change, in: c.handle) }
         if xattrSetsChanged { fs.storedXattrSets.store(Filesystem.countStoredSets(fs.xattrsFD), ordering: .relaxed) }
         if overflow { forgetEverything() }

@@ -20,11 +20,14 @@ final class ChangesUnderneathTests: XCTestCase {
         return other
     }
 
-    /// This device's mount (unlocked, closed with the test), filled by `fill` and synced to
-    /// disk, and the other device's copy of it.
-    private func twoDevices(_ fill: (MountFixture) -> Void) throws -> (here: MountFixture, there: MountFixture) {
-        let here = try MountFixture()
+    /// This device's mount (unlocked, closed with the test; the daemon gets `environment`),
+    /// filled by `fill` and synced to disk, and the other device's copy of it.
+    private func twoDevices(
+        environment: [String: String] = [:], _ fill: (MountFixture) -> Void
+    ) throws -> (here: MountFixture, there: MountFixture) {
+        let here = try MountFixture(mount: false)
         addTeardownBlock { here.close() }
+        try here.mount(environment: environment)
         here.unlock()
         fill(here)
         sync()
@@ -134,6 +137,27 @@ final class ChangesUnderneathTests: XCTestCase {
         // Changes this mount makes itself still work as before.
         XCTAssertEqual(writeFile(here.path("mine.txt"), bytes("mine")), 0)
         XCTAssertEqual(try readFile(here.path("mine.txt")).get(), bytes("mine"))
+    }
+
+    func testChangesStillShowWhenTheWatcherLosesEvents() throws {
+        var rng = SeededBytes(seed: 2526)
+        let old = rng.bytes(10_000), replaced = rng.bytes(40_000), fresh = rng.bytes(5000)
+        let (here, there) = try twoDevices(environment: ["KEYBAGFS_TEST_FAILPOINTS": "watcher-loses-events=on"]) { m in
+            XCTAssertEqual(mkdir(m.path("d"), 0o755), 0)
+            XCTAssertEqual(writeFile(m.path("d/kept.txt"), old), 0)
+        }
+        XCTAssertTrue((try? readFile(here.path("d/kept.txt")).get()) == old)
+        XCTAssertEqual(size(here.path("d/kept.txt")), old.count)
+        XCTAssertEqual(writeFile(there.path("d/kept.txt"), replaced), 0)
+        XCTAssertEqual(writeFile(there.path("d/new.txt"), fresh), 0)
+        sync()
+        try push(from: there.store, to: here.store)
+        // Every event is lost: the daemon drops all it may hold, names are looked up again.
+        XCTAssertTrue(waitUntil(5) { size(here.path("d/kept.txt")) == replaced.count }, "the replaced file's new size")
+        XCTAssertTrue((try? readFile(here.path("d/kept.txt")).get()) == replaced, "and its new bytes")
+        XCTAssertTrue((try? readFile(here.path("d/new.txt")).get()) == fresh)
+        XCTAssertEqual(writeFile(here.path("d/mine.txt"), bytes("mine")), 0, "the mount goes on working")
+        XCTAssertEqual(listing(here.path("d")), ["kept.txt", "new.txt", "mine.txt"])
     }
 
     func testDirectoriesMadeRenamedAndRemovedUnderneath() throws {
