@@ -201,6 +201,26 @@ final class ChangesUnderneathTests: XCTestCase {
         XCTAssertEqual(mkdir(here.path("new-dir/sub/mine"), 0o755), 0, "a folder made underneath takes new entries")
     }
 
+    func testFolderArrivingBeforeItsMetadataIsNotGivenANewOne() throws {
+        let (here, there) = try twoDevices { _ in }
+        XCTAssertEqual(mkdir(there.path("album"), 0o755), 0)
+        XCTAssertEqual(writeFile(there.path("album/a.jpg"), bytes("a photo")), 0)
+        sync()
+        // The engine makes the folder first; its .kbfs-dir and files come after.
+        let rel = backingRel(there, "album")
+        XCTAssertEqual(mkdir(here.store + "/" + rel, 0o755), 0)
+        XCTAssertTrue(waitUntil(5) { statErrno(here.path("album")) == 0 }, "the folder appears")
+        XCTAssertThrowsError(try FileManager.default.contentsOfDirectory(atPath: here.path("album")),
+                             "a folder without its metadata yet is not listed as empty")
+        XCTAssertEqual(writeFile(here.path("album/b.jpg"), bytes("b")), EIO, "nor written into")
+        XCTAssertFalse(FileManager.default.fileExists(atPath: here.store + "/" + rel + "/.kbfs-dir"),
+                       "the daemon gives it no name IV of its own")
+        try push(from: there.store, to: here.store)
+        XCTAssertTrue(waitUntil(5) { listing(here.path("album")) == ["a.jpg"] }, "\(listing(here.path("album")))")
+        XCTAssertTrue((try? readFile(here.path("album/a.jpg")).get()) == bytes("a photo"))
+        XCTAssertEqual(writeFile(here.path("album/b.jpg"), bytes("b")), 0)
+    }
+
     func testFileRewrittenInPlaceAndChmodUnderneathShowNewContentAndMode() throws {
         var rng = SeededBytes(seed: 52)
         let old = rng.bytes(12_000), new = rng.bytes(33_000)
