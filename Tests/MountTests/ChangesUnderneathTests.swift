@@ -255,9 +255,6 @@ final class ChangesUnderneathTests: XCTestCase {
         var rng = SeededBytes(seed: 2525)
         let photo = rng.bytes(9000), big = rng.bytes(300_000)
         let (here, there) = try twoDevices { XCTAssertEqual(writeFile($0.path("photo.jpg"), photo), 0) }
-        XCTAssertEqual(try getXattr(here.path("photo.jpg")).get(), "completeUntilFirstUserAuthentication")
-        XCTAssertEqual(setXattr(there.path("photo.jpg"), "complete"), 0)
-        XCTAssertEqual(setXattr(there.path("photo.jpg"), "blue", "user.tag"), 0)
         XCTAssertEqual(writeFile(there.path("big.bin"), big), 0)
         sync()
         var seenDuring: [Set<String>] = []
@@ -270,11 +267,21 @@ final class ChangesUnderneathTests: XCTestCase {
         for names in seenDuring {
             XCTAssertTrue(names.isSubset(of: ["photo.jpg", "big.bin"]), "listed during a transfer: \(names)")
         }
+        XCTAssertTrue(waitUntil(5) { (try? readFile(here.path("big.bin")).get()) == big })
+
+        // A class change on the other device (a header rewrite: Syncthing brings a new file).
+        // An open fd keeps the old version's backing inode, and so its node, alive here.
+        XCTAssertEqual(try getXattr(here.path("photo.jpg")).get(), "completeUntilFirstUserAuthentication")
+        let held = open(here.path("photo.jpg"), O_RDONLY)
+        XCTAssertEqual(setXattr(there.path("photo.jpg"), "complete"), 0)
+        XCTAssertEqual(setXattr(there.path("photo.jpg"), "blue", "user.tag"), 0)
+        sync()
+        try push(from: there.store, to: here.store)
         XCTAssertTrue(
             waitUntil(5) { (try? getXattr(here.path("photo.jpg")).get()) == "complete" }, "the class change shows")
         XCTAssertEqual(try getXattr(here.path("photo.jpg"), "user.tag").get(), "blue")
         XCTAssertEqual(try readFile(here.path("photo.jpg")).get(), photo)
-        XCTAssertTrue(waitUntil(5) { (try? readFile(here.path("big.bin")).get()) == big })
+        close(held)
 
         // A transfer in progress, and Syncthing's own files at the folder root (the store, or
         // only its data folder), are no entries of the mount and no damage to fsck.
