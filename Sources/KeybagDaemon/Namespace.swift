@@ -516,12 +516,13 @@ extension Filesystem {
                        DirHandle.Entry(name: "..", backing: "..", ino: upIno, type: UInt8(DT_DIR))]
         var copies: [DirHandle.Entry] = []
         for e in try backingEntries(dirFD: dfd) {
-            if case .syncEngine = BackingKind.of(e.name) { continue }   // a transfer in progress, .stfolder
             do {
                 guard let name = try plaintextName(dirFD: dfd, backing: e.name, iv: iv) else { continue }
                 let entry = DirHandle.Entry(name: name, backing: e.name, ino: e.ino, type: e.type)
                 if ConflictCopy(backing: e.name) != nil { copies.append(entry) } else { entries.append(entry) }
             } catch {
+                // A sync engine's transfer in progress or folder file (.stfolder) is no damage.
+                if SyncEngineFile(backing: e.name) != nil { continue }
                 MountDaemon.log("skipping a store entry that does not decrypt (\(e.name.prefix(24))…): \(error)")
             }
         }
