@@ -18,7 +18,7 @@ public struct SyncEngineFile: Sendable, Equatable {
     public let role: Role
 
     /// Syncthing's files at the root of a synced folder.
-    public static let syncthingFolderFiles: Set<String> = [".stfolder", ".stignore", ".stversions", ".stglobalignore"]
+    public static let syncthingFolderFiles: Set<String> = [".stfolder", ".stignore", ".stversions"]
 
     /// The sync engine file a backing name is, if any (the store's own `.kbfs-*` names never are).
     public init?(backing name: String) {
