@@ -3,6 +3,10 @@
 #include <fcntl.h>
 #include <malloc.h>
 #include <stdio.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/fanotify.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -88,3 +92,59 @@ int kbfs_reserve(int fd, long long offset, long long len) {
 }
 
 int kbfs_syncfs(int fd) { return syncfs(fd); }
+
+const unsigned long long kbfs_FAN_CREATE = FAN_CREATE, kbfs_FAN_DELETE = FAN_DELETE,
+    kbfs_FAN_MOVED_FROM = FAN_MOVED_FROM, kbfs_FAN_MOVED_TO = FAN_MOVED_TO, kbfs_FAN_CLOSE_WRITE = FAN_CLOSE_WRITE,
+    kbfs_FAN_ATTRIB = FAN_ATTRIB, kbfs_FAN_ONDIR = FAN_ONDIR, kbfs_FAN_Q_OVERFLOW = FAN_Q_OVERFLOW;
+
+int kbfs_fanotify_open(int unlimited) {
+    unsigned int flags = FAN_CLASS_NOTIF | FAN_CLOEXEC | FAN_REPORT_DFID_NAME;
+    if (unlimited) flags |= FAN_UNLIMITED_QUEUE | FAN_UNLIMITED_MARKS;
+    return fanotify_init(flags, O_RDONLY | O_CLOEXEC);
+}
+
+int kbfs_fanotify_watch(int fanfd, int dirfd) {
+    uint64_t mask = FAN_CREATE | FAN_DELETE | FAN_MOVED_FROM | FAN_MOVED_TO | FAN_CLOSE_WRITE | FAN_ATTRIB |
+                    FAN_ONDIR | FAN_EVENT_ON_CHILD;
+    return fanotify_mark(fanfd, FAN_MARK_ADD, mask, dirfd, NULL);
+}
+
+int kbfs_fanotify_next(const unsigned char *buf, long len, long *offset, struct kbfs_fan_event *ev) {
+    long at = *offset;
+    struct fanotify_event_metadata meta;
+    if (at >= len) return 0;
+    if (len - at < (long)sizeof(meta)) return -1;
+    memcpy(&meta, buf + at, sizeof(meta));
+    if (meta.event_len < sizeof(meta) || (long)meta.event_len > len - at || meta.vers != FANOTIFY_METADATA_VERSION)
+        return -1;
+    ev->mask = meta.mask;
+    ev->pid = meta.pid;
+    ev->handle = NULL;
+    ev->handle_len = 0;
+    ev->name = NULL;
+    long info = at + meta.metadata_len, end = at + meta.event_len;
+    while (info + (long)sizeof(struct fanotify_event_info_header) <= end) {
+        struct fanotify_event_info_header hdr;
+        memcpy(&hdr, buf + info, sizeof(hdr));
+        if (hdr.len < sizeof(hdr) || (long)hdr.len > end - info) return -1;
+        if (hdr.info_type == FAN_EVENT_INFO_TYPE_DFID_NAME || hdr.info_type == FAN_EVENT_INFO_TYPE_DFID) {
+            long fh = info + (long)offsetof(struct fanotify_event_info_fid, handle);
+            struct file_handle h;
+            if (fh + (long)sizeof(h) > info + hdr.len) return -1;
+            memcpy(&h, buf + fh, sizeof(h));
+            long hlen = (long)sizeof(h) + (long)h.handle_bytes;
+            if (h.handle_bytes > MAX_HANDLE_SZ || fh + hlen > info + hdr.len) return -1;
+            ev->handle = buf + fh;
+            ev->handle_len = (int)hlen;
+            if (hdr.info_type == FAN_EVENT_INFO_TYPE_DFID_NAME) {
+                const char *name = (const char *)(buf + fh + hlen);
+                long room = info + hdr.len - (fh + hlen);
+                if (room <= 0 || memchr(name, 0, (size_t)room) == NULL) return -1;
+                ev->name = name;
+            }
+        }
+        info += hdr.len;
+    }
+    *offset = end;
+    return 1;
+}

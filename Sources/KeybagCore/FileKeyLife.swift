@@ -22,6 +22,10 @@ public struct FileKeyLife: Sendable {
 
     /// The parsed header, once read.
     public private(set) var header: FileHeader?
+    /// Whether another writer rewrote the file in place (a sync engine): the kernel's view of
+    /// it (size, pages) and this key may not match it any more, so every use fails (EIO); the
+    /// daemon gives the next lookup a new node.
+    public private(set) var superseded = false
     /// The file key, while loaded.
     private var key: FileContentKey?
     /// The lock epoch the key was loaded or adopted in.
@@ -45,7 +49,7 @@ public struct FileKeyLife: Sendable {
     /// The loaded key when it may serve `use` under `access` as it is (no loading, no
     /// change): what a reader holding the inode's lock shared may use.
     public func readyKey(for use: Use, _ access: KeyAccess) -> FileContentKey? {
-        guard let k = key, let cls = header?.protectionClass, !k.isWiped else { return nil }
+        guard !superseded, let k = key, let cls = header?.protectionClass, !k.isWiped else { return nil }
         return Self.allows(cls, use: use, keyEpoch: keyEpoch, access) ? k : nil
     }
 
@@ -68,6 +72,7 @@ public struct FileKeyLife: Sendable {
     public mutating func key(for use: Use, keyring: ClassKeyring, cipher: ContentCipher) throws -> FileContentKey {
         let access = keyring.access
         if let k = readyKey(for: use, access) { return k }
+        guard !superseded else { throw KeybagError.corrupt("the file was rewritten underneath: open it again") }
         guard let h = header else { throw KeybagError.corrupt("file header not loaded") }
         dropKey()
         guard access.canOpen(h.protectionClass),
@@ -174,6 +179,14 @@ public struct FileKeyLife: Sendable {
         try persist(next)
         header = next
         keyEpoch = epoch
+    }
+
+    /// Another writer rewrote the file in place (a sync engine): the key is wiped and every
+    /// later use fails. Open handles stay counted; the header's class still decides what a
+    /// lock drops.
+    public mutating func supersede() {
+        dropKey()
+        superseded = true
     }
 
     /// Daemon exit: wipes the key.

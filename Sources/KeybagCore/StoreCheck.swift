@@ -92,8 +92,15 @@ public final class StoreCheck {
             Keybag.targetsDirName, referenced: targetIDs, kind: "target-orphan", what: "a symlink target of no symlink")
     }
 
-    /// True when no problem was found.
-    public var isClean: Bool { problems.isEmpty }
+    /// True when no problem was found (a sync engine's files are reported, and left alone,
+    /// but are no problem).
+    public var isClean: Bool { problems.allSatisfy { $0.repair == Self.leftAlone } }
+
+    /// The repair state of a sync engine's file: never touched, not even by `--repair --yes`.
+    public static let leftAlone = "left-alone"
+
+    /// Why a file may be cut short besides a crash: a copy still coming in.
+    static let halfSynced = "; or a file a sync engine or a copy had not finished writing"
 
     // MARK: recording
 
@@ -157,6 +164,10 @@ public final class StoreCheck {
         let present = Set(all)
         for e in all.sorted() where e != DirectoryMeta.fileName {
             let path = rel + "/" + e
+            if let s = SyncEngineFile(backing: e) {
+                note("sync-engine-file", path, nil, s.description, Self.leftAlone)
+                continue
+            }
             if e.hasPrefix(NameCipher.reservedPrefix) {
                 fix("temporary", path, nil, "a temporary left by an interrupted write") { try unlinkOrThrow(fd, e) }
                 continue
@@ -300,7 +311,7 @@ public final class StoreCheck {
             let detail =
                 size == 0
                 ? "an empty file without header (a crash during create); it becomes an empty \(dirClass.name) file"
-                : "a header cut to \(size) bytes: the file key is lost"
+                : "a header cut to \(size) bytes: the file key is lost" + Self.halfSynced
             if !keyAtHand && options.repair {
                 return note(size == 0 ? "no-header" : "header-truncated", path, name, detail, "needs-passcode")
             }
@@ -335,7 +346,8 @@ public final class StoreCheck {
         let layout = content.layout
         let rest = (size - FileHeader.size) % layout.cipherBlockSize
         if rest > 0 && rest <= layout.overhead {
-            fix("torn-fragment", path, name, "\(rest) bytes after the last block hold no data (a write cut off)") {
+            let detail = "\(rest) bytes after the last block hold no data (a write cut off" + Self.halfSynced + ")"
+            fix("torn-fragment", path, name, detail) {
                 guard ftruncate(fd, off_t(size - rest)) == 0 else { throw KeybagError.system("ftruncate", errno) }
             }
         }
@@ -363,8 +375,8 @@ public final class StoreCheck {
             let lost = n - 1 - lastGood
             fix(
                 "torn-tail", path, name,
-                "the last \(lost) block(s) do not authenticate (a write cut off before fsync); repair cuts the file " +
-                    "after block \(lastGood)",
+                "the last \(lost) block(s) do not authenticate (a write cut off before fsync" + Self.halfSynced +
+                    "); repair cuts the file after block \(lastGood)",
                 losesData: true
             ) {
                 try content.cut(fd: fd, afterBlocks: lastGood + 1)
@@ -375,7 +387,8 @@ public final class StoreCheck {
         } else if checks[n - 1] == .wrongEnd {
             fix(
                 "end-not-sealed", path, name,
-                "the file ends at block \(n - 1) but that block is not sealed as the end (a cut, or a truncate cut off)"
+                "the file ends at block \(n - 1) but that block is not sealed as the end (a cut, or a truncate " +
+                    "cut off" + Self.halfSynced + ")"
             ) {
                 try content.resealEndMark(fd: fd, key: key, block: n - 1, from: false, to: true)
             }
@@ -403,7 +416,9 @@ public final class StoreCheck {
         defer { close(fd) }
         for e in entries(fd).sorted() where !referenced.contains(e) {
             let path = folder + "/" + e
-            if e.hasPrefix(NameCipher.reservedPrefix) {
+            if let s = SyncEngineFile(backing: e) {
+                note("sync-engine-file", path, nil, s.description, Self.leftAlone)
+            } else if e.hasPrefix(NameCipher.reservedPrefix) {
                 fix("temporary", path, nil, "a temporary left by an interrupted write") { try unlinkOrThrow(fd, e) }
             } else if unreadableHeaders > 0 && kind == "xattr-orphan" {
                 note(kind, path, nil, what + " (kept: some headers are unreadable, it may be theirs)", "not-repairable")

@@ -22,6 +22,9 @@ enum Failpoint: String, Sendable {
     /// A switch: giving a new object to its creator fails (as root's chown does on an NFS
     /// store with root_squash).
     case chownRefused = "chown-refused"
+    /// A switch: the store watcher takes every batch of changes another process made as lost
+    /// (as a queue overflow), and drops everything instead of applying them.
+    case watcherLosesEvents = "watcher-loses-events"
 
     /// What a failpoint does when reached.
     enum Action: Sendable, Equatable { case sleep(UInt32), stop, on }

@@ -93,7 +93,7 @@ final class Filesystem: Sendable {
     }
 
     /// Stored xattr sets in the store's folder (temporary files not counted).
-    private static func countStoredSets(_ dirFD: Int32) -> Int {
+    static func countStoredSets(_ dirFD: Int32) -> Int {
         let fd = openat(dirFD, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC)
         guard fd >= 0, let dir = fdopendir(fd) else { if fd >= 0 { close(fd) }; return 0 }
         defer { closedir(dir) }

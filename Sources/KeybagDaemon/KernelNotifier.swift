@@ -84,6 +84,19 @@ final class KernelNotifier: Sendable {
         for id in ids { _ = fuse_lowlevel_notify_inval_inode(se, id, -1, 0) }
     }
 
+    /// Makes the kernel forget the entry `name` of directory `parent` (a name it found, or
+    /// found missing), soon, from the notifier's queue: the next use of the name is looked
+    /// up again. For changes another writer made in the store (`StoreWatcher`).
+    func forgetEntrySoon(parent: UInt64, name: String) {
+        queue.async { [self] in
+            guard let se = current else { return }
+            let rc = name.withCString { fuse_lowlevel_notify_inval_entry(se, parent, $0, strlen($0)) }
+            if rc != 0 && rc != -ENOENT {
+                MountDaemon.log("a changed entry was not dropped from the kernel: \(String(cString: strerror(-rc)))")
+            }
+        }
+    }
+
     /// Runs `work` on the notifier's queue, not on the calling FUSE thread.
     func soon(_ work: @escaping @Sendable () -> Void) { queue.async(execute: work) }
 }

@@ -44,10 +44,14 @@ public struct MountConfiguration: Sendable {
 /// The daemon's life: open the store, bind the control socket, mount, serve until
 /// unmounted or signalled, then zero every key.
 public enum MountDaemon {
-    /// Seconds the kernel may cache entries and attributes. Every change goes through
-    /// this daemon, which replies new attributes and lets the kernel drop what it changed,
-    /// so the cache can be long; editing the store behind a live mount is not supported.
+    /// Seconds the kernel may cache entries and attributes. A change through this daemon
+    /// replies new attributes and lets the kernel drop what it changed, and a change another
+    /// writer makes in the store (a sync engine) is reported by the `StoreWatcher`, which makes
+    /// the kernel drop what it made stale; so the cache can be long.
     static let cacheTimeout = 30.0
+    /// The cache time where the store cannot be watched (no fanotify for this process): a
+    /// change underneath shows after at most this long.
+    static let unwatchedCacheTimeout = 1.0
 
     /// Whether the kernel must check modes (`default_permissions`): always, unless the mount
     /// is root's alone (no allow_other / allow_root), where every caller is root and the
@@ -110,6 +114,8 @@ public enum MountDaemon {
         let fs: Filesystem
         let controller: Controller
         let server: ControlServer
+        /// Changes another writer makes in the store; nil where they cannot be watched.
+        let watcher: StoreWatcher?
     }
 
     /// Runs the daemon in this process; returns the exit code.
@@ -169,9 +175,12 @@ public enum MountDaemon {
             notifySystemd("STATUS=\(statusLine(state))")
         }
         do {
+            let server = try ControlServer(path: cfg.socketPath, controller: controller, owner: owner)
             return Started(
-                fs: fs, controller: controller,
-                server: try ControlServer(path: cfg.socketPath, controller: controller, owner: owner))
+                fs: fs, controller: controller, server: server,
+                watcher: StoreWatcher.start(
+                    fs: fs, dataPath: cfg.store + "/" + Keybag.dataDirName,
+                    xattrsPath: cfg.store + "/" + Keybag.xattrsDirName))
         } catch {
             controller.shutdown()
             throw error
@@ -247,7 +256,7 @@ public enum MountDaemon {
         _ cfg: MountConfiguration, _ s: Started
     ) throws -> (OpaquePointer, UnsafeMutableRawPointer) {
         func fail(_ m: String) -> StartFailure {
-            s.server.stop(); s.controller.shutdown(); return StartFailure(message: m)
+            s.watcher?.stop(); s.server.stop(); s.controller.shutdown(); return StartFailure(message: m)
         }
         let fsname = cfg.store.replacingOccurrences(of: ",", with: "_")
         var opts = ["fsname=\(fsname)", "subtype=keybagfs"]
@@ -260,7 +269,8 @@ public enum MountDaemon {
         defer { cargs.forEach { free($0) } }
         var cArgv: [UnsafeMutablePointer<CChar>?] = cargs + [nil]
         let context = FuseContext(
-            fs: s.fs, cacheTimeout: Self.cacheTimeout, writebackCache: cfg.writebackCache, posixACL: posixACL)
+            fs: s.fs, cacheTimeout: s.watcher == nil ? Self.unwatchedCacheTimeout : Self.cacheTimeout,
+            writebackCache: cfg.writebackCache, posixACL: posixACL)
         let userdata = Unmanaged.passRetained(context).toOpaque()
         var ops = FuseBridge.operations()
         let se: OpaquePointer? = cArgv.withUnsafeMutableBufferPointer { buf in
@@ -305,6 +315,7 @@ public enum MountDaemon {
         let rc = fuse_session_loop_mt(se, loopCfg)
         fuse_loop_cfg_destroy(loopCfg)
 
+        s.watcher?.stop()
         s.fs.kernel.detach()
         HeapTrimmer.shared.stop()
         s.server.stop()

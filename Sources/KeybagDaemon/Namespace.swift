@@ -69,11 +69,16 @@ extension Filesystem {
         return m
     }
 
-    /// A directory node's metadata, read once and cached.
+    /// A directory node's metadata, read once and cached. Only the root gets one made here (a
+    /// new store); another directory without it is one a sync engine is still bringing in
+    /// (folder first, then its files): EIO until it arrives, as an IV made now would hide
+    /// every name that comes with it.
     func meta(of dir: Node) throws -> DirectoryMeta {
         guard dir.isDirectory else { throw FSError(ENOTDIR) }
         if let m = dir.dirMeta.withLock({ $0 }) { return m }
-        let m = try ensureMeta(dirFD: dir.fd)
+        guard let m = try dir.id == 1 ? ensureMeta(dirFD: dir.fd) : readMeta(dirFD: dir.fd) else {
+            throw FSError(EIO)
+        }
         dir.dirMeta.withLock { $0 = m }
         return m
     }
@@ -516,6 +521,8 @@ extension Filesystem {
                 let entry = DirHandle.Entry(name: name, backing: e.name, ino: e.ino, type: e.type)
                 if ConflictCopy(backing: e.name) != nil { copies.append(entry) } else { entries.append(entry) }
             } catch {
+                // A sync engine's transfer in progress or folder file (.stfolder) is no damage.
+                if SyncEngineFile(backing: e.name) != nil { continue }
                 MountDaemon.log("skipping a store entry that does not decrypt (\(e.name.prefix(24))…): \(error)")
             }
         }

@@ -93,6 +93,14 @@ final class Node: Sendable {
     /// True for symbolic links.
     var isSymlink: Bool { type == S_IFLNK }
 
+    /// Whether the object of a node kept by descriptor still has a name (nodes kept by handle:
+    /// true; their handle tells a reused inode number apart).
+    var stillLinked: Bool {
+        guard fd >= 0 else { return true }
+        var st = stat()
+        return fstat(fd, &st) != 0 || st.st_nlink > 0
+    }
+
     /// The `/proc/self/fd/N` path that reopens a node held by descriptor.
     var procPath: String { "/proc/self/fd/\(fd)" }
 }
@@ -183,7 +191,10 @@ final class NodeTable: Sendable {
         return tables.withLock { t -> Node in
             // The same object: same inode and, for handle nodes, the same handle (the
             // handle carries the generation, so a reused inode number is a new object).
-            if let id = t.byBacking[key], let entry = t.byID[id], entry.node.handle == handle, entry.node.type == type {
+            // A node kept by descriptor whose object is gone (a directory removed underneath,
+            // whose inode number the backing filesystem gave to a new one) is not reused.
+            if let id = t.byBacking[key], let entry = t.byID[id], entry.node.handle == handle, entry.node.type == type,
+               handle != nil || entry.node.stillLinked {
                 t.byID[id] = (entry.node, entry.lookups + 1)
                 if nodeFD >= 0 && nodeFD != entry.node.fd { close(nodeFD) }
                 return entry.node
@@ -212,6 +223,18 @@ final class NodeTable: Sendable {
             }
         }
     }
+
+    /// Makes the next lookup of `node`'s backing object give a new node (what the kernel holds
+    /// of this one is stale: a file rewritten underneath); the node lives until forgotten.
+    func retire(_ node: Node) {
+        tables.withLock { t in
+            let key = BackingID(dev: node.backingDev, ino: node.backingIno)
+            if t.byBacking[key] == node.id { t.byBacking[key] = nil }
+        }
+    }
+
+    /// A snapshot of every node the kernel knows (for a store watcher that lost events).
+    func allNodes() -> [Node] { tables.withLock { t in t.byID.values.map(\.node) } }
 
     /// A snapshot of all regular-file nodes (for eviction on lock).
     func regularFiles() -> [Node] {

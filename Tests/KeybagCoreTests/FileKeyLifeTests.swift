@@ -23,6 +23,24 @@ final class FileKeyLifeTests: KeyLifeTestCase {
         XCTAssertFalse(try a.key(for: .read, keyring: ring, cipher: cipher).isWiped, "reloaded from the header after unlock")
     }
 
+    func testAFileRewrittenUnderneathIsSupersededItsKeyWipedAndEveryUseRefused() throws {
+        let ring = try unlockedKeyring()
+        var c = try file(.completeUntilFirstUserAuthentication, ring)
+        let k = try c.open(keyring: ring, cipher: cipher)
+        c.supersede()
+        XCTAssertTrue(k.isWiped)
+        XCTAssertTrue(c.superseded)
+        XCTAssertNil(c.readyKey(for: .read, ring.access))
+        for use in [FileKeyLife.Use.read, .write] {
+            XCTAssertThrowsError(try c.key(for: use, keyring: ring, cipher: cipher)) { e in
+                guard case KeybagError.corrupt = e else { return XCTFail("\(e)") }   // EIO, not EACCES
+            }
+        }
+        XCTAssertEqual(c.openCount, 1, "its handles stay counted")
+        XCTAssertEqual(c.protectionClass, .completeUntilFirstUserAuthentication, "the class still decides a lock")
+        XCTAssertEqual(c.release(keyring: ring).lastClose, true)
+    }
+
     func testAClassAKeyThatMissedAnEvictionIsStaleAfterward() throws {
         let ring = try unlockedKeyring()
         var a = try file(.complete, ring)

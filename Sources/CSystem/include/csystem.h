@@ -50,4 +50,28 @@ int kbfs_request_kills_setid(void);
 int kbfs_reserve(int fd, long long offset, long long len);
 /* syncfs(2): commits the filesystem holding fd. */
 int kbfs_syncfs(int fd);
+
+/* fanotify for the store watcher (see StoreWatcher.swift). */
+/* Mask bits of an event. */
+extern const unsigned long long kbfs_FAN_CREATE, kbfs_FAN_DELETE, kbfs_FAN_MOVED_FROM, kbfs_FAN_MOVED_TO,
+    kbfs_FAN_CLOSE_WRITE, kbfs_FAN_ATTRIB, kbfs_FAN_ONDIR, kbfs_FAN_Q_OVERFLOW;
+/* A notification group reporting each event's directory (file handle) and entry name;
+   `unlimited` asks for an unbounded queue and number of marks (CAP_SYS_ADMIN). fd or -1. */
+int kbfs_fanotify_open(int unlimited);
+/* Watches the entries of directory `dirfd`: created, deleted, moved, closed after writing,
+   attributes changed (files and subdirectories). 0 or -1 with errno. */
+int kbfs_fanotify_watch(int fanfd, int dirfd);
+/* One event parsed out of a buffer read from a fanotify descriptor. */
+struct kbfs_fan_event {
+    unsigned long long mask;
+    int pid;
+    /* The directory's file handle (struct file_handle bytes), or NULL; and its length. */
+    const unsigned char *handle;
+    int handle_len;
+    /* The entry's name (NUL-terminated, inside the buffer), or NULL. */
+    const char *name;
+};
+/* Parses the event at `*offset` of `buf` (`len` bytes) into `ev` and moves `*offset` past it:
+   1 when an event was parsed, 0 at the end, -1 when the buffer is malformed. */
+int kbfs_fanotify_next(const unsigned char *buf, long len, long *offset, struct kbfs_fan_event *ev);
 #endif

@@ -1,0 +1,291 @@
+import CSystem
+import Dispatch
+import Foundation
+import Glibc
+import KeybagCore
+
+/// Watches every directory of `STORE/data` for changes this daemon did not make (a sync
+/// engine writing into a mounted store) and makes the kernel and the node table forget what
+/// they knew of the changed entries; what a change means is `StoreChange`'s (KeybagCore).
+///
+/// fanotify, not inotify: each event carries the pid of the process that caused it, so the
+/// daemon's own changes (every create, write-back, rename: the bulk of all events) are dropped
+/// by one comparison, with no bookkeeping of the events it expects to cause, and the long
+/// cache timeouts stay free where the daemon is the only writer. The events name the
+/// directory by file handle and the entry by name (`FAN_REPORT_DFID_NAME`, Linux 5.9); marks
+/// are per directory, added as directories appear, like inotify watches. Run as root the group
+/// has an unbounded queue and number of marks; unprivileged (Linux 5.13) its queue can
+/// overflow, and then everything the kernel may hold is dropped (`forgetEverything`).
+final class StoreWatcher: Sendable {
+    /// The backing identity of a watched directory.
+    private struct Directory: Hashable, Sendable { let dev: UInt64; let ino: UInt64 }
+
+    private let fs: Filesystem
+    /// The fanotify group.
+    private let fan: Int32
+    /// A real (not `O_PATH`) descriptor of `STORE/data`, to open directories by handle.
+    private let dataFD: Int32
+    /// The file handle of `STORE/xattrs` (empty when it is not watched): a set another writer
+    /// adds or removes there changes the count `Filesystem.storedXattrSets` keeps.
+    private let xattrsHandle: [UInt8]
+    /// Written once by `stop` to end the reading thread.
+    private let stopPipe: (read: Int32, write: Int32)
+    /// Watched directories by file handle (the bytes fanotify reports).
+    private let watched = Locked<[[UInt8]: Directory]>([:])
+    /// This process: events it caused are its own changes.
+    private let ownPID = getpid()
+    /// Whether a mark failed (logged once).
+    private let markFailed = Locked(false)
+    /// Signalled when the reading thread has ended.
+    private let finished = DispatchSemaphore(value: 0)
+
+    /// Starts watching the store's data folder `dataPath` and xattrs folder `xattrsPath` for
+    /// `fs`; nil (logged) where fanotify is not available to this process.
+    static func start(fs: Filesystem, dataPath: String, xattrsPath: String) -> StoreWatcher? {
+        var fan = kbfs_fanotify_open(geteuid() == 0 ? 1 : 0)
+        if fan < 0 && geteuid() == 0 { fan = kbfs_fanotify_open(0) }
+        guard fan >= 0 else {
+            let e = String(cString: strerror(errno))
+            MountDaemon.log("cannot watch the store for changes underneath (fanotify: \(e)); entries are cached 1 s")
+            return nil
+        }
+        let data = open(dataPath, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+        var p: [Int32] = [-1, -1]
+        guard data >= 0, pipe(&p) == 0 else {
+            MountDaemon.log("cannot watch the store for changes underneath: \(String(cString: strerror(errno)))")
+            close(fan)
+            if data >= 0 { close(data) }
+            return nil
+        }
+        for fd in p { _ = fcntl(fd, F_SETFD, FD_CLOEXEC) }
+        let x = open(xattrsPath, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+        var buf = [UInt8](repeating: 0, count: Int(kbfs_HANDLE_BUFFER))
+        let len = x >= 0 && kbfs_fanotify_watch(fan, x) == 0 ? kbfs_handle_of(x, &buf, Int32(buf.count)) : 0
+        if x >= 0 { close(x) }
+        let w = StoreWatcher(
+            fs: fs, fan: fan, dataFD: data, xattrsHandle: len > 0 ? Array(buf[0..<Int(len)]) : [],
+            stopPipe: (p[0], p[1]))
+        w.watchTree(dup(data))
+        let t = Thread { [w] in w.run() }
+        t.name = "keybagfs-store-watcher"
+        t.start()
+        return w
+    }
+
+    /// A watcher of the group `fan` (taken over); `start` makes it.
+    private init(
+        fs: Filesystem, fan: Int32, dataFD: Int32, xattrsHandle: [UInt8], stopPipe: (read: Int32, write: Int32)
+    ) {
+        self.fs = fs
+        self.fan = fan
+        self.dataFD = dataFD
+        self.xattrsHandle = xattrsHandle
+        self.stopPipe = stopPipe
+    }
+
+    /// Ends the reading thread and waits (2 s at most) until it has: nothing is told to the
+    /// kernel after that. The pipe stays open (two descriptors until exit), so a late `stop`
+    /// never writes into a reused descriptor.
+    func stop() {
+        var b: UInt8 = 1
+        _ = write(stopPipe.write, &b, 1)
+        _ = finished.wait(timeout: .now() + 2)
+    }
+
+    // MARK: marks
+
+    /// Watches the directory open as `fd` (taken over) and every directory below it, but not
+    /// the folders of a sync engine (`.stversions`).
+    private func watchTree(_ fd: Int32) {
+        var pending = [fd]
+        while let dir = pending.popLast() {
+            defer { close(dir) }
+            guard watch(dir) else { continue }
+            guard let entries = try? fs.backingEntries(dirFD: dir) else { continue }
+            for e in entries where e.type == UInt8(DT_DIR) || e.type == UInt8(DT_UNKNOWN) {
+                switch BackingKind.of(e.name) {
+                case .name, .longName: break
+                default: continue
+                }
+                let sub = openat(dir, e.name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+                if sub >= 0 { pending.append(sub) }
+            }
+        }
+    }
+
+    /// Marks one directory and remembers its handle; false when it cannot be watched.
+    private func watch(_ dir: Int32) -> Bool {
+        var st = stat()
+        var buf = [UInt8](repeating: 0, count: Int(kbfs_HANDLE_BUFFER))
+        let len = kbfs_handle_of(dir, &buf, Int32(buf.count))
+        guard fstat(dir, &st) == 0, kbfs_fanotify_watch(fan, dir) == 0 else {
+            let e = errno
+            if !markFailed.withLock({ f in defer { f = true }; return f }) {
+                MountDaemon.log(
+                    "cannot watch a store directory for changes underneath: " + String(cString: strerror(e)))
+            }
+            return false
+        }
+        if len > 0 {
+            let id = Directory(dev: UInt64(st.st_dev), ino: UInt64(st.st_ino))
+            watched.withLock { $0[Array(buf[0..<Int(len)])] = id }
+        }
+        return true
+    }
+
+    /// Watches the new directory `name` of the directory `handle` (the node `parent`, when the
+    /// kernel knows it) and everything already below it.
+    private func watchNew(_ name: String, in handle: [UInt8], parent: Node?) {
+        let p = parent.map { dup($0.fd) }
+            ?? handle.withUnsafeBufferPointer { kbfs_open_handle(dataFD, $0.baseAddress, kbfs_O_PATH | O_CLOEXEC) }
+        guard p >= 0 else { return }
+        defer { close(p) }
+        let sub = openat(p, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+        if sub >= 0 { watchTree(sub) }
+    }
+
+    /// The directory a reported handle names: a watched one, else found by opening the handle.
+    private func directory(_ handle: [UInt8]) -> Directory? {
+        if let d = watched.withLock({ $0[handle] }) { return d }
+        let fd = handle.withUnsafeBufferPointer { kbfs_open_handle(dataFD, $0.baseAddress, kbfs_O_PATH | O_CLOEXEC) }
+        guard fd >= 0 else { return nil }
+        defer { close(fd) }
+        var st = stat()
+        guard fstat(fd, &st) == 0 else { return nil }
+        let d = Directory(dev: UInt64(st.st_dev), ino: UInt64(st.st_ino))
+        watched.withLock { $0[handle] = d }
+        return d
+    }
+
+    // MARK: events
+
+    /// The reading thread: waits for events or `stop`.
+    private func run() {
+        var buf = [UInt8](repeating: 0, count: 64 * 1024)
+        var fds = [pollfd(fd: fan, events: Int16(POLLIN), revents: 0),
+                   pollfd(fd: stopPipe.read, events: Int16(POLLIN), revents: 0)]
+        while true {
+            fds[0].revents = 0
+            fds[1].revents = 0
+            guard poll(&fds, 2, -1) >= 0 || errno == EINTR else { break }
+            if fds[1].revents != 0 { break }
+            guard fds[0].revents != 0 else { continue }
+            let n = read(fan, &buf, buf.count)
+            if n < 0 && (errno == EINTR || errno == EAGAIN) { continue }
+            guard n > 0 else { break }
+            handle(events: buf, count: n)
+        }
+        close(fan)
+        close(dataFD)
+        finished.signal()
+    }
+
+    /// Parses one read's events and applies those another process caused.
+    private func handle(events buf: [UInt8], count: Int) {
+        var offset = 0
+        var overflow = false
+        var changes: [(handle: [UInt8], change: StoreChange)] = []
+        var ownDirectories: [(handle: [UInt8], name: String)] = []
+        var xattrSetsChanged = false
+        buf.withUnsafeBufferPointer { b in
+            var ev = kbfs_fan_event()
+            while kbfs_fanotify_next(b.baseAddress, count, &offset, &ev) == 1 {
+                if ev.mask & kbfs_FAN_Q_OVERFLOW != 0 { overflow = true; continue }
+                guard let h = ev.handle, let name = ev.name else { continue }
+                let isDir = ev.mask & kbfs_FAN_ONDIR != 0
+                // The daemon's own changes need nothing, but the directories it makes are watched.
+                let own = ev.pid == ownPID
+                guard !own || isDir && ev.mask & kbfs_FAN_CREATE != 0 else { continue }
+                let handle = Array(UnsafeBufferPointer(start: h, count: Int(ev.handle_len)))
+                if !xattrsHandle.isEmpty && handle == xattrsHandle {
+                    xattrSetsChanged = true
+                    continue
+                }
+                let entry = String(cString: name)
+                if own {
+                    ownDirectories.append((handle, entry))
+                    continue
+                }
+                for e in Self.events(ev.mask) {
+                    changes.append((handle, StoreChange(name: entry, event: e, isDirectory: isDir)))
+                }
+            }
+        }
+        for d in ownDirectories { watchNew(d.name, in: d.handle, parent: nil) }
+        if !changes.isEmpty && Failpoint.watcherLosesEvents.isOn { changes = []; overflow = true }
+        for c in changes { apply(c.change, in: c.handle) }
+        if xattrSetsChanged { fs.storedXattrSets.store(Filesystem.countStoredSets(fs.xattrsFD), ordering: .relaxed) }
+        if overflow { forgetEverything() }
+    }
+
+    /// The changes one event's mask reports (merged events report several).
+    private static func events(_ mask: UInt64) -> [StoreChange.Event] {
+        var out: [StoreChange.Event] = []
+        if mask & (kbfs_FAN_DELETE | kbfs_FAN_MOVED_FROM) != 0 { out.append(.vanished) }
+        if mask & (kbfs_FAN_CREATE | kbfs_FAN_MOVED_TO) != 0 { out.append(.appeared) }
+        if mask & kbfs_FAN_CLOSE_WRITE != 0 { out.append(.written) }
+        if mask & kbfs_FAN_ATTRIB != 0 { out.append(.attributesChanged) }
+        return out
+    }
+
+    /// Makes the kernel and the node table forget what `change` in the directory `handle`
+    /// made stale. Runs on the watcher's thread, holding no lock a FUSE request needs; the
+    /// kernel is told from the notifier's queue.
+    private func apply(_ change: StoreChange, in handle: [UInt8]) {
+        let r = change.response
+        guard !r.isNothing, let d = directory(handle) else { return }
+        if r.classesMayChange { fs.classGeneration.add(1, ordering: .relaxed) }
+        let dir = fs.table.node(dev: d.dev, ino: d.ino)
+        if r.newDirectory { watchNew(change.name, in: handle, parent: dir) }
+        // The kernel holds nothing below a directory it does not know.
+        guard let dir, dir.isDirectory else { return }
+        if r.directoryMeta { dir.dirMeta.withLock { $0 = nil } }
+        if let entry = r.entry ?? r.rewritten { forgetEntry(entry, of: dir) }
+        if let changed = r.rewritten ?? r.attributes, let n = node(of: changed, in: dir) {
+            if r.rewritten != nil && n.isRegular {
+                // With the write-back cache the kernel keeps its own size of an inode it
+                // holds, whatever the daemon replies: the rewritten file gets a new node
+                // (new lookups see its new size), and handles of this one answer EIO.
+                n.io.write { $0.supersede() }
+                fs.table.retire(n)
+                fs.kernel.dropPagesSoon(n.id, pass: "a file rewritten underneath")
+            } else {
+                fs.kernel.refreshAttributes([n.id])
+            }
+        }
+        fs.kernel.refreshAttributes([dir.id])
+    }
+
+    /// Makes the kernel look the backing entry `entry` of `dir` up again (by its plaintext name).
+    private func forgetEntry(_ entry: String, of dir: Node) {
+        guard let iv = try? fs.meta(of: dir).iv, let name = try? fs.plaintextName(dirFD: dir.fd, backing: entry, iv: iv)
+        else { return }
+        fs.kernel.forgetEntrySoon(parent: dir.id, name: name)
+    }
+
+    /// The node of the backing entry `name` of `dir`, if the kernel knows it.
+    private func node(of name: String, in dir: Node) -> Node? {
+        var st = stat()
+        guard fstatat(dir.fd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 else { return nil }
+        return fs.table.node(dev: UInt64(st.st_dev), ino: UInt64(st.st_ino))
+    }
+
+    /// After a lost event (queue overflow): every directory is watched again, its metadata read
+    /// again, the kernel drops the attributes and pages of every inode it has and looks up again
+    /// every name that exists now. A name removed, or a file rewritten in place, while events
+    /// were lost may show as before up to the entry timeout.
+    private func forgetEverything() {
+        MountDaemon.log("the store watcher lost events (queue overflow): dropping every cached entry")
+        watchTree(dup(dataFD))
+        fs.classGeneration.add(1, ordering: .relaxed)
+        for n in fs.table.allNodes() {
+            if n.isDirectory {
+                n.dirMeta.withLock { $0 = nil }
+                for e in (try? fs.listing(n)) ?? [] where e.name != "." && e.name != ".." {
+                    fs.kernel.forgetEntrySoon(parent: n.id, name: e.name)
+                }
+            }
+            fs.kernel.dropPagesSoon(n.id, pass: "a lost change underneath")
+        }
+    }
+}

@@ -1,0 +1,71 @@
+import XCTest
+
+@testable import KeybagCore
+
+/// What a backing name is, and what a change another writer made to it means for the mount.
+final class StoreChangeTests: XCTestCase {
+    let short = "q1w2E3r4-_Zz"
+
+    func testSyncEngineFilesAreRecognisedAndStoreNamesAreNot() {
+        let temporaries = [
+            ".syncthing.\(short).tmp", "~syncthing~\(short).tmp", "\(short).a1B2c3.partial",
+            ".unison.\(short).x.unison.tmp",
+            "\(short).!sync", ".~tmp~\(short)", ".\(short).Ab12Cd", ".kbl.abc.name.XYZ123",
+        ]
+        for n in temporaries {
+            XCTAssertEqual(SyncEngineFile(backing: n)?.role, .temporary, n)
+            guard case .syncEngine = BackingKind.of(n) else { return XCTFail("\(n): \(BackingKind.of(n))") }
+        }
+        for n in [".stfolder", ".stignore", ".stversions"] {
+            XCTAssertEqual(SyncEngineFile(backing: n), SyncEngineFile(backing: n))
+            XCTAssertEqual(SyncEngineFile(backing: n)?.role, .folderFile, n)
+        }
+        XCTAssertEqual(SyncEngineFile(backing: ".syncthing.\(short).tmp")?.engine, "Syncthing")
+        XCTAssertTrue(SyncEngineFile(backing: ".syncthing.x.tmp")!.description.contains("left alone"))
+        for n in [short, ".kbfs-dir", ".kbfs-tmp-abc", "kbl.abc", "kbl.abc.name",
+                  "\(short).sync-conflict-20261125-101010-HOSTB27",
+                  ".\(short).Ab12C", "report.txt"] {
+            XCTAssertNil(SyncEngineFile(backing: n), n)
+        }
+    }
+
+    func testBackingKinds() {
+        XCTAssertEqual(BackingKind.of(short), .name)
+        XCTAssertEqual(BackingKind.of("\(short).sync-conflict-20261125-101010-HOSTB27"), .name)
+        XCTAssertEqual(BackingKind.of("kbl.abc"), .longName)
+        XCTAssertEqual(BackingKind.of("kbl.abc.name"), .sideFile(entry: "kbl.abc"))
+        XCTAssertEqual(BackingKind.of(".kbfs-dir"), .directoryMeta)
+        XCTAssertEqual(BackingKind.of(".kbfs-tmp-xyz"), .storeFile)
+        XCTAssertEqual(BackingKind.of("report.txt"), .foreign)
+        XCTAssertEqual(BackingKind.of(".stfolder"), .syncEngine(SyncEngineFile(backing: ".stfolder")!))
+    }
+
+    func testWhatAChangeUnderneathMakesTheMountDrop() {
+        typealias R = StoreChange.Response
+        func r(_ name: String, _ e: StoreChange.Event, dir: Bool = false) -> R {
+            StoreChange(name: name, event: e, isDirectory: dir).response
+        }
+        // A file renamed over its name, a new file, a deleted one: the name is looked up again.
+        XCTAssertEqual(r(short, .appeared), R(entry: short))
+        XCTAssertEqual(r(short, .vanished), R(entry: short))
+        XCTAssertEqual(r("kbl.abc", .appeared), R(entry: "kbl.abc"))
+        // Written in place (rsync --inplace): looked up again as a new node; chmod: attributes.
+        XCTAssertEqual(r(short, .written), R(rewritten: short))
+        XCTAssertEqual(r(short, .attributesChanged), R(attributes: short))
+        // Directories: watched when they appear, and inheritance is recomputed.
+        XCTAssertEqual(r(short, .appeared, dir: true), R(entry: short, newDirectory: true, classesMayChange: true))
+        XCTAssertEqual(r(short, .vanished, dir: true), R(entry: short, classesMayChange: true))
+        // A side file names its entry anew; its removal follows the entry's.
+        XCTAssertEqual(r("kbl.abc.name", .appeared), R(entry: "kbl.abc"))
+        XCTAssertEqual(r("kbl.abc.name", .vanished), .nothing)
+        // A directory's metadata replaced: read again; removed: kept (the directory is going).
+        XCTAssertEqual(r(".kbfs-dir", .appeared), R(directoryMeta: true, classesMayChange: true))
+        XCTAssertEqual(r(".kbfs-dir", .vanished), .nothing)
+        // Transfers in progress, the engine's own files, the store's temporaries: nothing.
+        for n in [".syncthing.\(short).tmp", ".stfolder", ".kbfs-tmp-abc", "report.txt"] {
+            for e in [StoreChange.Event.appeared, .vanished, .written, .attributesChanged] {
+                XCTAssertTrue(r(n, e).isNothing, "\(n) \(e)")
+            }
+        }
+    }
+}
