@@ -10,6 +10,9 @@ public struct SyncEngineFile: Sendable, Equatable {
         case temporary
         /// The engine's own file at the root of the synced folder.
         case folderFile
+        /// The engine's copy of a directory's `.kbfs-dir` that changed on two devices apart
+        /// (`.sync-conflict-DATE-TIME-DEVICE.kbfs-dir`); the directory keeps its own.
+        case metadataConflict
     }
 
     /// The engine that writes such names.
@@ -25,6 +28,8 @@ public struct SyncEngineFile: Sendable, Equatable {
         guard !name.hasPrefix(NameCipher.reservedPrefix) else { return nil }
         if Self.syncthingFolderFiles.contains(name) {
             (engine, role) = ("Syncthing", .folderFile)
+        } else if name.hasPrefix(".sync-conflict-") && name.hasSuffix(DirectoryMeta.fileName) {
+            (engine, role) = ("Syncthing", .metadataConflict)
         } else if name.hasSuffix(".tmp") && (name.hasPrefix(".syncthing.") || name.hasPrefix("~syncthing~")) {
             (engine, role) = ("Syncthing", .temporary)
         } else if name.hasSuffix(".partial") {
@@ -60,6 +65,9 @@ public struct SyncEngineFile: Sendable, Equatable {
                 "still be writing it, and removes it itself)"
         case .folderFile:
             return "\(engine)'s own file at the root of the synced folder (not an entry of the mount)"
+        case .metadataConflict:
+            return "\(engine)'s copy of the directory's metadata that changed on two devices apart (the directory " +
+                "keeps its own; new directories get the same name IV on every device, so no name depends on it)"
         }
     }
 }

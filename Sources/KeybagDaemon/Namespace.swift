@@ -60,11 +60,14 @@ extension Filesystem {
         guard renameat(dirFD, tmp, dirFD, name) == 0 else { let e = errno; unlinkat(dirFD, tmp, 0); throw FSError(e) }
     }
 
-    /// Gives a directory its metadata when it has none (a new directory, or the root of a
-    /// new store) and returns what is there now.
+    /// Gives the root of a new store its metadata and returns what is there now. Its IV is
+    /// derived from the volume key (`NameCipher.rootIV`): two devices that mount a store
+    /// before the first one's root metadata reached the other write the same bytes, so a sync
+    /// engine has no two versions of it.
     func ensureMeta(dirFD: Int32) throws -> DirectoryMeta {
         if let m = try readMeta(dirFD: dirFD) { return m }
-        try createFileIfAbsent(dirFD: dirFD, DirectoryMeta.fileName, try DirectoryMeta.fresh().encode(names))
+        let root = DirectoryMeta(iv: try names.rootIV(), defaultClass: nil)
+        try createFileIfAbsent(dirFD: dirFD, DirectoryMeta.fileName, try root.encode(names))
         guard let m = try readMeta(dirFD: dirFD) else { throw FSError(EIO) }
         return m
     }
@@ -264,8 +267,9 @@ extension Filesystem {
         return try lookupBacking(p, e.name)
     }
 
-    /// mkdir: the new directory gets its own name IV, and the class the mount's policy
-    /// gives its path, before anyone can see it.
+    /// mkdir: the new directory gets its own name IV (derived from its parent's and its stored
+    /// name: see `NameCipher.directoryIV`), and the class the mount's policy gives its path,
+    /// before anyone can see it.
     func mkdir(parent: UInt64, name: String, mode: mode_t, caller: Caller) throws -> (Node, stat) {
         var meta = DirectoryMeta.fresh()
         if policy.mayMatch(name: name) {
@@ -275,7 +279,9 @@ extension Filesystem {
                 try (try? pathTail(of: p, upTo: policy.depth - 1)) ?? pathTail(of: p, upTo: policy.depth - 1)
             meta.defaultClass = policy.protectionClass(tail: tail + [name], fromRoot: fromRoot)
         }
+        let parentIV = try self.meta(of: node(parent)).iv
         return try makeEntry(parent: parent, name: name, caller: caller) { [self] dirFD, backing in
+            meta.iv = try names.directoryIV(parentIV: parentIV, storedName: backing)
             try check(mkdirat(dirFD, backing, creationMode(mode, in: node(parent), by: caller) & 0o7777))
             do {
                 let d = try check(openat(dirFD, backing, kbfs_O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC))

@@ -30,6 +30,18 @@ final class SyncthingTests: XCTestCase {
         return out
     }
 
+    /// What a failure message needs: both stores' backing trees and both daemons' and
+    /// Syncthing's last log lines.
+    private func diagnosis(_ mounts: [MountFixture], _ sync: SyncthingPair) -> String {
+        var out = sync.logs(lines: 15)
+        for m in mounts {
+            out += "\n--- store \(m.store):\n" + MountFixture.run("/usr/bin/find", [m.store + "/data", "-printf", "%P %s %y\\n"]).stdout
+            let log = (try? String(contentsOfFile: m.root + "/daemon.log", encoding: .utf8)) ?? ""
+            out += "--- daemon \(m.root):\n" + log.split(separator: "\n").suffix(15).joined(separator: "\n")
+        }
+        return out
+    }
+
     /// The readable contents of the entries of `dir` whose names start with `stem`.
     private func versions(_ dir: String, _ stem: String) -> Set<[UInt8]> {
         let names = (try? FileManager.default.contentsOfDirectory(atPath: dir)) ?? []
@@ -103,12 +115,12 @@ final class SyncthingTests: XCTestCase {
         XCTAssertEqual(writeFile(a.path("docs/report.txt"), report), 0)
         XCTAssertEqual(writeFile(a.path("secret.txt"), secret), 0)
         XCTAssertEqual(setXattr(a.path("secret.txt"), "complete"), 0)
-        XCTAssertTrue(waitUntil(60) { (try? readFile(b.path("docs/report.txt")).get()) == report }, "report.txt on B: \(sync.logs())")
+        XCTAssertTrue(waitUntil(60) { (try? readFile(b.path("docs/report.txt")).get()) == report }, "report.txt on B: \(diagnosis([a, b], sync))")
         XCTAssertTrue(waitUntil(60) { (try? getXattr(b.path("secret.txt")).get()) == "complete" && (try? readFile(b.path("secret.txt")).get()) == secret }, "secret.txt on B, class A")
 
         // Change the class on A; the class shows on B.
         XCTAssertEqual(setXattr(a.path("docs/report.txt"), "completeUnlessOpen"), 0)
-        XCTAssertTrue(waitUntil(60) { (try? getXattr(b.path("docs/report.txt")).get()) == "completeUnlessOpen" }, "class change on B")
+        XCTAssertTrue(waitUntil(60) { (try? getXattr(b.path("docs/report.txt")).get()) == "completeUnlessOpen" }, "class change on B: \(diagnosis([a, b], sync))")
         XCTAssertEqual(try readFile(b.path("docs/report.txt")).get(), report)
 
         // Lock A: B still reads its complete files, A does not.
@@ -121,7 +133,7 @@ final class SyncthingTests: XCTestCase {
         let mail = bytes("arrived while host A was locked")
         XCTAssertEqual(writeFile(a.path("inbox/mail.eml"), mail), 0)
         b.lock()
-        XCTAssertTrue(waitUntil(60) { FileManager.default.fileExists(atPath: b.path("inbox/mail.eml")) }, "mail.eml on B")
+        XCTAssertTrue(waitUntil(60) { FileManager.default.fileExists(atPath: b.path("inbox/mail.eml")) }, "mail.eml on B: \(diagnosis([a, b], sync))")
         XCTAssertEqual(errnoOf(readFile(b.path("inbox/mail.eml"))), EACCES, "B is locked")
         b.unlock()
         XCTAssertEqual(try readFile(b.path("inbox/mail.eml")).get(), mail)
