@@ -7,9 +7,11 @@ import Foundation
 /// (DEVICE: the first 7 characters of the device id). In the store NAME is an encrypted name,
 /// base64url with no dot, so the copy is `ENCRYPTED.sync-conflict-YYYYMMDD-HHMMSS-DEVICE`.
 /// It does not decrypt as a name; the mount shows it as `STEM (conflict YYYY-MM-DD HHMMSS
-/// DEVICE).EXT` next to the file, and both read (the copy carries its own header).
+/// DEVICE).EXT` next to the file, and both read (the copy carries its own header). A hashed
+/// long name `kbl.H` has a dot, so its copy is `kbl.sync-conflict-YYYYMMDD-HHMMSS-DEVICE.H`;
+/// its plaintext is in the original's side file `kbl.H.name`, which the copy shares.
 public struct ConflictCopy: Equatable, Sendable {
-    /// The backing name the copy was made from (an encrypted short name).
+    /// The backing name the copy was made from (an encrypted short name, or `kbl.H`).
     public let original: String
     /// `YYYYMMDD` and `HHMMSS` of the conflict.
     public let date: String, time: String
@@ -24,6 +26,10 @@ public struct ConflictCopy: Equatable, Sendable {
         // Encrypted short names have no dot: one byte scan rules out every ordinary entry.
         guard backing.utf8.contains(UInt8(ascii: ".")),
               let r = backing.range(of: Self.marker, options: .backwards) else { return nil }
+        if backing[..<r.lowerBound] == Self.longStem {
+            self.init(longCopy: backing[r.upperBound...])
+            return
+        }
         let original = String(backing[..<r.lowerBound])
         let parts = backing[r.upperBound...].split(separator: "-", omittingEmptySubsequences: false)
         guard !original.isEmpty, original.utf8.allSatisfy(Self.isBase64URL), parts.count == 3,
@@ -36,8 +42,29 @@ public struct ConflictCopy: Equatable, Sendable {
         self.original = original; self.date = date; self.time = time; self.device = device
     }
 
+    /// `kbl.sync-conflict-` + `YYYYMMDD-HHMMSS-DEVICE.H`: a copy of the long name `kbl.H`.
+    private init?(longCopy rest: Substring) {
+        let parts = rest.split(separator: "-", maxSplits: 2, omittingEmptySubsequences: false)
+        guard parts.count == 3, Self.isStamp(parts[0], 8), Self.isStamp(parts[1], 6),
+              let dot = parts[2].firstIndex(of: ".") else { return nil }
+        let device = parts[2][..<dot], hash = parts[2][parts[2].index(after: dot)...]
+        guard Self.isDevice(device), !hash.isEmpty, hash.utf8.allSatisfy(Self.isBase64URL) else { return nil }
+        self.init(original: NameCipher.longPrefix + hash, date: String(parts[0]), time: String(parts[1]),
+                  device: String(device))
+    }
+
+    /// What Syncthing keeps of a long name `kbl.H` before the marker (`.H` is its extension).
+    static let longStem = String(NameCipher.longPrefix.dropLast())
+
+    /// Whether this is a copy of a hashed long name (its plaintext is in the original's side file).
+    public var isLong: Bool { original.hasPrefix(NameCipher.longPrefix) }
+
     /// The copy's backing name.
-    public var backing: String { original + Self.marker + date + "-" + time + "-" + device }
+    public var backing: String {
+        let stamp = date + "-" + time + "-" + device
+        guard isLong else { return original + Self.marker + stamp }
+        return Self.longStem + Self.marker + stamp + "." + original.dropFirst(NameCipher.longPrefix.count)
+    }
 
     /// The name the mount shows for a copy of the file named `plain`.
     public func readableName(of plain: String) -> String {

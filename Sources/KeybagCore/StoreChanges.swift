@@ -94,6 +94,7 @@ public enum BackingKind: Sendable, Equatable {
         if name == DirectoryMeta.fileName { return .directoryMeta }
         if name.hasPrefix(NameCipher.reservedPrefix) { return .storeFile }
         if NameCipher.isSideFile(name) { return .sideFile(entry: String(name.dropLast(NameCipher.longSuffix.count))) }
+        if let copy = ConflictCopy(backing: name), copy.isLong { return .name }
         if NameCipher.isLongName(name) { return .longName }
         if let s = SyncEngineFile(backing: name) { return .syncEngine(s) }
         if isBase64URL(name) || ConflictCopy(backing: name) != nil { return .name }

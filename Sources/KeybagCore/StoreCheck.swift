@@ -173,7 +173,8 @@ public final class StoreCheck {
                 continue
             }
             if NameCipher.isSideFile(e) {
-                if !present.contains(String(e.dropLast(NameCipher.longSuffix.count))) {
+                let entry = String(e.dropLast(NameCipher.longSuffix.count))
+                if !present.contains(entry) && !all.contains(where: { ConflictCopy(backing: $0)?.original == entry }) {
                     fix("side-file-orphan", path, nil, "a long name's side file whose entry is gone") {
                         try unlinkOrThrow(fd, e)
                     }
@@ -226,6 +227,13 @@ public final class StoreCheck {
     /// The plaintext name of an entry, recording a name problem when it does not decrypt.
     private func plaintextName(dirFD: Int32, backing: String, meta: DirectoryMeta?, path: String) -> String? {
         guard let meta else { return nil }
+        if let copy = ConflictCopy(backing: backing), copy.isLong {
+            // A copy of a long name reads its name from the original's side file.
+            guard let plain = plaintextName(dirFD: dirFD, backing: copy.original, meta: meta, path: path) else {
+                return nil
+            }
+            return copy.readableName(of: plain)
+        }
         var encrypted = backing
         if NameCipher.isLongName(backing) {
             let fd = openat(dirFD, backing + NameCipher.longSuffix, O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
@@ -420,6 +428,11 @@ public final class StoreCheck {
                 note("sync-engine-file", path, nil, s.description, Self.leftAlone)
             } else if e.hasPrefix(NameCipher.reservedPrefix) {
                 fix("temporary", path, nil, "a temporary left by an interrupted write") { try unlinkOrThrow(fd, e) }
+            } else if let c = ConflictCopy(backing: e), referenced.contains(c.original) {
+                // The other device's version of an xattr set (or target) both changed apart:
+                // kept, as nothing may lose what either device wrote.
+                note("sync-conflict-copy", path, nil, "a sync engine's conflict copy of \(c.original) (left alone)",
+                     Self.leftAlone)
             } else if unreadableHeaders > 0 && kind == "xattr-orphan" {
                 note(kind, path, nil, what + " (kept: some headers are unreadable, it may be theirs)", "not-repairable")
             } else {

@@ -175,12 +175,13 @@ extension Filesystem {
 
     /// The backing entry of the conflict copy the mount shows as `name`, if it is in `dir`
     /// and no entry really has that name (which then wins, as in `listing`). Only the exact
-    /// readable name finds it. Copies of hashed long names are not recognised.
+    /// readable name finds it. A copy of a hashed long name shares the original's side file:
+    /// the entry names none, so removing the copy keeps it.
     private func conflictCopy(_ dir: Node, readable name: String, iv: [UInt8]) throws -> BackingEntry? {
         guard let c = ConflictCopy.parse(readable: name) else { return nil }
         let enc = try names.encrypt(Array(c.plain.utf8), dirIV: iv)
-        guard NameCipher.backingEntry(for: enc).sideFile == nil else { return nil }
-        let copy = ConflictCopy(original: enc, date: c.date, time: c.time, device: c.device)
+        let copy = ConflictCopy(
+            original: NameCipher.backingEntry(for: enc).name, date: c.date, time: c.time, device: c.device)
         guard copy.readableName(of: c.plain).utf8.elementsEqual(name.utf8),
               faccessat(dir.fd, copy.backing, F_OK, AT_SYMLINK_NOFOLLOW) == 0 else { return nil }
         let own = NameCipher.backingEntry(for: try names.encrypt(Array(name.utf8), dirIV: iv)).name
@@ -193,12 +194,10 @@ extension Filesystem {
     /// it then keeps the set (fsck reports the set as an orphan once no entry uses it).
     func mayShareXattrSet(dirFD: Int32, name: String) -> Bool {
         if ConflictCopy(backing: name) != nil { return true }
-        guard !NameCipher.isLongName(name) else { return false }
         let dfd = openat(dirFD, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC)
         guard dfd >= 0 else { return true }
         defer { close(dfd) }
-        let prefix = name + ConflictCopy.marker
-        return (try? backingEntries(dirFD: dfd))?.contains { $0.name.hasPrefix(prefix) } ?? true
+        return (try? backingEntries(dirFD: dfd))?.contains { ConflictCopy(backing: $0.name)?.original == name } ?? true
     }
 
     /// Makes sure a long name's side file exists before its entry; returns whether it was
@@ -208,15 +207,31 @@ extension Filesystem {
         return try createFileIfAbsent(dirFD: dir.fd, side, Array(e.encrypted.utf8))
     }
 
-    /// Removes a long name's side file after its entry is gone.
+    /// Removes a long name's side file after its entry is gone, unless a sync engine's
+    /// conflict copy of the entry still names itself by it.
     func removeSideFile(_ dir: Node, _ e: BackingEntry) {
-        if let side = e.sideFile { unlinkat(dir.fd, side, 0) }
+        guard let side = e.sideFile else { return }
+        let dfd = openat(dir.fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+        if dfd >= 0 {
+            defer { close(dfd) }
+            let entries = try? backingEntries(dirFD: dfd)
+            if entries?.contains(where: { ConflictCopy(backing: $0.name)?.original == e.name }) != false { return }
+        }
+        unlinkat(dir.fd, side, 0)
     }
 
     /// The plaintext name of a backing entry; nil for the store's own files and side files.
     /// Throws `corrupt` for an entry that does not decrypt.
     func plaintextName(dirFD: Int32, backing: String, iv: [UInt8]) throws -> String? {
         if Self.isReserved(backing) || NameCipher.isSideFile(backing) { return nil }
+        if let copy = ConflictCopy(backing: backing), copy.isLong {
+            let plain = try plaintextName(dirFD: dirFD, backing: copy.original, iv: iv) ?? ""
+            let readable = copy.readableName(of: plain)
+            guard !plain.isEmpty, readable.utf8.count <= NameCipher.backingNameMax else {
+                throw KeybagError.corrupt("the readable name of a conflict copy is over 255 bytes")
+            }
+            return readable
+        }
         guard NameCipher.isLongName(backing) else { return try names.shownName(ofShort: backing, dirIV: iv) }
         let fd = openat(dirFD, backing + NameCipher.longSuffix, O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
         guard fd >= 0 else { throw KeybagError.corrupt("long name \(backing) has no side file") }

@@ -18,9 +18,19 @@ final class ConflictCopyTests: XCTestCase {
         }
     }
 
+    func testACopyOfAHashedLongNameIsKnownByTheOriginalsHash() throws {
+        let c = try XCTUnwrap(ConflictCopy(backing: "kbl.sync-conflict-20261125-101010-HOSTB27.q1w2-E_r4"))
+        XCTAssertEqual(c.original, "kbl.q1w2-E_r4")
+        XCTAssertTrue(c.isLong)
+        XCTAssertEqual(c.backing, "kbl.sync-conflict-20261125-101010-HOSTB27.q1w2-E_r4")
+        XCTAssertEqual([c.date, c.time, c.device], ["20261125", "101010", "HOSTB27"])
+        XCTAssertFalse(try XCTUnwrap(ConflictCopy(backing: "q1w2.sync-conflict-20261125-101010-HOSTB27")).isLong)
+    }
+
     func testOtherEntriesAndNamesAreNotConflicts() {
         for backing in ["q1w2E3r4", ".kbfs-dir", ".kbfs-dir.sync-conflict-20261125-101010-HOSTB27", "kbl.abc.name",
-                        "kbl.sync-conflict-20261125-101010-HOSTB27.abc", "a.b.sync-conflict-20261125-101010-HOSTB27",
+                        "kbl.sync-conflict-20261125-101010-HOSTB27", "kbl.sync-conflict-20261125-101010-HOSTB27.",
+                        "kbl.sync-conflict-20261125-101010-HOSTB27.a.b", "a.b.sync-conflict-20261125-101010-HOSTB27",
                         "abc.sync-conflict-2026112-101010-HOSTB27", "abc.sync-conflict-20261125-101010-hostb27",
                         "abc.sync-conflict-20261125-101010-HOSTB2", ".sync-conflict-20261125-101010-HOSTB27"] {
             XCTAssertNil(ConflictCopy(backing: backing), backing)

@@ -200,6 +200,47 @@ final class NameTests: XCTestCase {
         XCTAssertEqual(try readFile(m.path("docs/" + shown)).get(), ours)
     }
 
+    func testSyncConflictCopiesOfLongNamesShowAndKeepTheirName() throws {
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        let long = String(repeating: "quarterly report ", count: 11) + "final.txt"   // 196 bytes: a hashed name
+        let theirs = bytes("the other device's version"), ours = bytes("this device's version, a little longer")
+        XCTAssertEqual(writeFile(m.path(long), theirs), 0)
+        let fd = open(m.path(long), O_RDONLY)
+        XCTAssertEqual(fsync(fd), 0)
+        close(fd)
+        let backing = m.backing(long)
+        let hashed = (backing as NSString).lastPathComponent
+        XCTAssertTrue(hashed.hasPrefix("kbl."), hashed)
+        let saved = m.root + "/theirs"
+        try FileManager.default.copyItem(atPath: backing, toPath: saved)
+        XCTAssertEqual(writeFile(m.path(long), ours), 0)
+        // Syncthing takes `.H` as the extension: kbl.sync-conflict-DATE-TIME-DEVICE.H
+        let copy = (m.store + "/data/") + "kbl.sync-conflict-20261125-101010-HOSTB27." + hashed.dropFirst(4)
+        XCTAssertEqual(rename(saved, copy), 0)
+        let shown = String(repeating: "quarterly report ", count: 11) + "final (conflict 2026-11-25 101010 HOSTB27).txt"
+        XCTAssertEqual(Set(try FileManager.default.contentsOfDirectory(atPath: m.mnt)), [long, shown])
+        XCTAssertEqual(try readFile(m.path(long)).get(), ours)
+        XCTAssertEqual(try readFile(m.path(shown)).get(), theirs)
+        m.unmount()
+        let check = m.fsck(["--repair", "--yes"])
+        XCTAssertEqual(check.code, 0, "\(check.out)")
+        XCTAssertEqual(check.problems.map(\.kind), [], "a conflict copy of a long name is not damage")
+        try m.mount()
+        m.unlock()
+        // Resolved by keeping this device's version: deleting the file first leaves the copy
+        // its name (the side file they share stays), then the copy goes too.
+        XCTAssertEqual(unlink(m.path(long)), 0)
+        XCTAssertEqual(try FileManager.default.contentsOfDirectory(atPath: m.mnt), [shown])
+        XCTAssertEqual(try readFile(m.path(shown)).get(), theirs)
+        XCTAssertEqual(rename(m.path(shown), m.path(long)), 0)
+        XCTAssertEqual(try FileManager.default.contentsOfDirectory(atPath: m.mnt), [long])
+        XCTAssertEqual(try readFile(m.path(long)).get(), theirs)
+        m.unmount()
+        XCTAssertEqual(m.fsck().code, 0)
+    }
+
     func testCopyOfStoreWithoutXattrsRestoresEverything() throws {
         let m = try MountFixture()
         addTeardownBlock { m.close() }
