@@ -174,7 +174,9 @@ extension Keybag {
             d.keybag.flatMap { try? load(storePath: storePath, relativePath: $0) }
         }
         var failure: Error = KeybagError.invalid("this store has no keybag with recovery slots")
-        for kb in keybags.sorted(by: { $0.currentKeySet > $1.currentKeySet }) where kb.hasRecoveryKey {
+        let storeID = try load(storePath: storePath).file.storeID
+        for kb in keybags.sorted(by: { $0.currentKeySet > $1.currentKeySet })
+        where kb.hasRecoveryKey && kb.file.storeID == storeID {
             do { return (kb, try kb.escrowedKeys(recovery: recovery)) } catch { failure = error }
         }
         throw failure
@@ -228,6 +230,7 @@ extension Keybag {
             storePath: storePath, file: file, counterKey: try counterKey(deviceKey),
             relativePath: StoreDevices.keybagPath(id))
         try kb.save()
+        try KeySetFloor.record(kb, deviceID: id)
         return kb
     }
 
@@ -264,14 +267,28 @@ extension Keybag {
             }
         }
         let target = try Keybag.load(storePath: storePath, relativePath: keybag)
-        let removedID = target.file.deviceID ?? "first"
+        // The record's name comes from the argument, never from the (store-written) keybag.
+        let removedID = id == "first" ? (target.file.deviceID ?? "first") : id
+        guard id == "first" || target.file.deviceID == id else {
+            throw KeybagError.corrupt("keybag \(keybag) names another device than its file name")
+        }
+        guard removedID != own else { throw KeybagError.invalid("a device cannot remove itself") }
         guard StoreDevices.removal(storePath: storePath, id: removedID) == nil else {
             throw KeybagError.invalid("device \(removedID) was already removed")
         }
-        let keybagSets = StoreDevices.list(storePath: storePath).compactMap { d in
-            d.keybag.flatMap { try? Keybag.load(storePath: storePath, relativePath: $0) }?.currentKeySet
+        // With the recovery key only keybags whose escrow opens count (a forged claim of a
+        // newer set cannot block a removal); without one every keybag and record counts.
+        let newest: Int
+        if let recovery {
+            let (source, keys) = try Keybag.escrowSource(storePath: storePath, recovery: recovery)
+            keys.wipe()
+            newest = source.currentKeySet
+        } else {
+            let keybagSets = StoreDevices.list(storePath: storePath).compactMap { d in
+                d.keybag.flatMap { try? Keybag.load(storePath: storePath, relativePath: $0) }?.currentKeySet
+            }
+            newest = max(StoreDevices.newestKeySet(storePath: storePath), keybagSets.max() ?? 0)
         }
-        let newest = max(StoreDevices.newestKeySet(storePath: storePath), keybagSets.max() ?? 0)
         guard newest <= currentKeySet else {
             throw KeybagError.invalid(
                 "another device made key set \(newest) and this device holds \(currentKeySet): take it up with " +

@@ -1,38 +1,57 @@
 import Foundation
 import Glibc
 
-/// The newest key set a device has held, kept beside its device key (outside the store): a
-/// keybag restored from an older copy (from before a device's removal, so that new files
-/// would use keys the removed device holds) is refused instead of used. JSON: store id →
-/// key set, in `DEVICEKEY.keysets`, or in /var/lib/keybagfs when the key's folder is
-/// read-only (a systemd credential).
+/// The newest key set each device has held, kept outside the store: a keybag restored from
+/// an older copy (from before a device's removal, so that new files would use keys the
+/// removed device holds) is refused instead of used. One file per store,
+/// `STATE/STOREID.keysets` (JSON: device id → key set), where STATE is `$STATE_DIRECTORY`
+/// (systemd's StateDirectory=) or /var/lib/keybagfs: the daemon and every command find the
+/// same file whatever path their device key comes from.
 public enum KeySetFloor {
-    /// Where the floor of the device key at `deviceKeyPath` lives.
-    static func path(deviceKeyPath: String, storeID: String) -> String {
-        let dir = (deviceKeyPath as NSString).deletingLastPathComponent
-        if access(dir.isEmpty ? "." : dir, W_OK) == 0 { return deviceKeyPath + ".keysets" }
-        return "/var/lib/keybagfs/\(storeID).keysets"
+    /// The floor file of store `storeID`.
+    static func path(storeID: String) -> String {
+        let env = ProcessInfo.processInfo.environment["STATE_DIRECTORY"]?.split(separator: ":").first
+        return (env.map(String.init) ?? "/var/lib/keybagfs") + "/\(storeID).keysets"
     }
 
-    /// The recorded floors (empty when none).
-    static func floors(at path: String) -> [String: Int] {
-        guard let d = FileManager.default.contents(atPath: path) else { return [:] }
-        return (try? JSONDecoder().decode([String: Int].self, from: d)) ?? [:]
+    /// The recorded floors; an unreadable file is an error (fail closed), an absent one none.
+    static func floors(at path: String) throws -> [String: Int] {
+        guard FileManager.default.fileExists(atPath: path) else { return [:] }
+        guard let d = FileManager.default.contents(atPath: path),
+              let all = try? JSONDecoder().decode([String: Int].self, from: d) else {
+            throw KeybagError.corrupt(
+                "the key-set record \(path) is unreadable; remove it only if no keybag was rolled back")
+        }
+        return all
     }
 
-    /// Refuses `kb` when its device held a newer key set before; records its set otherwise.
-    public static func check(_ kb: Keybag, deviceKeyPath: String) throws {
-        let p = path(deviceKeyPath: deviceKeyPath, storeID: kb.file.storeID)
-        var all = floors(at: p)
-        let floor = all[kb.file.storeID] ?? 0
+    /// Refuses `kb` when its device held a newer key set before.
+    public static func check(_ kb: Keybag, deviceID: String) throws {
+        let floor = try floors(at: path(storeID: kb.file.storeID))[deviceID] ?? 0
         guard kb.currentKeySet >= floor else {
             throw KeybagError.corrupt(
                 "this device's keybag has key set \(kb.currentKeySet) but the device held key set \(floor) before: " +
-                    "the keybag was rolled back to an older copy (its removed devices could open new files); " +
-                    "restore the newer keybag or run `keybagfs recover`")
+                    "the keybag was rolled back to an older copy (removed devices could open new files); " +
+                    "restore the newer keybag, or take the keys up again with `keybagfs recover`")
         }
-        guard kb.currentKeySet > floor else { return }
-        all[kb.file.storeID] = kb.currentKeySet
+    }
+
+    /// Records `kb`'s key set as its device's floor when it is newer (never lowers it).
+    public static func record(_ kb: Keybag, deviceID: String) throws {
+        let p = path(storeID: kb.file.storeID)
+        var all = try floors(at: p)
+        guard kb.currentKeySet > all[deviceID] ?? 0 else { return }
+        all[deviceID] = kb.currentKeySet
+        let dir = (p as NSString).deletingLastPathComponent
+        try? FileManager.default.createDirectory(
+            atPath: dir, withIntermediateDirectories: true, attributes: [.posixPermissions: 0o700])
         try Keybag.writeAtomically(try JSONEncoder().encode(all), to: p)
+    }
+
+    /// `check`, then `record`: what a daemon does at start.
+    public static func checkAndRecord(_ kb: Keybag, deviceKey: SecureKey) throws {
+        let id = try DeviceIdentity.id(deviceKey: deviceKey, storeID: kb.file.storeID)
+        try check(kb, deviceID: id)
+        try record(kb, deviceID: id)
     }
 }

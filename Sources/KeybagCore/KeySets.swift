@@ -74,6 +74,7 @@ extension Keybag {
         func bad(_ field: String, _ why: String) -> KeybagError { .corrupt("keybag field \(field): \(why)") }
         let top = f.keySet ?? 0
         guard (0...maxKeySet).contains(top) else { throw bad("keySet", "out of range") }
+        if let id = f.deviceID, !DeviceIdentity.isWellFormed(id) { throw bad("deviceID", "not a device id") }
         guard top == 0 || f.format >= keySetsFormat else { throw bad("keySet", "needs format \(keySetsFormat)") }
         for name in f.wrapped.keys {
             guard let dot = name.lastIndex(of: ".") else { continue }
@@ -204,6 +205,7 @@ extension Keybag {
         next.lockoutUntil = 0
         file = next
         try save()
+        try KeySetFloor.record(self, deviceID: try DeviceIdentity.id(deviceKey: deviceKey, storeID: file.storeID))
         return keys.current
     }
 }

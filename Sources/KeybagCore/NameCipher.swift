@@ -56,11 +56,10 @@ public final class NameCipher: Sendable {
         return out
     }
 
-    /// The name IV of a new directory: BLAKE2b-128 keyed by the name MAC key of its parent's
-    /// IV and its stored name. The same directory made on two devices while apart gets the
-    /// same IV, so when a sync engine merges the two, every name in it decrypts.
-    public func directoryIV(parentIV: [UInt8], storedName: String) throws -> [UInt8] {
-        let msg = Array("keybagfs-dir-iv-v1".utf8) + parentIV + Array(storedName.utf8)
+    /// The name IV of a new store's root: BLAKE2b-128 keyed by the name MAC key of a label, so
+    /// every device that makes the root's metadata writes the same bytes.
+    public func rootIV() throws -> [UInt8] {
+        let msg = Array("keybagfs-dir-iv-v1keybagfs-root".utf8)
         var out = [UInt8](repeating: 0, count: 16)
         try macKey.withBytes { k in
             _ = crypto_generichash(
@@ -68,9 +67,6 @@ public final class NameCipher: Sendable {
         }
         return out
     }
-
-    /// The name IV of a store's root: BLAKE2b-128 keyed by the name MAC key of a label.
-    public func rootIV() throws -> [UInt8] { try directoryIV(parentIV: [], storedName: "keybagfs-root") }
 
     /// XChaCha20 keystream xor with nonce = siv || dirIV[0..<8].
     private func xor(_ data: [UInt8], siv: [UInt8], dirIV: [UInt8]) throws -> [UInt8] {

@@ -212,6 +212,15 @@ extension Keybag {
         guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
         let keys: StoreKeys
         let source = escrowFrom.flatMap { $0.currentKeySet > currentKeySet ? $0 : nil } ?? self
+        // The sets both hold must be the same sets (a removal raced by another, or a rolled-back
+        // keybag, can make two different set N): taking the source's would lose this device's.
+        for n in 1...max(1, currentKeySet) where n <= min(currentKeySet, source.currentKeySet) {
+            guard file.classBPublics?[String(n)] == source.file.classBPublics?[String(n)] else {
+                throw KeybagError.corrupt(
+                    "key set \(n) of this device differs from the one in \(source.relativePath): two devices made " +
+                        "different sets of one number; nothing was changed")
+            }
+        }
         do { keys = try source.escrowedKeys(recovery: recovery) } catch KeybagError.badRecoveryKey {
             var failed = file
             failed.recoveryFailedAttempts = (failed.recoveryFailedAttempts ?? 0) + 1
@@ -255,6 +264,7 @@ extension Keybag {
         counterKey = try Keybag.counterKey(deviceKey)
         file = next
         try save()
+        try KeySetFloor.record(self, deviceID: id)
     }
 
     /// Replaces the recovery key (a first one for a store made without); the old one stops

@@ -66,8 +66,8 @@ public struct SyncEngineFile: Sendable, Equatable {
         case .folderFile:
             return "\(engine)'s own file at the root of the synced folder (not an entry of the mount)"
         case .metadataConflict:
-            return "\(engine)'s copy of the directory's metadata that changed on two devices apart (the directory " +
-                "keeps its own; new directories get the same name IV on every device, so no name depends on it)"
+            return "\(engine)'s copy of the directory's metadata that changed on two devices apart (left alone: the " +
+                "directory keeps its own; names made under the copy's IV, if it differs, do not show)"
         }
     }
 }

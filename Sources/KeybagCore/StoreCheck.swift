@@ -58,7 +58,9 @@ public final class StoreCheck {
         self.options = options
         let kb = try Keybag.load(storePath: storePath, deviceKey: deviceKey)
         keybag = kb
-        keyring = ClassKeyring(classD: try kb.classDKeys(deviceKey: deviceKey), current: UInt8(kb.currentKeySet))
+        keyring = ClassKeyring(
+            classD: try kb.classDKeys(deviceKey: deviceKey), current: UInt8(kb.currentKeySet),
+            behind: StoreDevices.newestKeySet(storePath: storePath) > kb.currentKeySet)
         let volume = try kb.unwrapDeviceKeySlot("volume", deviceKey: deviceKey)
         defer { volume.wipe() }
         names = try NameCipher(volumeKey: volume)
@@ -293,6 +295,7 @@ public final class StoreCheck {
     /// Gives a headerless file a header of `cls` (a fresh key; it holds no data).
     private func writeFreshHeader(_ fd: Int32, _ cls: ProtectionClass) throws {
         let set = keyring.currentKeySet
+        guard !keyring.refusesNewWraps else { throw KeybagError.keyUnavailable }   // a removed device would open it
         let wrap: FileHeader.ClassKey
         if cls == .completeUnlessOpen { wrap = .classBPublic(classBPublic) } else {
             guard let k = classKey(cls, keySet: set) else { throw KeybagError.keyUnavailable }

@@ -457,6 +457,8 @@ extension Filesystem {
                 try EncryptedContent.eraseHeaderSlot(fd: fd, index: 1 - next.slot)
             }
         }
+        var after = stat()
+        if fstat(fd, &after) == 0 { n.headerRewritten.withLock { $0 = after.st_mtim } }
     }
 
     /// Removes a directory's stored default (files always have a class: EPERM).

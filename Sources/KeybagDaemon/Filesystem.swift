@@ -261,11 +261,27 @@ final class Filesystem: Sendable {
             guard n.isRegular else { throw FSError(n.isDirectory ? EISDIR : EINVAL) }
             try truncate(n, handle: handle, to: size)
         }
+        let mtime = n.isRegular ? storedModificationTime(n, requested: mtime) : mtime
         let change = AttributeChange(mode: mode, uid: uid, gid: gid, atime: atime, mtime: mtime,
                                      truncatedBy: size != nil && n.isRegular ? truncatedBy : nil)
         if let handle { return try change.apply(open: handle.fd, self) }
         if n.isRegular, let st = try n.withOpenFD({ try change.apply(open: $0, self) }) { return st }
         return try n.withPathFD { try change.apply(path: $0, type: n.type, self) }
+    }
+
+    /// The modification time to store for `requested`. With the write-back cache the kernel
+    /// owns a file's times and writes its own back (right after a setxattr too): after a class
+    /// change that would set the backing file's time back to before its header was rewritten,
+    /// and sync engines and backups, which compare times and sizes, would never copy the new
+    /// class. A time before the rewrite is raised to it; a later one (or "now") ends the rule.
+    func storedModificationTime(_ n: Node, requested: timespec?) -> timespec? {
+        guard let t = requested, t.tv_nsec != kbfs_UTIME_OMIT else { return requested }
+        return n.headerRewritten.withLock { rewritten in
+            guard let r = rewritten else { return t }
+            if t.tv_nsec != kbfs_UTIME_NOW && (t.tv_sec, t.tv_nsec) < (r.tv_sec, r.tv_nsec) { return r }
+            rewritten = nil
+            return t
+        }
     }
 
     /// The attribute changes of one setattr (all but the size).

@@ -214,7 +214,7 @@ public enum MountDaemon {
             ?? DeviceKeyFile.defaultPath(storeID: any.file.storeID)
         let deviceKey = try DeviceKeyFile.load(from: dkPath)
         var kb = try Keybag.load(storePath: cfg.store, deviceKey: deviceKey)
-        try KeySetFloor.check(kb, deviceKeyPath: dkPath)
+        try KeySetFloor.checkAndRecord(kb, deviceKey: deviceKey)
         guard kb.cipher.isAvailable || kb.cipher.sharesLayout(with: .xchacha20poly1305) else {
             throw KeybagError.invalid("this CPU cannot run the store's cipher \(kb.cipher.name)")
         }

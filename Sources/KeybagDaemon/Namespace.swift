@@ -282,9 +282,10 @@ extension Filesystem {
         return try lookupBacking(p, e.name)
     }
 
-    /// mkdir: the new directory gets its own name IV (derived from its parent's and its stored
-    /// name: see `NameCipher.directoryIV`), and the class the mount's policy gives its path,
-    /// before anyone can see it.
+    /// mkdir: the new directory gets its own random name IV, and the class the mount's policy
+    /// gives its path, before anyone can see it. (Not derived from its path: a folder moved
+    /// away and made again under the same name would share the IV, and with it the xattr set
+    /// a directory's IV names.)
     func mkdir(parent: UInt64, name: String, mode: mode_t, caller: Caller) throws -> (Node, stat) {
         var meta = DirectoryMeta.fresh()
         if policy.mayMatch(name: name) {
@@ -294,9 +295,7 @@ extension Filesystem {
                 try (try? pathTail(of: p, upTo: policy.depth - 1)) ?? pathTail(of: p, upTo: policy.depth - 1)
             meta.defaultClass = policy.protectionClass(tail: tail + [name], fromRoot: fromRoot)
         }
-        let parentIV = try self.meta(of: node(parent)).iv
         return try makeEntry(parent: parent, name: name, caller: caller) { [self] dirFD, backing in
-            meta.iv = try names.directoryIV(parentIV: parentIV, storedName: backing)
             try check(mkdirat(dirFD, backing, creationMode(mode, in: node(parent), by: caller) & 0o7777))
             do {
                 let d = try check(openat(dirFD, backing, kbfs_O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC))

@@ -26,6 +26,9 @@ final class Node: Sendable {
     let io: RWLocked<FileKeyLife>
     /// Directories: the parsed `.kbfs-dir` (name IV, default class), once read.
     let dirMeta = Locked<DirectoryMeta?>(nil)
+    /// When this file's header was last rewritten (a class change): its backing modification
+    /// time must not go back before it (see `Filesystem.storedModificationTime`).
+    let headerRewritten = Locked<timespec?>(nil)
     /// Directories: the inherited default class and the class generation it was computed in.
     let inherited = Locked<(generation: UInt64, cls: ProtectionClass)?>(nil)
     /// Regular files: the descriptors of the open handles. A handle leaves the list before

@@ -116,7 +116,6 @@ struct DeviceCommand: ParsableCommand {
                 let kb = try Keybag.addDevice(
                     storePath: target.store, recovery: recovery, passcode: passcode, deviceKey: dk,
                     name: name ?? ProcessInfo.processInfo.hostName, strength: kdf)
-                try KeySetFloor.check(kb, deviceKeyPath: dkPath)
                 print("added this device to \(target.store)")
                 print("  device id:  \(kb.file.deviceID ?? "")")
                 print("  keybag:     \(kb.relativePath)")
@@ -163,7 +162,6 @@ struct DeviceCommand: ParsableCommand {
             let passcode = try PasscodeInput.read(fromStdin: stdin, prompt: "Passcode: ")
             defer { passcode.wipe() }
             let set = try kb.removeDevice(id, passcode: passcode, deviceKey: dk, recovery: recovery)
-            try KeySetFloor.check(kb, deviceKeyPath: target.deviceKeyPath(kb))
             print("removed device \(id); files written from now on use key set \(set)")
         }
     }

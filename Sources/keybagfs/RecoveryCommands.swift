@@ -93,7 +93,6 @@ struct Recover: ParsableCommand {
                     "the store now needs the device key \(staged); moving it to \(dkPath) failed", errno)
             }
             DeviceKeyFile.syncFolder(of: dkPath)
-            try KeySetFloor.check(kb, deviceKeyPath: dkPath)
             print(
                 "recovered \(target.store): new passcode set; new device key \(dkPath) (the old one no longer opens " +
                     "the store)"
@@ -117,7 +116,6 @@ struct Recover: ParsableCommand {
             try kb.recover(
                 with: recovery, newPasscode: passcode, deviceKey: dk,
                 escrowFrom: Self.escrowSource(target.store, recovery))
-            try KeySetFloor.check(kb, deviceKeyPath: dkPath)
             print("recovered \(target.store): new passcode set")
         }
     }

@@ -17,10 +17,15 @@ struct UnmountedStore: ParsableArguments {
     /// The device key path for a keybag.
     func deviceKeyPath(_ kb: Keybag) -> String { deviceKey ?? DeviceKeyFile.defaultPath(storeID: kb.file.storeID) }
 
-    /// The device key and its device's keybag (the caller wipes the key).
+    /// The device key and its device's keybag, refused when rolled back below the key set
+    /// its device held (the caller wipes the key).
     func deviceKeybag() throws -> (Keybag, SecureKey) {
         let dk = try DeviceKeyFile.load(from: deviceKeyPath(try Keybag.load(storePath: store)))
-        do { return (try Keybag.load(storePath: store, deviceKey: dk), dk) } catch { dk.wipe(); throw error }
+        do {
+            let kb = try Keybag.load(storePath: store, deviceKey: dk)
+            try KeySetFloor.check(kb, deviceID: try DeviceIdentity.id(deviceKey: dk, storeID: kb.file.storeID))
+            return (kb, dk)
+        } catch { dk.wipe(); throw error }
     }
 }
 

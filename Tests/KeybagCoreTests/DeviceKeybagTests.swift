@@ -131,10 +131,9 @@ final class DeviceKeybagTests: TempDirTestCase {
     func testTheKeySetOfNewFilesCannotBeEditedOrRolledBackOffline() throws {
         var (a, dkA, _, dkB, recovery) = try twoDevices()
         let before = try Data(contentsOf: URL(fileURLWithPath: dir + "/keybag"))
-        let dkPath = dir + "/a.key"
-        try KeySetFloor.check(a, deviceKeyPath: dkPath)
+        let idA = try DeviceIdentity.id(deviceKey: dkA, storeID: storeID)
         _ = try a.removeDevice(try DeviceIdentity.id(deviceKey: dkB, storeID: storeID), passcode: secret("pa"), deviceKey: dkA, recovery: recovery)
-        try KeySetFloor.check(a, deviceKeyPath: dkPath)
+        XCTAssertTrue(FileManager.default.fileExists(atPath: dir + "/state/\(storeID).keysets"), "the removal recorded the floor")
         let after = try Data(contentsOf: URL(fileURLWithPath: dir + "/keybag"))
         func write(_ edit: (inout [String: Any]) -> Void) throws {
             var json = try JSONSerialization.jsonObject(with: after) as! [String: Any]
@@ -155,7 +154,10 @@ final class DeviceKeybagTests: TempDirTestCase {
         try before.write(to: URL(fileURLWithPath: dir + "/keybag"))
         let rolledBack = try Keybag.load(storePath: dir, deviceKey: dkA)
         XCTAssertEqual(rolledBack.currentKeySet, 0)
-        XCTAssertThrowsError(try KeySetFloor.check(rolledBack, deviceKeyPath: dkPath)) { XCTAssertTrue("\($0)".contains("rolled back"), "\($0)") }
-        XCTAssertNoThrow(try KeySetFloor.check(rolledBack, deviceKeyPath: dir + "/other-device.key"), "another device key has its own floor")
+        XCTAssertThrowsError(try KeySetFloor.check(rolledBack, deviceID: idA)) { XCTAssertTrue("\($0)".contains("rolled back"), "\($0)") }
+        XCTAssertNoThrow(try KeySetFloor.check(rolledBack, deviceID: String(repeating: "0", count: 32)), "each device has its own floor")
+        // An unreadable record fails closed.
+        try Data("{".utf8).write(to: URL(fileURLWithPath: dir + "/state/\(storeID).keysets"))
+        XCTAssertThrowsError(try KeySetFloor.check(rolledBack, deviceID: String(repeating: "0", count: 32)))
     }
 }

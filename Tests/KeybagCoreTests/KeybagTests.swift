@@ -141,14 +141,11 @@ final class NameCipherTests: XCTestCase {
         XCTAssertNotEqual(try c.encrypt(Array("report.pdg".utf8), dirIV: iv1).prefix(10), a.prefix(10))
         XCTAssertEqual(try c.decrypt(a, dirIV: iv1), name)
         XCTAssertThrowsError(try c.decrypt(a, dirIV: iv2), "wrong directory")
-        // A new directory's IV: the same for the same parent and stored name (two devices
-        // making one folder apart), different otherwise, and not the parent's own.
-        let d = try c.directoryIV(parentIV: iv1, storedName: a)
-        XCTAssertEqual(d.count, 16)
-        XCTAssertEqual(try c.directoryIV(parentIV: iv1, storedName: a), d)
-        XCTAssertNotEqual(try c.directoryIV(parentIV: iv2, storedName: a), d)
-        XCTAssertNotEqual(try c.directoryIV(parentIV: iv1, storedName: a + "x"), d)
-        XCTAssertNotEqual(d, iv1)
+        // A new store's root IV: the same on every device (one volume key), another store's differs.
+        let root = try c.rootIV()
+        XCTAssertEqual(root.count, 16)
+        XCTAssertEqual(try c.rootIV(), root)
+        XCTAssertNotEqual(try NameCipher(volumeKey: SecureKey(random: 32)).rootIV(), root)
         var chars = Array(a)
         for i in [0, 5, chars.count - 1] {
             let saved = chars[i]

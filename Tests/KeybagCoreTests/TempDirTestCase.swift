@@ -10,6 +10,7 @@ class TempDirTestCase: XCTestCase {
     override func setUp() {
         var t = Array("/tmp/kbfs-unit.XXXXXX".utf8CString)
         dir = String(cString: mkdtemp(&t)!)
+        setenv("STATE_DIRECTORY", dir + "/state", 1)   // key-set floors (KeySetFloor) stay in the test's folder
     }
 
     override func tearDown() { try? FileManager.default.removeItem(atPath: dir) }

@@ -139,32 +139,6 @@ final class ChangesUnderneathTests: XCTestCase {
         XCTAssertEqual(try readFile(here.path("mine.txt")).get(), bytes("mine"))
     }
 
-    func testTheSameFolderMadeOnTwoDevicesApartKeepsEveryName() throws {
-        let (here, there) = try twoDevices { _ in }
-        XCTAssertEqual(mkdir(here.path("shared"), 0o755), 0)
-        XCTAssertEqual(mkdir(there.path("shared"), 0o755), 0)
-        XCTAssertEqual(writeFile(here.path("shared/from-here.txt"), bytes("written here")), 0)
-        XCTAssertEqual(writeFile(there.path("shared/from-there.txt"), bytes("written there")), 0)
-        sync()
-        // A sync engine merges the two folders (one path: the stored name is the same) and
-        // keeps a conflict copy of `.kbfs-dir` when the two differ.
-        let dir = backingRel(there, "shared")
-        XCTAssertEqual(dir, backingRel(here, "shared"))
-        let theirs = there.store + "/" + dir + "/.kbfs-dir", ours = here.store + "/" + dir + "/.kbfs-dir"
-        if FileManager.default.contents(atPath: theirs) != FileManager.default.contents(atPath: ours) {
-            try syncthingCopy(theirs, here.store + "/" + dir + "/.sync-conflict-20261125-101010-THERE27.kbfs-dir")
-        }
-        let file = backingRel(there, "shared/from-there.txt")
-        try syncthingCopy(there.store + "/" + file, here.store + "/" + file)
-        XCTAssertTrue(waitUntil(5) { listing(here.path("shared")) == ["from-here.txt", "from-there.txt"] },
-                      "\(listing(here.path("shared")))")
-        XCTAssertEqual(try readFile(here.path("shared/from-there.txt")).get(), bytes("written there"))
-        XCTAssertEqual(try readFile(here.path("shared/from-here.txt")).get(), bytes("written here"))
-        here.unmount()
-        let f = here.fsck()
-        XCTAssertEqual(f.code, 0, "\(f.out)")
-    }
-
     func testChangesStillShowWhenTheWatcherLosesEvents() throws {
         var rng = SeededBytes(seed: 2526)
         let old = rng.bytes(10_000), replaced = rng.bytes(40_000), fresh = rng.bytes(5000)

@@ -68,8 +68,10 @@ final class MountFixture {
         guard r.code == 0 else { throw NSError(domain: "cp -a failed: \(r.stderr)", code: Int(r.code)) }
     }
 
-    /// The paths of a fixture in `root`, its mount point made.
+    /// The paths of a fixture in `root`, its mount point made. Key-set floors (`KeySetFloor`)
+    /// of the tools and daemons it starts go to the test's state folder, not /var/lib.
     private init(root: String, passcode: String, grace: Double, defaultClass: String?) throws {
+        setenv("STATE_DIRECTORY", "/tmp/kbfs-test-state", 1)
         self.root = root
         store = root + "/store"
         mnt = root + "/mnt"

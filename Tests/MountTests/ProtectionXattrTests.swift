@@ -5,6 +5,34 @@ import XCTest
 
 /// The xattr user.protection: values, aliases, errors, inheritance and rewrapping.
 final class ProtectionXattrTests: XCTestCase {
+    func testAClassChangeMovesTheStoredModificationTimeForward() throws {
+        // Sync engines and backups see a changed file by its time and size: the rewritten
+        // header must leave the backing file newer than before, even after the kernel (which
+        // owns the times with the write-back cache) writes its own back.
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        XCTAssertEqual(writeFile(m.path("f"), bytes("content")), 0)
+        func backingMTime() -> timespec {
+            var st = stat()
+            XCTAssertEqual(stat(m.backing("f"), &st), 0)
+            return st.st_mtim
+        }
+        let before = backingMTime()
+        XCTAssertEqual(setXattr(m.path("f"), "complete"), 0)
+        let fd = open(m.path("f"), O_RDONLY)
+        XCTAssertEqual(fsync(fd), 0)   // the kernel writes its times back
+        close(fd)
+        let after = backingMTime()
+        XCTAssertTrue((after.tv_sec, after.tv_nsec) > (before.tv_sec, before.tv_nsec),
+                      "stored time \(after) not after \(before)")
+        XCTAssertEqual(try readFile(m.path("f")).get(), bytes("content"))
+        // A later write moves it on as usual.
+        XCTAssertEqual(writeFile(m.path("f"), bytes("more")), 0)
+        let later = backingMTime()
+        XCTAssertTrue((later.tv_sec, later.tv_nsec) >= (after.tv_sec, after.tv_nsec))
+    }
+
     func testValuesAliasesInheritanceAndErrors() throws {
         let m = try MountFixture(defaultClass: "none")
         addTeardownBlock { m.close() }

@@ -35,7 +35,14 @@ final class SyncthingTests: XCTestCase {
     private func diagnosis(_ mounts: [MountFixture], _ sync: SyncthingPair) -> String {
         var out = sync.logs(lines: 15)
         for m in mounts {
-            out += "\n--- store \(m.store):\n" + MountFixture.run("/usr/bin/find", [m.store + "/data", "-printf", "%P %s %y\\n"]).stdout
+            out += "\n--- store \(m.store):\n" + MountFixture.run("/usr/bin/find", [m.store + "/data", "-printf", "%P %s %y %i %TT\\n"]).stdout
+            // Each backing file's class byte (from the slot in use): what the engine delivered.
+            for rel in (FileManager.default.enumerator(atPath: m.store + "/data")?.allObjects as? [String]) ?? [] {
+                guard let d = FileManager.default.contents(atPath: m.store + "/data/" + rel), d.count >= 320 else { continue }
+                let b = [UInt8](d)
+                out += "class of \(rel): \(b[0] == 0x4b ? b[8] : b[168])\n"
+            }
+            out += "mount: " + tree(m.mnt).map { "\($0.key)=\((try? getXattr(m.mnt + "/" + $0.key).get()) ?? "-")" }.joined(separator: " ") + "\n"
             let log = (try? String(contentsOfFile: m.root + "/daemon.log", encoding: .utf8)) ?? ""
             out += "--- daemon \(m.root):\n" + log.split(separator: "\n").suffix(15).joined(separator: "\n")
         }
