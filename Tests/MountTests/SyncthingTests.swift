@@ -173,11 +173,12 @@ final class SyncthingTests: XCTestCase {
             XCTAssertEqual(f.code, 0, "fsck \(m.root): \(f.out)")
         }
 
-        // Remove device B on A: a file written afterwards on A cannot be opened on B.
+        // Remove device B on A: a file written afterwards on A cannot be opened on B, whose
+        // daemon (as a thief's would) keeps the keybag it read at start.
+        try b.mount()
+        b.unlock()
         let rm = keybagfs(["device", "remove", a.store, idB, "--device-key", a.deviceKey, "--recovery-key-file", rk, "--stdin"], stdin: a.passcode + "\n")
         XCTAssertEqual(rm.code, 0, rm.stderr)
-        try b.mount()   // B's daemon still holds its keybag as it read it at start
-        b.unlock()
         try a.mount()
         a.unlock()
         let after = bytes("written on A after B was removed")
@@ -186,5 +187,9 @@ final class SyncthingTests: XCTestCase {
         XCTAssertEqual(errnoOf(readFile(b.path("docs/after.txt"))), EACCES, "B cannot open a file written after its removal")
         XCTAssertEqual(try readFile(b.path("secret.txt")).get(), secret, "what B could read before stays readable to it")
         XCTAssertEqual(try readFile(a.path("docs/after.txt")).get(), after)
+        // B's own daemon, started again with the removal synced, refuses to mount.
+        b.unmount()
+        XCTAssertTrue(waitUntil(60) { FileManager.default.fileExists(atPath: b.store + "/devices/\(idB).removed") })
+        XCTAssertThrowsError(try b.mount(), "a removed device is told so")
     }
 }
