@@ -214,7 +214,6 @@ public enum MountDaemon {
             ?? DeviceKeyFile.defaultPath(storeID: any.file.storeID)
         let deviceKey = try DeviceKeyFile.load(from: dkPath)
         var kb = try Keybag.load(storePath: cfg.store, deviceKey: deviceKey)
-        try KeySetFloor.checkAndRecord(kb, deviceKey: deviceKey)
         guard kb.cipher.isAvailable || kb.cipher.sharesLayout(with: .xchacha20poly1305) else {
             throw KeybagError.invalid("this CPU cannot run the store's cipher \(kb.cipher.name)")
         }
@@ -228,6 +227,8 @@ public enum MountDaemon {
                     "\(Controller.seconds(kb.retryAfter(now: Date().timeIntervalSince1970))) s"
             )
         }
+        // Only an authenticated keybag may raise the floor (a forged key set would lock the device out).
+        try KeySetFloor.checkAndRecord(kb, deviceKey: deviceKey)
         let newest = StoreDevices.newestKeySet(storePath: cfg.store)
         if newest > kb.currentKeySet {
             log(
