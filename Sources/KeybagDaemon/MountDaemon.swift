@@ -21,6 +21,8 @@ public struct MountConfiguration: Sendable {
     public var inactivityRelock: Double? = nil
     /// Whether the kernel may cache writes (write-back) for handles that are not class A.
     public var writebackCache = true
+    /// Whether the store is watched for changes another writer makes (`StoreSharing.Mode`).
+    public var watchStore = StoreSharing.Mode.auto
     /// Whether the kernel enforces POSIX ACLs (`-o acl` / `-o noacl`); nil: where it checks
     /// permissions anyway (`needsKernelPermissionChecks`).
     public var posixACL: Bool? = nil
@@ -49,8 +51,8 @@ public enum MountDaemon {
     /// writer makes in the store (a sync engine) is reported by the `StoreWatcher`, which makes
     /// the kernel drop what it made stale; so the cache can be long.
     static let cacheTimeout = 30.0
-    /// The cache time where the store cannot be watched (no fanotify for this process): a
-    /// change underneath shows after at most this long.
+    /// The cache time where the store should be watched but cannot be (no fanotify for this
+    /// process): a change underneath shows after at most this long.
     static let unwatchedCacheTimeout = 1.0
 
     /// Whether the kernel must check modes (`default_permissions`): always, unless the mount
@@ -178,13 +180,31 @@ public enum MountDaemon {
             let server = try ControlServer(path: cfg.socketPath, controller: controller, owner: owner)
             return Started(
                 fs: fs, controller: controller, server: server,
-                watcher: StoreWatcher.start(
-                    fs: fs, dataPath: cfg.store + "/" + Keybag.dataDirName,
-                    xattrsPath: cfg.store + "/" + Keybag.xattrsDirName))
+                watcher: startWatcher(cfg, fs))
         } catch {
             controller.shutdown()
             throw error
         }
+    }
+
+    /// Watches the store as `cfg.watchStore` says (logged); nil when it is off or impossible.
+    private static func startWatcher(_ cfg: MountConfiguration, _ fs: Filesystem) -> StoreWatcher? {
+        let full: Bool
+        switch cfg.watchStore {
+        case .off:
+            log("not watching the store for changes underneath (--watch-store off): the daemon is its only writer")
+            return nil
+        case .on:
+            full = true
+        case .auto:
+            if let why = StoreSharing.evidence(storePath: cfg.store) {
+                log("watching the store for changes underneath: " + why)
+                full = true
+            } else {
+                full = false
+            }
+        }
+        return StoreWatcher.start(fs: fs, storePath: cfg.store, full: full)
     }
 
     /// Locks the store against a second daemon (the descriptor stays open until exit).
@@ -270,7 +290,8 @@ public enum MountDaemon {
         defer { cargs.forEach { free($0) } }
         var cArgv: [UnsafeMutablePointer<CChar>?] = cargs + [nil]
         let context = FuseContext(
-            fs: s.fs, cacheTimeout: s.watcher == nil ? Self.unwatchedCacheTimeout : Self.cacheTimeout,
+            fs: s.fs,
+            cacheTimeout: s.watcher == nil && cfg.watchStore != .off ? Self.unwatchedCacheTimeout : Self.cacheTimeout,
             writebackCache: cfg.writebackCache, posixACL: posixACL)
         let userdata = Unmanaged.passRetained(context).toOpaque()
         var ops = FuseBridge.operations()

@@ -16,6 +16,11 @@ import KeybagCore
 /// are per directory, added as directories appear, like inotify watches. Run as root the group
 /// has an unbounded queue and number of marks; unprivileged (Linux 5.13) its queue can
 /// overflow, and then everything the kernel may hold is dropped (`forgetEverything`).
+///
+/// Watching in full costs each of the daemon's own creates, writes and renames an event, so a
+/// store that `StoreSharing` finds no other writer of is watched only at its top level (the
+/// store root, `devices/`, the data root): the first change another process makes there
+/// turns on the full watch and drops everything cached, as after a lost event.
 final class StoreWatcher: Sendable {
     /// The backing identity of a watched directory.
     private struct Directory: Hashable, Sendable { let dev: UInt64; let ino: UInt64 }
@@ -38,10 +43,13 @@ final class StoreWatcher: Sendable {
     private let markFailed = Locked(false)
     /// Signalled when the reading thread has ended.
     private let finished = DispatchSemaphore(value: 0)
+    /// Whether every directory of the data folder is watched, not only the top level.
+    private let full: Locked<Bool>
 
-    /// Starts watching the store's data folder `dataPath` and xattrs folder `xattrsPath` for
-    /// `fs`; nil (logged) where fanotify is not available to this process.
-    static func start(fs: Filesystem, dataPath: String, xattrsPath: String) -> StoreWatcher? {
+    /// Starts watching the store `storePath` for `fs`, in `full` or only at its top level until
+    /// another writer shows; nil (logged) where fanotify is not available to this process.
+    static func start(fs: Filesystem, storePath: String, full: Bool) -> StoreWatcher? {
+        let dataPath = storePath + "/" + Keybag.dataDirName, xattrsPath = storePath + "/" + Keybag.xattrsDirName
         var fan = kbfs_fanotify_open(geteuid() == 0 ? 1 : 0)
         if fan < 0 && geteuid() == 0 { fan = kbfs_fanotify_open(0) }
         guard fan >= 0 else {
@@ -64,8 +72,17 @@ final class StoreWatcher: Sendable {
         if x >= 0 { close(x) }
         let w = StoreWatcher(
             fs: fs, fan: fan, dataFD: data, xattrsHandle: len > 0 ? Array(buf[0..<Int(len)]) : [],
-            stopPipe: (p[0], p[1]))
-        w.watchTree(dup(data))
+            stopPipe: (p[0], p[1]), full: full)
+        if full {
+            w.watchTree(dup(data))
+        } else {
+            // The top level only: the store root, its devices folder and the data root.
+            for path in [storePath, storePath + "/" + StoreDevices.dirName] {
+                let fd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+                if fd >= 0 { _ = kbfs_fanotify_watch(fan, fd); close(fd) }
+            }
+            _ = w.watch(data)
+        }
         let t = Thread { [w] in w.run() }
         t.name = "keybagfs-store-watcher"
         t.start()
@@ -74,8 +91,10 @@ final class StoreWatcher: Sendable {
 
     /// A watcher of the group `fan` (taken over); `start` makes it.
     private init(
-        fs: Filesystem, fan: Int32, dataFD: Int32, xattrsHandle: [UInt8], stopPipe: (read: Int32, write: Int32)
+        fs: Filesystem, fan: Int32, dataFD: Int32, xattrsHandle: [UInt8], stopPipe: (read: Int32, write: Int32),
+        full: Bool
     ) {
+        self.full = Locked(full)
         self.fs = fs
         self.fan = fan
         self.dataFD = dataFD
@@ -187,6 +206,8 @@ final class StoreWatcher: Sendable {
         var changes: [(handle: [UInt8], change: StoreChange)] = []
         var ownDirectories: [(handle: [UInt8], name: String)] = []
         var xattrSetsChanged = false
+        var foreign = false
+        let watchingAll = full.withLock { $0 }
         buf.withUnsafeBufferPointer { b in
             var ev = kbfs_fan_event()
             while kbfs_fanotify_next(b.baseAddress, count, &offset, &ev) == 1 {
@@ -195,7 +216,11 @@ final class StoreWatcher: Sendable {
                 let isDir = ev.mask & kbfs_FAN_ONDIR != 0
                 // The daemon's own changes need nothing, but the directories it makes are watched.
                 let own = ev.pid == ownPID
-                guard !own || isDir && ev.mask & kbfs_FAN_CREATE != 0 else { continue }
+                guard !own || watchingAll && isDir && ev.mask & kbfs_FAN_CREATE != 0 else { continue }
+                if !watchingAll {
+                    foreign = true
+                    continue
+                }
                 let handle = Array(UnsafeBufferPointer(start: h, count: Int(ev.handle_len)))
                 if !xattrsHandle.isEmpty && handle == xattrsHandle {
                     xattrSetsChanged = true
@@ -211,11 +236,16 @@ final class StoreWatcher: Sendable {
                 }
             }
         }
+        if foreign {
+            full.withLock { $0 = true }
+            forgetEverything(because: "another process changed the store: watching all of it from now on")
+            return
+        }
         for d in ownDirectories { watchNew(d.name, in: d.handle, parent: nil) }
         if !changes.isEmpty && Failpoint.watcherLosesEvents.isOn { changes = []; overflow = true }
         for c in changes { apply(c.change, in: c.handle) }
         if xattrSetsChanged { fs.storedXattrSets.store(Filesystem.countStoredSets(fs.xattrsFD), ordering: .relaxed) }
-        if overflow { forgetEverything() }
+        if overflow { forgetEverything(because: "the store watcher lost events (queue overflow)") }
     }
 
     /// The changes one event's mask reports (merged events report several).
@@ -270,12 +300,12 @@ final class StoreWatcher: Sendable {
         return fs.table.node(dev: UInt64(st.st_dev), ino: UInt64(st.st_ino))
     }
 
-    /// After a lost event (queue overflow): every directory is watched again, its metadata read
-    /// again, the kernel drops the attributes and pages of every inode it has and looks up again
+    /// After a lost event (queue overflow) or the first change of another writer: every
+    /// directory is watched again, its metadata read again, the kernel drops the attributes and pages of every inode it has and looks up again
     /// every name that exists now. A name removed, or a file rewritten in place, while events
     /// were lost may show as before up to the entry timeout.
-    private func forgetEverything() {
-        MountDaemon.log("the store watcher lost events (queue overflow): dropping every cached entry")
+    private func forgetEverything(because reason: String) {
+        MountDaemon.log(reason + ": dropping every cached entry")
         watchTree(dup(dataFD))
         fs.classGeneration.add(1, ordering: .relaxed)
         for n in fs.table.allNodes() {

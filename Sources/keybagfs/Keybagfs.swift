@@ -49,6 +49,8 @@ extension ProtectionClass: ExpressibleByArgument {
 
 extension KDFStrength: ExpressibleByArgument {}
 
+extension StoreSharing.Mode: ExpressibleByArgument {}
+
 /// Parses a content cipher name for `init --cipher`.
 extension ContentCipher: ExpressibleByArgument {
     public init?(argument: String) { self.init(name: argument) }

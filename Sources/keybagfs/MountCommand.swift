@@ -66,6 +66,16 @@ struct Mount: ParsableCommand {
     )
     var noWritebackCache = false
 
+    @Option(
+        help: ArgumentHelp(
+            "Watch the store for changes another writer makes (a sync engine): auto (in full when the store has " +
+                "another device or lies in a folder a sync engine marks, such as Syncthing's .stfolder; otherwise " +
+                "from the first change another process makes at the store's top level), on (always: engines that " +
+                "leave no " +
+                "marker, such as rclone or Unison), off (the daemon is the only writer).")
+    )
+    var watchStore: StoreSharing.Mode = .auto
+
     @Option(help: "Most threads serving FUSE requests at once (1-256); each waits in its own clone of /dev/fuse.")
     var threads: Int = MountConfiguration.defaultThreads
 
@@ -85,8 +95,8 @@ struct Mount: ParsableCommand {
 
     /// keybagfs' own settings inside `-o` (fstab and mount.fuse3 pass everything there):
     /// `device-key=`, `socket=`, `default-class=`, `grace=`, `policy=`, `owner=`,
-    /// `inactivity-relock=`, `no-writeback-cache`, `threads=`, `acl`, `noacl`; mount(8)'s own words are dropped;
-    /// the rest goes to FUSE.
+    /// `inactivity-relock=`, `no-writeback-cache`, `watch-store=`, `threads=`, `acl`, `noacl`; mount(8)'s own
+    /// words are dropped; the rest goes to FUSE.
     mutating func takeOwnOptions() throws {
         var fuse: [String] = []
         for o in options.flatMap({ $0.split(separator: ",").map(String.init) }) where !o.isEmpty {
@@ -106,6 +116,11 @@ struct Mount: ParsableCommand {
                 guard let g = Double(value) else { throw ValidationError("-o grace=\(value): not a number of seconds") }
                 grace = g
             case "no-writeback-cache": noWritebackCache = true
+            case "watch-store":
+                guard let m = StoreSharing.Mode(rawValue: value) else {
+                    throw ValidationError("-o watch-store=\(value): auto, on or off")
+                }
+                watchStore = m
             case "acl": posixACL = true
             case "noacl": posixACL = false
             case "threads":
@@ -183,6 +198,7 @@ struct Mount: ParsableCommand {
             cfg.owner = try ownerUID()
             cfg.inactivityRelock = inactivityRelock.map { $0 * 3600 }
             cfg.writebackCache = !noWritebackCache
+            cfg.watchStore = watchStore
             cfg.posixACL = posixACL
             cfg.threads = threads
             let rc = MountDaemon.run(cfg)

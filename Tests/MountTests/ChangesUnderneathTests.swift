@@ -20,14 +20,17 @@ final class ChangesUnderneathTests: XCTestCase {
         return other
     }
 
-    /// This device's mount (unlocked, closed with the test; the daemon gets `environment`),
-    /// filled by `fill` and synced to disk, and the other device's copy of it.
+    /// This device's mount (unlocked, closed with the test; the daemon gets `environment` and
+    /// `extra` arguments), filled by `fill` and synced to disk, and the other device's copy of
+    /// it. The store is a Syncthing folder (`.stfolder`, which Syncthing makes in each folder it
+    /// syncs) unless `marked` is false.
     private func twoDevices(
-        environment: [String: String] = [:], _ fill: (MountFixture) -> Void
+        environment: [String: String] = [:], marked: Bool = true, extra: [String] = [], _ fill: (MountFixture) -> Void
     ) throws -> (here: MountFixture, there: MountFixture) {
         let here = try MountFixture(mount: false)
         addTeardownBlock { here.close() }
-        try here.mount(environment: environment)
+        if marked { XCTAssertEqual(mkdir(here.store + "/.stfolder", 0o755), 0) }
+        try here.mount(extra: extra, environment: environment)
         here.unlock()
         fill(here)
         sync()
@@ -137,6 +140,53 @@ final class ChangesUnderneathTests: XCTestCase {
         // Changes this mount makes itself still work as before.
         XCTAssertEqual(writeFile(here.path("mine.txt"), bytes("mine")), 0)
         XCTAssertEqual(try readFile(here.path("mine.txt")).get(), bytes("mine"))
+    }
+
+    /// A change in a folder below the mount root, made underneath after the mount cached it.
+    private func changeInAFolder(_ here: MountFixture, _ there: MountFixture) throws {
+        XCTAssertEqual(try readFile(here.path("d/kept.txt")).get(), bytes("kept"))
+        XCTAssertEqual(listing(here.path("d")), ["kept.txt"])
+        XCTAssertEqual(writeFile(there.path("d/kept.txt"), bytes("replaced underneath")), 0)
+        XCTAssertEqual(writeFile(there.path("d/new.txt"), bytes("new")), 0)
+        sync()
+        try push(from: there.store, to: here.store)
+        XCTAssertTrue(
+            waitUntil(5) { (try? readFile(here.path("d/kept.txt")).get()) == bytes("replaced underneath") },
+            "the replaced file's new content")
+        XCTAssertTrue(waitUntil(5) { self.listing(here.path("d")) == ["kept.txt", "new.txt"] }, "the new file")
+    }
+
+    /// The log of `m`'s daemon.
+    private func daemonLog(_ m: MountFixture) -> String {
+        (try? String(contentsOfFile: m.root + "/daemon.log", encoding: .utf8)) ?? ""
+    }
+
+    func testAStoreASyncEngineStartsOnWhileMountedIsWatchedFromItsFirstChange() throws {
+        // No marker and one device: the daemon takes itself for the only writer and watches the
+        // top level only. Syncthing, set up on the store later, makes `.stfolder` there first.
+        let (here, there) = try twoDevices(marked: false) { m in
+            XCTAssertEqual(mkdir(m.path("d"), 0o755), 0)
+            XCTAssertEqual(writeFile(m.path("d/kept.txt"), bytes("kept")), 0)
+        }
+        XCTAssertFalse(daemonLog(here).contains("watching the store"), daemonLog(here))
+        XCTAssertEqual(mkdir(here.store + "/.stfolder", 0o755), 0)
+        XCTAssertTrue(waitUntil(5) { self.daemonLog(here).contains("watching all of it") }, daemonLog(here))
+        try changeInAFolder(here, there)
+    }
+
+    func testWatchStoreOnWatchesAStoreWithNoMarkerAndOffIsSaid() throws {
+        // rclone or Unison leave no marker: `-o watch-store=on` watches anyway.
+        let (here, there) = try twoDevices(marked: false, extra: ["-o", "watch-store=on"]) { m in
+            XCTAssertEqual(mkdir(m.path("d"), 0o755), 0)
+            XCTAssertEqual(writeFile(m.path("d/kept.txt"), bytes("kept")), 0)
+        }
+        try changeInAFolder(here, there)
+        // A marked store with `--watch-store off` says so and is not watched (cache of 30 s).
+        let (quiet, _) = try twoDevices(extra: ["--watch-store", "off"]) { _ in }
+        XCTAssertTrue(daemonLog(quiet).contains("not watching the store"), daemonLog(quiet))
+        let bad = MountFixture.run(MountFixture.binDir + "/keybagfs", ["mount", quiet.store, quiet.mnt, "-o", "watch-store=maybe"])
+        XCTAssertNotEqual(bad.code, 0)
+        XCTAssertTrue(bad.stderr.contains("watch-store=maybe: auto, on or off"), bad.stderr + bad.stdout)
     }
 
     func testChangesStillShowWhenTheWatcherLosesEvents() throws {
@@ -289,7 +339,7 @@ final class ChangesUnderneathTests: XCTestCase {
         let partial = data + "/.syncthing." + (backingRel(here, "big.bin") as NSString).lastPathComponent + "2.tmp"
         XCTAssertEqual(writeFile(partial, Array(big.prefix(5000))), 0)
         for root in [here.store, data] {
-            XCTAssertEqual(mkdir(root + "/.stfolder", 0o755), 0)
+            XCTAssertTrue(mkdir(root + "/.stfolder", 0o755) == 0 || errno == EEXIST)
             XCTAssertEqual(writeFile(root + "/.stignore", bytes("// nothing\n")), 0)
             XCTAssertEqual(mkdir(root + "/.stversions", 0o755), 0)
             XCTAssertEqual(writeFile(root + "/.stversions/old~20261125-101010", bytes("an old version")), 0)
