@@ -301,9 +301,10 @@ final class StoreWatcher: Sendable {
     }
 
     /// After a lost event (queue overflow) or the first change of another writer: every
-    /// directory is watched again, its metadata read again, the kernel drops the attributes and pages of every inode it has and looks up again
-    /// every name that exists now. A name removed, or a file rewritten in place, while events
-    /// were lost may show as before up to the entry timeout.
+    /// directory is watched again, its metadata read again, the kernel drops the attributes
+    /// and pages of every inode it has and looks up again every name that exists now. A name
+    /// removed, or a file rewritten in place, while events were lost may show as before up to
+    /// the entry timeout.
     private func forgetEverything(because reason: String) {
         MountDaemon.log(reason + ": dropping every cached entry")
         watchTree(dup(dataFD))
