@@ -66,8 +66,8 @@ public struct SyncEngineFile: Sendable, Equatable {
         case .folderFile:
             return "\(engine)'s own file at the root of the synced folder (not an entry of the mount)"
         case .metadataConflict:
-            return "\(engine)'s copy of the directory's metadata that changed on two devices apart (left alone: the " +
-                "directory keeps its own; names made under the copy's IV, if it differs, do not show)"
+            return "\(engine)'s copy of the directory's metadata, made when the folder was created on two devices " +
+                "apart (left alone: names made under the copy's IV show in the mount too)"
         }
     }
 }
@@ -137,6 +137,9 @@ public struct StoreChange: Sendable, Equatable {
         public var rewritten: String?
         /// The directory's metadata (name IV, default class) must be read again.
         public var directoryMeta = false
+        /// Every name of the directory must be looked up again (the IVs its names decrypt
+        /// under changed: a metadata copy came or went).
+        public var everyEntry = false
         /// A directory appeared: watch it and everything below it; classes may inherit anew.
         public var newDirectory = false
         /// A directory moved or went: inherited classes must be recomputed.
@@ -149,11 +152,13 @@ public struct StoreChange: Sendable, Equatable {
 
         /// A response; every field defaults to nothing.
         public init(entry: String? = nil, attributes: String? = nil, rewritten: String? = nil,
-                    directoryMeta: Bool = false, newDirectory: Bool = false, classesMayChange: Bool = false) {
+                    directoryMeta: Bool = false, everyEntry: Bool = false, newDirectory: Bool = false,
+                    classesMayChange: Bool = false) {
             self.entry = entry
             self.attributes = attributes
             self.rewritten = rewritten
             self.directoryMeta = directoryMeta
+            self.everyEntry = everyEntry
             self.newDirectory = newDirectory
             self.classesMayChange = classesMayChange
         }
@@ -195,6 +200,9 @@ public struct StoreChange: Sendable, Equatable {
             // here stays (a fresh one written now would hide every name synced in later).
             return event == .appeared || event == .written
                 ? Response(directoryMeta: true, classesMayChange: true) : .nothing
+        case .syncEngine(let file) where file.role == .metadataConflict:
+            // Names made on the losing device decrypt under the copy's IV.
+            return Response(directoryMeta: true, everyEntry: true)
         case .storeFile, .syncEngine, .foreign:
             return .nothing
         }

@@ -164,6 +164,10 @@ public final class StoreCheck {
         let cls = meta?.defaultClass ?? inherited
         let all = entries(fd)
         let present = Set(all)
+        // Names made on another device under a sync engine's copy of the metadata decrypt too.
+        let ivs = meta.map { DirectoryIVs(own: $0.iv, copies: metadataCopies(fd, all)) }
+        // The losing device's own xattrs of this folder are under its IV: kept, not orphans.
+        for other in ivs?.others ?? [] { xattrIDs.insert(Base64URL.encode(other.iv)) }
         for e in all.sorted() where e != DirectoryMeta.fileName {
             let path = rel + "/" + e
             if let s = SyncEngineFile(backing: e) {
@@ -194,7 +198,7 @@ public final class StoreCheck {
                 }
                 continue
             }
-            let name = plaintextName(dirFD: fd, backing: e, meta: meta, path: path).map { plain + "/" + $0 }
+            let name = plaintextName(dirFD: fd, backing: e, ivs: ivs, path: path).map { plain + "/" + $0 }
             var st = stat()
             guard fstatat(fd, e, &st, AT_SYMLINK_NOFOLLOW) == 0 else { continue }
             switch st.st_mode & S_IFMT {
@@ -226,12 +230,25 @@ public final class StoreCheck {
         return fstatat(dirFD, name, &st, AT_SYMLINK_NOFOLLOW) == 0 && st.st_mode & S_IFMT == S_IFCHR && st.st_rdev == 0
     }
 
+    /// The metadata copies among the entries `all` of `fd` and their IVs (`DirectoryIVs`).
+    private func metadataCopies(_ fd: Int32, _ all: [String]) -> [DirectoryIVs.Other] {
+        all.compactMap { name in
+            guard let copy = MetadataCopy(backing: name) else { return nil }
+            let mfd = openat(fd, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
+            guard mfd >= 0 else { return nil }
+            defer { close(mfd) }
+            var buf = [UInt8](repeating: 0, count: 512)
+            let n = read(mfd, &buf, buf.count)
+            return (try? DirectoryMeta.decode(Array(buf[0..<max(n, 0)]), names)).map { .init(copy: copy, iv: $0.iv) }
+        }
+    }
+
     /// The plaintext name of an entry, recording a name problem when it does not decrypt.
-    private func plaintextName(dirFD: Int32, backing: String, meta: DirectoryMeta?, path: String) -> String? {
-        guard let meta else { return nil }
+    private func plaintextName(dirFD: Int32, backing: String, ivs: DirectoryIVs?, path: String) -> String? {
+        guard let ivs else { return nil }
         if let copy = ConflictCopy(backing: backing), copy.isLong {
             // A copy of a long name reads its name from the original's side file.
-            guard let plain = plaintextName(dirFD: dirFD, backing: copy.original, meta: meta, path: path) else {
+            guard let plain = plaintextName(dirFD: dirFD, backing: copy.original, ivs: ivs, path: path) else {
                 return nil
             }
             return copy.readableName(of: plain)
@@ -254,9 +271,11 @@ public final class StoreCheck {
                 return nil
             }
         }
-        let shown = NameCipher.isLongName(backing)
-            ? (try? names.decrypt(encrypted, dirIV: meta.iv)).map { String(decoding: $0, as: UTF8.self) }
-            : try? names.shownName(ofShort: backing, dirIV: meta.iv)
+        let shown = ivs.all.lazy.compactMap { iv in
+            NameCipher.isLongName(backing)
+                ? (try? self.names.decrypt(encrypted, dirIV: iv)).map { String(decoding: $0, as: UTF8.self) }
+                : try? self.names.shownName(ofShort: backing, dirIV: iv)
+        }.first
         guard let shown else {
             note(
                 "name", path, nil, "the name does not decrypt in this directory (moved or edited offline)",

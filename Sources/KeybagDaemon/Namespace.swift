@@ -86,6 +86,46 @@ extension Filesystem {
         return m
     }
 
+    /// The metadata copies (`MetadataCopy`) among the backing `entries` of `dirFD` (listed
+    /// when nil) and the IVs they hold; a copy that does not parse is skipped and logged.
+    func metadataCopies(dirFD: Int32, entries: [String]? = nil) -> [DirectoryIVs.Other] {
+        var listed = entries ?? []
+        if entries == nil {
+            let dfd = openat(dirFD, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+            guard dfd >= 0 else { return [] }
+            defer { close(dfd) }
+            listed = ((try? backingEntries(dirFD: dfd)) ?? []).map(\.name)
+        }
+        var out: [DirectoryIVs.Other] = []
+        for name in listed {
+            guard let copy = MetadataCopy(backing: name) else { continue }
+            let fd = openat(dirFD, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
+            guard fd >= 0 else { continue }
+            var buf = [UInt8](repeating: 0, count: 512)
+            let n = Glibc.read(fd, &buf, buf.count)
+            close(fd)
+            if n > 0, let m = try? DirectoryMeta.decode(Array(buf[0..<n]), names) {
+                out.append(DirectoryIVs.Other(copy: copy, iv: m.iv))
+            } else {
+                MountDaemon.log("skipping a copy of directory metadata that does not read (\(name))")
+            }
+        }
+        return out
+    }
+
+    /// The metadata copies of a directory node, read once and cached.
+    func metadataCopies(of dir: Node) -> [DirectoryIVs.Other] {
+        if let c = dir.metadataCopies.withLock({ $0 }) { return c }
+        let c = metadataCopies(dirFD: dir.fd)
+        dir.metadataCopies.withLock { $0 = c }
+        return c
+    }
+
+    /// Every name IV of a directory node: its own, then its metadata copies'.
+    func nameIVs(of dir: Node) throws -> DirectoryIVs {
+        DirectoryIVs(own: try meta(of: dir).iv, copies: metadataCopies(of: dir))
+    }
+
     /// Stores (or with nil clears) a directory's default class.
     func setDirectoryClass(_ dir: Node, _ cls: ProtectionClass?) throws {
         var m = try meta(of: dir)
@@ -140,8 +180,10 @@ extension Filesystem {
             cur = up
             guard let iv = try readMeta(dirFD: up)?.iv,
                   let entry = try childEntry(of: up, dev: st.st_dev, ino: st.st_ino),
-                  let name = try plaintextName(dirFD: up, backing: entry, iv: iv) else { throw FSError(EIO) }
-            names.insert(name, at: 0)
+                  let found = try plaintextName(
+                      dirFD: up, backing: entry, ivs: DirectoryIVs(own: iv, copies: metadataCopies(dirFD: up)))
+            else { throw FSError(EIO) }
+            names.insert(found.name, at: 0)
         }
     }
 
@@ -164,29 +206,63 @@ extension Filesystem {
 
     /// The backing entry of a plaintext name in directory `dir`: a sync engine's conflict
     /// copy where `name` is the readable name of one that exists, else the name's own.
+    ///
+    /// In a directory with metadata copies (`DirectoryIVs`), a name that has no entry under the
+    /// directory's own IV is the first entry that exists under a copy's IV; new names are made
+    /// under the own IV.
     func backingName(_ dir: Node, _ name: String) throws -> BackingEntry {
         try Self.checkName(name)
         let iv = try meta(of: dir).iv
-        if let copy = try conflictCopy(dir, readable: name, iv: iv) { return copy }
+        let copies = metadataCopies(of: dir)
+        if let copy = try conflictCopy(dir, readable: name, iv: iv, copies: copies) { return copy }
+        let own = try entry(name, iv: iv)
+        guard !copies.isEmpty, !exists(dir, own.name) else { return own }
+        for other in DirectoryIVs(own: iv, copies: copies).others {
+            let e = try entry(name, iv: other.iv)
+            if exists(dir, e.name) { return e }
+        }
+        return own
+    }
+
+    /// The backing entry of the plaintext `name` under the name IV `iv`.
+    private func entry(_ name: String, iv: [UInt8]) throws -> BackingEntry {
         let enc = try names.encrypt(Array(name.utf8), dirIV: iv)
         let (b, side) = NameCipher.backingEntry(for: enc)
         return BackingEntry(name: b, sideFile: side, encrypted: enc)
     }
 
+    /// Whether the backing entry `name` exists in `dir`.
+    private func exists(_ dir: Node, _ name: String) -> Bool {
+        faccessat(dir.fd, name, F_OK, AT_SYMLINK_NOFOLLOW) == 0
+    }
+
     /// The backing entry of the conflict copy the mount shows as `name`, if it is in `dir`
     /// and no entry really has that name (which then wins, as in `listing`). Only the exact
     /// readable name finds it. A copy of a hashed long name shares the original's side file:
-    /// the entry names none, so removing the copy keeps it.
-    private func conflictCopy(_ dir: Node, readable name: String, iv: [UInt8]) throws -> BackingEntry? {
-        guard let c = ConflictCopy.parse(readable: name) else { return nil }
+    /// the entry names none, so removing the copy keeps it. The copy is either a sync engine's
+    /// copy of a file, or an entry under a metadata copy's IV whose plaintext name an entry
+    /// before it shows (`DirectoryIVs.shownName`).
+    private func conflictCopy(
+        _ dir: Node, readable name: String, iv: [UInt8], copies: [DirectoryIVs.Other]
+    ) throws -> BackingEntry? {
+        guard let c = ConflictCopy.parse(readable: name),
+              !exists(dir, NameCipher.backingEntry(for: try names.encrypt(Array(name.utf8), dirIV: iv)).name)
+        else { return nil }
         let enc = try names.encrypt(Array(c.plain.utf8), dirIV: iv)
         let copy = ConflictCopy(
             original: NameCipher.backingEntry(for: enc).name, date: c.date, time: c.time, device: c.device)
-        guard copy.readableName(of: c.plain).utf8.elementsEqual(name.utf8),
-              faccessat(dir.fd, copy.backing, F_OK, AT_SYMLINK_NOFOLLOW) == 0 else { return nil }
-        let own = NameCipher.backingEntry(for: try names.encrypt(Array(name.utf8), dirIV: iv)).name
-        guard faccessat(dir.fd, own, F_OK, AT_SYMLINK_NOFOLLOW) != 0 else { return nil }
-        return BackingEntry(name: copy.backing, sideFile: nil, encrypted: enc)
+        if copy.readableName(of: c.plain).utf8.elementsEqual(name.utf8), exists(dir, copy.backing) {
+            return BackingEntry(name: copy.backing, sideFile: nil, encrypted: enc)
+        }
+        let ivs = DirectoryIVs(own: iv, copies: copies)
+        guard let (index, other) = ivs.other(date: c.date, time: c.time, device: c.device),
+              other.copy.readableName(of: c.plain).utf8.elementsEqual(name.utf8) else { return nil }
+        let candidate = try entry(c.plain, iv: other.iv)
+        // Shown so only while an entry under an IV before it holds the plaintext name.
+        guard exists(dir, candidate.name),
+              try ivs.all[0..<index].contains(where: { exists(dir, try entry(c.plain, iv: $0).name) })
+        else { return nil }
+        return candidate
     }
 
     /// Whether the entry `name` of `dirFD` may share its file id, and so its xattr set, with
@@ -246,6 +322,20 @@ extension Filesystem {
         return String(decoding: try names.decrypt(encrypted, dirIV: iv), as: UTF8.self)
     }
 
+    /// The plaintext name of a backing entry and the index in `ivs.all` of the IV it decrypts
+    /// under; nil for the store's own files and side files. Throws as under the own IV when
+    /// no IV decrypts it.
+    func plaintextName(dirFD: Int32, backing: String, ivs: DirectoryIVs) throws -> (name: String, index: Int)? {
+        do {
+            return try plaintextName(dirFD: dirFD, backing: backing, iv: ivs.own).map { ($0, 0) }
+        } catch {
+            for (k, other) in ivs.others.enumerated() {
+                if let name = try? plaintextName(dirFD: dirFD, backing: backing, iv: other.iv) { return (name, k + 1) }
+            }
+            throw error
+        }
+    }
+
     // MARK: namespace operations
 
     /// Chowns a new object to the caller when running as root (the group stays the
@@ -295,7 +385,7 @@ extension Filesystem {
                 try (try? pathTail(of: p, upTo: policy.depth - 1)) ?? pathTail(of: p, upTo: policy.depth - 1)
             meta.defaultClass = policy.protectionClass(tail: tail + [name], fromRoot: fromRoot)
         }
-        return try makeEntry(parent: parent, name: name, caller: caller) { [self] dirFD, backing in
+        let made = try makeEntry(parent: parent, name: name, caller: caller) { [self] dirFD, backing in
             try check(mkdirat(dirFD, backing, creationMode(mode, in: node(parent), by: caller) & 0o7777))
             do {
                 let d = try check(openat(dirFD, backing, kbfs_O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC))
@@ -306,6 +396,9 @@ extension Filesystem {
                 throw error
             }
         }
+        // A new folder has no metadata copies: its first lookups need no listing to know.
+        made.0.metadataCopies.withLock { if $0 == nil { $0 = [] } }
+        return made
     }
 
     /// mknod: regular files (through `create`), FIFOs, sockets, and device nodes as root.
@@ -535,11 +628,23 @@ extension Filesystem {
         var entries = [DirHandle.Entry(name: ".", backing: ".", ino: n.backingIno, type: UInt8(DT_DIR)),
                        DirHandle.Entry(name: "..", backing: "..", ino: upIno, type: UInt8(DT_DIR))]
         var copies: [DirHandle.Entry] = []
-        for e in try backingEntries(dirFD: dfd) {
+        let raw = try backingEntries(dirFD: dfd)
+        // The folder made on two devices apart: names under its metadata copies' IVs too.
+        let metaCopies = metadataCopies(dirFD: dfd, entries: raw.map(\.name))
+        n.metadataCopies.withLock { $0 = metaCopies }
+        let ivs = DirectoryIVs(own: iv, copies: metaCopies)
+        var underOthers: [(entry: DirHandle.Entry, index: Int)] = []
+        for e in raw {
             do {
-                guard let name = try plaintextName(dirFD: dfd, backing: e.name, iv: iv) else { continue }
+                guard let (name, index) = try plaintextName(dirFD: dfd, backing: e.name, ivs: ivs) else { continue }
                 let entry = DirHandle.Entry(name: name, backing: e.name, ino: e.ino, type: e.type)
-                if ConflictCopy(backing: e.name) != nil { copies.append(entry) } else { entries.append(entry) }
+                if index > 0 {
+                    underOthers.append((entry, index))
+                } else if ConflictCopy(backing: e.name) != nil {
+                    copies.append(entry)
+                } else {
+                    entries.append(entry)
+                }
             } catch {
                 // A sync engine's transfer in progress or folder file (.stfolder) is no damage.
                 if SyncEngineFile(backing: e.name) != nil { continue }
@@ -550,6 +655,16 @@ extension Filesystem {
         if !copies.isEmpty {
             let taken = Set(entries.map(\.name))
             entries += copies.filter { !taken.contains($0.name) }
+        }
+        // Entries under a copy's IV come after, each copy's in turn; one whose name is taken
+        // shows under the copy's conflict name.
+        if !underOthers.isEmpty {
+            var taken = Set(entries.map(\.name))
+            for (e, index) in underOthers.sorted(by: { ($0.index, $0.entry.backing) < ($1.index, $1.entry.backing) }) {
+                let shown = ivs.shownName(plain: e.name, index: index, taken: taken)
+                guard shown.utf8.count <= NameCipher.backingNameMax, taken.insert(shown).inserted else { continue }
+                entries.append(DirHandle.Entry(name: shown, backing: e.backing, ino: e.ino, type: e.type))
+            }
         }
         return entries
     }

@@ -26,6 +26,8 @@ final class Node: Sendable {
     let io: RWLocked<FileKeyLife>
     /// Directories: the parsed `.kbfs-dir` (name IV, default class), once read.
     let dirMeta = Locked<DirectoryMeta?>(nil)
+    /// Directories: the IVs of a sync engine's copies of `.kbfs-dir` (`DirectoryIVs`), once read.
+    let metadataCopies = Locked<[DirectoryIVs.Other]?>(nil)
     /// When this file's header was last rewritten (a class change): its backing modification
     /// time must not go back before it (see `Filesystem.storedModificationTime`).
     let headerRewritten = Locked<timespec?>(nil)
@@ -47,6 +49,12 @@ final class Node: Sendable {
     }
 
     deinit { if fd >= 0 { close(fd) } }
+
+    /// Directories: forgets the metadata and its copies read so far (changed underneath).
+    func forgetDirectoryMeta() {
+        dirMeta.withLock { $0 = nil }
+        metadataCopies.withLock { $0 = nil }
+    }
 
     /// A new descriptor of the backing object opened with `flags` (`O_PATH` allowed,
     /// never following a final symlink); the caller closes it. -1 with errno on failure.

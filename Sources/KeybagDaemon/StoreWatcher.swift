@@ -269,7 +269,13 @@ final class StoreWatcher: Sendable {
         if r.newDirectory { watchNew(change.name, in: handle, parent: dir) }
         // The kernel holds nothing below a directory it does not know.
         guard let dir, dir.isDirectory else { return }
-        if r.directoryMeta { dir.dirMeta.withLock { $0 = nil } }
+        if r.directoryMeta { dir.forgetDirectoryMeta() }
+        if r.everyEntry {
+            // Names another IV now decrypts (or no longer does) may be cached either way.
+            for e in (try? fs.listing(dir)) ?? [] where e.name != "." && e.name != ".." {
+                fs.kernel.forgetEntrySoon(parent: dir.id, name: e.name)
+            }
+        }
         if let entry = r.entry ?? r.rewritten { forgetEntry(entry, of: dir) }
         if let changed = r.rewritten ?? r.attributes, let n = node(of: changed, in: dir) {
             if r.rewritten != nil && n.isRegular {
@@ -286,11 +292,16 @@ final class StoreWatcher: Sendable {
         fs.kernel.refreshAttributes([dir.id])
     }
 
-    /// Makes the kernel look the backing entry `entry` of `dir` up again (by its plaintext name).
+    /// Makes the kernel look the backing entry `entry` of `dir` up again (by its plaintext name,
+    /// and by its conflict name where it decrypts under a metadata copy's IV).
     private func forgetEntry(_ entry: String, of dir: Node) {
-        guard let iv = try? fs.meta(of: dir).iv, let name = try? fs.plaintextName(dirFD: dir.fd, backing: entry, iv: iv)
-        else { return }
-        fs.kernel.forgetEntrySoon(parent: dir.id, name: name)
+        guard let ivs = try? fs.nameIVs(of: dir),
+              let found = try? fs.plaintextName(dirFD: dir.fd, backing: entry, ivs: ivs) else { return }
+        fs.kernel.forgetEntrySoon(parent: dir.id, name: found.name)
+        if found.index > 0 {
+            let conflictName = ivs.shownName(plain: found.name, index: found.index, taken: [found.name])
+            fs.kernel.forgetEntrySoon(parent: dir.id, name: conflictName)
+        }
     }
 
     /// The node of the backing entry `name` of `dir`, if the kernel knows it.
@@ -311,7 +322,7 @@ final class StoreWatcher: Sendable {
         fs.classGeneration.add(1, ordering: .relaxed)
         for n in fs.table.allNodes() {
             if n.isDirectory {
-                n.dirMeta.withLock { $0 = nil }
+                n.forgetDirectoryMeta()
                 for e in (try? fs.listing(n)) ?? [] where e.name != "." && e.name != ".." {
                     fs.kernel.forgetEntrySoon(parent: n.id, name: e.name)
                 }

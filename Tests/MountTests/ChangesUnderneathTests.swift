@@ -364,6 +364,96 @@ final class ChangesUnderneathTests: XCTestCase {
         XCTAssertEqual(try readFile(here.path("big.bin")).get(), big)
     }
 
+    /// Brings the backing folder `from` into `to` as Syncthing does when the same folder was
+    /// made on two devices apart: what `to` lacks is copied in (folders made), and a
+    /// `.kbfs-dir` that differs arrives as a conflict copy, the one already there winning.
+    private func mergeFolder(from: String, to: String, conflictStamp: String) throws {
+        let fm = FileManager.default
+        for name in try fm.contentsOfDirectory(atPath: from).sorted() {
+            let src = from + "/" + name, dst = to + "/" + name
+            var st = stat()
+            XCTAssertEqual(lstat(src, &st), 0)
+            if st.st_mode & S_IFMT == S_IFDIR {
+                if !fm.fileExists(atPath: dst) { XCTAssertEqual(mkdir(dst, st.st_mode & 0o7777), 0) }
+                try mergeFolder(from: src, to: dst, conflictStamp: conflictStamp)
+            } else if !fm.fileExists(atPath: dst) {
+                try syncthingCopy(src, dst)
+            } else if fm.contents(atPath: src) != fm.contents(atPath: dst) {
+                XCTAssertEqual(name, ".kbfs-dir", "only the folder's metadata differs under the same name")
+                try syncthingCopy(src, to + "/.sync-conflict-" + conflictStamp + ".kbfs-dir")
+            }
+        }
+    }
+
+    func testAFolderMadeOnTwoDevicesApartShowsTheNamesOfBoth() throws {
+        var rng = SeededBytes(seed: 2525)
+        let mine = rng.bytes(9000), theirs = rng.bytes(7000), long = String(repeating: "l", count: 200) + ".txt"
+        let (here, there) = try twoDevices { _ in }
+        // The same folder made on each device before they sync: two random name IVs.
+        XCTAssertEqual(mkdir(here.path("docs"), 0o755), 0)
+        XCTAssertEqual(writeFile(here.path("docs/mine.txt"), mine), 0)
+        XCTAssertEqual(writeFile(here.path("docs/same.txt"), bytes("made here")), 0)
+        XCTAssertEqual(mkdir(there.path("docs"), 0o755), 0)
+        XCTAssertEqual(writeFile(there.path("docs/theirs.txt"), theirs), 0)
+        XCTAssertEqual(writeFile(there.path("docs/same.txt"), bytes("made there")), 0)
+        XCTAssertEqual(writeFile(there.path("docs/" + long), bytes("a long name")), 0)
+        XCTAssertEqual(mkdir(there.path("docs/sub"), 0o755), 0)
+        XCTAssertEqual(writeFile(there.path("docs/sub/deep.txt"), bytes("deep")), 0)
+        XCTAssertEqual(writeFile(there.path("docs/photo.jpg"), bytes("jpeg")), 0)
+        XCTAssertEqual(setXattr(there.path("docs/photo.jpg"), "complete"), 0)
+        sync()
+        XCTAssertEqual(statErrno(here.path("docs/theirs.txt")), ENOENT)   // a negative entry the kernel may keep
+        XCTAssertEqual(listing(here.path("docs")), ["mine.txt", "same.txt"])
+        let hereDocs = here.backing("docs"), thereDocs = there.backing("docs")
+        XCTAssertEqual((hereDocs as NSString).lastPathComponent, (thereDocs as NSString).lastPathComponent)
+
+        // Each side gets the other's entries; here's metadata wins, there's is kept as a copy.
+        let stamp = "20261125-101010-HOSTB27"
+        try mergeFolder(from: thereDocs, to: hereDocs, conflictStamp: stamp)
+        let expected: Set<String> = [
+            "mine.txt", "same.txt", "theirs.txt", "same (conflict 2026-11-25 101010 HOSTB27).txt", long, "sub",
+            "photo.jpg",
+        ]
+        XCTAssertTrue(waitUntil(5) { self.listing(here.path("docs")) == expected }, "\(listing(here.path("docs")))")
+        XCTAssertEqual(try readFile(here.path("docs/theirs.txt")).get(), theirs)
+        XCTAssertEqual(try readFile(here.path("docs/mine.txt")).get(), mine)
+        XCTAssertEqual(try readFile(here.path("docs/same.txt")).get(), bytes("made here"))
+        XCTAssertEqual(
+            try readFile(here.path("docs/same (conflict 2026-11-25 101010 HOSTB27).txt")).get(), bytes("made there"))
+        XCTAssertEqual(try readFile(here.path("docs/" + long)).get(), bytes("a long name"))
+        XCTAssertEqual(try readFile(here.path("docs/sub/deep.txt")).get(), bytes("deep"))
+        XCTAssertEqual(try getXattr(here.path("docs/photo.jpg")).get(), "complete")
+        // The mount goes on working in the folder: new names, renames, removals.
+        XCTAssertEqual(writeFile(here.path("docs/new.txt"), bytes("new")), 0)
+        XCTAssertEqual(rename(here.path("docs/theirs.txt"), here.path("docs/theirs-renamed.txt")), 0)
+        XCTAssertEqual(try readFile(here.path("docs/theirs-renamed.txt")).get(), theirs)
+        XCTAssertEqual(unlink(here.path("docs/same (conflict 2026-11-25 101010 HOSTB27).txt")), 0)
+        XCTAssertEqual(
+            listing(here.path("docs")),
+            ["mine.txt", "same.txt", "theirs-renamed.txt", long, "sub", "photo.jpg", "new.txt"])
+
+        // The device whose metadata lost gets the winner's, and keeps its own as the copy.
+        try syncthingCopy(hereDocs + "/.kbfs-dir", thereDocs + "/.kbfs-dir")
+        try syncthingCopy(hereDocs + "/.sync-conflict-" + stamp + ".kbfs-dir",
+                          thereDocs + "/.sync-conflict-" + stamp + ".kbfs-dir")
+        for name in ["mine.txt", "same.txt"] {
+            let b = (here.backing("docs/" + name) as NSString).lastPathComponent
+            try syncthingCopy(hereDocs + "/" + b, thereDocs + "/" + b)
+        }
+        XCTAssertTrue(
+            waitUntil(5) { (try? readFile(there.path("docs/mine.txt")).get()) == mine }, "the winner's names show there")
+        XCTAssertEqual(try readFile(there.path("docs/theirs.txt")).get(), theirs, "and its own still do")
+        XCTAssertEqual(try readFile(there.path("docs/same.txt")).get(), bytes("made here"))
+        XCTAssertEqual(try readFile(there.path("docs/sub/deep.txt")).get(), bytes("deep"))
+
+        for m in [here, there] {
+            m.unmount()
+            let check = m.fsck()
+            XCTAssertEqual(check.code, 0, "\(check.out)")
+            XCTAssertEqual(Set(check.problems.map(\.kind)), ["sync-engine-file"], "\(check.out)")
+        }
+    }
+
     func testHalfSyncedFileReadsAsTheOldOrNewVersionOrEIOAndFsckNamesIt() throws {
         var rng = SeededBytes(seed: 250)
         let old = rng.bytes(20_000), new = rng.bytes(30_000)

@@ -152,10 +152,29 @@ final class SyncthingTests: XCTestCase {
         XCTAssertEqual(writeFile(a.path("docs/report.txt"), fromA), 0)
         sleep(1)
         XCTAssertEqual(writeFile(b.path("docs/report.txt"), fromB), 0)
+        // The same folder made on both while apart: two name IVs, one of them kept by
+        // Syncthing as a conflict copy of the folder's metadata; no name may go missing.
+        let noteA = bytes("note made on A"), noteB = bytes("note made on B")
+        for (m, own, note) in [(a, "from-a.txt", noteA), (b, "from-b.txt", noteB)] {
+            XCTAssertEqual(mkdir(m.path("shared"), 0o755), 0)
+            XCTAssertEqual(writeFile(m.path("shared/" + own), note), 0)
+            XCTAssertEqual(writeFile(m.path("shared/note.txt"), note), 0)
+        }
         try sync.start(1)
         for m in [a, b] {
             XCTAssertTrue(waitUntil(90) { versions(m.path("docs"), "report") == [fromA, fromB] }, "both versions on \(m.root): \((try? FileManager.default.contentsOfDirectory(atPath: m.path("docs"))) ?? [])")
+            XCTAssertTrue(waitUntil(90) {
+                (try? readFile(m.path("shared/from-a.txt")).get()) == noteA && (try? readFile(m.path("shared/from-b.txt")).get()) == noteB
+                    && versions(m.path("shared"), "note") == [noteA, noteB]
+            }, "both folders' names on \(m.root): \((try? FileManager.default.contentsOfDirectory(atPath: m.path("shared"))) ?? []) \(diagnosis([a, b], sync))")
         }
+        XCTAssertEqual(
+            Set((try? FileManager.default.contentsOfDirectory(atPath: a.path("shared"))) ?? ["a"]),
+            Set((try? FileManager.default.contentsOfDirectory(atPath: b.path("shared"))) ?? ["b"]), "the same names on both")
+        let sharedBacking = (try? FileManager.default.contentsOfDirectory(atPath: a.backing("shared"))) ?? []
+        XCTAssertTrue(
+            sharedBacking.contains { MetadataCopyName.matches($0) },
+            "Syncthing kept the losing folder metadata as a conflict copy: \(sharedBacking)")
 
         // A minute of mixed writes: both mounts end with identical trees.
         mixedWrites([a, b], seconds: 60)
@@ -191,5 +210,12 @@ final class SyncthingTests: XCTestCase {
         b.unmount()
         XCTAssertTrue(waitUntil(60) { FileManager.default.fileExists(atPath: b.store + "/devices/\(idB).removed") })
         XCTAssertThrowsError(try b.mount(), "a removed device is told so")
+    }
+}
+
+/// Syncthing's name for its copy of a folder's `.kbfs-dir`: `.sync-conflict-YYYYMMDD-HHMMSS-DEVICE.kbfs-dir`.
+enum MetadataCopyName {
+    static func matches(_ name: String) -> Bool {
+        name.range(of: #"^\.sync-conflict-[0-9]{8}-[0-9]{6}-[A-Z2-7]{7}\.kbfs-dir$"#, options: .regularExpression) != nil
     }
 }
