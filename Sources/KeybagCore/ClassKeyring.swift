@@ -85,7 +85,9 @@ public final class ClassKeyring: Sendable {
     private let published: Atomic<UInt64>
     /// Another device made a newer key set (a removal) that this device lacks: nothing new is
     /// wrapped (creates and class changes are refused), since the removed device would open it.
-    public let refusesNewWraps: Bool
+    public var refusesNewWraps: Bool { behind.load(ordering: .acquiring) }
+    /// Set at start, or when a removal record arrives while mounted (`fallBehind`); never cleared.
+    private let behind: Atomic<Bool>
 
     /// A keyring holding only class D of key set 0 (state `beforeFirstUnlock`).
     public convenience init(classD: SecureKey) { self.init(classD: [0: classD], current: 0) }
@@ -96,8 +98,12 @@ public final class ClassKeyring: Sendable {
         let k = Keys(d: classD, current: current)
         keys = Locked(k)
         published = Atomic(k.access.word)
-        refusesNewWraps = behind
+        self.behind = Atomic(behind)
     }
+
+    /// Another device's removal started a key set newer than `currentKeySet`: from now on
+    /// nothing new is wrapped (`refusesNewWraps`) until the daemon restarts after `recover`.
+    public func fallBehind() { behind.store(true, ordering: .releasing) }
 
     /// What the keys allow right now.
     public var access: KeyAccess { KeyAccess(word: published.load(ordering: .acquiring)) }

@@ -39,7 +39,7 @@ public enum StoreSharing {
     /// above it (the engine syncs a folder that holds the store).
     public static func evidence(storePath: String) -> String? {
         if let kb = StoreDevices.entries(storePath).first(where: { $0.hasSuffix(".keybag") }) {
-            return "the store has another device (\(StoreDevices.dirName)/\(kb))"
+            return "the store has several devices (\(StoreDevices.dirName)/\(kb))"
         }
         var dir = URL(fileURLWithPath: storePath).standardizedFileURL.resolvingSymlinksInPath().path
         while true {

@@ -45,6 +45,11 @@ final class StoreWatcher: Sendable {
     private let finished = DispatchSemaphore(value: 0)
     /// Whether every directory of the data folder is watched, not only the top level.
     private let full: Locked<Bool>
+    /// The store's path: a removal record arriving in `devices/` is read from there.
+    private let storePath: String
+    /// The file handles of the store root and of its `devices/` folder (empty until it exists).
+    private let rootHandle: [UInt8]
+    private let devicesHandle = Locked<[UInt8]>([])
 
     /// Starts watching the store `storePath` for `fs`, in `full` or only at its top level until
     /// another writer shows; nil (logged) where fanotify is not available to this process.
@@ -70,19 +75,19 @@ final class StoreWatcher: Sendable {
         var buf = [UInt8](repeating: 0, count: Int(kbfs_HANDLE_BUFFER))
         let len = x >= 0 && kbfs_fanotify_watch(fan, x) == 0 ? kbfs_handle_of(x, &buf, Int32(buf.count)) : 0
         if x >= 0 { close(x) }
+        // The store root and its devices folder, in every mode: another device's removal
+        // shows there while mounted (`checkRemovals`).
+        let root = open(storePath, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+        var rootHandle = [UInt8](repeating: 0, count: Int(kbfs_HANDLE_BUFFER))
+        let rootLen = root >= 0 && kbfs_fanotify_watch(fan, root) == 0
+            ? kbfs_handle_of(root, &rootHandle, Int32(rootHandle.count)) : 0
+        if root >= 0 { close(root) }
         let w = StoreWatcher(
             fs: fs, fan: fan, dataFD: data, xattrsHandle: len > 0 ? Array(buf[0..<Int(len)]) : [],
-            stopPipe: (p[0], p[1]), full: full)
-        if full {
-            w.watchTree(dup(data))
-        } else {
-            // The top level only: the store root, its devices folder and the data root.
-            for path in [storePath, storePath + "/" + StoreDevices.dirName] {
-                let fd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
-                if fd >= 0 { _ = kbfs_fanotify_watch(fan, fd); close(fd) }
-            }
-            _ = w.watch(data)
-        }
+            stopPipe: (p[0], p[1]), full: full, storePath: storePath,
+            rootHandle: rootLen > 0 ? Array(rootHandle[0..<Int(rootLen)]) : [])
+        w.watchDevicesFolder()
+        if full { w.watchTree(dup(data)) } else { _ = w.watch(data) }   // else the data root only
         let t = Thread { [w] in w.run() }
         t.name = "keybagfs-store-watcher"
         t.start()
@@ -92,9 +97,11 @@ final class StoreWatcher: Sendable {
     /// A watcher of the group `fan` (taken over); `start` makes it.
     private init(
         fs: Filesystem, fan: Int32, dataFD: Int32, xattrsHandle: [UInt8], stopPipe: (read: Int32, write: Int32),
-        full: Bool
+        full: Bool, storePath: String, rootHandle: [UInt8]
     ) {
         self.full = Locked(full)
+        self.storePath = storePath
+        self.rootHandle = rootHandle
         self.fs = fs
         self.fan = fan
         self.dataFD = dataFD
@@ -152,6 +159,27 @@ final class StoreWatcher: Sendable {
         return true
     }
 
+    /// Marks the store's `devices/` folder, if it exists, and remembers its handle.
+    private func watchDevicesFolder() {
+        let fd = open(storePath + "/" + StoreDevices.dirName, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+        guard fd >= 0 else { return }
+        defer { close(fd) }
+        var buf = [UInt8](repeating: 0, count: Int(kbfs_HANDLE_BUFFER))
+        let len = kbfs_fanotify_watch(fan, fd) == 0 ? kbfs_handle_of(fd, &buf, Int32(buf.count)) : 0
+        if len > 0 { devicesHandle.withLock { $0 = Array(buf[0..<Int(len)]) } }
+    }
+
+    /// Another device's removal record arrived: if it started a key set this device lacks,
+    /// nothing new is wrapped from now on (the removed device could open it).
+    private func checkRemovals() {
+        let newest = StoreDevices.newestKeySet(storePath: storePath)
+        guard newest > Int(fs.keyring.currentKeySet), !fs.keyring.refusesNewWraps else { return }
+        fs.keyring.fallBehind()
+        MountDaemon.log(
+            "another device removed a device and started key set \(newest): new files and class changes are " +
+                "refused until `keybagfs recover` and a new mount")
+    }
+
     /// Watches the new directory `name` of the directory `handle` (the node `parent`, when the
     /// kernel knows it) and everything already below it.
     private func watchNew(_ name: String, in handle: [UInt8], parent: Node?) {
@@ -207,7 +235,9 @@ final class StoreWatcher: Sendable {
         var ownDirectories: [(handle: [UInt8], name: String)] = []
         var xattrSetsChanged = false
         var foreign = false
+        var devicesChanged = false
         let watchingAll = full.withLock { $0 }
+        let devices = devicesHandle.withLock { $0 }
         buf.withUnsafeBufferPointer { b in
             var ev = kbfs_fan_event()
             while kbfs_fanotify_next(b.baseAddress, count, &offset, &ev) == 1 {
@@ -217,11 +247,18 @@ final class StoreWatcher: Sendable {
                 // The daemon's own changes need nothing, but the directories it makes are watched.
                 let own = ev.pid == ownPID
                 guard !own || watchingAll && isDir && ev.mask & kbfs_FAN_CREATE != 0 else { continue }
+                let handle = Array(UnsafeBufferPointer(start: h, count: Int(ev.handle_len)))
+                // The store root and devices/: removal records (and a devices folder made).
+                if handle == rootHandle || handle == devices {
+                    devicesChanged =
+                        devicesChanged || handle == devices || String(cString: name) == StoreDevices.dirName
+                    if !watchingAll { foreign = true }
+                    continue
+                }
                 if !watchingAll {
                     foreign = true
                     continue
                 }
-                let handle = Array(UnsafeBufferPointer(start: h, count: Int(ev.handle_len)))
                 if !xattrsHandle.isEmpty && handle == xattrsHandle {
                     xattrSetsChanged = true
                     continue
@@ -235,6 +272,10 @@ final class StoreWatcher: Sendable {
                     changes.append((handle, StoreChange(name: entry, event: e, isDirectory: isDir)))
                 }
             }
+        }
+        if devicesChanged {
+            if devices.isEmpty { watchDevicesFolder() }
+            checkRemovals()
         }
         if foreign {
             full.withLock { $0 = true }

@@ -43,6 +43,6 @@ final class StoreSharingTests: TempDirTestCase {
         XCTAssertTrue(FileManager.default.createFile(atPath: s + "/devices/00ff.removed", contents: Data()))
         XCTAssertNil(StoreSharing.evidence(storePath: s))
         XCTAssertTrue(FileManager.default.createFile(atPath: s + "/devices/00ff.keybag", contents: Data()))
-        XCTAssertEqual(StoreSharing.evidence(storePath: s).map { $0.contains("another device") }, true)
+        XCTAssertEqual(StoreSharing.evidence(storePath: s).map { $0.contains("several devices") }, true)
     }
 }

@@ -103,4 +103,49 @@ final class DeviceTests: XCTestCase {
         let log = (try? String(contentsOfFile: b.root + "/daemon.log", encoding: .utf8)) ?? ""
         XCTAssertTrue(log.contains("was removed"), log)
     }
+    func testADeviceMountedWhileAnotherIsRemovedRefusesNewFilesAtOnce() throws {
+        let a = try MountFixture(passcode: "device A passcode", mount: false)
+        defer { a.close() }
+        let rk = a.root + "/recovery.txt"
+        XCTAssertEqual(keybagfs(["recovery-key", "rotate", a.store, "--device-key", a.deviceKey, "--passcode-stdin", "--recovery-key-file", rk], stdin: a.passcode + "\n").code, 0)
+        try a.mount()
+        a.unlock()
+        XCTAssertEqual(writeFile(a.path("before.txt"), bytes("before the removal")), 0)
+        a.unmount()
+        // Devices B (to be lost) and C (mounted through the removal) join from their replicas.
+        var ids: [String] = []
+        var replicas: [MountFixture] = []
+        for name in ["host-b", "host-c"] {
+            let m = try MountFixture(replicaOf: a, passcode: name + " passcode")
+            replicas.append(m)
+            let add = keybagfs(["device", "add", m.store, "--device-key", m.deviceKey, "--recovery-key-file", rk, "--stdin", "--kdf", "interactive", "--name", name], stdin: m.passcode + "\n")
+            XCTAssertEqual(add.code, 0, add.stderr)
+            ids.append(keybagfs(["device", "id", m.store, "--device-key", m.deviceKey]).stdout.trimmingCharacters(in: .whitespacesAndNewlines))
+            sync("devices/\(ids.last!).keybag", from: m, to: a)
+        }
+        let (b, c) = (replicas[0], replicas[1])
+        defer { b.close(); c.close() }
+        sync("devices/\(ids[0]).keybag", from: b, to: c)
+        try c.mount()
+        c.unlock()
+        XCTAssertEqual(writeFile(c.path("while-b-was-there.txt"), bytes("C, before")), 0)
+        XCTAssertTrue(c.ctl(["status", "--json"]).stdout.contains("\"keySetBehind\":false"), c.ctl(["status", "--json"]).stdout)
+
+        // A removes B; the record reaches C's replica as a sync engine brings it, while C is mounted.
+        let rm = keybagfs(["device", "remove", a.store, ids[0], "--device-key", a.deviceKey, "--recovery-key-file", rk, "--stdin"], stdin: a.passcode + "\n")
+        XCTAssertEqual(rm.code, 0, rm.stderr)
+        let record = a.store + "/devices/\(ids[0]).removed", tmp = c.store + "/devices/.syncthing.\(ids[0]).removed.tmp"
+        XCTAssertEqual(MountFixture.run("/bin/cp", [record, tmp]).code, 0)
+        XCTAssertEqual(rename(tmp, c.store + "/devices/\(ids[0]).removed"), 0)
+        XCTAssertEqual(unlink(c.store + "/devices/\(ids[0]).keybag"), 0)
+
+        // C takes no new file or class change that B could open, and says why; what exists still reads.
+        XCTAssertTrue(waitUntil(5) { c.ctl(["status", "--json"]).stdout.contains("\"keySetBehind\":true") }, c.ctl(["status", "--json"]).stdout)
+        XCTAssertNotEqual(writeFile(c.path("after.txt"), bytes("C, after")), 0, "a new file would be wrapped for the old key set")
+        XCTAssertNotEqual(setXattr(c.path("before.txt"), "complete"), 0, "so would a class change")
+        XCTAssertEqual(try readFile(c.path("before.txt")).get(), bytes("before the removal"))
+        XCTAssertEqual(try readFile(c.path("while-b-was-there.txt")).get(), bytes("C, before"))
+        let log = (try? String(contentsOfFile: c.root + "/daemon.log", encoding: .utf8)) ?? ""
+        XCTAssertTrue(log.contains("keybagfs recover"), log)
+    }
 }
