@@ -23,13 +23,19 @@ final class DeviceTests: XCTestCase {
         return b[0..<4] == [0x4b, 0x42, 0x48, 0x31][...] ? b[11] : b[160 + 11]
     }
 
-    func testAnAddedDeviceReadsTheStoreWithItsOwnPasscodeAndARemovedOneCannotOpenNewerFiles() throws {
+    /// Device A's store with its recovery key written to a file, mounted and unlocked.
+    private func firstDevice() throws -> (MountFixture, recoveryKey: String) {
         let a = try MountFixture(passcode: "device A passcode", mount: false)
-        defer { a.close() }
         let rk = a.root + "/recovery.txt"
         XCTAssertEqual(keybagfs(["recovery-key", "rotate", a.store, "--device-key", a.deviceKey, "--passcode-stdin", "--recovery-key-file", rk], stdin: a.passcode + "\n").code, 0)
-        try a.mount()
+        do { try a.mount() } catch { a.close(); throw error }
         a.unlock()
+        return (a, rk)
+    }
+
+    func testAnAddedDeviceReadsTheStoreWithItsOwnPasscodeAndARemovedOneCannotOpenNewerFiles() throws {
+        let (a, rk) = try firstDevice()
+        defer { a.close() }
         XCTAssertEqual(writeFile(a.path("old-c.txt"), bytes("written before B was removed")), 0)
         XCTAssertEqual(writeFile(a.path("old-a.txt"), bytes("class A, before")), 0)
         XCTAssertEqual(setXattr(a.path("old-a.txt"), "complete"), 0)
@@ -104,12 +110,8 @@ final class DeviceTests: XCTestCase {
         XCTAssertTrue(log.contains("was removed"), log)
     }
     func testADeviceMountedWhileAnotherIsRemovedRefusesNewFilesAtOnce() throws {
-        let a = try MountFixture(passcode: "device A passcode", mount: false)
+        let (a, rk) = try firstDevice()
         defer { a.close() }
-        let rk = a.root + "/recovery.txt"
-        XCTAssertEqual(keybagfs(["recovery-key", "rotate", a.store, "--device-key", a.deviceKey, "--passcode-stdin", "--recovery-key-file", rk], stdin: a.passcode + "\n").code, 0)
-        try a.mount()
-        a.unlock()
         XCTAssertEqual(writeFile(a.path("before.txt"), bytes("before the removal")), 0)
         a.unmount()
         // Devices B (to be lost) and C (mounted through the removal) join from their replicas.
