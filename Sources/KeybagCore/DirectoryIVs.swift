@@ -53,16 +53,29 @@ public struct DirectoryIVs: Sendable, Equatable {
     /// The copies' IVs that differ from `own` (a copy with the same IV changes nothing).
     public let others: [Other]
 
-    /// The IVs of a directory whose own IV is `own` and whose metadata copies hold `copies`.
+    /// Most metadata copies honoured per directory, first by name: every copy costs each
+    /// listed name a decryption and each lookup of a missing name an encryption and a stat,
+    /// and anyone who can write the store can plant copies (their IVs are not authenticated).
+    /// Two devices making one folder apart make one copy; 16 covers 17 devices doing so.
+    public static let maxCopies = 16
+
+    /// The IVs of a directory whose own IV is `own` and whose metadata copies hold `copies`
+    /// (at most `maxCopies` of them, first by name).
     public init(own: [UInt8], copies: [Other]) {
         self.own = own
-        var seen: [[UInt8]] = [own]
+        var seen: Set<[UInt8]> = [own]
         var kept: [Other] = []
-        for c in copies.sorted(by: { $0.copy.backing < $1.copy.backing }) where !seen.contains(c.iv) {
-            seen.append(c.iv)
-            kept.append(c)
+        for c in copies.sorted(by: { $0.copy.backing < $1.copy.backing }) where kept.count < Self.maxCopies {
+            if seen.insert(c.iv).inserted { kept.append(c) }
         }
         others = kept
+    }
+
+    /// The names among `names` that are metadata copies, first by name, at most `maxCopies`
+    /// (the rest are ignored), and whether some were left out.
+    public static func copyNames(among names: [String]) -> (names: [String], leftOut: Bool) {
+        let all = names.filter { MetadataCopy(backing: $0) != nil }.sorted()
+        return (Array(all.prefix(maxCopies)), all.count > maxCopies)
     }
 
     /// Every IV in order: the own one first (index 0), then each other's (index k + 1).

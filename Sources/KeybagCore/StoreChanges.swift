@@ -198,8 +198,9 @@ public struct StoreChange: Sendable, Equatable {
         case .directoryMeta:
             // A vanished one is the engine emptying the directory to remove it: the IV known
             // here stays (a fresh one written now would hide every name synced in later).
+            // Names under the old IV may now show as conflict names or not at all (and back).
             return event == .appeared || event == .written
-                ? Response(directoryMeta: true, classesMayChange: true) : .nothing
+                ? Response(directoryMeta: true, everyEntry: true, classesMayChange: true) : .nothing
         case .syncEngine(let file) where file.role == .metadataConflict:
             // Names made on the losing device decrypt under the copy's IV.
             return Response(directoryMeta: true, everyEntry: true)

@@ -145,7 +145,7 @@ public final class StoreCheck {
     private func checkDirectory(fd: Int32, rel: String, plain: String, inherited: ProtectionClass?) {
         directories += 1
         var meta: DirectoryMeta?
-        let mfd = openat(fd, DirectoryMeta.fileName, O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
+        let mfd = StoreFileOpen.regular(fd, DirectoryMeta.fileName)
         if mfd < 0 {
             note(
                 "dir-meta-missing", rel, plain,
@@ -232,9 +232,9 @@ public final class StoreCheck {
 
     /// The metadata copies among the entries `all` of `fd` and their IVs (`DirectoryIVs`).
     private func metadataCopies(_ fd: Int32, _ all: [String]) -> [DirectoryIVs.Other] {
-        all.compactMap { name in
+        DirectoryIVs.copyNames(among: all).names.compactMap { name in
             guard let copy = MetadataCopy(backing: name) else { return nil }
-            let mfd = openat(fd, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
+            let mfd = StoreFileOpen.regular(fd, name)
             guard mfd >= 0 else { return nil }
             defer { close(mfd) }
             var buf = [UInt8](repeating: 0, count: 512)
@@ -255,7 +255,7 @@ public final class StoreCheck {
         }
         var encrypted = backing
         if NameCipher.isLongName(backing) {
-            let fd = openat(dirFD, backing + NameCipher.longSuffix, O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
+            let fd = StoreFileOpen.regular(dirFD, backing + NameCipher.longSuffix)
             guard fd >= 0 else {
                 note(
                     "side-file-missing", path, nil, "a long name without its side file: the name is lost",

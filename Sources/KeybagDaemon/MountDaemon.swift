@@ -201,6 +201,9 @@ public enum MountDaemon {
                 log("watching the store for changes underneath: " + why)
                 full = true
             } else {
+                log(
+                    "watching the store's top level only (no other device or sync engine marker found; a sync " +
+                        "engine that leaves none needs --watch-store on)")
                 full = false
             }
         }

@@ -22,7 +22,7 @@ extension Filesystem {
 
     /// Reads a directory's `.kbfs-dir`; nil when absent.
     func readMeta(dirFD: Int32) throws -> DirectoryMeta? {
-        let fd = openat(dirFD, DirectoryMeta.fileName, O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
+        let fd = StoreFileOpen.regular(dirFD, DirectoryMeta.fileName)
         if fd < 0 { if errno == ENOENT { return nil }; throw FSError(errno) }
         defer { close(fd) }
         var buf = [UInt8](repeating: 0, count: 512)
@@ -97,9 +97,15 @@ extension Filesystem {
             listed = ((try? backingEntries(dirFD: dfd)) ?? []).map(\.name)
         }
         var out: [DirectoryIVs.Other] = []
-        for name in listed {
+        let (copyNames, leftOut) = DirectoryIVs.copyNames(among: listed)
+        if leftOut {
+            MountDaemon.log(
+                "a folder holds more than \(DirectoryIVs.maxCopies) copies of its metadata: the names under the " +
+                    "others' IVs do not show")
+        }
+        for name in copyNames {
             guard let copy = MetadataCopy(backing: name) else { continue }
-            let fd = openat(dirFD, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
+            let fd = StoreFileOpen.regular(dirFD, name)
             guard fd >= 0 else { continue }
             var buf = [UInt8](repeating: 0, count: 512)
             let n = Glibc.read(fd, &buf, buf.count)
@@ -248,13 +254,16 @@ extension Filesystem {
         guard let c = ConflictCopy.parse(readable: name),
               !exists(dir, NameCipher.backingEntry(for: try names.encrypt(Array(name.utf8), dirIV: iv)).name)
         else { return nil }
-        let enc = try names.encrypt(Array(c.plain.utf8), dirIV: iv)
-        let copy = ConflictCopy(
-            original: NameCipher.backingEntry(for: enc).name, date: c.date, time: c.time, device: c.device)
-        if copy.readableName(of: c.plain).utf8.elementsEqual(name.utf8), exists(dir, copy.backing) {
-            return BackingEntry(name: copy.backing, sideFile: nil, encrypted: enc)
-        }
         let ivs = DirectoryIVs(own: iv, copies: copies)
+        // A sync engine's copy of a file, made under any of the directory's IVs.
+        for candidateIV in ivs.all {
+            let enc = try names.encrypt(Array(c.plain.utf8), dirIV: candidateIV)
+            let copy = ConflictCopy(
+                original: NameCipher.backingEntry(for: enc).name, date: c.date, time: c.time, device: c.device)
+            if copy.readableName(of: c.plain).utf8.elementsEqual(name.utf8), exists(dir, copy.backing) {
+                return BackingEntry(name: copy.backing, sideFile: nil, encrypted: enc)
+            }
+        }
         guard let (index, other) = ivs.other(date: c.date, time: c.time, device: c.device),
               other.copy.readableName(of: c.plain).utf8.elementsEqual(name.utf8) else { return nil }
         let candidate = try entry(c.plain, iv: other.iv)
@@ -309,7 +318,7 @@ extension Filesystem {
             return readable
         }
         guard NameCipher.isLongName(backing) else { return try names.shownName(ofShort: backing, dirIV: iv) }
-        let fd = openat(dirFD, backing + NameCipher.longSuffix, O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
+        let fd = StoreFileOpen.regular(dirFD, backing + NameCipher.longSuffix)
         guard fd >= 0 else { throw KeybagError.corrupt("long name \(backing) has no side file") }
         defer { close(fd) }
         var buf = [UInt8](repeating: 0, count: 1024)
@@ -480,13 +489,13 @@ extension Filesystem {
         if let xattrID { dropXattrs(xattrID) }
     }
 
-    /// Whether a backing directory's entries are only the store's own files: metadata,
-    /// temporaries, and long-name side files whose entry is gone (left by a crash or an
-    /// offline edit). Such a directory is empty to its users.
+    /// Whether a backing directory's entries are only the store's own files: metadata (and a
+    /// sync engine's copies of it), temporaries, and long-name side files whose entry is gone
+    /// (left by a crash or an offline edit). Such a directory is empty to its users.
     static func holdsOnlyStoreFiles(_ names: [String]) -> Bool {
         let present = Set(names)
         return names.allSatisfy { n in
-            isReserved(n)
+            isReserved(n) || MetadataCopy(backing: n) != nil
                 || (NameCipher.isSideFile(n) && !present.contains(String(n.dropLast(NameCipher.longSuffix.count))))
         }
     }

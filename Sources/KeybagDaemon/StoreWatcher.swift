@@ -284,7 +284,11 @@ final class StoreWatcher: Sendable {
         }
         for d in ownDirectories { watchNew(d.name, in: d.handle, parent: nil) }
         if !changes.isEmpty && Failpoint.watcherLosesEvents.isOn { changes = []; overflow = true }
-        for c in changes { apply(c.change, in: c.handle) }
+        var relist: [UInt64: Node] = [:]
+        for c in changes {
+            if let dir = apply(c.change, in: c.handle) { relist[dir.id] = dir }
+        }
+        for dir in relist.values { forgetEveryName(of: dir) }
         if xattrSetsChanged { fs.storedXattrSets.store(Filesystem.countStoredSets(fs.xattrsFD), ordering: .relaxed) }
         if overflow { forgetEverything(because: "the store watcher lost events (queue overflow)") }
     }
@@ -302,21 +306,18 @@ final class StoreWatcher: Sendable {
     /// Makes the kernel and the node table forget what `change` in the directory `handle`
     /// made stale. Runs on the watcher's thread, holding no lock a FUSE request needs; the
     /// kernel is told from the notifier's queue.
-    private func apply(_ change: StoreChange, in handle: [UInt8]) {
+    /// Returns the directory whose every name must be looked up again (`forgetEveryName`), once
+    /// per batch of events.
+    private func apply(_ change: StoreChange, in handle: [UInt8]) -> Node? {
         let r = change.response
-        guard !r.isNothing, let d = directory(handle) else { return }
+        guard !r.isNothing, let d = directory(handle) else { return nil }
         if r.classesMayChange { fs.classGeneration.add(1, ordering: .relaxed) }
         let dir = fs.table.node(dev: d.dev, ino: d.ino)
         if r.newDirectory { watchNew(change.name, in: handle, parent: dir) }
         // The kernel holds nothing below a directory it does not know.
-        guard let dir, dir.isDirectory else { return }
+        guard let dir, dir.isDirectory else { return nil }
+        if r.everyEntry { return dir }   // its metadata is forgotten there, after the names it gave
         if r.directoryMeta { dir.forgetDirectoryMeta() }
-        if r.everyEntry {
-            // Names another IV now decrypts (or no longer does) may be cached either way.
-            for e in (try? fs.listing(dir)) ?? [] where e.name != "." && e.name != ".." {
-                fs.kernel.forgetEntrySoon(parent: dir.id, name: e.name)
-            }
-        }
         if let entry = r.entry ?? r.rewritten { forgetEntry(entry, of: dir) }
         if let changed = r.rewritten ?? r.attributes, let n = node(of: changed, in: dir) {
             if r.rewritten != nil && n.isRegular {
@@ -330,6 +331,18 @@ final class StoreWatcher: Sendable {
                 fs.kernel.refreshAttributes([n.id])
             }
         }
+        fs.kernel.refreshAttributes([dir.id])
+        return nil
+    }
+
+    /// The IVs a directory's names decrypt under changed (its metadata or a copy of it came or
+    /// went): the kernel forgets every name the directory showed with the metadata known so
+    /// far, the metadata is read again, and every name it shows now is forgotten too.
+    private func forgetEveryName(of dir: Node) {
+        var names = Set(((try? fs.listing(dir)) ?? []).map(\.name))
+        dir.forgetDirectoryMeta()
+        names.formUnion(((try? fs.listing(dir)) ?? []).map(\.name))
+        for name in names where name != "." && name != ".." { fs.kernel.forgetEntrySoon(parent: dir.id, name: name) }
         fs.kernel.refreshAttributes([dir.id])
     }
 
@@ -352,6 +365,20 @@ final class StoreWatcher: Sendable {
         return fs.table.node(dev: UInt64(st.st_dev), ino: UInt64(st.st_ino))
     }
 
+    /// A file whose header another writer rewrote while no event told of it (a class change,
+    /// a new version): its node's header and key are stale, so it is superseded and looked
+    /// up again as a new node, as for a file rewritten underneath.
+    private func supersedeIfHeaderChanged(_ n: Node) {
+        guard let cached = n.io.read({ $0.header }) else { return }
+        let fd = n.open(O_RDONLY)
+        guard fd >= 0 else { return }
+        defer { close(fd) }
+        guard (try? EncryptedContent.readHeader(fd: fd)) != cached else { return }
+        n.io.write { $0.supersede() }
+        fs.table.retire(n)
+        fs.kernel.dropPagesSoon(n.id, pass: "a file rewritten underneath while events were lost")
+    }
+
     /// After a lost event (queue overflow) or the first change of another writer: every
     /// directory is watched again, its metadata read again, the kernel drops the attributes
     /// and pages of every inode it has and looks up again every name that exists now. A name
@@ -361,7 +388,9 @@ final class StoreWatcher: Sendable {
         MountDaemon.log(reason + ": dropping every cached entry")
         watchTree(dup(dataFD))
         fs.classGeneration.add(1, ordering: .relaxed)
+        fs.storedXattrSets.store(Filesystem.countStoredSets(fs.xattrsFD), ordering: .relaxed)
         for n in fs.table.allNodes() {
+            if n.isRegular { supersedeIfHeaderChanged(n) }
             if n.isDirectory {
                 n.forgetDirectoryMeta()
                 for e in (try? fs.listing(n)) ?? [] where e.name != "." && e.name != ".." {

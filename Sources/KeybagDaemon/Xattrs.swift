@@ -26,7 +26,7 @@ extension Filesystem {
 
     /// The stored set of a node (empty when none).
     func loadXattrs(_ id: String) throws -> XattrSet {
-        let fd = openat(xattrsFD, id, O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
+        let fd = StoreFileOpen.regular(xattrsFD, id)
         if fd < 0 { if errno == ENOENT { return XattrSet() }; throw FSError(errno) }
         defer { close(fd) }
         var st = stat()

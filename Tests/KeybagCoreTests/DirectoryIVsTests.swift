@@ -34,6 +34,19 @@ final class DirectoryIVsTests: XCTestCase {
         XCTAssertNil(ivs.other(date: "20261127", time: "090000", device: "CCCCCCC"), "same IV as the own: no names")
     }
 
+    func testAtMostSixteenCopiesCountFirstByName() throws {
+        let names = (0..<40).map { String(format: ".sync-conflict-20261125-1010%02d-AAAAAAA.kbfs-dir", $0) }
+        let copies = names.reversed().enumerated().map { i, n in
+            DirectoryIVs.Other(copy: MetadataCopy(backing: n)!, iv: [UInt8](repeating: UInt8(i + 10), count: 16))
+        }
+        let ivs = DirectoryIVs(own: own, copies: copies)
+        XCTAssertEqual(ivs.others.count, DirectoryIVs.maxCopies)
+        XCTAssertEqual(ivs.others.map(\.copy.backing), Array(names.prefix(16)))
+        let picked = DirectoryIVs.copyNames(among: names.shuffled() + ["kept.txt", ".kbfs-dir"])
+        XCTAssertEqual(picked.names, Array(names.prefix(16)))
+        XCTAssertTrue(picked.leftOut)
+    }
+
     func testAnEntryUnderACopysIVShowsItsNameUnlessTakenThenTheCopysConflictName() throws {
         let a = try XCTUnwrap(MetadataCopy(backing: ".sync-conflict-20261125-101010-AAAAAAA.kbfs-dir"))
         let ivs = DirectoryIVs(own: own, copies: [.init(copy: a, iv: first)])

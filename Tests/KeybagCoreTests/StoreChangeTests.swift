@@ -58,8 +58,9 @@ final class StoreChangeTests: XCTestCase {
         // A side file names its entry anew; its removal follows the entry's.
         XCTAssertEqual(r("kbl.abc.name", .appeared), R(entry: "kbl.abc"))
         XCTAssertEqual(r("kbl.abc.name", .vanished), .nothing)
-        // A directory's metadata replaced: read again; removed: kept (the directory is going).
-        XCTAssertEqual(r(".kbfs-dir", .appeared), R(directoryMeta: true, classesMayChange: true))
+        // A directory's metadata replaced: read again, and every name it gave looked up again
+        // (its IV may now be a copy's); removed: kept (the directory is going).
+        XCTAssertEqual(r(".kbfs-dir", .appeared), R(directoryMeta: true, everyEntry: true, classesMayChange: true))
         XCTAssertEqual(r(".kbfs-dir", .vanished), .nothing)
         // Transfers in progress, the engine's own files, the store's temporaries: nothing.
         for n in [".syncthing.\(short).tmp", ".stfolder", ".kbfs-tmp-abc", "report.txt"] {

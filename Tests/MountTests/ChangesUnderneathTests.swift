@@ -168,7 +168,7 @@ final class ChangesUnderneathTests: XCTestCase {
             XCTAssertEqual(mkdir(m.path("d"), 0o755), 0)
             XCTAssertEqual(writeFile(m.path("d/kept.txt"), bytes("kept")), 0)
         }
-        XCTAssertFalse(daemonLog(here).contains("watching the store"), daemonLog(here))
+        XCTAssertTrue(daemonLog(here).contains("top level only"), daemonLog(here))
         XCTAssertEqual(mkdir(here.store + "/.stfolder", 0o755), 0)
         XCTAssertTrue(waitUntil(5) { self.daemonLog(here).contains("watching all of it") }, daemonLog(here))
         try changeInAFolder(here, there)
@@ -423,6 +423,13 @@ final class ChangesUnderneathTests: XCTestCase {
         XCTAssertEqual(try readFile(here.path("docs/" + long)).get(), bytes("a long name"))
         XCTAssertEqual(try readFile(here.path("docs/sub/deep.txt")).get(), bytes("deep"))
         XCTAssertEqual(try getXattr(here.path("docs/photo.jpg")).get(), "complete")
+        // A sync engine's copy of a file under the copy's IV shows, reads and goes like any.
+        let theirsBacking = here.backing("docs/theirs.txt")
+        XCTAssertEqual(MountFixture.run("/bin/cp", [theirsBacking, theirsBacking + ".sync-conflict-20261126-080000-HOSTC27"]).code, 0)
+        let fileCopy = "docs/theirs (conflict 2026-11-26 080000 HOSTC27).txt"
+        XCTAssertTrue(waitUntil(5) { (try? readFile(here.path(fileCopy)).get()) == theirs }, "\(listing(here.path("docs")))")
+        XCTAssertTrue(listing(here.path("docs")).contains((fileCopy as NSString).lastPathComponent))
+        XCTAssertEqual(unlink(here.path(fileCopy)), 0)
         // The mount goes on working in the folder: new names, renames, removals.
         XCTAssertEqual(writeFile(here.path("docs/new.txt"), bytes("new")), 0)
         XCTAssertEqual(rename(here.path("docs/theirs.txt"), here.path("docs/theirs-renamed.txt")), 0)
@@ -452,6 +459,61 @@ final class ChangesUnderneathTests: XCTestCase {
             XCTAssertEqual(check.code, 0, "\(check.out)")
             XCTAssertEqual(Set(check.problems.map(\.kind)), ["sync-engine-file"], "\(check.out)")
         }
+    }
+
+    func testPlantedFifosAndExtraMetadataCopiesNeitherHangNorHideTheFolder() throws {
+        let long = String(repeating: "n", count: 220)
+        let (here, _) = try twoDevices { m in
+            XCTAssertEqual(mkdir(m.path("d"), 0o755), 0)
+            XCTAssertEqual(writeFile(m.path("d/kept.txt"), bytes("kept")), 0)
+            XCTAssertEqual(writeFile(m.path("d/" + long), bytes("long")), 0)
+            XCTAssertEqual(mkdir(m.path("empty"), 0o755), 0)
+        }
+        // Someone who can write the store puts FIFOs where the daemon reads small files: a copy
+        // of the folder's metadata, and a long name's side file. Opening one would block.
+        let d = here.backing("d"), longBacking = here.backing("d/" + long)
+        XCTAssertEqual(mkfifo(d + "/.sync-conflict-20261125-101010-FIFOAAA.kbfs-dir", 0o644), 0)
+        XCTAssertEqual(unlink(longBacking + ".name"), 0)
+        XCTAssertEqual(mkfifo(longBacking + ".name", 0o644), 0)
+        let ls = MountFixture.run("/usr/bin/timeout", ["10", "/bin/ls", here.path("d")])
+        XCTAssertEqual(ls.code, 0, "the listing returns: \(ls.stderr)")
+        XCTAssertEqual(ls.stdout.split(separator: "\n").map(String.init), ["kept.txt"], "the long name has no readable side file")
+        XCTAssertEqual(try readFile(here.path("d/kept.txt")).get(), bytes("kept"))
+        // A folder holding only its metadata and a copy of it is empty: rmdir works.
+        let empty = here.backing("empty")
+        XCTAssertEqual(MountFixture.run("/bin/cp", [d + "/.kbfs-dir", empty + "/.sync-conflict-20261125-101010-HOSTB27.kbfs-dir"]).code, 0)
+        XCTAssertEqual(rmdir(here.path("empty")), 0, String(cString: strerror(errno)))
+        here.unmount()
+        let check = MountFixture.run("/usr/bin/timeout", ["20", MountFixture.binDir + "/keybagfs", "fsck", here.store, "--device-key", here.deviceKey, "--json"])
+        XCTAssertNotEqual(check.code, 124, "fsck returns")
+        XCTAssertTrue(check.stdout.contains("side-file"), check.stdout)
+    }
+
+    func testAClassChangedInPlaceBeforeTheFullWatchStartsIsSeenWhenItDoes() throws {
+        // A store nothing marks: the top level only is watched. Another writer rewrites a file's
+        // header in place (the other device made it `complete`) below the data root.
+        let (here, there) = try twoDevices(marked: false) { m in
+            XCTAssertEqual(mkdir(m.path("d"), 0o755), 0)
+            XCTAssertEqual(writeFile(m.path("d/secret.txt"), bytes("secret")), 0)
+        }
+        XCTAssertEqual(try readFile(here.path("d/secret.txt")).get(), bytes("secret"))
+        let held = open(here.path("d/secret.txt"), O_RDONLY)   // its node keeps the header it read
+        defer { close(held) }
+        XCTAssertEqual(try sysPread(held, 6, 0).get(), bytes("secret"))
+        XCTAssertEqual(setXattr(there.path("d/secret.txt"), "complete"), 0)
+        sync()
+        let theirs = try Data(contentsOf: URL(fileURLWithPath: there.backing("d/secret.txt")))
+        let fd = open(here.backing("d/secret.txt"), O_WRONLY)
+        XCTAssertEqual(theirs.withUnsafeBytes { pwrite(fd, $0.baseAddress, $0.count, 0) }, theirs.count)
+        close(fd)
+        // Syncthing starts on the store: the full watch, and what was missed is found.
+        XCTAssertEqual(mkdir(here.store + "/.stfolder", 0o755), 0)
+        XCTAssertTrue(waitUntil(5) { self.daemonLog(here).contains("watching all of it") }, daemonLog(here))
+        here.lock()
+        XCTAssertTrue(
+            waitUntil(5) { errnoOf(readFile(here.path("d/secret.txt"))) == EACCES },
+            "a complete file is unreadable once locked, whatever this device cached before")
+        XCTAssertNotEqual(try? sysPread(held, 6, 0).get(), bytes("secret"), "so is it through a descriptor held since")
     }
 
     func testHalfSyncedFileReadsAsTheOldOrNewVersionOrEIOAndFsckNamesIt() throws {
