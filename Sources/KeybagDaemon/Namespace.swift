@@ -405,7 +405,9 @@ extension Filesystem {
                 throw error
             }
         }
-        // A new folder has no metadata copies: its first lookups need no listing to know.
+        // A new folder's metadata is the one just written, and it has no copies: its first
+        // lookups need neither a read nor a listing to know.
+        made.0.dirMeta.withLock { if $0 == nil { $0 = meta } }
         made.0.metadataCopies.withLock { if $0 == nil { $0 = [] } }
         return made
     }
