@@ -104,6 +104,8 @@ struct kb_ctx {
     EVP_CIPHER_CTX *gcm;
     EVP_CIPHER_CTX *ecb;
     unsigned char scratch[64];   /* [0,32): CMAC inputs, [32,64): XAES derived key */
+    unsigned char ecb_key[32];   /* the key `ecb` is keyed with (valid when ecb_keyed) */
+    int ecb_keyed;
     uint64_t epoch;          /* the pool's epoch when taken */
     struct kb_ctx *next;
 };
@@ -222,7 +224,14 @@ int kbfs_aes256gcm_open(const uint8_t *key, const uint8_t *n12, const uint8_t *a
 /* AES-256 of the 32 bytes in c->scratch[0..<32] under `key`, into `out`. */
 static int ecb2(struct kb_ctx *c, const uint8_t *key, size_t n, uint8_t *out) {
     int len = 0;
-    if (EVP_EncryptInit_ex(c->ecb, NULL, NULL, key, NULL) != 1) return -2;
+    /* A file's blocks come in runs under one key: its schedule is kept, not made again for
+       each block (the context lives in locked memory and is zeroed when freed or forgotten). */
+    if (!c->ecb_keyed || CRYPTO_memcmp(c->ecb_key, key, 32) != 0) {
+        c->ecb_keyed = 0;
+        if (EVP_EncryptInit_ex(c->ecb, NULL, NULL, key, NULL) != 1) return -2;
+        memcpy(c->ecb_key, key, 32);
+        c->ecb_keyed = 1;
+    }
     if (EVP_EncryptUpdate(c->ecb, out, &len, c->scratch, (int)n) != 1 || (size_t)len != n) return -2;
     return 0;
 }
