@@ -1,4 +1,5 @@
 import Foundation
+import Glibc
 
 /// A sync engine's copy of a directory's `.kbfs-dir`: the same folder was made on two devices
 /// before they synced, each with its own random name IV, and Syncthing kept the losing file as
@@ -76,6 +77,29 @@ public struct DirectoryIVs: Sendable, Equatable {
     public static func copyNames(among names: [String]) -> (names: [String], leftOut: Bool) {
         let all = names.filter { MetadataCopy(backing: $0) != nil }.sorted()
         return (Array(all.prefix(maxCopies)), all.count > maxCopies)
+    }
+
+    /// Reads the metadata copies among the entries `names` of `dirFD` (`copyNames`): each one's
+    /// IV, the names of those that do not read as directory metadata (not a regular file, or
+    /// not parsing), and whether some were left out.
+    public static func readCopies(
+        dirFD: Int32, among names: [String], cipher: NameCipher
+    ) -> (copies: [Other], unreadable: [String], leftOut: Bool) {
+        let (picked, leftOut) = copyNames(among: names)
+        var copies: [Other] = [], unreadable: [String] = []
+        for name in picked {
+            guard let copy = MetadataCopy(backing: name) else { continue }
+            let fd = StoreFileOpen.regular(dirFD, name)
+            var buf = [UInt8](repeating: 0, count: 512)
+            let n = fd >= 0 ? read(fd, &buf, buf.count) : -1
+            if fd >= 0 { close(fd) }
+            if n > 0, let m = try? DirectoryMeta.decode(Array(buf[0..<n]), cipher) {
+                copies.append(Other(copy: copy, iv: m.iv))
+            } else {
+                unreadable.append(name)
+            }
+        }
+        return (copies, unreadable, leftOut)
     }
 
     /// Every IV in order: the own one first (index 0), then each other's (index k + 1).

@@ -165,7 +165,9 @@ public final class StoreCheck {
         let all = entries(fd)
         let present = Set(all)
         // Names made on another device under a sync engine's copy of the metadata decrypt too.
-        let ivs = meta.map { DirectoryIVs(own: $0.iv, copies: metadataCopies(fd, all)) }
+        let ivs = meta.map {
+            DirectoryIVs(own: $0.iv, copies: DirectoryIVs.readCopies(dirFD: fd, among: all, cipher: names).copies)
+        }
         // The losing device's own xattrs of this folder are under its IV: kept, not orphans.
         for other in ivs?.others ?? [] { xattrIDs.insert(Base64URL.encode(other.iv)) }
         for e in all.sorted() where e != DirectoryMeta.fileName {
@@ -228,19 +230,6 @@ public final class StoreCheck {
     static func isWhiteout(dirFD: Int32, _ name: String) -> Bool {
         var st = stat()
         return fstatat(dirFD, name, &st, AT_SYMLINK_NOFOLLOW) == 0 && st.st_mode & S_IFMT == S_IFCHR && st.st_rdev == 0
-    }
-
-    /// The metadata copies among the entries `all` of `fd` and their IVs (`DirectoryIVs`).
-    private func metadataCopies(_ fd: Int32, _ all: [String]) -> [DirectoryIVs.Other] {
-        DirectoryIVs.copyNames(among: all).names.compactMap { name in
-            guard let copy = MetadataCopy(backing: name) else { return nil }
-            let mfd = StoreFileOpen.regular(fd, name)
-            guard mfd >= 0 else { return nil }
-            defer { close(mfd) }
-            var buf = [UInt8](repeating: 0, count: 512)
-            let n = read(mfd, &buf, buf.count)
-            return (try? DirectoryMeta.decode(Array(buf[0..<max(n, 0)]), names)).map { .init(copy: copy, iv: $0.iv) }
-        }
     }
 
     /// The plaintext name of an entry, recording a name problem when it does not decrypt.

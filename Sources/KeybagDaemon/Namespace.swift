@@ -96,27 +96,16 @@ extension Filesystem {
             defer { close(dfd) }
             listed = ((try? backingEntries(dirFD: dfd)) ?? []).map(\.name)
         }
-        var out: [DirectoryIVs.Other] = []
-        let (copyNames, leftOut) = DirectoryIVs.copyNames(among: listed)
-        if leftOut {
+        let read = DirectoryIVs.readCopies(dirFD: dirFD, among: listed, cipher: names)
+        if read.leftOut {
             MountDaemon.log(
                 "a folder holds more than \(DirectoryIVs.maxCopies) copies of its metadata: the names under the " +
                     "others' IVs do not show")
         }
-        for name in copyNames {
-            guard let copy = MetadataCopy(backing: name) else { continue }
-            let fd = StoreFileOpen.regular(dirFD, name)
-            guard fd >= 0 else { continue }
-            var buf = [UInt8](repeating: 0, count: 512)
-            let n = Glibc.read(fd, &buf, buf.count)
-            close(fd)
-            if n > 0, let m = try? DirectoryMeta.decode(Array(buf[0..<n]), names) {
-                out.append(DirectoryIVs.Other(copy: copy, iv: m.iv))
-            } else {
-                MountDaemon.log("skipping a copy of directory metadata that does not read (\(name))")
-            }
+        for name in read.unreadable {
+            MountDaemon.log("skipping a copy of directory metadata that does not read (\(name))")
         }
-        return out
+        return read.copies
     }
 
     /// The metadata copies of a directory node, read once and cached.
