@@ -24,8 +24,6 @@ let package = Package(
         .target(name: "CSystem", path: "Sources/CSystem"),
         // Hardware AES for file contents: OpenSSL 3's libcrypto (AES-256-GCM, XAES-256-GCM).
         .target(name: "CCrypto", path: "Sources/CCrypto", linkerSettings: [.linkedLibrary("crypto")]),
-        // FUSE requests over io_uring (kernel 6.14+), which libfuse 3.14 cannot use: liburing.
-        .target(name: "CFuseRing", path: "Sources/CFuseRing", linkerSettings: [.linkedLibrary("uring")]),
         // systemd-logind's signals and sleep inhibitors through sd-bus, for `keybagctl follow`.
         .target(name: "CLogind", path: "Sources/CLogind", linkerSettings: [.linkedLibrary("systemd")]),
         // The control socket's paths, line protocol and client: Foundation and Glibc only.
@@ -37,7 +35,7 @@ let package = Package(
         // The example of the library: a notes store that follows the lock.
         .executableTarget(name: "SecureNotes", dependencies: ["FileProtection"], path: "Examples/SecureNotes"),
         // The daemon: FUSE frontend and control socket server.
-        .target(name: "KeybagDaemon", dependencies: ["KeybagCore", "KeybagProtocol", "CFuse", "CFuseRing", "CSodium", "CSystem"]),
+        .target(name: "KeybagDaemon", dependencies: ["KeybagCore", "KeybagProtocol", "CFuse", "CSodium", "CSystem"]),
         // What both commands share: the contract's exit codes.
         .target(name: "KeybagCLI", dependencies: [
             "KeybagCore",

@@ -1,5 +1,4 @@
 import CFuse
-import CFuseRing
 import CSystem
 import Glibc
 import KeybagCore
@@ -19,10 +18,6 @@ import Synchronization
 ///   ENOSYS: the request has CREATE's layout and its name is always "/" (the kernel's name
 ///   for a file without one, never a real entry name), so the read hook relabels it CREATE
 ///   and the create handler tells the two apart by that name.
-/// - move requests onto io_uring (FUSE_OVER_IO_URING, kernel 6.14+ with the fuse module's
-///   `enable_uring`): after the INIT reply, CFuseRing's workers take requests from ring entries
-///   and hand them to libfuse as if read here, and the write hook sends their replies back on
-///   the entries.
 /// The hooks note the INIT request, set the bits the kernel offered in its reply, and pass
 /// every other buffer through.
 enum FuseChannel {
@@ -39,11 +34,6 @@ enum FuseChannel {
     static let writebackCacheFlag: UInt32 = 1 << 16
     /// FUSE_DIRECT_IO_ALLOW_MMAP (flag bit 36) as a bit of the second word.
     static let allowMmap: UInt32 = 1 << 4
-    /// FUSE_OVER_IO_URING (flag bit 41) as a bit of the second word.
-    static let overIoUring: UInt32 = kbfs_ring_init_flag2
-    /// Ring entries (worker threads) per kernel queue (one queue per CPU): a worker blocked
-    /// in a handler leaves the others of its CPU serving.
-    static let ringWorkersPerQueue: UInt32 = 2
     /// Largest read and write request asked for, and the readahead window to match.
     static let requestSize = 1 << 20
     /// The mount's `read_ahead_kb` in sysfs, set before the session loop starts.
@@ -65,16 +55,6 @@ enum FuseChannel {
     /// Whether the kernel's write-back cache is in effect (set with the INIT reply).
     private static let writeback = Atomic<Bool>(false)
 
-    /// Whether requests may move onto io_uring when the kernel offers it (`--io-uring`).
-    static let ringAllowed = Atomic<Bool>(false)
-    /// The session and its /dev/fuse descriptor (bit pattern), for the ring's workers.
-    private static let session = Atomic<UInt>(0)
-    private static let sessionFD = Atomic<Int32>(-1)
-    /// Payload bytes of a ring entry agreed in the INIT reply, until the ring starts (0: none).
-    private static let ringPayload = Atomic<Int>(0)
-    /// The running ring (bit pattern of its pointer; 0: /dev/fuse alone).
-    private static let ring = Atomic<UInt>(0)
-
     /// What the INIT reply agreed (all false before it).
     static var negotiated: MountNegotiation {
         MountNegotiation(
@@ -83,8 +63,6 @@ enum FuseChannel {
 
     /// Installs the hooks on a mounted session (same descriptor); false if libfuse refuses.
     static func install(_ se: OpaquePointer) -> Bool {
-        session.store(UInt(bitPattern: Int(bitPattern: UnsafeRawPointer(se))), ordering: .releasing)
-        sessionFD.store(fuse_session_fd(se), ordering: .releasing)
         var io = fuse_custom_io()
         io.read = { fd, buf, len, _ in
             let n = Glibc.read(fd, buf, len)
@@ -92,57 +70,16 @@ enum FuseChannel {
             return n
         }
         io.writev = { fd, iov, count, _ in
-            let ring = FuseChannel.ring.load(ordering: .acquiring)
-            if ring != 0, let iov {
-                let n = kbfs_ring_reply(OpaquePointer(bitPattern: ring), iov, count)
-                if n != -2 { return n }
-            }
             guard let iov, count >= 2, FuseChannel.initPending.load(ordering: .relaxed), FuseChannel.patchReply(iov)
             else {
                 return Glibc.writev(fd, iov, count)
             }
             let n = Glibc.writev(fd, iov, count)
             FuseChannel.raiseReadahead()
-            if n > 0 { FuseChannel.startRing() }
             return n
         }
         return fuse_session_custom_io(se, &io, fuse_session_fd(se)) == 0
     }
-
-    /// Starts the ring the INIT reply just agreed, if it did; on failure the session stays on
-    /// /dev/fuse alone (logged).
-    private static func startRing() {
-        let payload = ringPayload.exchange(0, ordering: .acquiringAndReleasing)
-        guard payload > 0, let se = UnsafeMutableRawPointer(bitPattern: session.load(ordering: .acquiring)) else {
-            return
-        }
-        var why = [CChar](repeating: 0, count: 256)
-        let process: kbfs_ring_process_fn = { context, request, length in
-            guard let context, let request else { return }
-            FuseChannel.noteRequest(request, count: length)
-            var buf = fuse_buf()
-            buf.size = length
-            buf.mem = request
-            buf.fd = -1
-            fuse_session_process_buf(OpaquePointer(context), &buf)
-        }
-        guard let r = kbfs_ring_start(
-            sessionFD.load(ordering: .acquiring), ringWorkersPerQueue, payload, process, se, &why, why.count)
-        else {
-            return MountDaemon.log("FUSE over io_uring refused (\(String(decoding: why.prefix { $0 != 0 }.map { UInt8(bitPattern: $0) }, as: UTF8.self))): requests stay on /dev/fuse")
-        }
-        ring.store(UInt(bitPattern: Int(bitPattern: UnsafeRawPointer(r))), ordering: .releasing)
-        MountDaemon.log("FUSE requests over io_uring: \(kbfs_ring_queues(r)) queues, \(kbfs_ring_workers(r)) workers")
-    }
-
-    /// Stops the ring's workers (the session loop has ended); a no-op without a ring.
-    static func stopRing() {
-        let r = ring.exchange(0, ordering: .acquiringAndReleasing)
-        if r != 0 { kbfs_ring_stop(OpaquePointer(bitPattern: r)) }
-    }
-
-    /// Whether requests currently arrive over io_uring.
-    static var ringRunning: Bool { ring.load(ordering: .relaxed) != 0 }
 
     /// Notes, for the thread about to handle it, whether a request asks for set-ID bits to
     /// be cleared; remembers an INIT request and the flags it offers; relabels FUSE_TMPFILE.
@@ -225,13 +162,6 @@ enum FuseChannel {
             let flags2 = body.loadUnaligned(fromByteOffset: 32, as: UInt32.self)
             body.storeBytes(of: flags2 | allowMmap, toByteOffset: 32, as: UInt32.self)
             granted.store(true, ordering: .releasing)
-        }
-        if offered.flags2 & overIoUring != 0, flags & initExt != 0, ringAllowed.load(ordering: .acquiring) {
-            let flags2 = body.loadUnaligned(fromByteOffset: 32, as: UInt32.self)
-            body.storeBytes(of: flags2 | overIoUring, toByteOffset: 32, as: UInt32.self)
-            let maxWrite = Int(body.loadUnaligned(fromByteOffset: 20, as: UInt32.self))
-            let maxPages = Int(body.loadUnaligned(fromByteOffset: 28, as: UInt16.self))
-            ringPayload.store(max(maxWrite, maxPages * 4096, 8192), ordering: .releasing)
         }
         body.storeBytes(of: flags, toByteOffset: 12, as: UInt32.self)
         writeback.store(flags & writebackCacheFlag != 0, ordering: .releasing)

@@ -26,9 +26,6 @@ public struct MountConfiguration: Sendable {
     /// Whether the kernel enforces POSIX ACLs (`-o acl` / `-o noacl`); nil: where it checks
     /// permissions anyway (`needsKernelPermissionChecks`).
     public var posixACL: Bool? = nil
-    /// Whether FUSE requests move onto io_uring when the kernel offers it (the fuse module's
-    /// `enable_uring`); FORGET and INTERRUPT stay on /dev/fuse either way.
-    public var ioUring = true
     /// Most FUSE loop threads (`fuse_loop_cfg_set_max_threads`).
     public var threads = MountConfiguration.defaultThreads
     /// The loop's thread limit unless `--threads` says otherwise.
@@ -325,7 +322,6 @@ public enum MountDaemon {
         if let file = FuseChannel.readAheadFile.withLock({ $0 }) {
             s.fs.space.attach(bdi: String(file.dropLast("/read_ahead_kb".count)))
         }
-        FuseChannel.ringAllowed.store(cfg.ioUring, ordering: .releasing)
         if !FuseChannel.install(se) { log("cannot install the FUSE I/O hooks; class A handles keep page-cache I/O") }
         s.fs.kernel.attach(se)
         s.server.start()
@@ -343,7 +339,6 @@ public enum MountDaemon {
         fuse_loop_cfg_set_clone_fd(loopCfg, 1)
         let rc = fuse_session_loop_mt(se, loopCfg)
         fuse_loop_cfg_destroy(loopCfg)
-        FuseChannel.stopRing()
 
         s.watcher?.stop()
         s.fs.kernel.detach()

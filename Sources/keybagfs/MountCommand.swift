@@ -66,13 +66,6 @@ struct Mount: ParsableCommand {
     )
     var noWritebackCache = false
 
-    @Flag(
-        help: ArgumentHelp(
-            "Keep FUSE requests on /dev/fuse even when the kernel offers io_uring (the fuse module's enable_uring " +
-                "parameter; by default the mount uses it when offered).")
-    )
-    var noIoUring = false
-
     @Option(
         help: ArgumentHelp(
             "Watch the store for changes another writer makes (a sync engine): auto (in full when the store has " +
@@ -102,7 +95,7 @@ struct Mount: ParsableCommand {
 
     /// keybagfs' own settings inside `-o` (fstab and mount.fuse3 pass everything there):
     /// `device-key=`, `socket=`, `default-class=`, `grace=`, `policy=`, `owner=`,
-    /// `inactivity-relock=`, `no-writeback-cache`, `no-io-uring`, `watch-store=`, `threads=`, `acl`, `noacl`; mount(8)'s own
+    /// `inactivity-relock=`, `no-writeback-cache`, `watch-store=`, `threads=`, `acl`, `noacl`; mount(8)'s own
     /// words are dropped; the rest goes to FUSE.
     mutating func takeOwnOptions() throws {
         var fuse: [String] = []
@@ -123,7 +116,6 @@ struct Mount: ParsableCommand {
                 guard let g = Double(value) else { throw ValidationError("-o grace=\(value): not a number of seconds") }
                 grace = g
             case "no-writeback-cache": noWritebackCache = true
-            case "no-io-uring": noIoUring = true
             case "watch-store":
                 guard let m = StoreSharing.Mode(rawValue: value) else {
                     throw ValidationError("-o watch-store=\(value): auto, on or off")
@@ -206,7 +198,6 @@ struct Mount: ParsableCommand {
             cfg.owner = try ownerUID()
             cfg.inactivityRelock = inactivityRelock.map { $0 * 3600 }
             cfg.writebackCache = !noWritebackCache
-            cfg.ioUring = !noIoUring
             cfg.watchStore = watchStore
             cfg.posixACL = posixACL
             cfg.threads = threads
