@@ -72,8 +72,13 @@ static void *kb_realloc(void *p, size_t n, const char *file, int line) {
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static int owns_memory, init_ok;
 static EVP_CIPHER *gcm_cipher, *ecb_cipher;
+/* Bumped in a forked child: a nonce batch begun before the fork is not continued after it. */
+static atomic_uint fork_generation;
+
+static void after_fork_in_child(void) { atomic_fetch_add(&fork_generation, 1); }
 
 static void init_once(void) {
+    pthread_atfork(NULL, NULL, after_fork_in_child);
     owns_memory = CRYPTO_set_mem_functions(kb_malloc, kb_realloc, kb_free);
     gcm_cipher = EVP_CIPHER_fetch(NULL, "AES-256-GCM", NULL);
     ecb_cipher = EVP_CIPHER_fetch(NULL, "AES-256-ECB", NULL);
@@ -106,6 +111,15 @@ struct kb_ctx {
     unsigned char scratch[64];   /* [0,32): CMAC inputs, [32,64): XAES derived key */
     unsigned char ecb_key[32];   /* the key `ecb` is keyed with (valid when ecb_keyed) */
     int ecb_keyed;
+    /* XAES: `gcm` holds the key derived from ecb_key and the nonce prefix gcm_prefix. */
+    unsigned char gcm_prefix[12];
+    int gcm_xaes;
+    /* XAES sealing: the batch of nonces this context hands out under ecb_key: a random
+       prefix and first suffix (batch_nonce), of which batch_count are used. */
+    unsigned char batch_nonce[24];
+    uint32_t batch_count;
+    int batch_live;
+    unsigned batch_generation;
     uint64_t epoch;          /* the pool's epoch when taken */
     struct kb_ctx *next;
 };
@@ -175,6 +189,7 @@ long kbfs_crypto_contexts(void) { return atomic_load(&contexts); }
 
 /* ---- AES-256-GCM on one context ---- */
 
+/* `key` NULL: the context keeps the key it holds (only the nonce is set). */
 static int gcm_seal(struct kb_ctx *c, const uint8_t *key, const uint8_t *n12, const uint8_t *ad, size_t adlen,
                     const uint8_t *m, size_t mlen, uint8_t *out, uint8_t *tag) {
     int len = 0, fin = 0;
@@ -205,6 +220,7 @@ int kbfs_aes256gcm_seal(const uint8_t *key, const uint8_t *n12, const uint8_t *a
                         const uint8_t *m, size_t mlen, uint8_t *out, uint8_t *tag) {
     struct kb_ctx *c = ctx_take();
     if (c == NULL) return -2;
+    c->gcm_xaes = 0;
     int rc = gcm_seal(c, key, n12, ad, adlen, m, mlen, out, tag);
     ctx_give(c);
     return rc;
@@ -214,6 +230,7 @@ int kbfs_aes256gcm_open(const uint8_t *key, const uint8_t *n12, const uint8_t *a
                         const uint8_t *in, size_t clen, const uint8_t *tag, uint8_t *m) {
     struct kb_ctx *c = ctx_take();
     if (c == NULL) return -2;
+    c->gcm_xaes = 0;
     int rc = gcm_open(c, key, n12, ad, adlen, in, clen, tag, m);
     ctx_give(c);
     return rc;
@@ -222,16 +239,23 @@ int kbfs_aes256gcm_open(const uint8_t *key, const uint8_t *n12, const uint8_t *a
 /* ---- XAES-256-GCM ---- */
 
 /* AES-256 of the 32 bytes in c->scratch[0..<32] under `key`, into `out`. */
+/* Keys `ecb` with `key` unless it holds it already (a file's blocks come in runs under one
+   key: the schedule is kept, in the context's locked memory, zeroed when freed). A new key
+   also ends what the context held for the old one: its XAES GCM key and nonce batch. */
+static int ecb_set_key(struct kb_ctx *c, const uint8_t *key) {
+    if (c->ecb_keyed && CRYPTO_memcmp(c->ecb_key, key, 32) == 0) return 0;
+    c->ecb_keyed = 0;
+    c->gcm_xaes = 0;
+    c->batch_live = 0;
+    if (EVP_EncryptInit_ex(c->ecb, NULL, NULL, key, NULL) != 1) return -2;
+    memcpy(c->ecb_key, key, 32);
+    c->ecb_keyed = 1;
+    return 0;
+}
+
 static int ecb2(struct kb_ctx *c, const uint8_t *key, size_t n, uint8_t *out) {
     int len = 0;
-    /* A file's blocks come in runs under one key: its schedule is kept, not made again for
-       each block (the context lives in locked memory and is zeroed when freed or forgotten). */
-    if (!c->ecb_keyed || CRYPTO_memcmp(c->ecb_key, key, 32) != 0) {
-        c->ecb_keyed = 0;
-        if (EVP_EncryptInit_ex(c->ecb, NULL, NULL, key, NULL) != 1) return -2;
-        memcpy(c->ecb_key, key, 32);
-        c->ecb_keyed = 1;
-    }
+    if (ecb_set_key(c, key) != 0) return -2;
     if (EVP_EncryptUpdate(c->ecb, out, &len, c->scratch, (int)n) != 1 || (size_t)len != n) return -2;
     return 0;
 }
@@ -267,30 +291,70 @@ static int xaes_derive(struct kb_ctx *c, const uint8_t *key, const uint8_t *k1, 
     return rc;
 }
 
-/* One XAES-256-GCM seal (`tag` written) or open (`tag` checked) of `len` bytes. */
-static int xaes(int seal, const uint8_t *key, const uint8_t *k1, const uint8_t *nonce24, const uint8_t *ad,
+/* Blocks one context seals under one prefix before it draws a new one (docs/FORMAT.md,
+   "Nonces": 2^24 blocks, 64 GiB). */
+#define XAES_BATCH (1u << 24)
+static uint32_t xaes_batch = XAES_BATCH;
+
+void kbfs_test_set_xaes_batch(uint32_t blocks) { xaes_batch = blocks ? blocks : XAES_BATCH; }
+
+/* The nonce of the next block this context seals under its key (ecb_key) into `nonce24`, which holds
+   24 fresh random bytes on entry: they begin a new batch unless the context has one going
+   under this key (then: the batch's prefix, and its first suffix plus the count, added to
+   the suffix's last four bytes, big-endian: distinct within the batch by construction). */
+static void xaes_batch_nonce(struct kb_ctx *c, uint8_t *nonce24) {
+    unsigned generation = atomic_load(&fork_generation);
+    if (c->batch_live && c->batch_generation == generation && c->batch_count < xaes_batch) {
+        memcpy(nonce24, c->batch_nonce, 24);
+        uint32_t low = ((uint32_t)nonce24[20] << 24 | (uint32_t)nonce24[21] << 16 | (uint32_t)nonce24[22] << 8
+                        | nonce24[23]) + c->batch_count;
+        nonce24[20] = (uint8_t)(low >> 24); nonce24[21] = (uint8_t)(low >> 16);
+        nonce24[22] = (uint8_t)(low >> 8); nonce24[23] = (uint8_t)low;
+        c->batch_count++;
+        return;
+    }
+    memcpy(c->batch_nonce, nonce24, 24);
+    c->batch_count = 1;
+    c->batch_live = 1;
+    c->batch_generation = generation;
+}
+
+/* One XAES-256-GCM seal (`tag` written; `nonce24` in: random bytes, out: the nonce used)
+   or open (`tag` checked) of `len` bytes. The derived key stays in the context's GCM state
+   while blocks come under the same key and prefix (one write's blocks share a prefix), so
+   it is derived and expanded once per run rather than once per block. */
+static int xaes(int seal, const uint8_t *key, const uint8_t *k1, uint8_t *nonce24, const uint8_t *ad,
                 size_t adlen, const uint8_t *in, size_t len, uint8_t *tag, uint8_t *out) {
     struct kb_ctx *c = ctx_take();
     if (c == NULL) return -2;
+    if (ecb_set_key(c, key) != 0) { ctx_give(c); return -2; }
+    if (seal) xaes_batch_nonce(c, nonce24);
+    const uint8_t *gcm_key = NULL;
     uint8_t *kx = c->scratch + 32;
-    int rc = xaes_derive(c, key, k1, nonce24, kx);
+    int rc = 0;
+    if (!(c->gcm_xaes && memcmp(c->gcm_prefix, nonce24, 12) == 0)) {
+        c->gcm_xaes = 0;
+        rc = xaes_derive(c, key, k1, nonce24, kx);
+        gcm_key = kx;
+    }
     if (rc == 0) {
-        rc = seal ? gcm_seal(c, kx, nonce24 + 12, ad, adlen, in, len, out, tag)
-                  : gcm_open(c, kx, nonce24 + 12, ad, adlen, in, len, tag, out);
+        rc = seal ? gcm_seal(c, gcm_key, nonce24 + 12, ad, adlen, in, len, out, tag)
+                  : gcm_open(c, gcm_key, nonce24 + 12, ad, adlen, in, len, tag, out);
+        if (gcm_key != NULL && rc != -2) { memcpy(c->gcm_prefix, nonce24, 12); c->gcm_xaes = 1; }
     }
     explicit_bzero(kx, 32);
     ctx_give(c);
     return rc;
 }
 
-int kbfs_xaes256gcm_seal(const uint8_t *key, const uint8_t *k1, const uint8_t *nonce24, const uint8_t *ad,
+int kbfs_xaes256gcm_seal(const uint8_t *key, const uint8_t *k1, uint8_t *nonce24, const uint8_t *ad,
                          size_t adlen, const uint8_t *m, size_t mlen, uint8_t *out, uint8_t *tag) {
     return xaes(1, key, k1, nonce24, ad, adlen, m, mlen, tag, out);
 }
 
 int kbfs_xaes256gcm_open(const uint8_t *key, const uint8_t *k1, const uint8_t *nonce24, const uint8_t *ad,
                          size_t adlen, const uint8_t *in, size_t clen, const uint8_t *tag, uint8_t *m) {
-    return xaes(0, key, k1, nonce24, ad, adlen, in, clen, (uint8_t *)tag, m);
+    return xaes(0, key, k1, (uint8_t *)nonce24, ad, adlen, in, clen, (uint8_t *)tag, m);
 }
 
 /* ---- Stack and register scrubbing ---- */

@@ -24,13 +24,16 @@ final class CipherTests: XCTestCase {
             (0x01, "", "ce546ef63c9cc60765923609b33a9a1974e96e52daf2fcf7075e2271"),
             (0x03, "c2sp.org/XAES-256-GCM", "986ec1832593df5443a179437fd083bf3fdb41abd740a21f71eb769d"),
         ]
-        let nonce = Array("ABCDEFGHIJKLMNOPQRSTUVWX".utf8), plain = Array("XAES-256-GCM".utf8)
+        let plain = Array("XAES-256-GCM".utf8)
         for c in cases {
+            kbfs_crypto_forget()   // no batch going on: the seal takes the nonce given
+            var nonce = Array("ABCDEFGHIJKLMNOPQRSTUVWX".utf8)
             let key = [UInt8](repeating: c.key, count: 32), ad = Array(c.aad.utf8)
             var k1 = [UInt8](repeating: 0, count: 16)
             XCTAssertEqual(kbfs_xaes_subkey(key, &k1), 0)
             var ct = [UInt8](repeating: 0, count: plain.count), tag = [UInt8](repeating: 0, count: 16)
-            XCTAssertEqual(kbfs_xaes256gcm_seal(key, k1, nonce, ad, ad.count, plain, plain.count, &ct, &tag), 0)
+            XCTAssertEqual(kbfs_xaes256gcm_seal(key, k1, &nonce, ad, ad.count, plain, plain.count, &ct, &tag), 0)
+            XCTAssertEqual(nonce, Array("ABCDEFGHIJKLMNOPQRSTUVWX".utf8))
             XCTAssertEqual(ct + tag, hex(c.sealed), "key \(c.key)")
             var back = [UInt8](repeating: 0, count: plain.count)
             XCTAssertEqual(kbfs_xaes256gcm_open(key, k1, nonce, ad, ad.count, ct, ct.count, tag, &back), 0)
@@ -58,7 +61,7 @@ final class CipherTests: XCTestCase {
         var rng = SystemRandomNumberGenerator()
         for _ in 0..<50 {
             let key = (0..<32).map { _ in UInt8.random(in: 0...255, using: &rng) }
-            let nonce = (0..<24).map { _ in UInt8.random(in: 0...255, using: &rng) }
+            var nonce = (0..<24).map { _ in UInt8.random(in: 0...255, using: &rng) }
             let plain = (0..<Int.random(in: 1...4096, using: &rng)).map { _ in UInt8.random(in: 0...255, using: &rng) }
             var l = [UInt8](repeating: 0, count: 16)
             XCTAssertEqual(kbfs_test_aes256_block(key, [UInt8](repeating: 0, count: 16), &l), 0)
@@ -76,7 +79,7 @@ final class CipherTests: XCTestCase {
             }
             var a = [UInt8](repeating: 0, count: plain.count), ta = [UInt8](repeating: 0, count: 16)
             var b = a, tb = ta
-            XCTAssertEqual(kbfs_xaes256gcm_seal(key, k1, nonce, nil, 0, plain, plain.count, &a, &ta), 0)
+            XCTAssertEqual(kbfs_xaes256gcm_seal(key, k1, &nonce, nil, 0, plain, plain.count, &a, &ta), 0)
             XCTAssertEqual(kbfs_aes256gcm_seal(kx, Array(nonce[12..<24]), nil, 0, plain, plain.count, &b, &tb), 0)
             XCTAssertEqual(a + ta, b + tb)
         }
@@ -113,6 +116,90 @@ final class CipherTests: XCTestCase {
         var out = [UInt8](repeating: 0, count: 4096)
         XCTAssertEqual(try sealed.withUnsafeBytes { s in try out.withUnsafeMutableBytes { try key.open(s, block: 0, last: true, into: $0) } }, 4096)
         XCTAssertEqual(out, plain, "a new context after forgetting")
+    }
+
+    /// Seals `n` blocks of `size` bytes under `key` (block numbers 0..<n); returns them sealed.
+    private func sealBlocks(_ key: FileContentKey, _ n: Int, size: Int = 64) throws -> [[UInt8]] {
+        try (0..<n).map { b in
+            let plain = [UInt8](repeating: UInt8(truncatingIfNeeded: b), count: size)
+            var sealed = [UInt8](repeating: 0, count: size + 40)
+            try plain.withUnsafeBytes { p in
+                try sealed.withUnsafeMutableBytes { try key.seal(p, block: UInt64(b), last: false, into: $0) }
+            }
+            return sealed
+        }
+    }
+
+    /// The blocks one context seals under one file key share a nonce prefix (so the derived
+    /// key is made once per run) and never a whole nonce: the suffix counts up from a random
+    /// start. Every block is standard XAES-256-GCM: it opens with the derivation done by hand.
+    func testBlocksOfOneKeyShareAPrefixButNeverANonce() throws {
+        kbfs_crypto_forget()
+        let raw = Sodium.randomArray(32)
+        let key = try FileContentKey(key: SecureKey(count: 32) { $0.copyBytes(from: raw) }, cipher: .xaes256gcm, fileID: Sodium.randomArray(16), sealsEnd: true)
+        let sealed = try sealBlocks(key, 300)
+        let nonces = sealed.map { Array($0[0..<24]) }
+        XCTAssertEqual(Set(nonces.map { $0 }).count, 300, "no nonce twice")
+        XCTAssertEqual(Set(nonces.map { Array($0[0..<12]) }).count, 1, "one prefix for the run")
+        let first = nonces[0][20..<24].reduce(0) { $0 << 8 | UInt32($1) }
+        for (i, n) in nonces.enumerated() {
+            XCTAssertEqual(n[12..<20], nonces[0][12..<20])
+            XCTAssertEqual(n[20..<24].reduce(0) { $0 << 8 | UInt32($1) }, first &+ UInt32(i))
+        }
+        var k1 = [UInt8](repeating: 0, count: 16)
+        XCTAssertEqual(kbfs_xaes_subkey(raw, &k1), 0)
+        for (b, s) in sealed.enumerated() {
+            var kx: [UInt8] = []
+            for i: UInt8 in [1, 2] {
+                let m = zip([0, i, 0x58, 0] + s[0..<12], k1).map { $0 ^ $1 }
+                var out = [UInt8](repeating: 0, count: 16)
+                XCTAssertEqual(kbfs_test_aes256_block(raw, m, &out), 0)
+                kx += out
+            }
+            var back = [UInt8](repeating: 0, count: 64)
+            let ad = key.fileID + withUnsafeBytes(of: UInt64(b).littleEndian) { Array($0) }
+            XCTAssertEqual(kbfs_aes256gcm_open(kx, Array(s[12..<24]), ad, 24, Array(s[24..<88]), 64, Array(s[88...]), &back), 0)
+            XCTAssertEqual(back, [UInt8](repeating: UInt8(truncatingIfNeeded: b), count: 64))
+        }
+    }
+
+    /// A batch ends after its size in blocks, when another key is sealed on the context, and
+    /// when the contexts are forgotten; blocks of every batch, opened in any order, verify.
+    func testABatchEndsWithItsSizeAnotherKeyOrAForget() throws {
+        kbfs_crypto_forget()
+        kbfs_test_set_xaes_batch(3)
+        defer { kbfs_test_set_xaes_batch(0) }
+        func key() throws -> FileContentKey {
+            try FileContentKey(key: SecureKey(random: 32), cipher: .xaes256gcm, fileID: Sodium.randomArray(16), sealsEnd: true)
+        }
+        let a = try key(), b = try key()
+        let prefixes = { (s: [[UInt8]]) in s.map { Array($0[0..<12]) } }
+        let a1 = try sealBlocks(a, 7)
+        let p = prefixes(a1)
+        XCTAssertEqual(p[0], p[2]); XCTAssertNotEqual(p[2], p[3]); XCTAssertEqual(p[3], p[5]); XCTAssertNotEqual(p[5], p[6])
+        let b1 = try sealBlocks(b, 2)
+        let a2 = try sealBlocks(a, 2)
+        XCTAssertNotEqual(prefixes(a2)[0], p[6], "another key in between starts a new batch")
+        HardwareAES.forgetKeySchedules()
+        let a3 = try sealBlocks(a, 1)
+        XCTAssertNotEqual(prefixes(a3)[0], prefixes(a2)[1], "a forget starts a new batch")
+        XCTAssertEqual(Set((a1 + a2 + a3).map { Array($0[0..<24]) }).count, 10)
+        // Interleaved opens: every block under its own key, whatever the context last held.
+        let all = a1.enumerated().map { (a, $0.offset, $0.element) } + b1.enumerated().map { (b, $0.offset, $0.element) }
+            + a2.enumerated().map { (a, $0.offset, $0.element) }
+        for (k, blk, s) in all.shuffled() + all.reversed() {
+            var out = [UInt8](repeating: 0, count: 64)
+            var run = 0
+            let n = try s.withUnsafeBytes { sb in
+                try out.withUnsafeMutableBytes { try k.open(sb, block: UInt64(blk), last: false, markedRun: &run, into: $0) }
+            }
+            XCTAssertEqual(n, 64)
+            XCTAssertEqual(out, [UInt8](repeating: UInt8(truncatingIfNeeded: blk), count: 64))
+            var bad = s; bad[30] ^= 1
+            XCTAssertThrowsError(try bad.withUnsafeBytes { sb in
+                try out.withUnsafeMutableBytes { try k.open(sb, block: UInt64(blk), last: false, markedRun: &run, into: $0) }
+            })
+        }
     }
 
     /// XAES-256-GCM and XChaCha20-Poly1305 share a layout (and can share a store); AES-256-GCM does not.

@@ -29,11 +29,16 @@ int kbfs_aes256gcm_open(const uint8_t *key, const uint8_t *nonce12, const uint8_
 
 /* XAES-256-GCM's CMAC subkey K1 of `key` (16 bytes) into `k1`, computed once per key. */
 int kbfs_xaes_subkey(const uint8_t *key, uint8_t *k1);
-/* XAES-256-GCM, 24-byte nonce: the derived key's AES-256-GCM under nonce[12..<24]. */
-int kbfs_xaes256gcm_seal(const uint8_t *key, const uint8_t *k1, const uint8_t *nonce24, const uint8_t *ad,
+/* XAES-256-GCM, 24-byte nonce: the derived key's AES-256-GCM under nonce[12..<24].
+   Seal: `nonce24` holds 24 fresh random bytes on entry and the nonce used on return (a
+   context continues its batch under the same key: same prefix, next suffix; docs/FORMAT.md). */
+int kbfs_xaes256gcm_seal(const uint8_t *key, const uint8_t *k1, uint8_t *nonce24, const uint8_t *ad,
                          size_t adlen, const uint8_t *m, size_t mlen, uint8_t *c, uint8_t *tag);
 int kbfs_xaes256gcm_open(const uint8_t *key, const uint8_t *k1, const uint8_t *nonce24, const uint8_t *ad,
                          size_t adlen, const uint8_t *c, size_t clen, const uint8_t *tag, uint8_t *m);
+
+/* Tests only: blocks per XAES nonce batch (0: the default, 2^24). */
+void kbfs_test_set_xaes_batch(uint32_t blocks);
 
 /* Frees every idle context now and each busy one when its call returns. */
 void kbfs_crypto_forget(void);
