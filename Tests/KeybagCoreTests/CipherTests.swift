@@ -44,6 +44,16 @@ final class CipherTests: XCTestCase {
         }
     }
 
+    /// XAES' derived key by hand from single AES blocks: AES_K(M1 ^ K1) || AES_K(M2 ^ K1).
+    private func derivedKey(_ key: [UInt8], k1: [UInt8], prefix: ArraySlice<UInt8>) -> [UInt8] {
+        [UInt8(1), 2].flatMap { i in
+            let m = zip([0, i, 0x58, 0] + prefix, k1).map { $0 ^ $1 }
+            var out = [UInt8](repeating: 0, count: 16)
+            XCTAssertEqual(kbfs_test_aes256_block(key, m, &out), 0)
+            return out
+        }
+    }
+
     /// GCM specification test case 16 (AES-256, 96-bit IV, AAD): AES-256-GCM itself.
     func testAES256GCMVector() throws {
         let key = hex("feffe9928665731c6d6a8f9467308308feffe9928665731c6d6a8f9467308308"), iv = hex("cafebabefacedbaddecaf888")
@@ -70,13 +80,7 @@ final class CipherTests: XCTestCase {
             var ours = [UInt8](repeating: 0, count: 16)
             XCTAssertEqual(kbfs_xaes_subkey(key, &ours), 0)
             XCTAssertEqual(ours, k1)
-            var kx: [UInt8] = []
-            for i: UInt8 in [1, 2] {
-                let m = zip([0, i, 0x58, 0] + nonce[0..<12], k1).map { $0 ^ $1 }
-                var out = [UInt8](repeating: 0, count: 16)
-                XCTAssertEqual(kbfs_test_aes256_block(key, m, &out), 0)
-                kx += out
-            }
+            let kx = derivedKey(key, k1: k1, prefix: nonce[0..<12])
             var a = [UInt8](repeating: 0, count: plain.count), ta = [UInt8](repeating: 0, count: 16)
             var b = a, tb = ta
             XCTAssertEqual(kbfs_xaes256gcm_seal(key, k1, &nonce, nil, 0, plain, plain.count, &a, &ta), 0)
@@ -149,13 +153,7 @@ final class CipherTests: XCTestCase {
         var k1 = [UInt8](repeating: 0, count: 16)
         XCTAssertEqual(kbfs_xaes_subkey(raw, &k1), 0)
         for (b, s) in sealed.enumerated() {
-            var kx: [UInt8] = []
-            for i: UInt8 in [1, 2] {
-                let m = zip([0, i, 0x58, 0] + s[0..<12], k1).map { $0 ^ $1 }
-                var out = [UInt8](repeating: 0, count: 16)
-                XCTAssertEqual(kbfs_test_aes256_block(raw, m, &out), 0)
-                kx += out
-            }
+            let kx = derivedKey(raw, k1: k1, prefix: s[0..<12])
             var back = [UInt8](repeating: 0, count: 64)
             let ad = key.fileID + withUnsafeBytes(of: UInt64(b).littleEndian) { Array($0) }
             XCTAssertEqual(kbfs_aes256gcm_open(kx, Array(s[12..<24]), ad, 24, Array(s[24..<88]), 64, Array(s[88...]), &back), 0)
