@@ -111,8 +111,10 @@ struct kb_ctx {
     unsigned char scratch[64];   /* [0,32): CMAC inputs, [32,64): XAES derived key */
     unsigned char ecb_key[32];   /* the key `ecb` is keyed with (valid when ecb_keyed) */
     int ecb_keyed;
-    /* XAES: `gcm` holds the key derived from ecb_key and the nonce prefix gcm_prefix. */
+    /* XAES: `gcm` holds the key derived from ecb_key, the subkey gcm_k1 and the nonce
+       prefix gcm_prefix. */
     unsigned char gcm_prefix[12];
+    unsigned char gcm_k1[16];
     int gcm_xaes;
     /* XAES sealing: the batch of nonces this context hands out under ecb_key: a random
        prefix and first suffix (batch_nonce), of which batch_count are used. */
@@ -292,11 +294,14 @@ static int xaes_derive(struct kb_ctx *c, const uint8_t *key, const uint8_t *k1, 
 }
 
 /* Blocks one context seals under one prefix before it draws a new one (docs/FORMAT.md,
-   "Nonces": 2^24 blocks, 64 GiB). */
-#define XAES_BATCH (1u << 24)
-static uint32_t xaes_batch = XAES_BATCH;
+   "Content blocks": 2^16 blocks, 256 MiB, keeps the sum of the per-derived-key GCM bounds at
+   2^-32 over 2^64 block writes). */
+#define XAES_BATCH (1u << 16)
+static _Atomic uint32_t xaes_batch = XAES_BATCH;
 
-void kbfs_test_set_xaes_batch(uint32_t blocks) { xaes_batch = blocks ? blocks : XAES_BATCH; }
+void kbfs_test_set_xaes_batch(uint32_t blocks) {
+    atomic_store(&xaes_batch, blocks && blocks < XAES_BATCH ? blocks : XAES_BATCH);
+}
 
 /* The nonce of the next block this context seals under its key (ecb_key) into `nonce24`, which holds
    24 fresh random bytes on entry: they begin a new batch unless the context has one going
@@ -304,7 +309,7 @@ void kbfs_test_set_xaes_batch(uint32_t blocks) { xaes_batch = blocks ? blocks : 
    the suffix's last four bytes, big-endian: distinct within the batch by construction). */
 static void xaes_batch_nonce(struct kb_ctx *c, uint8_t *nonce24) {
     unsigned generation = atomic_load(&fork_generation);
-    if (c->batch_live && c->batch_generation == generation && c->batch_count < xaes_batch) {
+    if (c->batch_live && c->batch_generation == generation && c->batch_count < atomic_load_explicit(&xaes_batch, memory_order_relaxed)) {
         memcpy(nonce24, c->batch_nonce, 24);
         uint32_t low = ((uint32_t)nonce24[20] << 24 | (uint32_t)nonce24[21] << 16 | (uint32_t)nonce24[22] << 8
                         | nonce24[23]) + c->batch_count;
@@ -332,7 +337,7 @@ static int xaes(int seal, const uint8_t *key, const uint8_t *k1, uint8_t *nonce2
     const uint8_t *gcm_key = NULL;
     uint8_t *kx = c->scratch + 32;
     int rc = 0;
-    if (!(c->gcm_xaes && memcmp(c->gcm_prefix, nonce24, 12) == 0)) {
+    if (!(c->gcm_xaes && memcmp(c->gcm_prefix, nonce24, 12) == 0 && CRYPTO_memcmp(c->gcm_k1, k1, 16) == 0)) {
         c->gcm_xaes = 0;
         rc = xaes_derive(c, key, k1, nonce24, kx);
         gcm_key = kx;
@@ -340,7 +345,11 @@ static int xaes(int seal, const uint8_t *key, const uint8_t *k1, uint8_t *nonce2
     if (rc == 0) {
         rc = seal ? gcm_seal(c, gcm_key, nonce24 + 12, ad, adlen, in, len, out, tag)
                   : gcm_open(c, gcm_key, nonce24 + 12, ad, adlen, in, len, tag, out);
-        if (gcm_key != NULL && rc != -2) { memcpy(c->gcm_prefix, nonce24, 12); c->gcm_xaes = 1; }
+        if (gcm_key != NULL && rc != -2) {
+            memcpy(c->gcm_prefix, nonce24, 12);
+            memcpy(c->gcm_k1, k1, 16);
+            c->gcm_xaes = 1;
+        }
     }
     explicit_bzero(kx, 32);
     ctx_give(c);

@@ -200,6 +200,30 @@ final class CipherTests: XCTestCase {
         }
     }
 
+    /// The derived key a context keeps is tagged with the subkey too: an open with a wrong
+    /// subkey (which fails) does not leave a key behind that fails the next block of the batch
+    /// with the right one, nor lets a wrong subkey open a block after a right one.
+    func testTheKeptDerivedKeyBelongsToItsSubkey() throws {
+        kbfs_crypto_forget()
+        let key = Sodium.randomArray(32), plain = [UInt8](repeating: 5, count: 100)
+        var k1 = [UInt8](repeating: 0, count: 16)
+        XCTAssertEqual(kbfs_xaes_subkey(key, &k1), 0)
+        var wrong = k1; wrong[0] ^= 1
+        var blocks: [(nonce: [UInt8], ct: [UInt8], tag: [UInt8])] = []
+        for _ in 0..<3 {
+            var nonce = Sodium.randomArray(24), ct = [UInt8](repeating: 0, count: 100), tag = [UInt8](repeating: 0, count: 16)
+            XCTAssertEqual(kbfs_xaes256gcm_seal(key, k1, &nonce, nil, 0, plain, 100, &ct, &tag), 0)
+            blocks.append((nonce, ct, tag))
+        }
+        XCTAssertEqual(blocks[0].nonce[0..<12], blocks[2].nonce[0..<12], "one batch")
+        var back = [UInt8](repeating: 0, count: 100)
+        let b = blocks
+        XCTAssertEqual(kbfs_xaes256gcm_open(key, wrong, b[0].nonce, nil, 0, b[0].ct, 100, b[0].tag, &back), -1)
+        XCTAssertEqual(kbfs_xaes256gcm_open(key, k1, b[1].nonce, nil, 0, b[1].ct, 100, b[1].tag, &back), 0)
+        XCTAssertEqual(back, plain)
+        XCTAssertEqual(kbfs_xaes256gcm_open(key, wrong, b[2].nonce, nil, 0, b[2].ct, 100, b[2].tag, &back), -1)
+    }
+
     /// XAES-256-GCM and XChaCha20-Poly1305 share a layout (and can share a store); AES-256-GCM does not.
     func testWhichCiphersShareAStore() {
         XCTAssertTrue(ContentCipher.xaes256gcm.sharesLayout(with: .xchacha20poly1305))

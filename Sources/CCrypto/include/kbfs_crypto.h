@@ -37,7 +37,7 @@ int kbfs_xaes256gcm_seal(const uint8_t *key, const uint8_t *k1, uint8_t *nonce24
 int kbfs_xaes256gcm_open(const uint8_t *key, const uint8_t *k1, const uint8_t *nonce24, const uint8_t *ad,
                          size_t adlen, const uint8_t *c, size_t clen, const uint8_t *tag, uint8_t *m);
 
-/* Tests only: blocks per XAES nonce batch (0: the default, 2^24). */
+/* Tests only: blocks per XAES nonce batch (0 or more than the default 2^16: the default). */
 void kbfs_test_set_xaes_batch(uint32_t blocks);
 
 /* Frees every idle context now and each busy one when its call returns. */
