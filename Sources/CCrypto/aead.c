@@ -240,7 +240,6 @@ int kbfs_aes256gcm_open(const uint8_t *key, const uint8_t *n12, const uint8_t *a
 
 /* ---- XAES-256-GCM ---- */
 
-/* AES-256 of the 32 bytes in c->scratch[0..<32] under `key`, into `out`. */
 /* Keys `ecb` with `key` unless it holds it already (a file's blocks come in runs under one
    key: the schedule is kept, in the context's locked memory, zeroed when freed). A new key
    also ends what the context held for the old one: its XAES GCM key and nonce batch. */
@@ -255,6 +254,7 @@ static int ecb_set_key(struct kb_ctx *c, const uint8_t *key) {
     return 0;
 }
 
+/* AES-256 of the `n` (16 or 32) bytes at c->scratch under `key`, into `out`. */
 static int ecb2(struct kb_ctx *c, const uint8_t *key, size_t n, uint8_t *out) {
     int len = 0;
     if (ecb_set_key(c, key) != 0) return -2;
@@ -303,13 +303,15 @@ void kbfs_test_set_xaes_batch(uint32_t blocks) {
     atomic_store(&xaes_batch, blocks && blocks < XAES_BATCH ? blocks : XAES_BATCH);
 }
 
-/* The nonce of the next block this context seals under its key (ecb_key) into `nonce24`, which holds
-   24 fresh random bytes on entry: they begin a new batch unless the context has one going
-   under this key (then: the batch's prefix, and its first suffix plus the count, added to
-   the suffix's last four bytes, big-endian: distinct within the batch by construction). */
+/* The nonce of the next block this context seals under its key (ecb_key) into `nonce24`,
+   which holds 24 fresh random bytes on entry: they begin a new batch unless the context has
+   one going under this key (then: the batch's prefix, and its first suffix plus the count,
+   added to the suffix's last four bytes, big-endian: distinct within the batch by
+   construction). */
 static void xaes_batch_nonce(struct kb_ctx *c, uint8_t *nonce24) {
     unsigned generation = atomic_load(&fork_generation);
-    if (c->batch_live && c->batch_generation == generation && c->batch_count < atomic_load_explicit(&xaes_batch, memory_order_relaxed)) {
+    uint32_t limit = atomic_load_explicit(&xaes_batch, memory_order_relaxed);
+    if (c->batch_live && c->batch_generation == generation && c->batch_count < limit) {
         memcpy(nonce24, c->batch_nonce, 24);
         uint32_t low = ((uint32_t)nonce24[20] << 24 | (uint32_t)nonce24[21] << 16 | (uint32_t)nonce24[22] << 8
                         | nonce24[23]) + c->batch_count;
@@ -337,7 +339,8 @@ static int xaes(int seal, const uint8_t *key, const uint8_t *k1, uint8_t *nonce2
     const uint8_t *gcm_key = NULL;
     uint8_t *kx = c->scratch + 32;
     int rc = 0;
-    if (!(c->gcm_xaes && memcmp(c->gcm_prefix, nonce24, 12) == 0 && CRYPTO_memcmp(c->gcm_k1, k1, 16) == 0)) {
+    int kept = c->gcm_xaes && memcmp(c->gcm_prefix, nonce24, 12) == 0 && CRYPTO_memcmp(c->gcm_k1, k1, 16) == 0;
+    if (!kept) {
         c->gcm_xaes = 0;
         rc = xaes_derive(c, key, k1, nonce24, kx);
         gcm_key = kx;

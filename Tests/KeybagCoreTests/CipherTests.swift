@@ -222,6 +222,15 @@ final class CipherTests: XCTestCase {
         XCTAssertEqual(kbfs_xaes256gcm_open(key, k1, b[1].nonce, nil, 0, b[1].ct, 100, b[1].tag, &back), 0)
         XCTAssertEqual(back, plain)
         XCTAssertEqual(kbfs_xaes256gcm_open(key, wrong, b[2].nonce, nil, 0, b[2].ct, 100, b[2].tag, &back), -1)
+        // A seal after an open of the batch's block (the context keyed for decryption) goes on
+        // with the batch and is still XAES under the right key.
+        XCTAssertEqual(kbfs_xaes256gcm_open(key, k1, b[2].nonce, nil, 0, b[2].ct, 100, b[2].tag, &back), 0)
+        var nonce = Sodium.randomArray(24), ct = [UInt8](repeating: 0, count: 100), tag = [UInt8](repeating: 0, count: 16)
+        XCTAssertEqual(kbfs_xaes256gcm_seal(key, k1, &nonce, nil, 0, plain, 100, &ct, &tag), 0)
+        XCTAssertEqual(nonce[0..<12], b[0].nonce[0..<12], "the batch goes on")
+        let kx = derivedKey(key, k1: k1, prefix: nonce[0..<12])
+        XCTAssertEqual(kbfs_aes256gcm_open(kx, Array(nonce[12..<24]), nil, 0, ct, 100, tag, &back), 0)
+        XCTAssertEqual(back, plain)
     }
 
     /// XAES-256-GCM and XChaCha20-Poly1305 share a layout (and can share a store); AES-256-GCM does not.
