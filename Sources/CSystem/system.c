@@ -93,6 +93,16 @@ int kbfs_reserve(int fd, long long offset, long long len) {
 
 int kbfs_syncfs(int fd) { return syncfs(fd); }
 
+int kbfs_mount_device(const char *path, unsigned int *major, unsigned int *minor) {
+    struct statx stx;
+    /* AT_STATX_DONT_SYNC: FUSE answers from the inode it has, without a GETATTR request
+       (which would wait for INIT); the device number is the superblock's. */
+    if (statx(AT_FDCWD, path, AT_STATX_DONT_SYNC | AT_SYMLINK_NOFOLLOW, 0, &stx) != 0) return -1;
+    *major = stx.stx_dev_major;
+    *minor = stx.stx_dev_minor;
+    return 0;
+}
+
 const unsigned long long kbfs_FAN_CREATE = FAN_CREATE, kbfs_FAN_DELETE = FAN_DELETE,
     kbfs_FAN_MOVED_FROM = FAN_MOVED_FROM, kbfs_FAN_MOVED_TO = FAN_MOVED_TO, kbfs_FAN_CLOSE_WRITE = FAN_CLOSE_WRITE,
     kbfs_FAN_ATTRIB = FAN_ATTRIB, kbfs_FAN_ONDIR = FAN_ONDIR, kbfs_FAN_Q_OVERFLOW = FAN_Q_OVERFLOW;

@@ -114,17 +114,14 @@ enum FuseChannel {
         }
     }
 
-    /// The sysfs file of the mount's readahead window, from the mount's device number in
-    /// /proc/self/mountinfo (a stat of the mount point would wait for INIT: deadlock).
+    /// The sysfs file of the mount's readahead window (`/sys/class/bdi/MAJ:MIN/read_ahead_kb`),
+    /// from the device number of the filesystem now mounted at `mountpoint`: this session's,
+    /// whatever `subtype=` or `fsname=` the user gave and whatever other keybagfs mounts
+    /// start beside it (statx without sync: a stat of the mount point would wait for INIT).
     static func noteReadaheadFile(mountpoint: String) {
-        let info = ProcFile.read("/proc/self/mountinfo") ?? ""
-        for line in info.split(separator: "\n") {
-            let f = line.split(separator: " ")
-            guard f.count > 4, ControlPaths.unescapeMountinfo(String(f[4])) == mountpoint,
-                line.contains(" - fuse.keybagfs ")
-            else { continue }
-            readAheadFile.withLock { $0 = "/sys/class/bdi/\(f[2])/read_ahead_kb" }  // the last such line is ours
-        }
+        var major: UInt32 = 0, minor: UInt32 = 0
+        guard kbfs_mount_device(mountpoint, &major, &minor) == 0 else { return }
+        readAheadFile.withLock { $0 = "/sys/class/bdi/\(major):\(minor)/read_ahead_kb" }
     }
 
     /// Raises the kernel's readahead for this mount to one request (it starts at 128 KiB

@@ -216,13 +216,21 @@ public enum MountDaemon {
         guard fd >= 0 else {
             throw StartFailure(message: "cannot open the store \(store): \(String(cString: strerror(errno)))")
         }
-        guard flock(fd, LOCK_EX | LOCK_NB) == 0 else {
-            let e = errno
+        do {
+            try StoreLock.acquire(fd: fd) { log($0) }
+        } catch StoreLock.Refusal.heldByLiveProcess(let pid) {
             close(fd)
             throw StartFailure(
-                message: e == EWOULDBLOCK
-                    ? "the store \(store) is already mounted by another keybagfs daemon"
-                    : "cannot lock the store \(store): \(String(cString: strerror(e)))")
+                message: "the store \(store) is already mounted by another keybagfs daemon"
+                    + (pid.map { " (pid \($0))" } ?? ""))
+        } catch StoreLock.Refusal.exitingHolderStayed(let pid) {
+            close(fd)
+            throw StartFailure(
+                message: "the store \(store) is still held by process \(pid), which has been exiting for "
+                    + "\(Int(StoreLock.exitingHolderWait)) s")
+        } catch {
+            close(fd)
+            throw StartFailure(message: "cannot lock the store \(store): \(error)")
         }
     }
 
@@ -321,6 +329,8 @@ public enum MountDaemon {
         FuseChannel.noteReadaheadFile(mountpoint: s.controller.mountpoint)
         if let file = FuseChannel.readAheadFile.withLock({ $0 }) {
             s.fs.space.attach(bdi: String(file.dropLast("/read_ahead_kb".count)))
+        } else {
+            log("cannot find the mount's device number; a full store may be reported only at fsync or close")
         }
         if !FuseChannel.install(se) { log("cannot install the FUSE I/O hooks; class A handles keep page-cache I/O") }
         s.fs.kernel.attach(se)

@@ -95,9 +95,19 @@ func lockUnmountedStore(_ store: String) throws -> Int32 {
     guard lock >= 0 else {
         throw KeybagError.invalid("cannot open the store \(store): \(String(cString: strerror(errno)))")
     }
-    guard flock(lock, LOCK_EX | LOCK_NB) == 0 else {
+    do {
+        try StoreLock.acquire(fd: lock) { FileHandle.standardError.write(Data(("keybagfs: " + $0 + "\n").utf8)) }
+    } catch let refusal as StoreLock.Refusal {
         close(lock)
-        throw KeybagError.invalid("the store \(store) is mounted (a keybagfs daemon holds it); unmount it first")
+        let who: String
+        switch refusal {
+        case .heldByLiveProcess(let pid): who = pid.map { " (pid \($0))" } ?? ""
+        case .exitingHolderStayed(let pid): who = " (pid \(pid), exiting for \(Int(StoreLock.exitingHolderWait)) s)"
+        }
+        throw KeybagError.invalid("the store \(store) is mounted (a keybagfs daemon holds it\(who)); unmount it first")
+    } catch {
+        close(lock)
+        throw error
     }
     return lock
 }

@@ -44,6 +44,8 @@ final class MountFixture {
     var grace: Double
     var defaultClass: String?
     private(set) var daemon: Process?
+    /// The daemon `mount -t fuse.keybagfs` started (it detaches), by the pid it reports.
+    private var detachedDaemon: pid_t?
     private var closed = false
 
     /// Creates a store (Argon2id interactive, for speed) and mounts it in the foreground.
@@ -140,6 +142,21 @@ final class MountFixture {
         throw NSError(domain: "mount did not come up: \(logText)", code: 1)
     }
 
+    /// Mounts as fstab does: `mount -t fuse.keybagfs STORE MNT -o OPTIONS` runs fuse3's
+    /// `mount.fuse3 STORE MNT -t fuse.keybagfs -o OPTIONS`, which runs `keybagfs STORE MNT
+    /// -o …` from PATH (mount(8) itself resets PATH, so the test calls mount.fuse3 with the
+    /// built binaries first in PATH); keybagfs' own settings go inside `-o`. The daemon
+    /// detaches; teardown waits for it by the pid it reports.
+    func mountWithMountCommand(options: String) throws {
+        var o = "device-key=\(deviceKey),socket=\(socket),grace=\(grace)"
+        if !options.isEmpty { o += "," + options }
+        let path = Self.binDir + ":" + (ProcessInfo.processInfo.environment["PATH"] ?? "/usr/sbin:/usr/bin:/sbin:/bin")
+        let r = Self.run("/sbin/mount.fuse3", [store, mnt, "-t", "fuse.keybagfs", "-o", o], environment: ["PATH": path])
+        guard r.code == 0 else { throw NSError(domain: "mount.fuse3 -t fuse.keybagfs failed: \(r.stderr)", code: Int(r.code)) }
+        guard let pid = status()["pid"] as? Int else { throw NSError(domain: "no pid in the status of \(mnt)", code: 1) }
+        detachedDaemon = pid_t(pid)
+    }
+
     /// Whether `mnt` is a mount point now.
     var isMounted: Bool {
         let info = ProcFile.read("/proc/self/mountinfo") ?? ""
@@ -154,6 +171,12 @@ final class MountFixture {
             while p.isRunning && Date() < deadline { usleep(20_000) }
             if p.isRunning { kill(p.processIdentifier, SIGKILL); p.waitUntilExit() }
         }
+        if let pid = detachedDaemon {
+            let deadline = Date().addingTimeInterval(10)
+            while kill(pid, 0) == 0 && Date() < deadline { usleep(20_000) }
+            if kill(pid, 0) == 0 { kill(pid, SIGKILL) }
+        }
+        detachedDaemon = nil
         if isMounted { _ = Self.run("/bin/umount", ["-l", mnt]) }
         daemon = nil
     }
@@ -250,14 +273,17 @@ extension XCTestCase {
     /// device with `mkfs` (ext4 without a root reserve; btrfs mounted `noacl`, a filesystem
     /// without POSIX ACLs), mounted (with `mountOptions` and `environment` for the daemon) and
     /// unlocked; torn down with the test.
-    func mountedSmallStore(_ size: String, ext4: Bool = false, btrfsWithoutACLs: Bool = false,
-                           environment: [String: String] = [:], mountOptions: [String] = []) throws -> MountFixture {
+    /// `rootReserve`: ext4 as mkfs makes it (5 % kept for root). `mountCommandOptions`: mounted
+    /// by `mount -t fuse.keybagfs` with these options instead of `keybagfs mount`.
+    func mountedSmallStore(_ size: String, ext4: Bool = false, btrfsWithoutACLs: Bool = false, rootReserve: Bool = false,
+                           environment: [String: String] = [:], mountOptions: [String] = [],
+                           mountCommandOptions: String? = nil) throws -> MountFixture {
         let m = try MountFixture(mount: false)
         XCTAssertEqual(MountFixture.run("/bin/cp", ["-a", m.store, m.root + "/store.orig"]).code, 0)
         if ext4 || btrfsWithoutACLs {
             let image = m.root + "/store.img"
             XCTAssertEqual(MountFixture.run("/usr/bin/truncate", ["-s", size, image]).code, 0)
-            let made = ext4 ? MountFixture.run("/sbin/mkfs.ext4", ["-q", "-F", "-m", "0", image])
+            let made = ext4 ? MountFixture.run("/sbin/mkfs.ext4", ["-q", "-F"] + (rootReserve ? [] : ["-m", "0"]) + [image])
                             : MountFixture.run("/sbin/mkfs.btrfs", ["-q", "-f", image])
             XCTAssertEqual(made.code, 0, "mkfs: \(made.stderr)")
             XCTAssertEqual(MountFixture.run("/bin/mount", ["-o", ext4 ? "loop" : "loop,noacl", image, m.store]).code, 0,
@@ -272,7 +298,11 @@ extension XCTestCase {
             m.close()
         }
         XCTAssertEqual(MountFixture.run("/bin/cp", ["-a", m.root + "/store.orig/.", m.store]).code, 0)
-        try m.mount(extra: mountOptions, environment: environment)
+        if let mountCommandOptions {
+            try m.mountWithMountCommand(options: mountCommandOptions)
+        } else {
+            try m.mount(extra: mountOptions, environment: environment)
+        }
         m.unlock()
         return m
     }

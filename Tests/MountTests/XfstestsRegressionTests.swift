@@ -202,8 +202,26 @@ final class XfstestsRegressionTests: XCTestCase {
         try writeIntoAFullStore(try mountedSmallStore("256m", ext4: true))
     }
 
+    /// The same with the mount options users pass, on ext4 as mkfs makes it (a root reserve).
+    /// The daemon found its own mount as the last `fuse.keybagfs` line of mountinfo: with any
+    /// other subtype it found none, never lowered the kernel's dirty limit for the mount, and
+    /// the write-back lost what write(2) had accepted (dd: "error writing", then "closing").
+    func testWriteIntoAFullStoreFailsWithENOSPCWithTheMountOptionsUsersPass() throws {
+        let cases: [(options: String, mountCommand: Bool)] = [
+            ("subtype=kbxfs", false), ("fsname=kbx-store,subtype=kbxfs,suid,dev", false), ("fsname=other", false),
+            ("", true), ("subtype=kbxfs,suid,dev", true),
+        ]
+        for c in cases {
+            let m = try mountedSmallStore(
+                "256m", ext4: true, rootReserve: true, mountOptions: c.options.isEmpty ? [] : ["-o", c.options],
+                mountCommandOptions: c.mountCommand ? c.options : nil)
+            try writeIntoAFullStore(m, "\(c.mountCommand ? "mount -t fuse.keybagfs" : "keybagfs mount") -o \(c.options)")
+            m.unmount()
+        }
+    }
+
     /// Fills the store of `m` through one descriptor, then frees it and writes again.
-    func writeIntoAFullStore(_ m: MountFixture) throws {
+    func writeIntoAFullStore(_ m: MountFixture, _ label: String = "") throws {
         XCTAssertEqual(m.status()["writebackCache"] as? Bool, true, "the case needs the write-back cache")
         let fd = sysOpen(m.path("fill"), O_WRONLY | O_CREAT | O_EXCL)
         XCTAssertGreaterThanOrEqual(fd, 0)
@@ -214,21 +232,21 @@ final class XfstestsRegressionTests: XCTestCase {
             if n < 0 { refusal = errno; break }
             accepted += 1
         }
-        XCTAssertEqual(refusal, ENOSPC, "write(2) reports the full store (after \(accepted) MiB)")
+        XCTAssertEqual(refusal, ENOSPC, "\(label): write(2) reports the full store (after \(accepted) MiB)")
         XCTAssertLessThan(accepted, 1024)
         // What write(2) accepted is stored: fsync and close find no lost write-back (as on
         // ext4, where dd reports the full disk once, not again at close).
-        XCTAssertEqual(fsync(fd), 0, "errno \(errno)")
-        XCTAssertEqual(close(fd), 0, "errno \(errno)")
+        XCTAssertEqual(fsync(fd), 0, "\(label): fsync lost accepted writes: errno \(errno)")
+        XCTAssertEqual(close(fd), 0, "\(label): close: errno \(errno)")
         let rfd = sysOpen(m.path("fill"), O_RDONLY)
         var buf = [UInt8](repeating: 0, count: chunk.count)
         var matching = 0
         while read(rfd, &buf, buf.count) == buf.count && memcmp(buf, chunk, buf.count) == 0 { matching += 1 }
         close(rfd)
-        XCTAssertEqual(matching, accepted, "every accepted MiB reads back")
+        XCTAssertEqual(matching, accepted, "\(label): every accepted MiB reads back")
         var st = stat()
         XCTAssertEqual(stat(m.path("fill"), &st), 0)
-        XCTAssertEqual(Int(st.st_size), accepted << 20, "and nothing else")
+        XCTAssertEqual(Int(st.st_size), accepted << 20, "\(label): and nothing else")
         XCTAssertEqual(unlink(m.path("fill")), 0)
         let after = sysOpen(m.path("after"), O_WRONLY | O_CREAT | O_EXCL)
         XCTAssertGreaterThanOrEqual(after, 0)

@@ -51,6 +51,10 @@ int kbfs_reserve(int fd, long long offset, long long len);
 /* syncfs(2): commits the filesystem holding fd. */
 int kbfs_syncfs(int fd);
 
+/* The device number of the filesystem mounted at `path` (statx with AT_STATX_DONT_SYNC:
+   no request reaches a FUSE daemon that has not answered INIT yet). 0 or -1 with errno. */
+int kbfs_mount_device(const char *path, unsigned int *major, unsigned int *minor);
+
 /* fanotify for the store watcher (see StoreWatcher.swift). */
 /* Mask bits of an event. */
 extern const unsigned long long kbfs_FAN_CREATE, kbfs_FAN_DELETE, kbfs_FAN_MOVED_FROM, kbfs_FAN_MOVED_TO,
