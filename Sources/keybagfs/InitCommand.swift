@@ -45,9 +45,15 @@ struct Init: ParsableCommand {
         var isDir: ObjCBool = false
         if fm.fileExists(atPath: store, isDirectory: &isDir) {
             guard isDir.boolValue else { throw KeybagError.invalid("\(store) exists and is not a directory") }
-            let items = try fm.contentsOfDirectory(atPath: store)
+            // A sync engine's own files (Syncthing's `.stfolder`, `.stignore`, `.stversions`) may be
+            // there already: the folder was shared first and is initialised second.
+            let items = try fm.contentsOfDirectory(atPath: store).filter {
+                SyncEngineFile(backing: $0)?.role != .folderFile
+            }
             guard items.isEmpty else {
-                throw KeybagError.invalid("\(store) is not empty; refusing to initialise over existing data")
+                throw KeybagError.invalid(
+                    "\(store) is not empty (\(items.sorted().prefix(3).joined(separator: ", "))"
+                        + (items.count > 3 ? ", …" : "") + "); refusing to initialise over existing data")
             }
         } else {
             try fm.createDirectory(

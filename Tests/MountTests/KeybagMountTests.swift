@@ -84,6 +84,57 @@ final class KeybagMountTests: XCTestCase {
         XCTAssertEqual(m.state, "unlocked")
     }
 
+    /// A user who shares the folder with Syncthing first and initialises second: the folder
+    /// already holds Syncthing's marker `.stfolder` (and `.stignore`); init accepts it, the
+    /// store mounts, works and checks clean, the marker stays. Any other entry still refuses.
+    func testInitAcceptsAFolderTheSyncEngineAlreadyMarked() throws {
+        let m = try MountFixture(mount: false)
+        addTeardownBlock { m.close() }
+        let shared = m.root + "/shared"
+        XCTAssertEqual(mkdir(shared, 0o700), 0)
+        XCTAssertEqual(mkdir(shared + "/.stfolder", 0o755), 0)
+        XCTAssertEqual(writeFile(shared + "/.stignore", bytes("// nothing ignored\n")), 0)
+        let keyPath = m.root + "/shared.key"
+        let r = MountFixture.run(
+            MountFixture.binDir + "/keybagfs",
+            ["init", shared, "--passcode-stdin", "--device-key", keyPath, "--kdf", "interactive", "--no-recovery-key"],
+            stdin: m.passcode + "\n")
+        XCTAssertEqual(r.code, 0, "init over Syncthing's marker: \(r.stderr)")
+        var st = stat()
+        XCTAssertEqual(stat(shared + "/.stfolder", &st), 0, "the marker stays")
+        XCTAssertEqual(try readFile(shared + "/.stignore").get(), bytes("// nothing ignored\n"))
+        let mnt = m.root + "/shared-mnt", sock = m.root + "/shared.sock"
+        XCTAssertEqual(mkdir(mnt, 0o755), 0)
+        let mounted = MountFixture.run(
+            MountFixture.binDir + "/keybagfs", ["mount", shared, mnt, "--socket", sock, "--device-key", keyPath])
+        XCTAssertEqual(mounted.code, 0, mounted.stderr)
+        addTeardownBlock { _ = MountFixture.run("/bin/fusermount3", ["-u", mnt]) }
+        let unlocked = MountFixture.run(
+            MountFixture.binDir + "/keybagctl", ["--socket", sock, "unlock", "--passcode-stdin"], stdin: m.passcode + "\n")
+        XCTAssertEqual(unlocked.code, 0, unlocked.stderr)
+        XCTAssertEqual(writeFile(mnt + "/notes.txt", bytes("shared first")), 0)
+        XCTAssertEqual(try readFile(mnt + "/notes.txt").get(), bytes("shared first"))
+        XCTAssertEqual(try FileManager.default.contentsOfDirectory(atPath: mnt), ["notes.txt"], "the marker is not in the mount")
+        XCTAssertEqual(MountFixture.run("/bin/fusermount3", ["-u", mnt]).code, 0)
+        usleep(300_000)
+        let check = MountFixture.run(
+            MountFixture.binDir + "/keybagfs", ["fsck", shared, "--device-key", keyPath, "--passcode-stdin"],
+            stdin: m.passcode + "\n")
+        XCTAssertEqual(check.code, 0, "fsck: \(check.stdout) \(check.stderr)")
+
+        let other = m.root + "/other"
+        XCTAssertEqual(mkdir(other, 0o700), 0)
+        XCTAssertEqual(mkdir(other + "/.stfolder", 0o755), 0)
+        XCTAssertEqual(writeFile(other + "/thesis.odt", bytes("existing data")), 0)
+        let refused = MountFixture.run(
+            MountFixture.binDir + "/keybagfs",
+            ["init", other, "--passcode-stdin", "--device-key", m.root + "/other.key", "--kdf", "interactive", "--no-recovery-key"],
+            stdin: m.passcode + "\n")
+        XCTAssertNotEqual(refused.code, 0, "init over existing data")
+        XCTAssertTrue(refused.stderr.contains("thesis.odt"), "names what is in the way: \(refused.stderr)")
+        XCTAssertEqual(try readFile(other + "/thesis.odt").get(), bytes("existing data"))
+    }
+
     func testHostileKDFLimitsAreAClearErrorNotACrash() throws {
         let m = try MountFixture(mount: false)
         addTeardownBlock { m.close() }
