@@ -185,6 +185,20 @@ extension Keybag {
     /// This keybag's device id (nil: the first device's keybag, before it learnt its id).
     public var deviceID: String? { file.deviceID }
 
+    /// The device of the store that `deviceKey` already is (its id), or nil: the key opens the
+    /// first device's keybag, or a device keybag carries the key's id.
+    public static func deviceOwning(key deviceKey: SecureKey, storePath: String) throws -> String? {
+        let storeID = try load(storePath: storePath).file.storeID
+        let id = try DeviceIdentity.id(deviceKey: deviceKey, storeID: storeID)
+        if let first = try? load(storePath: storePath, relativePath: fileName),
+            let d = try? first.unwrapDeviceKeySlot("D", deviceKey: deviceKey)
+        {
+            d.wipe()
+            return first.file.deviceID ?? id
+        }
+        return StoreDevices.list(storePath: storePath).contains { $0.id == id } ? id : nil
+    }
+
     /// Adds the device holding `deviceKey` to the store with the recovery key: a keybag of
     /// its own (`devices/ID.keybag`) with every key set the recovery key covers, under its
     /// own passcode and device key, with its own counter. No key leaves either device; the
@@ -202,14 +216,7 @@ extension Keybag {
         guard StoreDevices.removal(storePath: storePath, id: id) == nil else {
             throw KeybagError.invalid("this device key was removed from the store: make a new device key")
         }
-        let first = try? load(storePath: storePath, relativePath: fileName)
-        var opensFirst = false
-        if let first, let d = try? first.unwrapDeviceKeySlot("D", deviceKey: deviceKey) {
-            d.wipe()
-            opensFirst = true
-        }
-        let taken = opensFirst || StoreDevices.list(storePath: storePath).contains { $0.id == id }
-        guard !taken else {
+        guard try deviceOwning(key: deviceKey, storePath: storePath) == nil else {
             throw KeybagError.invalid(
                 "this device key is already a device of the store (\(id)); `keybagfs recover` gives it key sets " +
                     "made since it was added")

@@ -102,13 +102,25 @@ struct DeviceCommand: ParsableCommand {
             let lock = try lockUnmountedStore(target.store)
             defer { close(lock) }
             let any = try Keybag.load(storePath: target.store)
+            let dkPath = target.deviceKeyPath(any)
+            // Two devices of one store on one machine share the default key path: a key file
+            // that is already a device of the store is refused before anything is asked.
+            if FileManager.default.fileExists(atPath: dkPath) {
+                let key = try DeviceKeyFile.load(from: dkPath)
+                defer { key.wipe() }
+                if let id = try Keybag.deviceOwning(key: key, storePath: target.store) {
+                    throw KeybagError.invalid(
+                        "the device key \(dkPath) already belongs to device \(id) of this store (another device on "
+                            + "this machine?); give this device its own key with --device-key PATH (a new key is made "
+                            + "there), or use `keybagfs recover` to bring that device up to date")
+                }
+            }
             let recovery = try RecoveryKeyOutput.read(file: recoveryKeyFile, fromStdin: stdin)
             defer { recovery.wipe() }
             let passcode = try PasscodeInput.readNew(
                 fromStdin: stdin, prompt: "Passcode of this device: ",
                 mismatch: "the passcodes differ; nothing was changed")
             defer { passcode.wipe() }
-            let dkPath = target.deviceKeyPath(any)
             let existed = FileManager.default.fileExists(atPath: dkPath)
             let dk = existed ? try DeviceKeyFile.load(from: dkPath) : try DeviceKeyFile.create(at: dkPath)
             defer { dk.wipe() }

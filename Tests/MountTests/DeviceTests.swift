@@ -109,6 +109,28 @@ final class DeviceTests: XCTestCase {
         let log = (try? String(contentsOfFile: b.root + "/daemon.log", encoding: .utf8)) ?? ""
         XCTAssertTrue(log.contains("was removed"), log)
     }
+    /// Two devices of one store on one machine (two users, or two replicas) share the default
+    /// device-key path `/var/lib/keybagfs/STOREID.key` unless each names its own: `device add`
+    /// with a key file that is already a device of the store is refused before it asks for
+    /// anything, naming `--device-key`; the key file and the replica stay as they were.
+    func testDeviceAddRefusesAKeyFileThatIsAlreadyADeviceOfTheStore() throws {
+        let (a, rk) = try firstDevice()
+        defer { a.close() }
+        a.unmount()
+        let b = try MountFixture(replicaOf: a, passcode: "device B passcode")
+        defer { b.close() }
+        let keyBefore = try Data(contentsOf: URL(fileURLWithPath: a.deviceKey))
+        let idA = keybagfs(["device", "id", a.store, "--device-key", a.deviceKey]).stdout.trimmingCharacters(in: .whitespacesAndNewlines)
+        let add = keybagfs(["device", "add", b.store, "--device-key", a.deviceKey, "--recovery-key-file", rk, "--stdin", "--kdf", "interactive"])
+        XCTAssertNotEqual(add.code, 0, "device A's key made a second device")
+        XCTAssertTrue(add.stderr.contains("--device-key") && add.stderr.contains(idA), "names the way out and the owner: \(add.stderr)")
+        XCTAssertFalse(add.stderr.contains("passcode"), "refused before asking for a passcode: \(add.stderr)")
+        XCTAssertEqual(try Data(contentsOf: URL(fileURLWithPath: a.deviceKey)), keyBefore)
+        XCTAssertFalse(FileManager.default.fileExists(atPath: b.store + "/devices"), "nothing written to the replica")
+        let own = keybagfs(["device", "add", b.store, "--device-key", b.deviceKey, "--recovery-key-file", rk, "--stdin", "--kdf", "interactive"], stdin: b.passcode + "\n")
+        XCTAssertEqual(own.code, 0, "with its own key: \(own.stderr)")
+    }
+
     func testADeviceMountedWhileAnotherIsRemovedRefusesNewFilesAtOnce() throws {
         let (a, rk) = try firstDevice()
         defer { a.close() }
