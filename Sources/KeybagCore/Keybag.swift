@@ -66,8 +66,13 @@ public struct KeybagFile: Codable, Sendable, Equatable {
     public var classBPublics: [String: String]? = nil
     /// The device this keybag belongs to (`DeviceIdentity`); absent before devices existed.
     public var deviceID: String? = nil
-    /// A name for people (`keybagfs device list`), not authenticated.
+    /// A name for people (`keybagfs device list`); under the settings MAC from format 4.
     public var deviceName: String? = nil
+    /// Format 4: keyed BLAKE2b under the counter key of every setting (every field but the
+    /// wrapped slots, the cipher and the counters, which have MACs of their own, and the
+    /// recovery counters, which recovery without the device key must write), so that any
+    /// offline edit of a setting is refused (`Keybag.settingsMessage`).
+    public var settingsMAC: String? = nil
 }
 
 /// Delay policy after failed unlocks: none for the first four, then 1, 5, 15, 15 minutes,
@@ -125,8 +130,11 @@ public struct Keybag: Sendable {
     var counterKey: SecureKey?
     /// The first device's keybag learnt its device id on load; `authenticate` saves it.
     var pendingDeviceID = false
-    /// Current keybag format: 2 (counter MAC; device-only slots wrapped with the v2 AD).
-    public static let currentFormat = 2
+    /// Current keybag format: 4 (settings MAC; device-only slots wrapped with the v4 AD).
+    /// Format 2 brought the counter MAC, 3 marks key sets.
+    public static let currentFormat = settingsFormat
+    /// The keybag format whose settings are authenticated as a whole (`settingsMAC`).
+    public static let settingsFormat = 4
     /// Most Argon2id passes and memory a keybag may ask for (hostile values would stall or kill the daemon).
     public static let maxOpsLimit: UInt64 = 32
     public static let maxMemLimit: UInt64 = 4 << 30
@@ -154,11 +162,54 @@ public struct Keybag: Sendable {
 
     /// Associated data of a wrapped slot. Format 2 wraps the device-only slots (`D`,
     /// `volume`) under a v2 tag, so a format-2 keybag edited to claim format 1 (to drop the
-    /// counter MAC) no longer opens with the device key.
+    /// counter MAC) no longer opens with the device key; format 4 under a v4 tag, so a keybag
+    /// edited to claim an older format (to drop the settings MAC) no longer opens either.
     static func ad(_ storeID: String, _ slot: String, format: Int = 1) -> [UInt8] {
         let deviceOnly = slot == "volume" || slot == "D" || slot.hasPrefix("D.")
-        let v = format >= 2 && deviceOnly ? "v2" : "v1"
+        let v = !deviceOnly ? "v1" : format >= settingsFormat ? "v4" : format >= 2 ? "v2" : "v1"
         return Array("keybagfs-keybag-\(v)|\(storeID)|\(slot)".utf8)
+    }
+
+    /// What the settings MAC covers: every field of `f` but the wrapped slots, the cipher
+    /// (cipher MAC), the failed-attempt counter and lockout (counter MAC), the recovery
+    /// counters and the MACs themselves; each field by name, absent ones marked, lengths
+    /// prefixed (little-endian UInt32), so no two keybags share a message.
+    static func settingsMessage(_ f: KeybagFile) -> [UInt8] {
+        var msg = Array("keybagfs-settings-v1|".utf8)
+        func field(_ name: String, _ value: String?) {
+            func put(_ bytes: [UInt8]) { withUnsafeBytes(of: UInt32(bytes.count).littleEndian) { msg += $0 }; msg += bytes }
+            put(Array(name.utf8))
+            if let value { msg.append(1); put(Array(value.utf8)) } else { msg.append(0) }
+        }
+        field("format", String(f.format))
+        field("storeID", f.storeID)
+        field("kdfOpsLimit", String(f.kdfOpsLimit))
+        field("kdfMemLimit", String(f.kdfMemLimit))
+        field("kdfSalt", f.kdfSalt)
+        field("classBPublic", f.classBPublic)
+        field("keySet", f.keySet.map { String($0) })
+        field("classBPublics", f.classBPublics.map { $0.sorted { $0.key < $1.key }.map { "\($0.key)=\($0.value)" }.joined(separator: ",") })
+        field("deviceID", f.deviceID)
+        field("deviceName", f.deviceName)
+        return msg
+    }
+
+    /// The settings MAC of `f` under the counter key.
+    static func settingsMAC(_ f: KeybagFile, key: SecureKey) throws -> String {
+        let msg = settingsMessage(f)
+        var mac = [UInt8](repeating: 0, count: 32)
+        try key.withBytes { k in
+            _ = crypto_generichash(
+                &mac, 32, msg, UInt64(msg.count), k.baseAddress!.assumingMemoryBound(to: UInt8.self), k.count)
+        }
+        return Data(mac).base64EncodedString()
+    }
+
+    /// Whether the stored settings MAC of `f` verifies under `key` (false when absent).
+    static func settingsAreAuthentic(_ f: KeybagFile, key: SecureKey) throws -> Bool {
+        guard let stored = f.settingsMAC.flatMap({ Data(base64Encoded: $0) }).map([UInt8].init) else { return false }
+        let expected = [UInt8](Data(base64Encoded: try settingsMAC(f, key: key)) ?? Data())
+        return stored.count == expected.count && sodium_memcmp(stored, expected, expected.count) == 0
     }
 
     /// The key for the counter MAC: crypto_kdf subkey 2 of the device key, context "kbfscnt1".
@@ -285,7 +336,7 @@ public struct Keybag: Sendable {
     /// longest delay stays as stored (its MAC covers it); `retryAfter` cuts the wait.
     static func validate(_ f: inout KeybagFile, now: Double = Date().timeIntervalSince1970) throws {
         func bad(_ field: String, _ why: String) -> KeybagError { .corrupt("keybag field \(field): \(why)") }
-        guard (1...keySetsFormat).contains(f.format) else {
+        guard (1...settingsFormat).contains(f.format) else {
             throw bad("format", "unknown format \(f.format) (written by a newer keybagfs?)")
         }
         guard f.storeID.utf8.count == 32,
@@ -324,6 +375,11 @@ public struct Keybag: Sendable {
         if let mac = f.cipherMAC {
             guard let m = Data(base64Encoded: mac), m.count == 32 else { throw bad("cipherMAC", "not a MAC") }
         }
+        if f.format >= settingsFormat {
+            guard let m = f.settingsMAC.flatMap({ Data(base64Encoded: $0) }), m.count == 32 else {
+                throw bad("settingsMAC", "missing or not a MAC (format \(f.format) keybags carry one)")
+            }
+        }
         let escrow = escrowedSlots.filter { f.wrapped["r" + $0] != nil }
         guard escrow.isEmpty || escrow.count == escrowedSlots.count else {
             throw bad("wrapped.r*", "some recovery slots are missing")
@@ -343,29 +399,27 @@ public struct Keybag: Sendable {
     /// What `authenticate` found.
     public enum CounterCheck: Equatable, Sendable { case authentic, upgraded, tampered }
 
-    /// Binds the keybag to the device key (daemon start). A format-1 keybag is upgraded to
-    /// format 2 (device-only slots rewrapped, counter MAC written). In format 2 a missing or
-    /// wrong counter MAC means the counter was edited offline: it is set to the longest
-    /// lockout from now and saved, so editing it can only ever cost the editor time.
+    /// Binds the keybag to the device key (daemon start). Format 4: the settings MAC must
+    /// verify, or the keybag was edited offline and is refused. Older keybags are upgraded in
+    /// place to format 4 (device-only slots rewrapped under the v4 tag, settings MAC written):
+    /// a format-1 keybag at once (it has no MAC to check), formats 2 and 3 after their cipher
+    /// and counter MACs are checked. A missing or wrong counter MAC means the counter was
+    /// edited offline: it is set to the longest lockout from now and saved, so editing it can
+    /// only ever cost the editor time.
     public mutating func authenticate(
         deviceKey: SecureKey, now: Double = Date().timeIntervalSince1970
     ) throws -> CounterCheck {
         let key = try Keybag.counterKey(deviceKey)
         counterKey = key
         if file.format == 1 {
-            let dwk = try Keybag.deviceWrapKey(deviceKey)
-            defer { dwk.wipe() }
-            var next = file
-            for slot in ["D", "volume"] {
-                let k = try unwrapDeviceKeySlot(slot, deviceKey: deviceKey)
-                defer { k.wipe() }
-                next.wrapped[slot] = Data(try KeyWrap.wrap(k, with: dwk, ad: Keybag.ad(file.storeID, slot, format: 2)))
-                    .base64EncodedString()
-            }
-            next.format = 2
-            file = next
-            try save()
+            try upgradeToSettingsFormat(deviceKey: deviceKey)
             return .upgraded
+        }
+        if file.format >= Keybag.settingsFormat, try !Keybag.settingsAreAuthentic(file, key: key) {
+            throw KeybagError.corrupt(
+                "keybag \(relativePath) was edited offline: its settings MAC does not match (a setting such as the " +
+                    "format, the KDF cost or salt, the key set or the device was changed); nothing was changed. Put " +
+                    "back the keybag from a backup, or run `keybagfs recover` with the recovery key")
         }
         switch try Keybag.cipherIsAuthentic(file, key: key) {
         case false?:
@@ -380,19 +434,43 @@ public struct Keybag: Sendable {
                 throw KeybagError.corrupt("keybag field cipherMAC was removed offline (the keybag was edited)")
             }
             file.cipherMAC = try Keybag.cipherMAC(file, key: key)   // keybags written before the MAC
-            try saveWithoutCounter()
+            if file.format >= Keybag.settingsFormat { try saveWithoutCounter() }
         case true?:
-            if pendingDeviceID { try saveWithoutCounter(); pendingDeviceID = false }
+            if pendingDeviceID && file.format >= Keybag.settingsFormat { try saveWithoutCounter() }
         }
+        pendingDeviceID = false
         let expected = [UInt8](Data(base64Encoded: try Keybag.counterMAC(file, key: key)) ?? Data())
+        var check = CounterCheck.tampered
         if let stored = file.counterMAC.flatMap({ Data(base64Encoded: $0) }).map([UInt8].init),
            stored.count == expected.count, sodium_memcmp(stored, expected, expected.count) == 0 {
-            return .authentic
+            check = .authentic
+        } else {
+            file.failedAttempts = max(file.failedAttempts, 9)
+            file.lockoutUntil = now + UnlockThrottle.delay(afterFailures: file.failedAttempts)
         }
-        file.failedAttempts = max(file.failedAttempts, 9)
-        file.lockoutUntil = now + UnlockThrottle.delay(afterFailures: file.failedAttempts)
+        if file.format < Keybag.settingsFormat {
+            try upgradeToSettingsFormat(deviceKey: deviceKey)   // saves the counter as checked above
+            return check == .authentic ? .upgraded : .tampered
+        }
+        if check == .tampered { try save() }
+        return check
+    }
+
+    /// Rewraps the device-only slots (`D` of every key set, `volume`) under the format-4
+    /// associated data, sets format 4 and saves (settings, cipher and counter MACs written).
+    private mutating func upgradeToSettingsFormat(deviceKey: SecureKey) throws {
+        let dwk = try Keybag.deviceWrapKey(deviceKey)
+        defer { dwk.wipe() }
+        var next = file
+        next.format = Keybag.settingsFormat
+        for slot in ["volume"] + (0...currentKeySet).map({ Keybag.slot("D", $0) }) {
+            let k = try unwrapDeviceKeySlot(slot, deviceKey: deviceKey)
+            defer { k.wipe() }
+            next.wrapped[slot] = Data(try KeyWrap.wrap(k, with: dwk, ad: Keybag.ad(file.storeID, slot, format: next.format)))
+                .base64EncodedString()
+        }
+        file = next
         try save()
-        return .tampered
     }
 
     /// Whether the stored failed-attempt counter authenticates (format 2), without changing
@@ -441,6 +519,11 @@ public struct Keybag: Sendable {
             file.counterMAC = try Keybag.counterMAC(file, key: counterKey)
             file.cipherMAC = try Keybag.cipherMAC(file, key: counterKey)
         }
+        // The settings MAC is written whenever the device key is at hand (saves without it
+        // change only what it does not cover: the recovery counters).
+        if file.format >= Keybag.settingsFormat, let counterKey {
+            file.settingsMAC = try Keybag.settingsMAC(file, key: counterKey)
+        }
         let enc = JSONEncoder()
         enc.outputFormatting = [.prettyPrinted, .sortedKeys]
         try Keybag.writeAtomically(try enc.encode(file), to: path)
@@ -485,6 +568,16 @@ public struct Keybag: Sendable {
         do {
             return try KeyWrap.unwrap(try blob(slot), with: dwk, ad: Keybag.ad(file.storeID, slot, format: file.format))
         } catch KeybagError.corrupt {
+            // A format-4 keybag edited to claim an older format: the slot opens under the v4 tag.
+            if file.format < Keybag.settingsFormat,
+                let k = try? KeyWrap.unwrap(
+                    try blob(slot), with: dwk, ad: Keybag.ad(file.storeID, slot, format: Keybag.settingsFormat))
+            {
+                k.wipe()
+                throw KeybagError.corrupt(
+                    "keybag field format was edited offline (it says \(file.format); the keybag was written as format " +
+                        "\(Keybag.settingsFormat)); nothing was changed")
+            }
             throw KeybagError.badDeviceKey
         }
     }

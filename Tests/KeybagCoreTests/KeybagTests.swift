@@ -206,10 +206,14 @@ final class KeybagTrustTests: TempDirTestCase {
             XCTAssertGreaterThanOrEqual(edited.retryAfter(now: now), 3600, "an edited counter means the longest lockout")
             XCTAssertGreaterThanOrEqual(try Keybag.load(storePath: dir).retryAfter(now: now), 3600, "and it is saved")
         }
-        // Claiming the old format to drop the MAC: the device key no longer opens the store.
+        // Claiming the old format to drop the MAC: the device key no longer opens the store's
+        // device slots under that format's tag, and the error says the format was edited.
         try kb.save()
         try editJSON { o in o["format"] = 1; o["counterMAC"] = nil; o["failedAttempts"] = 0; o["lockoutUntil"] = 0 }
-        XCTAssertThrowsError(try Keybag.load(storePath: dir).unwrapDeviceKeySlot("D", deviceKey: dk)) { XCTAssertEqual($0 as? KeybagError, .badDeviceKey) }
+        XCTAssertThrowsError(try Keybag.load(storePath: dir).unwrapDeviceKeySlot("D", deviceKey: dk)) { e in
+            guard case KeybagError.corrupt(let m) = e else { return XCTFail("\(e)") }
+            XCTAssertTrue(m.contains("format was edited"), m)
+        }
     }
 
     func testFormatOneKeybagIsUpgradedAtFirstAuthentication() throws {
@@ -220,11 +224,58 @@ final class KeybagTrustTests: TempDirTestCase {
         let d1 = try kb.unwrapDeviceKeySlot("D", deviceKey: dk)
         XCTAssertEqual(try kb.authenticate(deviceKey: dk), .upgraded)
         var again = try Keybag.load(storePath: dir)
-        XCTAssertEqual(again.file.format, 2)
+        XCTAssertEqual(again.file.format, Keybag.currentFormat)
         XCTAssertNotNil(again.file.counterMAC)
+        XCTAssertNotNil(again.file.settingsMAC)
         XCTAssertEqual(try again.authenticate(deviceKey: dk), .authentic)
         XCTAssertEqual(try again.unwrapDeviceKeySlot("D", deviceKey: dk).withBytes { Array($0) }, try d1.withBytes { Array($0) })
         XCTAssertNoThrow(try again.unlock(passcode: secret("p"), deviceKey: dk))
+    }
+
+    /// Every setting of a keybag is authenticated (issue 34): an offline edit of any field but
+    /// the wrapped slots, the cipher and the counters (which have MACs and rules of their own)
+    /// and the recovery counters is refused with an error that says so; a keybag of format 2
+    /// or 3 (written before the settings MAC) is upgraded in place and then protected too.
+    func testEveryKeybagSettingIsAuthenticated() throws {
+        let dk = SecureKey(random: 32)
+        for format in [2, Keybag.currentFormat] {
+            try? FileManager.default.removeItem(atPath: dir + "/keybag")
+            _ = try Keybag.create(storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive, format: format)
+            var kb = try Keybag.load(storePath: dir)
+            XCTAssertEqual(try kb.authenticate(deviceKey: dk), format == 2 ? .upgraded : .authentic)
+            XCTAssertEqual(try Keybag.load(storePath: dir).file.format, Keybag.settingsFormat, "from format \(format)")
+            let pristine = try Data(contentsOf: URL(fileURLWithPath: dir + "/keybag"))
+            let otherSalt = Data(repeating: 7, count: 16).base64EncodedString()
+            let edits: [(String, (inout [String: Any]) -> Void)] = [
+                ("format 4 → 3", { $0["format"] = 3 }), ("format 4 → 2", { $0["format"] = 2 }),
+                ("kdfOpsLimit", { $0["kdfOpsLimit"] = ($0["kdfOpsLimit"] as! Int) + 1 }),
+                ("kdfMemLimit", { $0["kdfMemLimit"] = ($0["kdfMemLimit"] as! Int) * 2 }),
+                ("kdfSalt", { $0["kdfSalt"] = otherSalt }),
+                ("classBPublic", { $0["classBPublic"] = Data(repeating: 9, count: 32).base64EncodedString() }),
+                ("deviceName", { $0["deviceName"] = "not this laptop" }),
+                ("settingsMAC removed", { $0["settingsMAC"] = nil }),
+            ]
+            for (name, edit) in edits {
+                try pristine.write(to: URL(fileURLWithPath: dir + "/keybag"))
+                try editJSON(edit)
+                let edited = try Data(contentsOf: URL(fileURLWithPath: dir + "/keybag"))
+                XCTAssertThrowsError(try {
+                    var e = try Keybag.load(storePath: dir)
+                    try e.unwrapDeviceKeySlot("D", deviceKey: dk).wipe()
+                    _ = try e.authenticate(deviceKey: dk)
+                }(), "\(name) (from format \(format))") { e in
+                    guard case KeybagError.corrupt(let m) = e else { return XCTFail("\(name): \(e)") }
+                    XCTAssertTrue(m.contains("edited offline") || m.contains("settingsMAC"), "\(name): \(m)")
+                }
+                XCTAssertEqual(try Data(contentsOf: URL(fileURLWithPath: dir + "/keybag")), edited, "\(name): nothing was written")
+            }
+            // The recovery counters stay outside (recovery without the device key writes them).
+            try pristine.write(to: URL(fileURLWithPath: dir + "/keybag"))
+            try editJSON { $0["recoveryFailedAttempts"] = 2 }
+            var fine = try Keybag.load(storePath: dir)
+            XCTAssertEqual(try fine.authenticate(deviceKey: dk), .authentic)
+            XCTAssertNoThrow(try fine.unlock(passcode: secret("p"), deviceKey: dk))
+        }
     }
 
     func testHostileFieldsAreClearErrorsNotTraps() throws {

@@ -135,6 +135,40 @@ final class KeybagMountTests: XCTestCase {
         XCTAssertEqual(try readFile(other + "/thesis.odt").get(), bytes("existing data"))
     }
 
+    /// Every keybag setting is authenticated: a one-field offline edit (the format, 2 → 3 as
+    /// found; the KDF cost or salt; the device's name) is refused at mount with an error that
+    /// says the keybag was edited, and the keybag is not written; put back, it mounts and
+    /// unlocks.
+    func testAnOfflineEditOfAnyKeybagSettingIsRefusedAtMount() throws {
+        let m = try MountFixture(mount: false)
+        addTeardownBlock { m.close() }
+        try m.mount()
+        m.unmount()
+        let url = URL(fileURLWithPath: m.store + "/keybag")
+        let pristine = try Data(contentsOf: url)
+        let edits: [(String, (inout [String: Any]) -> Void)] = [
+            ("format", { let f = $0["format"] as! Int; $0["format"] = f == 2 ? 3 : f - 1 }),
+            ("kdfOpsLimit", { $0["kdfOpsLimit"] = ($0["kdfOpsLimit"] as! Int) + 1 }),
+            ("kdfSalt", { $0["kdfSalt"] = Data(repeating: 1, count: 16).base64EncodedString() }),
+            ("deviceName", { $0["deviceName"] = "someone else's" }),
+        ]
+        for (field, edit) in edits {
+            try pristine.write(to: url)
+            try editKeybag(m, edit)
+            let edited = try Data(contentsOf: url)
+            let r = MountFixture.run(MountFixture.binDir + "/keybagfs", ["mount", m.store, m.mnt, "--socket", m.socket, "--device-key", m.deviceKey])
+            XCTAssertEqual(r.code, 1, "\(field) edited: mounted anyway (\(r.stderr))")
+            XCTAssertTrue(r.stderr.contains("edited offline"), "\(field): \(r.stderr)")
+            XCTAssertFalse(m.isMounted)
+            if m.isMounted { m.unmount() }
+            XCTAssertEqual(try Data(contentsOf: url), edited, "\(field): the keybag was not written")
+        }
+        try pristine.write(to: url)
+        try m.mount()
+        m.unlock()
+        XCTAssertEqual(m.state, "unlocked")
+    }
+
     func testHostileKDFLimitsAreAClearErrorNotACrash() throws {
         let m = try MountFixture(mount: false)
         addTeardownBlock { m.close() }
