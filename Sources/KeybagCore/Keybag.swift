@@ -197,12 +197,7 @@ public struct Keybag: Sendable {
     /// The settings MAC of `f` under the counter key.
     static func settingsMAC(_ f: KeybagFile, key: SecureKey) throws -> String {
         let msg = settingsMessage(f)
-        var mac = [UInt8](repeating: 0, count: 32)
-        try key.withBytes { k in
-            _ = crypto_generichash(
-                &mac, 32, msg, UInt64(msg.count), k.baseAddress!.assumingMemoryBound(to: UInt8.self), k.count)
-        }
-        return Data(mac).base64EncodedString()
+        return try mac(msg, key: key)
     }
 
     /// Whether the stored settings MAC of `f` verifies under `key` (false when absent).
@@ -222,17 +217,22 @@ public struct Keybag: Sendable {
         }
     }
 
-    /// The MAC of the counter state of `f`.
-    static func counterMAC(_ f: KeybagFile, key: SecureKey) throws -> String {
-        var msg = Array("keybagfs-counter-v1|\(f.storeID)|".utf8)
-        withUnsafeBytes(of: Int64(f.failedAttempts).littleEndian) { msg += $0 }
-        withUnsafeBytes(of: f.lockoutUntil.bitPattern.littleEndian) { msg += $0 }
+    /// Keyed BLAKE2b-256 of `msg` under `key`, base64 (the keybag's MACs).
+    static func mac(_ msg: [UInt8], key: SecureKey) throws -> String {
         var mac = [UInt8](repeating: 0, count: 32)
         try key.withBytes { k in
             _ = crypto_generichash(
                 &mac, 32, msg, UInt64(msg.count), k.baseAddress!.assumingMemoryBound(to: UInt8.self), k.count)
         }
         return Data(mac).base64EncodedString()
+    }
+
+    /// The MAC of the counter state of `f`.
+    static func counterMAC(_ f: KeybagFile, key: SecureKey) throws -> String {
+        var msg = Array("keybagfs-counter-v1|\(f.storeID)|".utf8)
+        withUnsafeBytes(of: Int64(f.failedAttempts).littleEndian) { msg += $0 }
+        withUnsafeBytes(of: f.lockoutUntil.bitPattern.littleEndian) { msg += $0 }
+        return try mac(msg, key: key)
     }
 
     /// The MAC of the cipher name of `f`.
@@ -242,12 +242,7 @@ public struct Keybag: Sendable {
         var text = "keybagfs-cipher-v1|\(f.storeID)|\(f.cipher)"
         if let set = f.keySet, set > 0 { text += "|set=\(set)" }
         let msg = Array(text.utf8)
-        var mac = [UInt8](repeating: 0, count: 32)
-        try key.withBytes { k in
-            _ = crypto_generichash(
-                &mac, 32, msg, UInt64(msg.count), k.baseAddress!.assumingMemoryBound(to: UInt8.self), k.count)
-        }
-        return Data(mac).base64EncodedString()
+        return try mac(msg, key: key)
     }
 
     /// Whether the stored cipher MAC of `f` verifies under `key`; nil when there is none.
