@@ -4,7 +4,7 @@ import Foundation
 ///
 /// When two devices change the same file before they sync, Syncthing keeps both: the losing
 /// version is renamed from `NAME.EXT` to `NAME.sync-conflict-YYYYMMDD-HHMMSS-DEVICE.EXT`
-/// (DEVICE: the first 7 characters of the device id). In the store NAME is an encrypted name,
+/// (DEVICE: the first 7 characters of the id of the device whose change won). In the store NAME is an encrypted name,
 /// base64url with no dot, so the copy is `ENCRYPTED.sync-conflict-YYYYMMDD-HHMMSS-DEVICE`.
 /// It does not decrypt as a name; the mount shows it as `STEM (conflict YYYY-MM-DD HHMMSS
 /// DEVICE).EXT` next to the file, and both read (the copy carries its own header). A hashed
@@ -15,7 +15,8 @@ public struct ConflictCopy: Equatable, Sendable {
     public let original: String
     /// `YYYYMMDD` and `HHMMSS` of the conflict.
     public let date: String, time: String
-    /// The short device id of the device whose version lost.
+    /// The short device id Syncthing names the copy after: the device whose change won (it
+    /// made the version now under the file's name), not the one whose version the copy holds.
     public let device: String
 
     /// What Syncthing puts between the name and the copy's date.

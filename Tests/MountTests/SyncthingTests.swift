@@ -168,6 +168,17 @@ final class SyncthingTests: XCTestCase {
                     && versions(m.path("shared"), "note") == [noteA, noteB]
             }, "both folders' names on \(m.root): \((try? FileManager.default.contentsOfDirectory(atPath: m.path("shared"))) ?? []) \(diagnosis([a, b], sync))")
         }
+        // The conflict copy's id is the short id of the device whose change won (the version
+        // still under the file's name), as the README says: Syncthing names the copy after the
+        // change it lost to, so on that device's own mount the copy carries its own id.
+        let winner = (try? readFile(a.path("docs/report.txt")).get()) == fromB ? 1 : 0
+        for m in [a, b] {
+            let copies = ((try? FileManager.default.contentsOfDirectory(atPath: m.path("docs"))) ?? []).filter { $0.hasPrefix("report (conflict ") }
+            XCTAssertEqual(copies.count, 1, "one conflict copy on \(m.root): \(copies)")
+            XCTAssertTrue(
+                copies.first?.hasSuffix(" \(sync.peers[winner].id.prefix(7))).txt") == true,
+                "the copy names the winning device \(sync.peers[winner].id.prefix(7)): \(copies)")
+        }
         XCTAssertEqual(
             Set((try? FileManager.default.contentsOfDirectory(atPath: a.path("shared"))) ?? ["a"]),
             Set((try? FileManager.default.contentsOfDirectory(atPath: b.path("shared"))) ?? ["b"]), "the same names on both")
