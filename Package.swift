@@ -24,12 +24,18 @@ let package = Package(
         .target(name: "CSystem", path: "Sources/CSystem"),
         // Hardware AES for file contents: OpenSSL 3's libcrypto (AES-256-GCM, XAES-256-GCM).
         .target(name: "CCrypto", path: "Sources/CCrypto", linkerSettings: [.linkedLibrary("crypto")]),
+        // A TPM 2.0 through tpm2-tss (ESAPI, the TCTI loader): the passcode's sealed secret,
+        // the TPM's dictionary-attack lockout, the keybag's NV counter.
+        .target(name: "CTPM", path: "Sources/CTPM", linkerSettings: [
+            .linkedLibrary("tss2-esys"), .linkedLibrary("tss2-tctildr"), .linkedLibrary("tss2-mu"),
+            .linkedLibrary("tss2-rc"), .linkedLibrary("tss2-sys"),
+        ]),
         // systemd-logind's signals and sleep inhibitors through sd-bus, for `keybagctl follow`.
         .target(name: "CLogind", path: "Sources/CLogind", linkerSettings: [.linkedLibrary("systemd")]),
         // The control socket's paths, line protocol and client: Foundation and Glibc only.
         .target(name: "KeybagProtocol"),
         // The core: formats, keybag, class rules, lock state. No FUSE here.
-        .target(name: "KeybagCore", dependencies: ["CSodium", "CSystem", "CCrypto", "KeybagProtocol"]),
+        .target(name: "KeybagCore", dependencies: ["CSodium", "CSystem", "CCrypto", "CTPM", "KeybagProtocol"]),
         // The library programs use: FileProtectionType, protected writes, ProtectedData events.
         .target(name: "FileProtection", dependencies: ["KeybagProtocol", "CSystem"]),
         // The example of the library: a notes store that follows the lock.
@@ -55,7 +61,7 @@ let package = Package(
         .target(name: "CTestSupport", path: "Tests/CTestSupport", linkerSettings: [.linkedLibrary("crypto")]),
         .testTarget(name: "KeybagCoreTests", dependencies: ["KeybagCore", "CCrypto", "CSodium", "CTestSupport"]),
         .testTarget(name: "KeybagDaemonTests", dependencies: ["KeybagDaemon", "KeybagCore"]),
-        .testTarget(name: "MountTests", dependencies: ["KeybagCore", "KeybagProtocol", "CFuse", "CSystem", "FileProtection", "keybagfs", "keybagctl", "SecureNotes", "CTestSupport", "CCrypto"]),
+        .testTarget(name: "MountTests", dependencies: ["KeybagCore", "KeybagProtocol", "CFuse", "CSystem", "FileProtection", "keybagfs", "keybagctl", "SecureNotes", "CTestSupport", "CCrypto", "CSodium", "CTPM"]),
     ],
     swiftLanguageModes: [.v6]
 )

@@ -88,7 +88,7 @@ cat >"$doc/copyright" <<'TXT'
 Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/
 Upstream-Name: keybagfs
 Comment: Built from the keybagfs source tree with scripts/build-deb.sh.
- The binaries link libfuse3, libsodium and OpenSSL's libcrypto dynamically and carry the
+ The binaries link libfuse3, libsodium, OpenSSL's libcrypto and tpm2-tss dynamically and carry the
  Swift runtime statically (Apache-2.0 with Runtime Library Exception).
 
 Files: *
@@ -114,7 +114,7 @@ Package: keybagfs
 Version: $version
 Architecture: $arch
 Maintainer: keybagfs developers <keybagfs@example.org>
-Depends: fuse3, $shlibs
+Depends: fuse3, libtss2-tcti-device0, $shlibs
 Recommends: systemd, libpam-runtime
 Section: admin
 Priority: optional

@@ -12,8 +12,9 @@ repo=$PWD
 cache=${KEYBAGFS_SYSTEST_CACHE:-/var/cache/keybagfs-systest}
 rounds=${KEYBAGFS_SYSTEST_ROUNDS:-50}
 rootfs=$cache/rootfs
-packages=systemd,systemd-sysv,dbus,libpam-systemd,fuse3,libfuse3-3,libsodium23,libsystemd0,pamtester,attr,python3,procps,util-linux,login,passwd
+packages=systemd,systemd-sysv,dbus,libpam-systemd,fuse3,libfuse3-3,libsodium23,libsystemd0,pamtester,attr,python3,procps,util-linux,login,passwd,libtss2-esys-3.0.2-0,libtss2-mu0,libtss2-rc0,libtss2-sys1,libtss2-tctildr0,libtss2-tcti-device0,libtss2-tcti-swtpm0
 leader=""
+swtpm_pid=""
 fail() {
   echo "FAIL: $*" >&2
   if [[ -n $leader ]]; then
@@ -47,6 +48,7 @@ cleanup() {
   if [[ $? -ne 0 && -n ${KEYBAGFS_SYSTEST_KEEP:-} && -n $leader ]]; then
     echo "kept for debugging: nsenter -t $leader -a  (stop: kill $nspawn_pid; rm -rf $stage)" >&2; return
   fi
+  [[ -z $swtpm_pid ]] || kill "$swtpm_pid" 2>/dev/null || true
   if [[ -n $nspawn_pid ]] && kill -0 "$nspawn_pid" 2>/dev/null; then
     kill -TERM "$nspawn_pid" 2>/dev/null || true
     for _ in $(seq 50); do kill -0 "$nspawn_pid" 2>/dev/null || break; sleep 0.1; done
@@ -63,10 +65,21 @@ KEYBAGFS_BIN=$stage/root/usr/local/bin KEYBAGFS_MAN=$stage/root/usr/local/share/
 lintian --tag-display-limit 0 "$stage"/deb/keybagfs_*.deb >"$stage.lintian.log" 2>&1 || true
 if grep -q "^E: " "$stage.lintian.log"; then grep "^E: " "$stage.lintian.log" >&2; fail "lintian reports errors in the package"; fi
 
+# A TPM 2.0 for the container (step 11b): Debian's swtpm on the host, reached through a Unix
+# socket in a folder bound into the container (the unit allows only AF_UNIX sockets).
+mkdir -p "$stage/tpm"
+swtpm socket --tpm2 --tpmstate dir="$stage/tpm" --server type=unixio,path="$stage/tpm/tpm.sock" \
+  --ctrl type=unixio,path="$stage/tpm/tpm.sock.ctrl" --flags startup-clear >"$stage.swtpm.log" 2>&1 &
+swtpm_pid=$!
+host_tpm() { TPM2TOOLS_TCTI="swtpm:path=$stage/tpm/tpm.sock" TSS2_LOG=all+NONE "$@"; }
+for _ in $(seq 50); do [[ -S $stage/tpm/tpm.sock ]] && break; sleep 0.1; done
+host_tpm tpm2_dictionarylockout -c >/dev/null && host_tpm tpm2_dictionarylockout -s -n 5 -t 600 -l 600 >/dev/null ||
+  fail "swtpm did not come up (see $stage.swtpm.log)"
+
 # 3. Boot (the overlay keeps the cached root file system clean).
 machine=kbfs$$
 systemd-nspawn -D "$rootfs" --volatile=overlay -b --register=no --keep-unit --console=passive -M "$machine" \
-  --bind-ro="$stage:/stage" --bind-ro="$repo:/src" --bind=/dev/fuse >"$stage.log" 2>&1 &
+  --bind-ro="$stage:/stage" --bind-ro="$repo:/src" --bind=/dev/fuse --bind="$stage/tpm:/run/kbfs-swtpm" >"$stage.log" 2>&1 &
 nspawn_pid=$!
 for _ in $(seq 100); do
   leader=$(pgrep -P "$nspawn_pid" -x systemd || true)
@@ -250,6 +263,33 @@ inside bash -c 'echo alice-login-pw | pamtester login alice authenticate' >/dev/
   fail "the login password did not unlock alice's mount"
 inside fusermount3 -u /srv/alice
 ok "PAM (pam-auth-update profile, pam_exec expose_authtok after the primary block): alice's login unlocks her mount; 6 wrong passwords fail only the login and count no failed unlock"
+
+# 11b. A TPM: the demo store's device moves onto it under systemd (its device key a systemd
+# credential), each wrong passcode counts in the TPM itself; a store bound to the TPM unlocks
+# through PAM.
+tcti=swtpm:path=/run/kbfs-swtpm/tpm.sock
+tpm_counter() { local v; v=$(host_tpm tpm2_getcap properties-variable | awk '/TPM2_PT_LOCKOUT_COUNTER/ {print $2}'); echo $((v)); }
+inside systemctl stop "keybagfs@$demo.service"
+inside bash -c "systemd-creds decrypt --name=device-key /var/lib/keybagfs/$demo.cred /run/demo.key &&
+  keybagfs tpm2 enroll /srv/keybagfs/demo.store --device-key /run/demo.key --tpm2-device $tcti --passcode-stdin <<<'demo passcode' >/dev/null;
+  rc=\$?; rm -f /run/demo.key; exit \$rc" || fail "keybagfs tpm2 enroll of the demo store failed"
+inside systemctl start "keybagfs@$demo.service" || fail "keybagfs@$demo did not start with its passcode bound to the TPM"
+tpm_in_use=$(inside keybagctl --mount /srv/keybagfs/demo status --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["tpm2"]["inUse"])')
+[[ $tpm_in_use == True ]] || fail "status does not show the TPM in use: $tpm_in_use"
+before=$(tpm_counter)
+inside bash -c "keybagctl --mount /srv/keybagfs/demo unlock --passcode-stdin <<<'not the demo passcode'" 2>/dev/null && fail "a wrong passcode unlocked"
+[[ $(tpm_counter) == $((before + 1)) ]] || fail "the wrong passcode did not count in the TPM (counter $before, then $(tpm_counter))"
+unlock
+[[ $(state) == unlocked ]] || fail "the demo store did not unlock through its TPM"
+inside bash -c 'mkdir -p /srv/alice-tpm && keybagfs init /srv/alice-tpm.store --device-key /var/lib/keybagfs/alice-tpm.key --kdf interactive --no-recovery-key --tpm2 on --tpm2-device '"$tcti"' --passcode-stdin <<<"alice-login-pw" >/dev/null' ||
+  fail "keybagfs init --tpm2 on failed"
+inside keybagfs mount /srv/alice-tpm.store /srv/alice-tpm --device-key /var/lib/keybagfs/alice-tpm.key --owner alice
+inside bash -c 'DEBIAN_FRONTEND=noninteractive pam-auth-update --enable keybagfs' || fail "pam-auth-update --enable keybagfs failed"
+inside bash -c 'echo alice-login-pw | pamtester login alice authenticate' >/dev/null 2>&1 || fail "login with the right password failed"
+[[ $(inside keybagctl --mount /srv/alice-tpm status --json | python3 -c 'import json,sys; s=json.load(sys.stdin); print(s["state"], s["tpm2"]["inUse"])') == "unlocked True" ]] ||
+  fail "the login password did not unlock alice's TPM-bound mount"
+inside fusermount3 -u /srv/alice-tpm
+ok "TPM (swtpm through a Unix socket): the demo store's device enrolled under systemd (credential device key), a wrong passcode counted in the TPM ($before → $((before + 1))), unlock through the TPM; a TPM-bound store unlocked by alice's login through PAM"
 
 # 12. Uninstall keeps stores.
 inside bash /src/scripts/uninstall.sh 2>/dev/null

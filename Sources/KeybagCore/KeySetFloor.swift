@@ -8,11 +8,15 @@ import Glibc
 /// (systemd's StateDirectory=) or /var/lib/keybagfs: the daemon and every command find the
 /// same file whatever path their device key comes from.
 public enum KeySetFloor {
-    /// The floor file of store `storeID`.
-    static func path(storeID: String) -> String {
-        let env = ProcessInfo.processInfo.environment["STATE_DIRECTORY"]?.split(separator: ":").first
-        return (env.map(String.init) ?? "/var/lib/keybagfs") + "/\(storeID).keysets"
+    /// The folder of what each device keeps outside the store: `$STATE_DIRECTORY` or
+    /// /var/lib/keybagfs.
+    static var stateFolder: String {
+        ProcessInfo.processInfo.environment["STATE_DIRECTORY"]?.split(separator: ":").first.map(String.init)
+            ?? "/var/lib/keybagfs"
     }
+
+    /// The floor file of store `storeID`.
+    static func path(storeID: String) -> String { stateFolder + "/\(storeID).keysets" }
 
     /// The recorded floors; an unreadable file is an error (fail closed), an absent one none.
     static func floors(at path: String) throws -> [String: Int] {

@@ -138,8 +138,12 @@ extension Keybag {
     /// Wraps every key of `keys` into `f`: classes A, B, C under the passcode key of
     /// `passcode` and `deviceKey` (with `f`'s salt and cost), D and the volume key under the
     /// device wrap key.
-    static func wrapAll(_ keys: StoreKeys, into f: inout KeybagFile, passcode: SecureKey, deviceKey: SecureKey) throws {
-        let kek = try passcodeKey(passcode: passcode, file: f, deviceKey: deviceKey)
+    /// With a TPM (`f.tpm2`), `sealer` gives (or, for a new salt, seals) the secret.
+    static func wrapAll(
+        _ keys: StoreKeys, into f: inout KeybagFile, passcode: SecureKey, deviceKey: SecureKey,
+        sealer: (any PasscodeSealer)? = nil
+    ) throws {
+        let kek = try passcodeKey(passcode: passcode, file: f, deviceKey: deviceKey, sealer: sealer, making: true)
         defer { kek.wipe() }
         let dwk = try deviceWrapKey(deviceKey)
         defer { dwk.wipe() }
@@ -199,7 +203,7 @@ extension Keybag {
         }
         try keys.addFreshSet()
         var next = file
-        try Keybag.wrapAll(keys, into: &next, passcode: passcode, deviceKey: deviceKey)
+        try Keybag.wrapAll(keys, into: &next, passcode: passcode, deviceKey: deviceKey, sealer: sealer)
         if let recovery { try Keybag.writeEscrow(&next, keys: keys.escrowEntries(), recovery: recovery) }
         next.failedAttempts = 0
         next.lockoutUntil = 0

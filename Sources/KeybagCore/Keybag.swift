@@ -73,6 +73,11 @@ public struct KeybagFile: Codable, Sendable, Equatable {
     /// recovery counters, which recovery without the device key must write), so that any
     /// offline edit of a setting is refused (`Keybag.settingsMessage`).
     public var settingsMAC: String? = nil
+    /// This device's passcode key includes a secret sealed in its TPM (absent: no TPM).
+    public var tpm2: Bool? = nil
+    /// With a TPM: the value of the TPM's monotonic NV counter when this keybag was saved, so
+    /// that a keybag put back from an older copy is refused (`Keybag.checkGeneration`).
+    public var generation: UInt64? = nil
 }
 
 /// Delay policy after failed unlocks: none for the first four, then 1, 5, 15, 15 minutes,
@@ -130,6 +135,8 @@ public struct Keybag: Sendable {
     var counterKey: SecureKey?
     /// The first device's keybag learnt its device id on load; `authenticate` saves it.
     var pendingDeviceID = false
+    /// This device's TPM, when its passcode key includes a sealed secret (`file.tpm2`).
+    public var sealer: (any PasscodeSealer)? = nil
     /// Current keybag format: 4 (settings MAC; device-only slots wrapped with the v4 AD).
     /// Format 2 brought the counter MAC, 3 marks key sets.
     public static let currentFormat = settingsFormat
@@ -191,6 +198,10 @@ public struct Keybag: Sendable {
         field("classBPublics", f.classBPublics.map { $0.sorted { $0.key < $1.key }.map { "\($0.key)=\($0.value)" }.joined(separator: ",") })
         field("deviceID", f.deviceID)
         field("deviceName", f.deviceName)
+        if f.tpm2 != nil || f.generation != nil {   // keybags without a TPM keep their message
+            field("tpm2", f.tpm2.map { $0 ? "1" : "0" })
+            field("generation", f.generation.map { String($0) })
+        }
         return msg
     }
 
@@ -263,8 +274,15 @@ public struct Keybag: Sendable {
     }
 
     /// Passcode key: Argon2id(passcode, salt), then BLAKE2b keyed by the device key, so that
-    /// neither the passcode nor the device key alone derives it.
-    public static func passcodeKey(passcode: SecureKey, file: KeybagFile, deviceKey: SecureKey) throws -> SecureKey {
+    /// neither the passcode nor the device key alone derives it. With a TPM (`file.tpm2`) the
+    /// Argon2id output also derives the TPM authorization that releases the device's sealed
+    /// secret, which goes into the BLAKE2b too: no passcode can be tried off that TPM, and
+    /// each wrong one counts in the TPM's lockout. `making`: seal a new secret when the TPM
+    /// holds none for this salt (wrapping under a new passcode).
+    public static func passcodeKey(
+        passcode: SecureKey, file: KeybagFile, deviceKey: SecureKey, sealer: (any PasscodeSealer)? = nil,
+        making: Bool = false
+    ) throws -> SecureKey {
         guard let salt = Data(base64Encoded: file.kdfSalt), salt.count == Int(crypto_pwhash_SALTBYTES) else {
             throw KeybagError.corrupt("keybag salt")
         }
@@ -281,11 +299,51 @@ public struct Keybag: Sendable {
             }
         }
         guard rc == 0 else { throw KeybagError.system("crypto_pwhash (out of memory?)", ENOMEM) }
+        guard file.tpm2 == true else {
+            return try deviceKey.withBytes { dk in
+                try stretched.withBytes { st in
+                    KeyWrap.keyedHash(
+                        key: dk, parts: [Array("keybagfs-passcode-kek-v1".utf8), Array(file.storeID.utf8), Array(st)])
+                }
+            }
+        }
+        guard let sealer else {
+            throw KeybagError.invalid(
+                "this device's passcode is bound to its TPM, and its TPM enrollment (STATE/DEVICEID.tpm2) was not given " +
+                    "to this command; run `keybagfs recover` with the recovery key")
+        }
+        let auth = try stretched.withBytes { st in
+            KeyWrap.keyedHash(key: st, parts: [Array("keybagfs-tpm-auth-v1".utf8), Array(file.storeID.utf8)])
+        }
+        defer { auth.wipe() }
+        let secret: SecureKey
+        do { secret = try sealer.secret(salt: file.kdfSalt, auth: auth, making: making) } catch TPMError.badAuth {
+            throw KeybagError.badPasscode
+        } catch TPMError.lockout(let retry) {
+            throw KeybagError.throttled(retryAfter: retry)
+        } catch let e as TPMError {
+            throw KeybagError.invalid(Self.tpmTrouble(e))
+        }
+        defer { secret.wipe() }
         return try deviceKey.withBytes { dk in
             try stretched.withBytes { st in
-                KeyWrap.keyedHash(
-                    key: dk, parts: [Array("keybagfs-passcode-kek-v1".utf8), Array(file.storeID.utf8), Array(st)])
+                try secret.withBytes { sec in
+                    KeyWrap.keyedHash(
+                        key: dk,
+                        parts: [Array("keybagfs-passcode-kek-tpm-v1".utf8), Array(file.storeID.utf8), Array(st), Array(sec)])
+                }
             }
+        }
+    }
+
+    /// One line for a TPM that cannot give the device's secret, naming the way out.
+    public static func tpmTrouble(_ e: TPMError) -> String {
+        switch e {
+        case .notThisTPM, .nvMissing:
+            return "this device's TPM does not hold its sealed secret (the TPM was cleared or replaced, or the store " +
+                "and device key were copied from another machine): run `keybagfs recover STORE` with the recovery " +
+                "key, which enrolls this TPM; nothing was changed"
+        default: return "\(e)"
         }
     }
 
@@ -294,7 +352,7 @@ public struct Keybag: Sendable {
     public static func create(
         storePath: String, storeID: String, passcode: SecureKey, deviceKey: SecureKey, strength: KDFStrength,
         cipher: ContentCipher = .default, format: Int = Keybag.currentFormat, recovery: RecoveryKey? = nil,
-        deviceName: String? = nil
+        deviceName: String? = nil, sealer: (any PasscodeSealer)? = nil
     ) throws -> Keybag {
         var file = KeybagFile(
             format: format, storeID: storeID, cipher: cipher.name, kdfOpsLimit: strength.opsLimit,
@@ -303,7 +361,8 @@ public struct Keybag: Sendable {
             wrapped: [:], classBPublic: "", failedAttempts: 0, lockoutUntil: 0, counterMAC: nil)
         file.deviceID = try DeviceIdentity.id(deviceKey: deviceKey, storeID: storeID)
         file.deviceName = deviceName
-        let kek = try passcodeKey(passcode: passcode, file: file, deviceKey: deviceKey)
+        if sealer != nil { file.tpm2 = true }
+        let kek = try passcodeKey(passcode: passcode, file: file, deviceKey: deviceKey, sealer: sealer, making: true)
         defer { kek.wipe() }
         let dwk = try deviceWrapKey(deviceKey)
         defer { dwk.wipe() }
@@ -321,8 +380,10 @@ public struct Keybag: Sendable {
                 &file, keys: [("A", a), ("B", bs), ("C", c), ("D", d), ("volume", vol)], recovery: recovery)
         }
         file.classBPublic = Data(bp).base64EncodedString()
-        let kb = Keybag(storePath: storePath, file: file, counterKey: format >= 2 ? try counterKey(deviceKey) : nil)
+        var kb = Keybag(storePath: storePath, file: file, counterKey: format >= 2 ? try counterKey(deviceKey) : nil)
+        kb.sealer = sealer
         try kb.save()
+        try sealer?.keepOnly(salt: file.kdfSalt)
         return kb
     }
 
@@ -507,6 +568,10 @@ public struct Keybag: Sendable {
 
     private func save(recomputingCounterMAC: Bool) throws {
         var file = self.file
+        // With a TPM each save is one generation past the TPM's counter, which then steps:
+        // an older copy of the keybag is then below the counter.
+        let counting = file.tpm2 == true && file.format >= Keybag.settingsFormat && counterKey != nil
+        if counting, let sealer, let counted = try sealer.generation() { file.generation = counted + 1 }
         if file.format >= 2 && recomputingCounterMAC {
             guard let counterKey else {
                 throw KeybagError.invalid("keybag not bound to its device key; cannot authenticate the counter")
@@ -522,6 +587,7 @@ public struct Keybag: Sendable {
         let enc = JSONEncoder()
         enc.outputFormatting = [.prettyPrinted, .sortedKeys]
         try Keybag.writeAtomically(try enc.encode(file), to: path)
+        if counting, let sealer { try sealer.advanceGeneration() }
     }
 
     /// Writes `data` to `path` atomically: temp file, fsync, rename, fsync of the folder.
@@ -588,7 +654,7 @@ public struct Keybag: Sendable {
     /// Unwraps A, B and C of every key set with a passcode, oldest first; `badPasscode` when
     /// it is wrong. Does not count attempts.
     public func unlockAll(passcode: SecureKey, deviceKey: SecureKey) throws -> [UnlockedClassKeys] {
-        let kek = try Keybag.passcodeKey(passcode: passcode, file: file, deviceKey: deviceKey)
+        let kek = try Keybag.passcodeKey(passcode: passcode, file: file, deviceKey: deviceKey, sealer: sealer)
         defer { kek.wipe() }
         var sets: [UnlockedClassKeys] = []
         do {
@@ -631,15 +697,46 @@ public struct Keybag: Sendable {
     public mutating func changePasscode(old: SecureKey, new: SecureKey, deviceKey: SecureKey) throws {
         let sets = try unlockAll(passcode: old, deviceKey: deviceKey)
         defer { for s in sets { s.wipe() } }
-        var next = file
-        next.kdfSalt = Data(Sodium.randomArray(Int(crypto_pwhash_SALTBYTES))).base64EncodedString()
-        let kek = try Keybag.passcodeKey(passcode: new, file: next, deviceKey: deviceKey)
+        try rewrapUnderNewSalt(sets, passcode: new, deviceKey: deviceKey, sealer: sealer)
+    }
+
+    /// Rewraps A, B and C of `sets` under `passcode` with a new salt, through `next` (a TPM)
+    /// when given, clears the counter and saves; `next` then keeps only the new salt's secret.
+    mutating func rewrapUnderNewSalt(
+        _ sets: [UnlockedClassKeys], passcode: SecureKey, deviceKey: SecureKey, sealer next: (any PasscodeSealer)?
+    ) throws {
+        var f = file
+        f.kdfSalt = Data(Sodium.randomArray(Int(crypto_pwhash_SALTBYTES))).base64EncodedString()
+        if (next != nil) != (f.tpm2 == true) {
+            f.tpm2 = next != nil ? true : nil
+            f.generation = nil
+        }
+        let kek = try Keybag.passcodeKey(passcode: passcode, file: f, deviceKey: deviceKey, sealer: next, making: true)
         defer { kek.wipe() }
-        try Keybag.wrapPasscodeSlots(sets, into: &next, passcodeKey: kek)
-        next.failedAttempts = 0
-        next.lockoutUntil = 0
-        file = next
+        try Keybag.wrapPasscodeSlots(sets, into: &f, passcodeKey: kek)
+        f.failedAttempts = 0
+        f.lockoutUntil = 0
+        file = f
+        sealer = next
         try save()
+        try next?.keepOnly(salt: f.kdfSalt)
+    }
+
+    /// Refuses a keybag older than the one this device last wrote: with a TPM, its
+    /// generation must be at least the TPM's NV counter (a crash between the keybag's save
+    /// and the counter's step leaves it one ahead, which is fine).
+    public func checkGeneration() throws {
+        guard file.tpm2 == true, let sealer else { return }
+        let counted: UInt64?
+        do { counted = try sealer.generation() } catch let e as TPMError { throw KeybagError.invalid(Keybag.tpmTrouble(e)) }
+        guard let counted else { return }
+        let mine = file.generation ?? 0
+        guard mine >= counted else {
+            throw KeybagError.corrupt(
+                "keybag \(relativePath) is older than the one this device last wrote (generation \(mine), the TPM's " +
+                    "counter is at \(counted)): it was put back from an older copy; nothing was changed. Put back the " +
+                    "newest keybag, or run `keybagfs recover` with the recovery key")
+        }
     }
 
     /// Seconds until the next attempt is allowed (0 when allowed now).

@@ -254,7 +254,9 @@ extension Keybag {
         next.kdfOpsLimit = max(next.kdfOpsLimit, KDFStrength.interactive.opsLimit)
         next.kdfMemLimit = max(next.kdfMemLimit, KDFStrength.interactive.memLimit)
         next.format = max(next.format, Keybag.currentFormat)
-        try Keybag.wrapAll(keys, into: &next, passcode: newPasscode, deviceKey: deviceKey)
+        next.tpm2 = sealer != nil ? true : nil   // re-enrolled on this machine's TPM, or off it
+        next.generation = nil
+        try Keybag.wrapAll(keys, into: &next, passcode: newPasscode, deviceKey: deviceKey, sealer: sealer)
         // Every set escrowed under the recovery key itself from now on (sealed slots too).
         try Keybag.writeEscrow(&next, keys: keys.escrowEntries(), recovery: recovery)
         next.failedAttempts = 0
@@ -264,6 +266,7 @@ extension Keybag {
         counterKey = try Keybag.counterKey(deviceKey)
         file = next
         try save()
+        try sealer?.keepOnly(salt: next.kdfSalt)
         try KeySetFloor.record(self, deviceID: id)
     }
 

@@ -52,11 +52,15 @@ public final class StoreCheck {
     /// Called now and then with the number of files checked (a progress line).
     public var progress: ((Int) -> Void)?
 
-    /// Opens the store's keys: the device key always, the passcode when given.
-    public init(storePath: String, deviceKey: SecureKey, passcode: SecureKey?, options: Options) throws {
+    /// Opens the store's keys: the device key always, the passcode when given (through the
+    /// device's TPM when bound to one, reached at `tcti` when given).
+    public init(
+        storePath: String, deviceKey: SecureKey, passcode: SecureKey?, options: Options, tcti: String? = nil
+    ) throws {
         store = storePath
         self.options = options
-        let kb = try Keybag.load(storePath: storePath, deviceKey: deviceKey)
+        var kb = try Keybag.load(storePath: storePath, deviceKey: deviceKey)
+        if passcode != nil { try kb.attachTPM(tcti: tcti, deviceKey: deviceKey) }
         keybag = kb
         keyring = ClassKeyring(
             classD: try kb.classDKeys(deviceKey: deviceKey), current: UInt8(kb.currentKeySet),

@@ -68,7 +68,19 @@ final class Controller: Sendable {
                 "inactivityRelock": inactivityRelock.map { $0 / 3600 } ?? NSNull(),
                 "relockIn": relockDeadline.withLock { $0 }.map { Self.seconds($0 - Self.bootTime()) } ?? NSNull(),
                 "deviceID": device ?? NSNull(), "keySet": keySet,
-                "keySetBehind": keyring.refusesNewWraps]
+                "keySetBehind": keyring.refusesNewWraps, "tpm2": tpmStatus()]
+    }
+
+    /// Whether a TPM holds part of the passcode key, and its own lockout counter and limits.
+    private func tpmStatus() -> [String: Any] {
+        guard let sealer = keybag.withLock({ $0.sealer }) else { return ["inUse": false] }
+        do {
+            let s = try sealer.lockoutState()
+            return ["inUse": true, "lockoutCounter": s.counter, "maxTries": s.maxTries, "recoveryTime": s.recoveryTime,
+                    "lockoutRecovery": s.lockoutRecovery, "inLockout": s.inLockout]
+        } catch {
+            return ["inUse": true, "error": "\(error)"]
+        }
     }
 
     /// Seconds since boot, suspend included (CLOCK_BOOTTIME).
@@ -153,6 +165,13 @@ final class Controller: Sendable {
                     Self.refusal(
                         "badPasscode", retry > 0 ? "wrong passcode; retry in \(retry) s" : "wrong passcode", extra))
             }
+        } catch KeybagError.throttled(let wait) {
+            // The TPM's own dictionary-attack lockout (the software delays come first, above).
+            let s = Self.seconds(wait)
+            return .refused(
+                Self.refusal("throttled", "the TPM is in dictionary-attack lockout; retry in \(s) s", ["retryAfter": s]))
+        } catch let e as KeybagError {
+            return .refused(Self.refusal("internal", e.description))
         } catch {
             return .refused(Self.refusal("internal", "\(error)"))
         }

@@ -28,6 +28,8 @@ public struct MountConfiguration: Sendable {
     public var posixACL: Bool? = nil
     /// Most FUSE loop threads (`fuse_loop_cfg_set_max_threads`).
     public var threads = MountConfiguration.defaultThreads
+    /// The TCTI of this device's TPM when it is not the one its enrollment names (nil: that one).
+    public var tpm2Device: String? = nil
     /// The loop's thread limit unless `--threads` says otherwise.
     public static let defaultThreads = 16
     /// Descriptor to report readiness on ("OK" or "ERR message"), from the launching parent.
@@ -234,6 +236,20 @@ public enum MountDaemon {
         }
     }
 
+    /// Gives a keybag bound to a TPM its sealer (this device's enrollment) and refuses a keybag older than the TPM's counter; before anything saves the keybag.
+    /// A missing enrollment, an unreachable, cleared or replaced TPM: one line naming the way out.
+    private static func attachTPM(_ kb: inout Keybag, _ cfg: MountConfiguration, deviceKey: SecureKey) throws {
+        guard kb.file.tpm2 == true else { return }
+        // Seal and unseal in a child process of this binary: tpm2-tss frees copies of the
+        // authorization without wiping them, and this process's memory must not keep them.
+        let helper = TPMHelperProcess(executable: "/proc/self/exe")
+        do { try kb.attachTPM(tcti: cfg.tpm2Device, deviceKey: deviceKey, helper: helper) } catch let e as KeybagError {
+            throw StartFailure(message: e.description)
+        }
+        guard let sealer = kb.sealer as? TPMSealer else { return }
+        log("passcode bound to the TPM at \(sealer.tcti)")
+    }
+
     /// This device's keybag, the device key, the class D key of each key set and the name
     /// cipher (volume key).
     private static func loadKeys(
@@ -245,6 +261,7 @@ public enum MountDaemon {
             ?? DeviceKeyFile.defaultPath(storeID: any.file.storeID)
         let deviceKey = try DeviceKeyFile.load(from: dkPath)
         var kb = try Keybag.load(storePath: cfg.store, deviceKey: deviceKey)
+        try Self.attachTPM(&kb, cfg, deviceKey: deviceKey)
         guard kb.cipher.isAvailable || kb.cipher.sharesLayout(with: .xchacha20poly1305) else {
             throw KeybagError.invalid("this CPU cannot run the store's cipher \(kb.cipher.name)")
         }

@@ -130,6 +130,14 @@ struct Status: ParsableCommand {
         print("open files: \(reply["openFiles"] ?? 0)")
         print("grace: \(reply["grace"] ?? 0) s")
         if let r = reply["retryAfter"] as? Int, r > 0 { print("unlock throttled: retry in \(r) s") }
+        if let tpm = reply["tpm2"] as? [String: Any], (tpm["inUse"] as? Bool) == true {
+            if let e = tpm["error"] { print("TPM: in use; \(e)"); return }
+            print(
+                "TPM: in use; lockout counter \(tpm["lockoutCounter"] ?? "?") of \(tpm["maxTries"] ?? "?") tries, one " +
+                    "forgiven every \(tpm["recoveryTime"] ?? "?") s" + ((tpm["inLockout"] as? Bool) == true ? " (in lockout)" : ""))
+        } else {
+            print("TPM: not in use")
+        }
     }
 }
 

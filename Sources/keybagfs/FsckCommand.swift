@@ -46,7 +46,7 @@ struct Fsck: ParsableCommand {
         defer { passcode?.wipe() }
         let check = try StoreCheck(
             storePath: target.store, deviceKey: dk, passcode: passcode,
-            options: .init(repair: repair, dropData: repair && yes))
+            options: .init(repair: repair, dropData: repair && yes), tcti: target.tpm2Device)
         defer { check.wipe() }
         if isatty(2) == 1 && !json {
             check.progress = { FileHandle.standardError.write(Data("\rchecked \($0) files…".utf8)) }

@@ -29,6 +29,15 @@ struct Init: ParsableCommand {
 
     @Option(
         help: ArgumentHelp(
+            "Bind the passcode to this machine's TPM 2.0: auto (when one is present), on (required) or off. With a " +
+                "TPM no passcode can be tried off this machine, and the TPM's lockout counts every wrong one."))
+    var tpm2: TPMChoice = .auto
+
+    @Option(help: "The TPM's TCTI (default device:/dev/tpmrm0), e.g. swtpm:host=127.0.0.1,port=2321.")
+    var tpm2Device: String?
+
+    @Option(
+        help: ArgumentHelp(
             "Content cipher: xaes256gcm (the default where the CPU has AES instructions), xchacha20poly1305 (the " +
                 "default elsewhere) or aes256gcm (at most 2^32 block writes per file key; for compatibility only).")
     )
@@ -71,13 +80,17 @@ struct Init: ParsableCommand {
         guard !(noRecoveryKey && recoveryKeyFile != nil) else {
             throw ValidationError("--no-recovery-key and --recovery-key-file exclude each other")
         }
+        let tcti = try tpm2.tcti(device: tpm2Device)
+        let sealer = try tcti.map {
+            try TPMSealer.enroll(tcti: $0, deviceKey: dk, storeID: storeID)
+        }
         let recovery = noRecoveryKey ? nil : RecoveryKey.generate()
         defer { recovery?.wipe() }
         // The recovery key is handed out first: if that fails, no store exists whose key nobody has.
         if let recovery { try RecoveryKeyOutput.give(recovery, file: recoveryKeyFile) }
         let kb = try Keybag.create(
             storePath: store, storeID: storeID, passcode: passcode, deviceKey: dk, strength: kdf, cipher: cipher,
-            recovery: recovery, deviceName: ProcessInfo.processInfo.hostName)
+            recovery: recovery, deviceName: ProcessInfo.processInfo.hostName, sealer: sealer)
         try fm.createDirectory(
             atPath: store + "/" + Keybag.dataDirName, withIntermediateDirectories: false,
             attributes: [.posixPermissions: 0o755])
@@ -86,5 +99,8 @@ struct Init: ParsableCommand {
         print("  cipher:     \(kb.file.cipher)")
         print("  device id:  \(kb.file.deviceID ?? "")")
         print("  device key: \(dkPath)  (keep it; without it the store cannot be opened)")
+        if let sealer {
+            print("  TPM:        \(sealer.tcti), enrollment \(sealer.path) (the passcode works only with this TPM)")
+        }
     }
 }

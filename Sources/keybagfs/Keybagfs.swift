@@ -20,7 +20,7 @@ struct Keybagfs: ParsableCommand {
         """,
         subcommands: [
             Init.self, Mount.self, Fsck.self, Recover.self, RecoveryKeyCommand.self, CipherCommand.self,
-            DeviceCommand.self,
+            DeviceCommand.self, TPMCommand.self,
         ])
 
     /// Runs the command; usage errors exit 2, refusals 1.
@@ -48,6 +48,8 @@ extension ProtectionClass: ExpressibleByArgument {
 }
 
 extension KDFStrength: ExpressibleByArgument {}
+
+extension TPMChoice: ExpressibleByArgument {}
 
 extension StoreSharing.Mode: ExpressibleByArgument {}
 

@@ -87,6 +87,9 @@ struct Mount: ParsableCommand {
     )
     var options: [String] = []
 
+    @Option(help: "The TPM's TCTI when it is not the one this device enrolled (e.g. swtpm:host=127.0.0.1,port=2321).")
+    var tpm2Device: String?
+
     @Option(help: .hidden)
     var readyFd: Int32?
 
@@ -94,7 +97,7 @@ struct Mount: ParsableCommand {
     var posixACL: Bool? = nil
 
     /// keybagfs' own settings inside `-o` (fstab and mount.fuse3 pass everything there):
-    /// `device-key=`, `socket=`, `default-class=`, `grace=`, `policy=`, `owner=`,
+    /// `device-key=`, `tpm2-device=`, `socket=`, `default-class=`, `grace=`, `policy=`, `owner=`,
     /// `inactivity-relock=`, `no-writeback-cache`, `watch-store=`, `threads=`, `acl`, `noacl`; mount(8)'s own
     /// words are dropped; the rest goes to FUSE.
     mutating func takeOwnOptions() throws {
@@ -104,6 +107,7 @@ struct Mount: ParsableCommand {
                 o.firstIndex(of: "=").map { (String(o[..<$0]), String(o[o.index(after: $0)...])) } ?? (o, "")
             switch key {
             case "device-key": deviceKey = value
+            case "tpm2-device": tpm2Device = value
             case "socket": socket = value
             case "policy": policy = value
             case "owner": owner = value
@@ -201,6 +205,7 @@ struct Mount: ParsableCommand {
             cfg.watchStore = watchStore
             cfg.posixACL = posixACL
             cfg.threads = threads
+            cfg.tpm2Device = tpm2Device
             let rc = MountDaemon.run(cfg)
             if rc != 0 { throw ExitCode(rc) }
             return

@@ -34,6 +34,20 @@ struct Recover: ParsableCommand {
     @Flag(help: "With --new-device-key on a store of several devices: this is the device that made the store.")
     var firstDevice = false
 
+    @Option(
+        help: ArgumentHelp(
+            "Bind the new passcode to this machine's TPM 2.0 (re-enrolls a cleared or replaced one): auto (the TPM " +
+                "of --tpm2-device, of the current enrollment, or /dev/tpmrm0, when present), on, or off."))
+    var tpm2: TPMChoice = .auto
+
+    /// The TPM the recovered passcode is bound to (nil: none), for `deviceKey`.
+    func sealer(deviceKey: SecureKey, storeID: String) throws -> TPMSealer? {
+        let path = TPMEnrollment.path(deviceID: try DeviceIdentity.id(deviceKey: deviceKey, storeID: storeID))
+        let current = (try? TPMEnrollment.load(from: path)).flatMap { $0 }?.tcti
+        guard let tcti = try tpm2.tcti(device: target.tpm2Device ?? current) else { return nil }
+        return try TPMSealer.enroll(tcti: tcti, deviceKey: deviceKey, storeID: storeID)
+    }
+
     /// The keybag holding the most key sets the recovery key opens (a device that missed a
     /// removal takes up its new set from there); nil when none opens (`recover` counts that).
     static func escrowSource(_ store: String, _ recovery: RecoveryKey) -> Keybag? {
@@ -81,6 +95,7 @@ struct Recover: ParsableCommand {
             let dk = try DeviceKeyFile.create(at: staged)
             defer { dk.wipe() }
             do {
+                kb.sealer = try sealer(deviceKey: dk, storeID: kb.file.storeID)
                 try kb.recover(
                     with: recovery, newPasscode: passcode, deviceKey: dk,
                     escrowFrom: Self.escrowSource(target.store, recovery))
@@ -113,6 +128,7 @@ struct Recover: ParsableCommand {
                 )
             }
             _ = try? kb.authenticate(deviceKey: dk)
+            kb.sealer = try sealer(deviceKey: dk, storeID: kb.file.storeID)
             try kb.recover(
                 with: recovery, newPasscode: passcode, deviceKey: dk,
                 escrowFrom: Self.escrowSource(target.store, recovery))

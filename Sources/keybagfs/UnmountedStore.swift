@@ -14,16 +14,22 @@ struct UnmountedStore: ParsableArguments {
     @Option(help: "Device key file (default /var/lib/keybagfs/<store-id>.key).")
     var deviceKey: String?
 
+    @Option(help: "The TPM's TCTI when it is not the one this device enrolled (e.g. swtpm:host=127.0.0.1,port=2321).")
+    var tpm2Device: String?
+
     /// The device key path for a keybag.
     func deviceKeyPath(_ kb: Keybag) -> String { deviceKey ?? DeviceKeyFile.defaultPath(storeID: kb.file.storeID) }
 
-    /// The device key and its device's keybag, refused when rolled back below the key set
-    /// its device held (the caller wipes the key).
+    /// The device key and its device's keybag (with its TPM, when bound to one), refused when
+    /// rolled back below the key set its device held or below its TPM's counter (the caller
+    /// wipes the key).
     func deviceKeybag() throws -> (Keybag, SecureKey) {
-        let dk = try DeviceKeyFile.load(from: deviceKeyPath(try Keybag.load(storePath: store)))
+        let dkPath = deviceKeyPath(try Keybag.load(storePath: store))
+        let dk = try DeviceKeyFile.load(from: dkPath)
         do {
-            let kb = try Keybag.load(storePath: store, deviceKey: dk)
+            var kb = try Keybag.load(storePath: store, deviceKey: dk)
             try KeySetFloor.check(kb, deviceID: try DeviceIdentity.id(deviceKey: dk, storeID: kb.file.storeID))
+            try kb.attachTPM(tcti: tpm2Device, deviceKey: dk)
             return (kb, dk)
         } catch { dk.wipe(); throw error }
     }

@@ -50,12 +50,13 @@ final class MountFixture {
 
     /// Creates a store (Argon2id interactive, for speed) and mounts it in the foreground.
     /// `cipher`: `init --cipher` (nil: the default of this machine).
+    /// `initArgs`: more arguments of `keybagfs init` (`--tpm2 on --tpm2-device …`).
     convenience init(passcode: String = "correct horse battery", grace: Double = 0, defaultClass: String? = nil, kdf: String = "interactive",
-         cipher: String? = nil, mount: Bool = true) throws {
+         cipher: String? = nil, initArgs: [String] = [], mount: Bool = true) throws {
         guard FileManager.default.fileExists(atPath: "/dev/fuse") else { throw NSError(domain: "/dev/fuse is missing: the mount tests need FUSE (they fail rather than skip)", code: 1) }
         try self.init(root: try Self.makeRoot(), passcode: passcode, grace: grace, defaultClass: defaultClass)
         let r = Self.run(Self.binDir + "/keybagfs", ["init", store, "--passcode-stdin", "--device-key", deviceKey, "--kdf", kdf]
-                         + (cipher.map { ["--cipher", $0] } ?? []), stdin: passcode + "\n")
+                         + (cipher.map { ["--cipher", $0] } ?? []) + initArgs, stdin: passcode + "\n")
         guard r.code == 0 else { throw NSError(domain: "keybagfs init failed: \(r.stderr)", code: Int(r.code)) }
         if mount { try self.mount() }
     }

@@ -1,0 +1,83 @@
+#ifndef KEYBAGFS_CTPM_H
+#define KEYBAGFS_CTPM_H
+/* A 256-bit secret sealed in a TPM 2.0 behind a passcode-derived authValue, the TPM's
+   dictionary-attack lockout doing the throttling, and a monotonic NV counter for rollback
+   detection. Built on tpm2-tss (ESAPI + TCTI loader); no TSS type crosses this header.
+   Every command that carries a secret runs in a salted HMAC session (salt encrypted to the
+   storage primary) with AES-128-CFB parameter encryption. One kbfs_tpm is not thread-safe:
+   serialize calls on it. Every function returns a KBFS_TPM_* code and, on failure, puts a
+   one-line message without secrets into err (when err is not NULL and errlen > 0).
+   After a call on an open context returns KBFS_TPM_UNREACHABLE the context is dead (tpm2-tss
+   cannot resume after a transport failure mid-command): every later call returns UNREACHABLE
+   again; close it and open a new one. */
+
+#include <stddef.h>
+#include <stdint.h>
+
+enum {
+    KBFS_TPM_OK = 0,
+    KBFS_TPM_BAD_AUTH = 1,       /* wrong authValue (TPM_RC_AUTH_FAIL / TPM_RC_BAD_AUTH) */
+    KBFS_TPM_LOCKOUT = 2,        /* the TPM is in DA lockout (TPM_RC_LOCKOUT) */
+    KBFS_TPM_NOT_THIS_TPM = 3,   /* the blobs fail the integrity check under this TPM's primary */
+    KBFS_TPM_UNREACHABLE = 4,    /* the TCTI could not be loaded/connect, or the TPM stopped answering */
+    KBFS_TPM_ERROR = 5,          /* anything else (bad arguments, buffer too small, TPM errors) */
+    KBFS_TPM_NV_MISSING = 6      /* the NV index is not defined */
+};
+
+/* Buffer sizes that always suffice for kbfs_tpm_seal's outputs (real blobs are far smaller). */
+#define KBFS_TPM_PUB_MAX 1024
+#define KBFS_TPM_PRIV_MAX 2048
+/* Limits on the inputs. */
+#define KBFS_TPM_SECRET_MAX 64
+#define KBFS_TPM_AUTH_MAX 32
+/* Where kbfs_tpm_nv_define_counter picks its NV index. */
+#define KBFS_TPM_NV_FIRST 0x01C90000u
+#define KBFS_TPM_NV_LAST 0x01C9FFFFu
+
+typedef struct kbfs_tpm kbfs_tpm; /* opaque: TCTI + ESYS context + the primary's handle */
+
+/* The TPM's dictionary-attack state: failed tries now, tries allowed, seconds per forgiven
+   try, seconds before lockoutAuth may be retried, and whether the TPM is locked out now. */
+typedef struct { uint32_t counter, max_tries, interval, recovery; int in_lockout; } kbfs_tpm_da;
+
+/* Sets TSS2_LOG=all+NONE (unless TSS2_LOG is already set) so tpm2-tss prints nothing on stderr
+   for expected failures; call once early, before threads start (it uses setenv). */
+void kbfs_tpm_quiet_logs(void);
+
+/* Connects through the TCTI string (NULL = tctildr default, e.g. "device:/dev/tpmrm0" or
+   "swtpm:host=127.0.0.1,port=2321") and creates the storage primary (owner hierarchy, empty
+   owner auth) from a fixed template: ECC NIST P-256, AES-128-CFB, restricted|decrypt|fixedTPM|
+   fixedParent|sensitiveDataOrigin|userWithAuth|noDA; the same TPM always yields the same key. */
+int kbfs_tpm_open(const char *tcti, kbfs_tpm **out, char *err, size_t errlen);
+/* Flushes the primary, finalizes ESYS and the TCTI, frees t (NULL is fine). */
+void kbfs_tpm_close(kbfs_tpm *t);
+
+/* Seals secret (1..64 bytes) in a KEYEDHASH object under the primary with authValue auth
+   (1..32 bytes), attributes fixedTPM|fixedParent|userWithAuth (DA-protected), through a salted
+   session with command parameter encryption; writes the marshalled TPM2B_PUBLIC / TPM2B_PRIVATE
+   into pub / priv (capacities in *pub_len / *priv_len, lengths out). */
+int kbfs_tpm_seal(kbfs_tpm *t, const uint8_t *secret, size_t secret_len, const uint8_t *auth, size_t auth_len,
+                  uint8_t *pub, size_t *pub_len, uint8_t *priv, size_t *priv_len, char *err, size_t errlen);
+/* Loads the blobs under the primary (integrity failure: NOT_THIS_TPM) and unseals with auth
+   through a salted session with response parameter encryption; writes the secret into out
+   (capacity *out_len in, length out). BAD_AUTH on a wrong auth (one more DA failure),
+   LOCKOUT while the TPM is locked out. The loaded object and the session are always flushed. */
+int kbfs_tpm_unseal(kbfs_tpm *t, const uint8_t *pub, size_t pub_len, const uint8_t *priv, size_t priv_len,
+                    const uint8_t *auth, size_t auth_len, uint8_t *out, size_t *out_len, char *err, size_t errlen);
+
+/* Reads TPM_PT_LOCKOUT_COUNTER, _MAX_AUTH_FAIL, _LOCKOUT_INTERVAL, _LOCKOUT_RECOVERY and
+   TPM_PT_PERMANENT's inLockout through TPM2_GetCapability. */
+int kbfs_tpm_da_info(kbfs_tpm *t, kbfs_tpm_da *out, char *err, size_t errlen);
+
+/* Defines a TPM_NT_COUNTER NV index (owner hierarchy, empty owner auth; AUTHWRITE|AUTHREAD|
+   NO_DA, authValue auth of 1..32 bytes) at a random free index in KBFS_TPM_NV_FIRST..LAST,
+   increments it once so it is readable, and returns the index. */
+int kbfs_tpm_nv_define_counter(kbfs_tpm *t, const uint8_t *auth, size_t auth_len, uint32_t *index_out, char *err, size_t errlen);
+/* Increments the counter at index by one (NV_MISSING when the index is not defined). */
+int kbfs_tpm_nv_increment(kbfs_tpm *t, uint32_t index, const uint8_t *auth, size_t auth_len, char *err, size_t errlen);
+/* Reads the counter at index into *value (NV_MISSING when the index is not defined). */
+int kbfs_tpm_nv_read_counter(kbfs_tpm *t, uint32_t index, const uint8_t *auth, size_t auth_len, uint64_t *value, char *err, size_t errlen);
+/* Undefines the NV index with the owner's (empty) auth (NV_MISSING when it is not defined). */
+int kbfs_tpm_nv_undefine(kbfs_tpm *t, uint32_t index, char *err, size_t errlen);
+
+#endif

@@ -1,0 +1,259 @@
+import Dispatch
+import Foundation
+import Glibc
+
+/// The hardware's part of a device's passcode key: a secret per keybag salt that the
+/// hardware releases only for the right authorization (counting wrong ones in its own
+/// lockout), and a monotonic counter of the keybag's generations (rollback). A TPM 2.0 is
+/// the one kind (`TPMSealer`).
+public protocol PasscodeSealer: Sendable {
+    /// The secret sealed for keybag salt `salt`, released for `auth`; with `making`, a new
+    /// random one is sealed when none is (wrapping under a new passcode).
+    func secret(salt: String, auth: SecureKey, making: Bool) throws -> SecureKey
+    /// Forgets the secrets of every salt but `salt` (once the keybag with it is saved).
+    func keepOnly(salt: String) throws
+    /// The keybag generation the hardware last counted (nil: it keeps none).
+    func generation() throws -> UInt64?
+    /// Counts one more keybag generation.
+    func advanceGeneration() throws
+    /// The hardware's lockout counter and limits.
+    func lockoutState() throws -> TPMLockoutState
+}
+
+/// This device's TPM enrollment, kept outside the store beside its key-set floor
+/// (`STATE/DEVICEID.tpm2`, STATE being `$STATE_DIRECTORY` or /var/lib/keybagfs; JSON, mode
+/// 0600), so a sync engine never carries it to another device and the daemon and every
+/// command find it whatever path the device key comes from (a file, a systemd credential):
+/// the TCTI, one sealed object per keybag salt (two only while a passcode changes), the NV
+/// counter.
+public struct TPMEnrollment: Codable, Sendable, Equatable {
+    /// One sealed object: TPM2B_PUBLIC and TPM2B_PRIVATE as tpm2-tss marshals them, base64.
+    public struct SealedObject: Codable, Sendable, Equatable {
+        public var publicBlob: String
+        public var privateBlob: String
+    }
+
+    /// Format of this file (1).
+    public var format = 1
+    /// How the TPM is reached (`device:/dev/tpmrm0`, `swtpm:host=…,port=…`).
+    public var tcti: String
+    /// Sealed objects by the keybag salt (`kdfSalt`) their authorization belongs to.
+    public var objects: [String: SealedObject] = [:]
+    /// The NV index of this device's keybag-generation counter.
+    public var nvIndex: UInt32?
+
+    /// Where the enrollment of device `deviceID` lives.
+    public static func path(deviceID: String) -> String { KeySetFloor.stateFolder + "/\(deviceID).tpm2" }
+
+    /// The enrollment at `path`; nil when there is none.
+    public static func load(from path: String) throws -> TPMEnrollment? {
+        guard let data = FileManager.default.contents(atPath: path) else {
+            if FileManager.default.fileExists(atPath: path) { throw KeybagError.system("cannot read \(path)", errno) }
+            return nil
+        }
+        do { return try JSONDecoder().decode(TPMEnrollment.self, from: data) } catch {
+            throw KeybagError.corrupt("the TPM enrollment \(path) is not valid")
+        }
+    }
+
+    /// Writes the enrollment atomically (temp file, fsync, rename), mode 0600.
+    func save(to path: String) throws {
+        try? FileManager.default.createDirectory(
+            atPath: (path as NSString).deletingLastPathComponent, withIntermediateDirectories: true,
+            attributes: [.posixPermissions: 0o700])
+        let enc = JSONEncoder()
+        enc.outputFormatting = [.prettyPrinted, .sortedKeys]
+        try Keybag.writeAtomically(try enc.encode(self), to: path)
+    }
+}
+
+/// A device's TPM 2.0 as its `PasscodeSealer`: each operation opens its own connection
+/// (tpm2-tss contexts are not thread-safe), calls are serialised, the enrollment file is
+/// rewritten atomically after each change.
+public final class TPMSealer: PasscodeSealer {
+    /// The enrollment file.
+    public let path: String
+    /// The enrollment as last written.
+    private let enrollment: Locked<TPMEnrollment>
+    /// The NV counter's authorization (from the device key; not a passcode secret).
+    private let nvAuth: SecureKey
+    /// The enrollment a new one replaces: its NV counter goes once the keybag no longer needs it.
+    private let replaced = Locked<TPMEnrollment?>(nil)
+    /// The lockout state last read (CLOCK_MONOTONIC ns) for `status`, which may be asked
+    /// often: each read re-creates the storage primary, slow on some TPMs. Dropped at each
+    /// unseal, so a status after an unlock attempt is fresh.
+    private let lastState = Locked<(at: UInt64, state: TPMLockoutState)?>(nil)
+    /// How long a read lockout state is reused.
+    static let stateReuse: UInt64 = 2_000_000_000
+
+    /// Where seal and unseal run: a helper process (the daemon), or this process (nil: the
+    /// short-lived commands, whose memory ends with them).
+    private let helper: TPMHelperProcess?
+
+    private init(path: String, enrollment: TPMEnrollment, nvAuth: SecureKey, helper: TPMHelperProcess? = nil) {
+        self.path = path
+        self.enrollment = Locked(enrollment)
+        self.nvAuth = nvAuth
+        self.helper = helper
+    }
+
+    deinit { nvAuth.wipe() }
+
+    /// The NV counter's authorization: BLAKE2b keyed by the device key.
+    static func nvAuth(deviceKey: SecureKey, storeID: String) throws -> SecureKey {
+        try deviceKey.withBytes { KeyWrap.keyedHash(key: $0, parts: [Array("keybagfs-tpm-nv-v1".utf8), Array(storeID.utf8)]) }
+    }
+
+    /// The TCTI in use.
+    public var tcti: String { enrollment.withLock { $0.tcti } }
+
+    /// This device's enrollment (nil when there is none), reached through `tcti` when given
+    /// (the TPM moved: another TCTI string for the same TPM).
+    /// With `helper`, seal and unseal run in that helper process.
+    public static func load(
+        tcti: String?, deviceKey: SecureKey, storeID: String, helper: TPMHelperProcess? = nil
+    ) throws -> TPMSealer? {
+        let path = TPMEnrollment.path(deviceID: try DeviceIdentity.id(deviceKey: deviceKey, storeID: storeID))
+        guard var e = try TPMEnrollment.load(from: path) else { return nil }
+        if let tcti { e.tcti = tcti }
+        return TPMSealer(path: path, enrollment: e, nvAuth: try nvAuth(deviceKey: deviceKey, storeID: storeID), helper: helper)
+    }
+
+    /// A new enrollment on the TPM at `tcti` (reached now, to fail early). Nothing is
+    /// written on the TPM or to `path` until the first seal (after a recovery key or
+    /// passcode was checked), which also defines the NV counter; the NV counter of an
+    /// enrollment it replaces is released once the keybag is saved with the new one (`keepOnly`).
+    public static func enroll(tcti: String, deviceKey: SecureKey, storeID: String) throws -> TPMSealer {
+        _ = try TPMConnection(tcti: tcti)
+        let path = TPMEnrollment.path(deviceID: try DeviceIdentity.id(deviceKey: deviceKey, storeID: storeID))
+        let sealer = TPMSealer(
+            path: path, enrollment: TPMEnrollment(tcti: tcti), nvAuth: try nvAuth(deviceKey: deviceKey, storeID: storeID))
+        sealer.replaced.withLock { $0 = (try? TPMEnrollment.load(from: path)).flatMap { $0 } }
+        return sealer
+    }
+
+    public func secret(salt: String, auth: SecureKey, making: Bool) throws -> SecureKey {
+        defer { lastState.withLock { $0 = nil } }
+        return try enrollment.withLock { e in
+            if let o = e.objects[salt], let pub = Data(base64Encoded: o.publicBlob), let priv = Data(base64Encoded: o.privateBlob) {
+                guard let helper else {
+                    return try TPMConnection(tcti: e.tcti).unseal(public: [UInt8](pub), private: [UInt8](priv), auth: auth)
+                }
+                do { return try helper.unseal(tcti: e.tcti, public: [UInt8](pub), private: [UInt8](priv), auth: auth) } catch TPMError.lockout {
+                    let wait = (try? TPMConnection(tcti: e.tcti).lockoutState().recoveryTime) ?? 1
+                    throw TPMError.lockout(retryAfter: Double(max(1, wait)))
+                }
+            }
+            guard making else {
+                throw KeybagError.invalid(
+                    "this device's TPM enrollment \(path) holds no secret for its keybag (one of the two was replaced); " +
+                        "run `keybagfs recover` with the recovery key")
+            }
+            let secret = SecureKey(random: 32)
+            do {
+                let tpm = try TPMConnection(tcti: e.tcti)
+                let (pub, priv) = try helper.map { try $0.seal(tcti: e.tcti, secret: secret, auth: auth) } ?? tpm.seal(secret, auth: auth)
+                var next = e
+                if next.nvIndex == nil { next.nvIndex = try tpm.defineCounter(auth: nvAuth) }
+                next.objects[salt] = .init(
+                    publicBlob: Data(pub).base64EncodedString(), privateBlob: Data(priv).base64EncodedString())
+                try next.save(to: path)
+                e = next
+            } catch { secret.wipe(); throw error }
+            return secret
+        }
+    }
+
+    public func keepOnly(salt: String) throws {
+        try enrollment.withLock { e in
+            if e.objects.keys.contains(where: { $0 != salt }) {
+                var next = e
+                next.objects = next.objects.filter { $0.key == salt }
+                try next.save(to: path)
+                e = next
+            }
+            // A replaced enrollment's counter on this TPM (it answers to this device's NV
+            // authorization, so it is ours, not another store's at the same index): released.
+            if let old = replaced.withLock({ r -> TPMEnrollment? in defer { r = nil }; return r }),
+                let index = old.nvIndex, index != e.nvIndex, let tpm = try? TPMConnection(tcti: e.tcti),
+                (try? tpm.readCounter(index, auth: nvAuth)) != nil
+            {
+                try? tpm.undefineCounter(index)
+            }
+        }
+    }
+
+    public func generation() throws -> UInt64? {
+        try enrollment.withLock { e in
+            guard let index = e.nvIndex else { return nil }
+            return try TPMConnection(tcti: e.tcti).readCounter(index, auth: nvAuth)
+        }
+    }
+
+    public func advanceGeneration() throws {
+        try enrollment.withLock { e in
+            guard let index = e.nvIndex else { return }
+            try TPMConnection(tcti: e.tcti).incrementCounter(index, auth: nvAuth)
+        }
+    }
+
+    public func lockoutState() throws -> TPMLockoutState {
+        let now = DispatchTime.now().uptimeNanoseconds
+        if let last = lastState.withLock({ $0 }), now &- last.at < Self.stateReuse { return last.state }
+        let state = try enrollment.withLock { try TPMConnection(tcti: $0.tcti).lockoutState() }
+        lastState.withLock { $0 = (now, state) }
+        return state
+    }
+
+    /// Takes the device off its TPM: releases the NV counter (best effort: a cleared TPM
+    /// has none) and deletes the enrollment file.
+    public func remove() throws {
+        try enrollment.withLock { e in
+            if let index = e.nvIndex {
+                do { try TPMConnection(tcti: e.tcti).undefineCounter(index) } catch TPMError.nvMissing {}
+            }
+            guard unlink(path) == 0 || errno == ENOENT else { throw KeybagError.system("cannot remove \(path)", errno) }
+            DeviceKeyFile.syncFolder(of: path)
+        }
+    }
+}
+
+extension Keybag {
+    /// Gives a keybag bound to a TPM (`file.tpm2`) its sealer, from this device's enrollment
+    /// (`tcti` overrides the TCTI it names), and refuses a keybag older than the TPM's
+    /// counter. Call before anything saves the keybag. Nothing to do without a TPM.
+    /// With `helper` (the daemon), seal and unseal run in that helper process.
+    public mutating func attachTPM(tcti: String?, deviceKey: SecureKey, helper: TPMHelperProcess? = nil) throws {
+        guard file.tpm2 == true else { return }
+        let path = TPMEnrollment.path(deviceID: try DeviceIdentity.id(deviceKey: deviceKey, storeID: file.storeID))
+        guard let sealer = try TPMSealer.load(tcti: tcti, deviceKey: deviceKey, storeID: file.storeID, helper: helper) else {
+            throw KeybagError.invalid(
+                "this device's passcode is bound to a TPM, but its enrollment \(path) is missing: run `keybagfs " +
+                    "recover \(storePath)` with the recovery key, which enrolls this machine's TPM")
+        }
+        self.sealer = sealer
+        try checkGeneration()
+    }
+}
+
+extension Keybag {
+    /// Moves this device's passcode key onto `sealer` (a TPM), or off its TPM (`nil`): the
+    /// passcode is checked (a wrong one counts), A, B and C of every key set are rewrapped
+    /// under a new salt with the new sealer, and the keybag saved; the old sealer's objects
+    /// are the caller's to release. No file data changes.
+    public mutating func moveToSealer(
+        _ next: (any PasscodeSealer)?, passcode: SecureKey, deviceKey: SecureKey,
+        now: Double = Date().timeIntervalSince1970
+    ) throws {
+        if counterKey == nil { _ = try authenticate(deviceKey: deviceKey, now: now) }
+        let wait = retryAfter(now: now)
+        guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
+        let sets: [UnlockedClassKeys]
+        do { sets = try unlockAll(passcode: passcode, deviceKey: deviceKey) } catch KeybagError.badPasscode {
+            try recordFailure(now: now)
+            throw KeybagError.badPasscode
+        }
+        defer { for s in sets { s.wipe() } }
+        try rewrapUnderNewSalt(sets, passcode: passcode, deviceKey: deviceKey, sealer: next)
+    }
+}
