@@ -693,6 +693,25 @@ public struct Keybag: Sendable {
         return keys
     }
 
+    /// `unlockAll` for the offline commands: the keybag authenticated, the throttle honoured,
+    /// a wrong passcode counted in the keybag (and, with a TPM, in the TPM's lockout), a right
+    /// one clearing the count, as the daemon's unlock does.
+    public mutating func unlockCounting(
+        passcode: SecureKey, deviceKey: SecureKey, now: Double = Date().timeIntervalSince1970
+    ) throws -> [UnlockedClassKeys] {
+        if counterKey == nil { _ = try authenticate(deviceKey: deviceKey, now: now) }
+        let wait = retryAfter(now: now)
+        guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
+        do {
+            let sets = try unlockAll(passcode: passcode, deviceKey: deviceKey)
+            do { try recordSuccess() } catch { for k in sets { k.wipe() }; throw error }
+            return sets
+        } catch KeybagError.badPasscode {
+            try recordFailure(now: now)
+            throw KeybagError.badPasscode
+        }
+    }
+
     /// Rewraps A, B and C of every key set under a new passcode (new salt); no file data changes.
     public mutating func changePasscode(old: SecureKey, new: SecureKey, deviceKey: SecureKey) throws {
         let sets = try unlockAll(passcode: old, deviceKey: deviceKey)
@@ -729,7 +748,13 @@ public struct Keybag: Sendable {
         guard file.tpm2 == true, let sealer else { return }
         let counted: UInt64?
         do { counted = try sealer.generation() } catch let e as TPMError { throw KeybagError.invalid(Keybag.tpmTrouble(e)) }
-        guard let counted else { return }
+        guard let counted else {
+            // Every completed enrollment has its counter: one without names no counter to check
+            // (an edited enrollment), so nothing would stop an older keybag.
+            throw KeybagError.corrupt(
+                "this device's TPM enrollment names no keybag counter (it was edited); nothing was changed. Run " +
+                    "`keybagfs recover` with the recovery key")
+        }
         let mine = file.generation ?? 0
         guard mine >= counted else {
             throw KeybagError.corrupt(

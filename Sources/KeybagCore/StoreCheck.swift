@@ -71,7 +71,7 @@ public final class StoreCheck {
         let set = kb.currentKeySet
         classBPublic = [UInt8](
             Data(base64Encoded: set == 0 ? kb.file.classBPublic : kb.file.classBPublics?[String(set)] ?? "") ?? Data())
-        if let passcode { keyring.install(try kb.unlockAll(passcode: passcode, deviceKey: deviceKey)) }
+        if let passcode { keyring.install(try kb.unlockCounting(passcode: passcode, deviceKey: deviceKey)) }
         content = EncryptedContent(layout: BlockLayout(cipher: kb.cipher))
         if try keybag.counterIsAuthentic(deviceKey: deviceKey) == false {
             note(

@@ -89,7 +89,9 @@ final class TPMConnection {
     private static func call(_ body: (UnsafeMutablePointer<CChar>, Int) -> Int32) throws {
         var err = [CChar](repeating: 0, count: 256)
         let rc = err.withUnsafeMutableBufferPointer { body($0.baseAddress!, $0.count) }
-        guard rc == Int32(KBFS_TPM_OK) else { throw TPMError(code: rc, message: String(cString: err)) }
+        guard rc == Int32(KBFS_TPM_OK) else {
+            throw TPMError(code: rc, message: String(decoding: err.prefix { $0 != 0 }.map { UInt8(bitPattern: $0) }, as: UTF8.self))
+        }
     }
 
     /// Seals `secret` under `auth`: the object's public and private blobs.

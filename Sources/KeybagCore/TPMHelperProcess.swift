@@ -45,6 +45,8 @@ public struct TPMHelperProcess: Sendable {
     private func exchange<R>(
         op: UInt8, tcti: String, a: Part, b: Part, auth: SecureKey, payload: (Int32) throws -> R
     ) throws -> R {
+        // A helper that ends early must give this process EPIPE, not SIGPIPE (its default kills).
+        signal(SIGPIPE, SIG_IGN)
         var toChild: [Int32] = [0, 0], fromChild: [Int32] = [0, 0]
         guard pipe(&toChild) == 0 else { throw KeybagError.system("pipe", errno) }
         guard pipe(&fromChild) == 0 else {

@@ -186,14 +186,24 @@ public final class TPMSealer: PasscodeSealer {
     public func generation() throws -> UInt64? {
         try enrollment.withLock { e in
             guard let index = e.nvIndex else { return nil }
-            return try TPMConnection(tcti: e.tcti).readCounter(index, auth: nvAuth)
+            return try Self.counterCall { try TPMConnection(tcti: e.tcti).readCounter(index, auth: nvAuth) }
         }
     }
 
     public func advanceGeneration() throws {
         try enrollment.withLock { e in
             guard let index = e.nvIndex else { return }
-            try TPMConnection(tcti: e.tcti).incrementCounter(index, auth: nvAuth)
+            try Self.counterCall { try TPMConnection(tcti: e.tcti).incrementCounter(index, auth: nvAuth) }
+        }
+    }
+
+    /// A call on the NV counter: a refused authorization there is not a wrong passcode (the
+    /// counter answers to the device key), but an index that is not this device's.
+    private static func counterCall<R>(_ body: () throws -> R) throws -> R {
+        do { return try body() } catch TPMError.badAuth {
+            throw TPMError.failed(
+                "the TPM refused this device's authorization for its keybag counter: the enrollment names an index " +
+                    "that is not this device's (edited?)")
         }
     }
 

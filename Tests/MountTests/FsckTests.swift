@@ -39,6 +39,27 @@ final class FsckTests: XCTestCase {
         XCTAssertEqual(keyless.out["filesWithoutKey"] as? Int, 2, "class C contents need the passcode")
     }
 
+    /// fsck with a passcode is one more place to guess it: wrong passcodes count in the
+    /// keybag as the daemon's unlock does, and the throttle holds there too (fsck used to try
+    /// every passcode it was given, uncounted).
+    func testFsckCountsWrongPasscodesAndHonoursTheThrottle() throws {
+        let m = try MountFixture(mount: false)
+        defer { m.close() }
+        for i in 1...5 {
+            let r = MountFixture.run(MountFixture.binDir + "/keybagfs", ["fsck", m.store, "--device-key", m.deviceKey, "--passcode-stdin"], stdin: "guess \(i)\n")
+            XCTAssertNotEqual(r.code, 0, "guess \(i) opened the store")
+            XCTAssertTrue(r.stderr.contains("wrong passcode"), "guess \(i): \(r.stderr)")
+        }
+        let kb = try XCTUnwrap(JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: m.store + "/keybag"))) as? [String: Any])
+        XCTAssertEqual(kb["failedAttempts"] as? Int, 5, "each wrong guess counted")
+        let right = MountFixture.run(MountFixture.binDir + "/keybagfs", ["fsck", m.store, "--device-key", m.deviceKey, "--passcode-stdin"], stdin: m.passcode + "\n")
+        XCTAssertNotEqual(right.code, 0, "the throttle let fsck try a passcode")
+        XCTAssertTrue(right.stderr.contains("try again in"), right.stderr)
+        try m.mount()
+        let r = m.ctl(["unlock", "--passcode-stdin"], stdin: m.passcode + "\n")
+        XCTAssertTrue(r.stderr.contains("throttled"), "the daemon sees the same count: \(r.stderr)")
+    }
+
     func testFsckReportsExactlyTheDamageAndRepairsIt() throws {
         let m = try MountFixture()
         addTeardownBlock { m.close() }
