@@ -20,6 +20,7 @@ _Static_assert(KBFS_TPM_PUB_MAX >= sizeof(TPM2B_PUBLIC), "KBFS_TPM_PUB_MAX too s
 _Static_assert(KBFS_TPM_PRIV_MAX >= sizeof(TPM2B_PRIVATE), "KBFS_TPM_PRIV_MAX too small");
 _Static_assert(KBFS_TPM_AUTH_MAX <= sizeof(((TPM2B_AUTH *)0)->buffer), "auth buffer");
 _Static_assert(KBFS_TPM_SECRET_MAX <= sizeof(((TPM2B_SENSITIVE_DATA *)0)->buffer), "secret buffer");
+_Static_assert(KBFS_TPM_NAME_MAX >= sizeof(((TPM2B_NAME *)0)->name), "KBFS_TPM_NAME_MAX too small");
 
 struct kbfs_tpm {
     TSS2_TCTI_CONTEXT *tcti;
@@ -159,18 +160,22 @@ static TSS2_RC set_session_attrs(kbfs_tpm *t, ESYS_TR session, TPMA_SESSION attr
     return Esys_TRSess_SetAttributes(t->esys, session, attrs | TPMA_SESSION_CONTINUESESSION, 0xFF);
 }
 
-/* Starts an HMAC session salted to the primary (AES-128-CFB, SHA-256) with `attrs`. */
-static TSS2_RC start_session(kbfs_tpm *t, TPMA_SESSION attrs, ESYS_TR *session) {
+/* Starts a session of `type` (HMAC or POLICY) salted to the primary (AES-128-CFB, SHA-256) with `attrs`. */
+static TSS2_RC start_typed_session(kbfs_tpm *t, TPM2_SE type, TPMA_SESSION attrs, ESYS_TR *session) {
     TSS2_RC rc;
     *session = ESYS_TR_NONE;
     RETRYING(rc, Esys_StartAuthSession(t->esys, t->primary, ESYS_TR_NONE, ESYS_TR_NONE, ESYS_TR_NONE,
-                                       ESYS_TR_NONE, NULL, TPM2_SE_HMAC, &session_cipher,
-                                       TPM2_ALG_SHA256, session));
+                                       ESYS_TR_NONE, NULL, type, &session_cipher, TPM2_ALG_SHA256, session));
     if (rc != TSS2_RC_SUCCESS) {
         *session = ESYS_TR_NONE;
         return rc;
     }
     return set_session_attrs(t, *session, attrs);
+}
+
+/* Starts an HMAC session salted to the primary (AES-128-CFB, SHA-256) with `attrs`. */
+static TSS2_RC start_session(kbfs_tpm *t, TPMA_SESSION attrs, ESYS_TR *session) {
+    return start_typed_session(t, TPM2_SE_HMAC, attrs, session);
 }
 
 /* UNREACHABLE with a message when an earlier transport failure killed t. */
@@ -183,6 +188,146 @@ static int dead(kbfs_tpm *t, char *err, size_t errlen) {
 /* Checks a 1..max-byte input. */
 static int bad_len(size_t len, size_t max) { return len == 0 || len > max; }
 
+/* Whether a TCTI string names an allowed module: the part before the first ':' (or all of it)
+   is exactly device, swtpm, mssim or tabrmd, so tctildr never dlopens a path or another .so. */
+static int tcti_allowed(const char *tcti) {
+    static const char *const allowed[] = {"device", "swtpm", "mssim", "tabrmd"};
+    const char *colon = strchr(tcti, ':');
+    size_t n = colon != NULL ? (size_t)(colon - tcti) : strlen(tcti);
+    if (memchr(tcti, '/', n) != NULL) return 0;
+    for (size_t i = 0; i < sizeof allowed / sizeof allowed[0]; i++)
+        if (strlen(allowed[i]) == n && memcmp(allowed[i], tcti, n) == 0) return 1;
+    return 0;
+}
+
+/* Parses marshalled TPM2B_PUBLIC / TPM2B_PRIVATE blobs that must be consumed exactly. */
+static int parse_blobs(const uint8_t *pub, size_t pub_len, const uint8_t *priv, size_t priv_len,
+                       TPM2B_PUBLIC *in_public, TPM2B_PRIVATE *in_private, const char *who, char *err, size_t errlen) {
+    memset(in_public, 0, sizeof *in_public);
+    memset(in_private, 0, sizeof *in_private);
+    size_t off = 0;
+    TSS2_RC rc = Tss2_MU_TPM2B_PUBLIC_Unmarshal(pub, pub_len, &off, in_public);
+    if (rc != TSS2_RC_SUCCESS || off != pub_len) {
+        say(err, errlen, "%s: malformed public blob", who);
+        return KBFS_TPM_ERROR;
+    }
+    off = 0;
+    rc = Tss2_MU_TPM2B_PRIVATE_Unmarshal(priv, priv_len, &off, in_private);
+    if (rc != TSS2_RC_SUCCESS || off != priv_len) {
+        say(err, errlen, "%s: malformed private blob", who);
+        return KBFS_TPM_ERROR;
+    }
+    return KBFS_TPM_OK;
+}
+
+/* Loads parsed blobs under the primary (no secret crosses: the private part is encrypted to the
+   primary's seed); an integrity failure means another TPM's blobs: NOT_THIS_TPM. */
+static int load_blobs(kbfs_tpm *t, const TPM2B_PUBLIC *in_public, const TPM2B_PRIVATE *in_private, ESYS_TR *object,
+                      char *err, size_t errlen) {
+    TSS2_RC rc;
+    RETRYING(rc, Esys_Load(t->esys, t->primary, ESYS_TR_PASSWORD, ESYS_TR_NONE, ESYS_TR_NONE, in_private,
+                           in_public, object));
+    if (rc == TSS2_RC_SUCCESS) return KBFS_TPM_OK;
+    *object = ESYS_TR_NONE;
+    int code = fail_plain(t, err, errlen, "Load", rc);
+    if (from_tpm(rc) && tpm_base(rc) == TPM2_RC_INTEGRITY) {
+        say(err, errlen, "Load: the blobs do not belong to this TPM's storage primary (integrity check failed, 0x%X)",
+            (unsigned)rc);
+        code = KBFS_TPM_NOT_THIS_TPM;
+    }
+    return code;
+}
+
+/* Copies an unsealed secret into out (capacity *out_len); ERROR with the size needed when short. */
+static int copy_secret(const TPM2B_SENSITIVE_DATA *data, uint8_t *out, size_t *out_len, const char *who, char *err,
+                       size_t errlen) {
+    if (data->size > *out_len) {
+        say(err, errlen, "%s: output buffer holds %zu bytes, the secret has %u", who, *out_len, (unsigned)data->size);
+        *out_len = data->size;
+        return KBFS_TPM_ERROR;
+    }
+    memcpy(out, data->buffer, data->size);
+    *out_len = data->size;
+    return KBFS_TPM_OK;
+}
+
+/* Creates a sealed KEYEDHASH object holding secret with authValue auth, `attrs` and authPolicy
+   `policy` (NULL: none) under the primary, through `session` (salted; set to command parameter
+   encryption here), and marshals it into pub / priv. Leaves no copy of secret or auth in ESYS. */
+static int create_sealed(kbfs_tpm *t, ESYS_TR session, const uint8_t *secret, size_t secret_len, const uint8_t *auth,
+                         size_t auth_len, TPMA_OBJECT attrs, const TPM2B_DIGEST *policy, uint8_t *pub,
+                         size_t *pub_len, uint8_t *priv, size_t *priv_len, char *err, size_t errlen) {
+    int code = KBFS_TPM_OK;
+    TSS2_RC rc;
+    TPM2B_PRIVATE *out_private = NULL, *dummy_private = NULL;
+    TPM2B_PUBLIC *out_public = NULL, *dummy_public = NULL;
+
+    TPM2B_SENSITIVE_CREATE sensitive;
+    memset(&sensitive, 0, sizeof sensitive);
+    sensitive.sensitive.userAuth.size = (UINT16)auth_len;
+    memcpy(sensitive.sensitive.userAuth.buffer, auth, auth_len);
+    sensitive.sensitive.data.size = (UINT16)secret_len;
+    memcpy(sensitive.sensitive.data.buffer, secret, secret_len);
+
+    TPM2B_PUBLIC template;
+    memset(&template, 0, sizeof template);
+    template.publicArea.type = TPM2_ALG_KEYEDHASH;
+    template.publicArea.nameAlg = TPM2_ALG_SHA256;
+    template.publicArea.objectAttributes = attrs;
+    if (policy != NULL) template.publicArea.authPolicy = *policy;
+    template.publicArea.parameters.keyedHashDetail.scheme.scheme = TPM2_ALG_NULL;
+    TPM2B_DATA outside;
+    memset(&outside, 0, sizeof outside);
+    TPML_PCR_SELECTION no_pcrs;
+    memset(&no_pcrs, 0, sizeof no_pcrs);
+
+    rc = set_session_attrs(t, session, TPMA_SESSION_DECRYPT);
+    if (rc != TSS2_RC_SUCCESS) {
+        explicit_bzero(&sensitive, sizeof sensitive);
+        code = fail_plain(t, err, errlen, "Esys_TRSess_SetAttributes", rc);
+        goto out;
+    }
+    RETRYING(rc, Esys_Create(t->esys, t->primary, session, ESYS_TR_NONE, ESYS_TR_NONE, &sensitive, &template,
+                             &outside, &no_pcrs, &out_private, &out_public, NULL, NULL, NULL));
+    explicit_bzero(&sensitive, sizeof sensitive);
+    /* ESYS keeps a copy of the last TPM2_Create's inSensitive (secret and auth) in its context
+       until another Create replaces it, whether the command succeeded or not: create a throwaway
+       object holding one zero byte (the TPM refuses an empty sealed object) to overwrite it. */
+    if (classify(rc) != KBFS_TPM_UNREACHABLE) {
+        TSS2_RC rc2;
+        sensitive.sensitive.data.size = 1;
+        RETRYING(rc2, Esys_Create(t->esys, t->primary, ESYS_TR_PASSWORD, ESYS_TR_NONE, ESYS_TR_NONE, &sensitive,
+                                  &template, &outside, &no_pcrs, &dummy_private, &dummy_public, NULL, NULL, NULL));
+        if (classify(rc2) == KBFS_TPM_UNREACHABLE) t->dead = 1;
+    }
+    if (rc != TSS2_RC_SUCCESS) {
+        code = fail_plain(t, err, errlen, "Create (seal)", rc);
+        goto out;
+    }
+    size_t off = 0;
+    rc = Tss2_MU_TPM2B_PUBLIC_Marshal(out_public, pub, *pub_len, &off);
+    if (rc != TSS2_RC_SUCCESS) {
+        code = fail(t, err, errlen, "marshalling TPM2B_PUBLIC (buffer too small?)", rc);
+        goto out;
+    }
+    *pub_len = off;
+    off = 0;
+    rc = Tss2_MU_TPM2B_PRIVATE_Marshal(out_private, priv, *priv_len, &off);
+    if (rc != TSS2_RC_SUCCESS) {
+        code = fail(t, err, errlen, "marshalling TPM2B_PRIVATE (buffer too small?)", rc);
+        goto out;
+    }
+    *priv_len = off;
+
+out:
+    explicit_bzero(&sensitive, sizeof sensitive);
+    Esys_Free(out_private);
+    Esys_Free(out_public);
+    Esys_Free(dummy_private);
+    Esys_Free(dummy_public);
+    return code;
+}
+
 /* ---- Public API ---- */
 
 void kbfs_tpm_quiet_logs(void) { setenv("TSS2_LOG", "all+NONE", 0); }
@@ -193,6 +338,11 @@ int kbfs_tpm_open(const char *tcti, kbfs_tpm **out, char *err, size_t errlen) {
         return KBFS_TPM_ERROR;
     }
     *out = NULL;
+    if (tcti != NULL && !tcti_allowed(tcti)) {
+        say(err, errlen, "kbfs_tpm_open: TCTI module must be one of device, swtpm, mssim, tabrmd (the part before "
+                         "the first ':', no '/'); refusing \"%.64s\"", tcti);
+        return KBFS_TPM_ERROR;
+    }
     kbfs_tpm *t = calloc(1, sizeof *t);
     if (t == NULL) {
         say(err, errlen, "kbfs_tpm_open: out of memory");
@@ -273,74 +423,18 @@ int kbfs_tpm_seal(kbfs_tpm *t, const uint8_t *secret, size_t secret_len, const u
         return KBFS_TPM_ERROR;
     }
     int code = KBFS_TPM_OK;
-    TSS2_RC rc;
     ESYS_TR session = ESYS_TR_NONE;
-    TPM2B_PRIVATE *out_private = NULL, *dummy_private = NULL;
-    TPM2B_PUBLIC *out_public = NULL, *dummy_public = NULL;
-
-    TPM2B_SENSITIVE_CREATE sensitive;
-    memset(&sensitive, 0, sizeof sensitive);
-    sensitive.sensitive.userAuth.size = (UINT16)auth_len;
-    memcpy(sensitive.sensitive.userAuth.buffer, auth, auth_len);
-    sensitive.sensitive.data.size = (UINT16)secret_len;
-    memcpy(sensitive.sensitive.data.buffer, secret, secret_len);
-
-    TPM2B_PUBLIC template;
-    memset(&template, 0, sizeof template);
-    template.publicArea.type = TPM2_ALG_KEYEDHASH;
-    template.publicArea.nameAlg = TPM2_ALG_SHA256;
-    /* No noDA: every wrong auth counts toward the TPM's lockout. */
-    template.publicArea.objectAttributes = TPMA_OBJECT_FIXEDTPM | TPMA_OBJECT_FIXEDPARENT | TPMA_OBJECT_USERWITHAUTH;
-    template.publicArea.parameters.keyedHashDetail.scheme.scheme = TPM2_ALG_NULL;
-    TPM2B_DATA outside;
-    memset(&outside, 0, sizeof outside);
-    TPML_PCR_SELECTION no_pcrs;
-    memset(&no_pcrs, 0, sizeof no_pcrs);
-
-    rc = start_session(t, TPMA_SESSION_DECRYPT, &session);
+    TSS2_RC rc = start_session(t, TPMA_SESSION_DECRYPT, &session);
     if (rc != TSS2_RC_SUCCESS) {
         code = fail_plain(t, err, errlen, "StartAuthSession (salted)", rc);
         goto out;
     }
-    RETRYING(rc, Esys_Create(t->esys, t->primary, session, ESYS_TR_NONE, ESYS_TR_NONE, &sensitive, &template,
-                             &outside, &no_pcrs, &out_private, &out_public, NULL, NULL, NULL));
-    explicit_bzero(&sensitive, sizeof sensitive);
-    /* ESYS keeps a copy of the last TPM2_Create's inSensitive (secret and auth) in its context
-       until another Create replaces it, whether the command succeeded or not: create a throwaway
-       object holding one zero byte (the TPM refuses an empty sealed object) to overwrite it. */
-    if (classify(rc) != KBFS_TPM_UNREACHABLE) {
-        TSS2_RC rc2;
-        sensitive.sensitive.data.size = 1;
-        RETRYING(rc2, Esys_Create(t->esys, t->primary, ESYS_TR_PASSWORD, ESYS_TR_NONE, ESYS_TR_NONE, &sensitive,
-                                  &template, &outside, &no_pcrs, &dummy_private, &dummy_public, NULL, NULL, NULL));
-        if (classify(rc2) == KBFS_TPM_UNREACHABLE) t->dead = 1;
-    }
-    if (rc != TSS2_RC_SUCCESS) {
-        code = fail_plain(t, err, errlen, "Create (seal)", rc);
-        goto out;
-    }
-    size_t off = 0;
-    rc = Tss2_MU_TPM2B_PUBLIC_Marshal(out_public, pub, *pub_len, &off);
-    if (rc != TSS2_RC_SUCCESS) {
-        code = fail(t, err, errlen, "marshalling TPM2B_PUBLIC (buffer too small?)", rc);
-        goto out;
-    }
-    *pub_len = off;
-    off = 0;
-    rc = Tss2_MU_TPM2B_PRIVATE_Marshal(out_private, priv, *priv_len, &off);
-    if (rc != TSS2_RC_SUCCESS) {
-        code = fail(t, err, errlen, "marshalling TPM2B_PRIVATE (buffer too small?)", rc);
-        goto out;
-    }
-    *priv_len = off;
-
+    /* No noDA: every wrong auth counts toward the TPM's lockout. */
+    code = create_sealed(t, session, secret, secret_len, auth, auth_len,
+                         TPMA_OBJECT_FIXEDTPM | TPMA_OBJECT_FIXEDPARENT | TPMA_OBJECT_USERWITHAUTH, NULL, pub, pub_len,
+                         priv, priv_len, err, errlen);
 out:
-    explicit_bzero(&sensitive, sizeof sensitive);
     flush(t, &session);
-    Esys_Free(out_private);
-    Esys_Free(out_public);
-    Esys_Free(dummy_private);
-    Esys_Free(dummy_public);
     scrub_stack();
     return code;
 }
@@ -365,34 +459,10 @@ int kbfs_tpm_unseal(kbfs_tpm *t, const uint8_t *pub, size_t pub_len, const uint8
 
     TPM2B_PUBLIC in_public;
     TPM2B_PRIVATE in_private;
-    memset(&in_public, 0, sizeof in_public);
-    memset(&in_private, 0, sizeof in_private);
-    size_t off = 0;
-    rc = Tss2_MU_TPM2B_PUBLIC_Unmarshal(pub, pub_len, &off, &in_public);
-    if (rc != TSS2_RC_SUCCESS || off != pub_len) {
-        say(err, errlen, "kbfs_tpm_unseal: malformed public blob");
-        return KBFS_TPM_ERROR;
-    }
-    off = 0;
-    rc = Tss2_MU_TPM2B_PRIVATE_Unmarshal(priv, priv_len, &off, &in_private);
-    if (rc != TSS2_RC_SUCCESS || off != priv_len) {
-        say(err, errlen, "kbfs_tpm_unseal: malformed private blob");
-        return KBFS_TPM_ERROR;
-    }
-
-    /* Load carries no secret (the private blob is encrypted to the primary's seed). */
-    RETRYING(rc, Esys_Load(t->esys, t->primary, ESYS_TR_PASSWORD, ESYS_TR_NONE, ESYS_TR_NONE, &in_private,
-                           &in_public, &object));
-    if (rc != TSS2_RC_SUCCESS) {
-        object = ESYS_TR_NONE;
-        code = fail_plain(t, err, errlen, "Load", rc);
-        if (from_tpm(rc) && tpm_base(rc) == TPM2_RC_INTEGRITY) {
-            say(err, errlen, "Load: the blobs do not belong to this TPM's storage primary (integrity check failed, 0x%X)",
-                (unsigned)rc);
-            code = KBFS_TPM_NOT_THIS_TPM;
-        }
-        goto out;
-    }
+    code = parse_blobs(pub, pub_len, priv, priv_len, &in_public, &in_private, "kbfs_tpm_unseal", err, errlen);
+    if (code != KBFS_TPM_OK) return code;
+    code = load_blobs(t, &in_public, &in_private, &object, err, errlen);
+    if (code != KBFS_TPM_OK) goto out;
     object_auth.size = (UINT16)auth_len;
     memcpy(object_auth.buffer, auth, auth_len);
     rc = Esys_TR_SetAuth(t->esys, object, &object_auth);
@@ -413,15 +483,7 @@ int kbfs_tpm_unseal(kbfs_tpm *t, const uint8_t *pub, size_t pub_len, const uint8
         goto out;
     }
     scrub_response(t);
-    if (data->size > *out_len) {
-        say(err, errlen, "kbfs_tpm_unseal: output buffer holds %zu bytes, the secret has %u", *out_len,
-            (unsigned)data->size);
-        *out_len = data->size;
-        code = KBFS_TPM_ERROR;
-        goto out;
-    }
-    memcpy(out, data->buffer, data->size);
-    *out_len = data->size;
+    code = copy_secret(data, out, out_len, "kbfs_tpm_unseal", err, errlen);
 
 out:
     if (data != NULL) {
@@ -460,7 +522,11 @@ int kbfs_tpm_da_info(kbfs_tpm *t, kbfs_tpm_da *out, char *err, size_t errlen) {
         for (UINT32 i = 0; i < count && i < TPM2_MAX_TPM_PROPERTIES; i++) {
             TPMS_TAGGED_PROPERTY *p = &cap->data.tpmProperties.tpmProperty[i];
             switch (p->property) {
-            case TPM2_PT_PERMANENT: out->in_lockout = (p->value & TPMA_PERMANENT_INLOCKOUT) != 0; seen |= PERMANENT; break;
+            case TPM2_PT_PERMANENT:
+                out->in_lockout = (p->value & TPMA_PERMANENT_INLOCKOUT) != 0;
+                out->lockout_auth_set = (p->value & TPMA_PERMANENT_LOCKOUTAUTHSET) != 0;
+                seen |= PERMANENT;
+                break;
             case TPM2_PT_LOCKOUT_COUNTER: out->counter = p->value; seen |= COUNTER; break;
             case TPM2_PT_MAX_AUTH_FAIL: out->max_tries = p->value; seen |= MAX; break;
             case TPM2_PT_LOCKOUT_INTERVAL: out->interval = p->value; seen |= INTERVAL; break;
@@ -479,9 +545,32 @@ int kbfs_tpm_da_info(kbfs_tpm *t, kbfs_tpm_da *out, char *err, size_t errlen) {
     return KBFS_TPM_OK;
 }
 
-/* Gets an ESYS_TR for a defined NV index (NV_ReadPublic) with `auth` set on it. */
-static int nv_open(kbfs_tpm *t, uint32_t index, const uint8_t *auth, size_t auth_len, ESYS_TR *nv, char *err,
-                   size_t errlen) {
+/* Checks (NV_ReadPublic) that the index is what kbfs_tpm_nv_define_counter makes: a TPM_NT_COUNTER
+   with AUTHREAD, AUTHWRITE and NO_DA holding 8 bytes; anything else (say an ordinary index someone
+   defined with the same auth) is ERROR. */
+static int nv_check_counter(kbfs_tpm *t, ESYS_TR nv, uint32_t index, char *err, size_t errlen) {
+    TPM2B_NV_PUBLIC *info = NULL;
+    TSS2_RC rc;
+    RETRYING(rc, Esys_NV_ReadPublic(t->esys, nv, ESYS_TR_NONE, ESYS_TR_NONE, ESYS_TR_NONE, &info, NULL));
+    if (rc != TSS2_RC_SUCCESS) return fail_plain(t, err, errlen, "NV_ReadPublic", rc);
+    TPMA_NV a = info->nvPublic.attributes;
+    TPMA_NV need = TPMA_NV_AUTHREAD | TPMA_NV_AUTHWRITE | TPMA_NV_NO_DA;
+    unsigned type = (unsigned)((a & TPMA_NV_TPM2_NT_MASK) >> TPMA_NV_TPM2_NT_SHIFT);
+    int ok = type == TPM2_NT_COUNTER && (a & need) == need && info->nvPublic.dataSize == 8 &&
+             info->nvPublic.nvIndex == index;
+    if (!ok)
+        say(err, errlen,
+            "NV index 0x%08X is not a keybagfs counter (type %u, attributes 0x%08X, %u bytes; want TPM_NT_COUNTER "
+            "with AUTHREAD|AUTHWRITE|NO_DA, 8 bytes): refusing it",
+            index, type, (unsigned)a, (unsigned)info->nvPublic.dataSize);
+    Esys_Free(info);
+    return ok ? KBFS_TPM_OK : KBFS_TPM_ERROR;
+}
+
+/* Gets an ESYS_TR for a defined NV index (NV_ReadPublic) with `auth` set on it; with `counter`,
+   also requires nv_check_counter. */
+static int nv_open(kbfs_tpm *t, uint32_t index, const uint8_t *auth, size_t auth_len, int counter, ESYS_TR *nv,
+                   char *err, size_t errlen) {
     TSS2_RC rc;
     *nv = ESYS_TR_NONE;
     if (index < KBFS_TPM_NV_FIRST || index > KBFS_TPM_NV_LAST) {
@@ -497,6 +586,14 @@ static int nv_open(kbfs_tpm *t, uint32_t index, const uint8_t *auth, size_t auth
             code = KBFS_TPM_NV_MISSING;
         }
         return code;
+    }
+    if (counter) {
+        int code = nv_check_counter(t, *nv, index, err, errlen);
+        if (code != KBFS_TPM_OK) {
+            Esys_TR_Close(t->esys, nv);
+            *nv = ESYS_TR_NONE;
+            return code;
+        }
     }
     if (auth != NULL) {
         TPM2B_AUTH a;
@@ -625,7 +722,7 @@ int kbfs_tpm_nv_increment(kbfs_tpm *t, uint32_t index, const uint8_t *auth, size
         return KBFS_TPM_ERROR;
     }
     ESYS_TR nv = ESYS_TR_NONE, session = ESYS_TR_NONE;
-    int code = nv_open(t, index, auth, auth_len, &nv, err, errlen);
+    int code = nv_open(t, index, auth, auth_len, 1, &nv, err, errlen);
     if (code != KBFS_TPM_OK) goto out;
     TSS2_RC rc = start_session(t, 0, &session);
     if (rc != TSS2_RC_SUCCESS) {
@@ -654,7 +751,7 @@ int kbfs_tpm_nv_read_counter(kbfs_tpm *t, uint32_t index, const uint8_t *auth, s
     }
     ESYS_TR nv = ESYS_TR_NONE, session = ESYS_TR_NONE;
     TPM2B_MAX_NV_BUFFER *data = NULL;
-    int code = nv_open(t, index, auth, auth_len, &nv, err, errlen);
+    int code = nv_open(t, index, auth, auth_len, 1, &nv, err, errlen);
     if (code != KBFS_TPM_OK) goto out;
     TSS2_RC rc = start_session(t, TPMA_SESSION_ENCRYPT, &session);
     if (rc != TSS2_RC_SUCCESS) {
@@ -689,7 +786,7 @@ int kbfs_tpm_nv_undefine(kbfs_tpm *t, uint32_t index, char *err, size_t errlen) 
     }
     if (dead(t, err, errlen)) return KBFS_TPM_UNREACHABLE;
     ESYS_TR nv = ESYS_TR_NONE;
-    int code = nv_open(t, index, NULL, 0, &nv, err, errlen);
+    int code = nv_open(t, index, NULL, 0, 0, &nv, err, errlen);
     if (code != KBFS_TPM_OK) return code;
     TSS2_RC rc;
     RETRYING(rc, Esys_NV_UndefineSpace(t->esys, ESYS_TR_RH_OWNER, nv, ESYS_TR_PASSWORD, ESYS_TR_NONE,
@@ -700,4 +797,209 @@ int kbfs_tpm_nv_undefine(kbfs_tpm *t, uint32_t index, char *err, size_t errlen) 
         return code;
     }
     return KBFS_TPM_OK; /* ESYS dropped the ESYS_TR with the index */
+}
+
+int kbfs_tpm_primary_name(kbfs_tpm *t, uint8_t *out, size_t *out_len, char *err, size_t errlen) {
+    if (t == NULL || out == NULL || out_len == NULL) {
+        say(err, errlen, "kbfs_tpm_primary_name: NULL argument");
+        return KBFS_TPM_ERROR;
+    }
+    if (dead(t, err, errlen)) return KBFS_TPM_UNREACHABLE;
+    TPM2B_NAME *name = NULL;
+    TSS2_RC rc = Esys_TR_GetName(t->esys, t->primary, &name);
+    if (rc != TSS2_RC_SUCCESS) return fail_plain(t, err, errlen, "Esys_TR_GetName (primary)", rc);
+    int code = KBFS_TPM_OK;
+    if (name->size == 0 || name->size > *out_len) {
+        say(err, errlen, "kbfs_tpm_primary_name: buffer holds %zu bytes, the name has %u", *out_len,
+            (unsigned)name->size);
+        if (name->size != 0) *out_len = name->size;
+        code = KBFS_TPM_ERROR;
+    } else {
+        memcpy(out, name->name, name->size);
+        *out_len = name->size;
+    }
+    Esys_Free(name);
+    return code;
+}
+
+/* ---- Epoch-bound sealed objects ---- */
+
+/* Runs PolicyAuthValue then PolicyNV(nv's data <= bound, 8 bytes big-endian at offset 0, unsigned)
+   on `policy` (a policy or trial session); `nv_session` (salted HMAC) carries nv's auth for PolicyNV. */
+static TSS2_RC policy_epoch(kbfs_tpm *t, ESYS_TR policy, ESYS_TR nv, ESYS_TR nv_session, uint64_t bound,
+                            const char **step) {
+    TSS2_RC rc;
+    *step = "PolicyAuthValue";
+    RETRYING(rc, Esys_PolicyAuthValue(t->esys, policy, ESYS_TR_NONE, ESYS_TR_NONE, ESYS_TR_NONE));
+    if (rc != TSS2_RC_SUCCESS) return rc;
+    *step = "PolicyNV";
+    /* operandB is not secret: no parameter encryption; the HMAC keeps nv's auth off the wire. */
+    rc = set_session_attrs(t, nv_session, 0);
+    if (rc != TSS2_RC_SUCCESS) return rc;
+    TPM2B_OPERAND operand;
+    memset(&operand, 0, sizeof operand);
+    operand.size = 8;
+    for (int i = 0; i < 8; i++) operand.buffer[i] = (uint8_t)(bound >> (56 - 8 * i));
+    RETRYING(rc, Esys_PolicyNV(t->esys, nv, nv, policy, nv_session, ESYS_TR_NONE, ESYS_TR_NONE, &operand, 0,
+                               TPM2_EO_UNSIGNED_LE));
+    return rc;
+}
+
+/* The KBFS_TPM_* code for a failed policy_epoch step: a failed comparison is STALE, a refused
+   nv_auth is ERROR (not the passcode's BAD_AUTH), a vanished index NV_MISSING. */
+static int policy_epoch_fail(kbfs_tpm *t, const char *step, uint32_t index, TSS2_RC rc, char *err, size_t errlen) {
+    int code = fail_plain(t, err, errlen, step, rc);
+    if (!from_tpm(rc) || strcmp(step, "PolicyNV") != 0) return code;
+    TSS2_RC b = tpm_base(rc);
+    if (b == TPM2_RC_POLICY) {
+        say(err, errlen, "this sealed object's epoch has passed: the counter at NV index 0x%08X is above its bound "
+                         "(PolicyNV: 0x%X)", index, (unsigned)rc);
+        return KBFS_TPM_STALE;
+    }
+    if (b == TPM2_RC_AUTH_FAIL || b == TPM2_RC_BAD_AUTH) {
+        say(err, errlen, "PolicyNV: NV index 0x%08X refused nv_auth (0x%X)", index, (unsigned)rc);
+        return KBFS_TPM_ERROR;
+    }
+    if (b == TPM2_RC_HANDLE) {
+        say(err, errlen, "NV index 0x%08X is not defined (PolicyNV: 0x%X)", index, (unsigned)rc);
+        return KBFS_TPM_NV_MISSING;
+    }
+    return code;
+}
+
+int kbfs_tpm_seal_epoch(kbfs_tpm *t, const uint8_t *secret, size_t secret_len, const uint8_t *auth, size_t auth_len,
+                        uint32_t epoch_index, const uint8_t *nv_auth, size_t nv_auth_len, uint64_t bound,
+                        uint8_t *pub, size_t *pub_len, uint8_t *priv, size_t *priv_len, char *err, size_t errlen) {
+    if (t == NULL || secret == NULL || auth == NULL || nv_auth == NULL || pub == NULL || pub_len == NULL ||
+        priv == NULL || priv_len == NULL) {
+        say(err, errlen, "kbfs_tpm_seal_epoch: NULL argument");
+        return KBFS_TPM_ERROR;
+    }
+    if (dead(t, err, errlen)) return KBFS_TPM_UNREACHABLE;
+    if (bad_len(secret_len, KBFS_TPM_SECRET_MAX) || bad_len(auth_len, KBFS_TPM_AUTH_MAX) ||
+        bad_len(nv_auth_len, KBFS_TPM_AUTH_MAX)) {
+        say(err, errlen, "kbfs_tpm_seal_epoch: secret must be 1..%d bytes, auth and nv_auth 1..%d bytes",
+            KBFS_TPM_SECRET_MAX, KBFS_TPM_AUTH_MAX);
+        return KBFS_TPM_ERROR;
+    }
+    ESYS_TR nv = ESYS_TR_NONE, session = ESYS_TR_NONE, trial = ESYS_TR_NONE;
+    TPM2B_DIGEST *digest = NULL;
+    const char *step = "";
+    TSS2_RC rc;
+    int code = nv_open(t, epoch_index, nv_auth, nv_auth_len, 1, &nv, err, errlen);
+    if (code != KBFS_TPM_OK) goto out;
+    rc = start_session(t, 0, &session);
+    if (rc != TSS2_RC_SUCCESS) {
+        code = fail_plain(t, err, errlen, "StartAuthSession (salted)", rc);
+        goto out;
+    }
+    /* The trial session only accumulates the digest (it carries nothing secret): unsalted. */
+    const TPMT_SYM_DEF no_cipher = {.algorithm = TPM2_ALG_NULL};
+    RETRYING(rc, Esys_StartAuthSession(t->esys, ESYS_TR_NONE, ESYS_TR_NONE, ESYS_TR_NONE, ESYS_TR_NONE,
+                                       ESYS_TR_NONE, NULL, TPM2_SE_TRIAL, &no_cipher, TPM2_ALG_SHA256, &trial));
+    if (rc != TSS2_RC_SUCCESS) {
+        trial = ESYS_TR_NONE;
+        code = fail_plain(t, err, errlen, "StartAuthSession (trial)", rc);
+        goto out;
+    }
+    rc = policy_epoch(t, trial, nv, session, bound, &step);
+    if (rc != TSS2_RC_SUCCESS) {
+        code = policy_epoch_fail(t, step, epoch_index, rc, err, errlen);
+        goto out;
+    }
+    RETRYING(rc, Esys_PolicyGetDigest(t->esys, trial, ESYS_TR_NONE, ESYS_TR_NONE, ESYS_TR_NONE, &digest));
+    if (rc != TSS2_RC_SUCCESS) {
+        digest = NULL;
+        code = fail_plain(t, err, errlen, "PolicyGetDigest (trial)", rc);
+        goto out;
+    }
+    flush(t, &trial);
+    /* No userWithAuth: only the policy authorizes; no noDA: wrong auths count toward lockout. */
+    code = create_sealed(t, session, secret, secret_len, auth, auth_len, TPMA_OBJECT_FIXEDTPM | TPMA_OBJECT_FIXEDPARENT,
+                         digest, pub, pub_len, priv, priv_len, err, errlen);
+out:
+    Esys_Free(digest);
+    nv_close(t, &nv);
+    flush(t, &trial);
+    flush(t, &session);
+    scrub_stack();
+    return code;
+}
+
+int kbfs_tpm_unseal_epoch(kbfs_tpm *t, const uint8_t *pub, size_t pub_len, const uint8_t *priv, size_t priv_len,
+                          const uint8_t *auth, size_t auth_len, uint32_t epoch_index, const uint8_t *nv_auth,
+                          size_t nv_auth_len, uint64_t bound, uint8_t *out, size_t *out_len, char *err, size_t errlen) {
+    if (t == NULL || pub == NULL || priv == NULL || auth == NULL || nv_auth == NULL || out == NULL ||
+        out_len == NULL) {
+        say(err, errlen, "kbfs_tpm_unseal_epoch: NULL argument");
+        return KBFS_TPM_ERROR;
+    }
+    if (dead(t, err, errlen)) return KBFS_TPM_UNREACHABLE;
+    if (bad_len(auth_len, KBFS_TPM_AUTH_MAX) || bad_len(nv_auth_len, KBFS_TPM_AUTH_MAX)) {
+        say(err, errlen, "kbfs_tpm_unseal_epoch: auth and nv_auth must be 1..%d bytes", KBFS_TPM_AUTH_MAX);
+        return KBFS_TPM_ERROR;
+    }
+    TSS2_RC rc;
+    ESYS_TR object = ESYS_TR_NONE, nv = ESYS_TR_NONE, policy = ESYS_TR_NONE, nv_session = ESYS_TR_NONE;
+    TPM2B_SENSITIVE_DATA *data = NULL;
+    TPM2B_AUTH object_auth;
+    memset(&object_auth, 0, sizeof object_auth);
+    const char *step = "";
+
+    TPM2B_PUBLIC in_public;
+    TPM2B_PRIVATE in_private;
+    int code = parse_blobs(pub, pub_len, priv, priv_len, &in_public, &in_private, "kbfs_tpm_unseal_epoch", err, errlen);
+    if (code != KBFS_TPM_OK) return code;
+    code = load_blobs(t, &in_public, &in_private, &object, err, errlen);
+    if (code != KBFS_TPM_OK) goto out;
+    code = nv_open(t, epoch_index, nv_auth, nv_auth_len, 1, &nv, err, errlen);
+    if (code != KBFS_TPM_OK) goto out;
+    rc = start_typed_session(t, TPM2_SE_POLICY, TPMA_SESSION_ENCRYPT, &policy);
+    if (rc != TSS2_RC_SUCCESS) {
+        code = fail_plain(t, err, errlen, "StartAuthSession (salted policy)", rc);
+        goto out;
+    }
+    rc = start_session(t, 0, &nv_session);
+    if (rc != TSS2_RC_SUCCESS) {
+        code = fail_plain(t, err, errlen, "StartAuthSession (salted)", rc);
+        goto out;
+    }
+    rc = policy_epoch(t, policy, nv, nv_session, bound, &step);
+    if (rc != TSS2_RC_SUCCESS) {
+        code = policy_epoch_fail(t, step, epoch_index, rc, err, errlen);
+        goto out;
+    }
+    flush(t, &nv_session);
+    object_auth.size = (UINT16)auth_len;
+    memcpy(object_auth.buffer, auth, auth_len);
+    rc = Esys_TR_SetAuth(t->esys, object, &object_auth);
+    explicit_bzero(&object_auth, sizeof object_auth);
+    if (rc != TSS2_RC_SUCCESS) {
+        code = fail(t, err, errlen, "Esys_TR_SetAuth", rc);
+        goto out;
+    }
+    RETRYING(rc, Esys_Unseal(t->esys, object, policy, ESYS_TR_NONE, ESYS_TR_NONE, &data));
+    if (rc != TSS2_RC_SUCCESS) {
+        data = NULL;
+        code = fail(t, err, errlen, "Unseal", rc);
+        if (from_tpm(rc) && tpm_base(rc) == TPM2_RC_POLICY_FAIL)
+            say(err, errlen, "Unseal: the policy does not match this object (not sealed by kbfs_tpm_seal_epoch, or "
+                             "with another NV index or bound) (0x%X)", (unsigned)rc);
+        goto out;
+    }
+    scrub_response(t);
+    code = copy_secret(data, out, out_len, "kbfs_tpm_unseal_epoch", err, errlen);
+
+out:
+    if (data != NULL) {
+        explicit_bzero(data, sizeof *data);
+        Esys_Free(data);
+    }
+    forget_auth(t, object);
+    flush(t, &object);
+    nv_close(t, &nv);
+    flush(t, &nv_session);
+    flush(t, &policy);
+    scrub_stack();
+    return code;
 }

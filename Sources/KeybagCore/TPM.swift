@@ -14,6 +14,8 @@ public enum TPMError: Error, Equatable, CustomStringConvertible {
     case unreachable(String)
     /// The NV counter of this device is not defined on the TPM (cleared, or another TPM).
     case nvMissing
+    /// The sealed object's epoch has passed: it belongs to a passcode since replaced.
+    case stale
     /// Anything else the TPM or tpm2-tss refused.
     case failed(String)
 
@@ -24,6 +26,9 @@ public enum TPMError: Error, Equatable, CustomStringConvertible {
         case .notThisTPM(let m): return "the TPM does not hold this device's sealed secret (cleared or replaced?): \(m)"
         case .unreachable(let m): return "cannot reach the TPM: \(m)"
         case .nvMissing: return "the TPM has no keybag counter for this device (cleared or replaced?)"
+        case .stale:
+            return "the TPM no longer releases this keybag's secret: it belongs to a passcode since replaced (the keybag " +
+                "was put back from an older copy)"
         case .failed(let m): return "TPM: \(m)"
         }
     }
@@ -36,6 +41,7 @@ public enum TPMError: Error, Equatable, CustomStringConvertible {
         case .notThisTPM: return Int32(KBFS_TPM_NOT_THIS_TPM)
         case .unreachable: return Int32(KBFS_TPM_UNREACHABLE)
         case .nvMissing: return Int32(KBFS_TPM_NV_MISSING)
+        case .stale: return Int32(KBFS_TPM_STALE)
         case .failed: return Int32(KBFS_TPM_ERROR)
         }
     }
@@ -48,6 +54,7 @@ public enum TPMError: Error, Equatable, CustomStringConvertible {
         case Int32(KBFS_TPM_NOT_THIS_TPM): self = .notThisTPM(message)
         case Int32(KBFS_TPM_UNREACHABLE): self = .unreachable(message)
         case Int32(KBFS_TPM_NV_MISSING): self = .nvMissing
+        case Int32(KBFS_TPM_STALE): self = .stale
         default: self = .failed(message)
         }
     }
@@ -65,6 +72,9 @@ public struct TPMLockoutState: Sendable, Equatable {
     public let lockoutRecovery: Int
     /// Whether the TPM is locked out now.
     public let inLockout: Bool
+    /// Whether the TPM's lockout authorization is set (if not, any root user can clear the
+    /// lockout, and the TPM's throttle binds only those who are not root).
+    public let lockoutAuthSet: Bool
 }
 
 /// One short-lived connection to a TPM 2.0 through tpm2-tss (the CTPM shim): opened for
@@ -74,13 +84,72 @@ final class TPMConnection {
     private let handle: OpaquePointer
 
     /// Connects through `tcti` (`device:/dev/tpmrm0`, `swtpm:host=…,port=…`) and re-creates
-    /// the storage primary from its fixed template.
-    init(tcti: String) throws {
+    /// the storage primary from its fixed template. With `pinned` (the primary's name at
+    /// enrollment), another TPM is refused before any authorization is sent to it.
+    init(tcti: String, pinned: [UInt8]? = nil) throws {
         kbfs_tpm_quiet_logs()
         var h: OpaquePointer?
         try Self.call { kbfs_tpm_open(tcti, &h, $0, $1) }
         guard let h else { throw TPMError.failed("no context") }
         handle = h
+        if let pinned, try primaryName() != pinned {
+            throw TPMError.notThisTPM("the TPM at \(tcti) is not the one this device enrolled (its storage key differs)")
+        }
+    }
+
+    /// The storage primary's TPM name: this TPM's identity until it is cleared.
+    func primaryName() throws -> [UInt8] {
+        var out = [UInt8](repeating: 0, count: Int(KBFS_TPM_NAME_MAX))
+        var n = out.count
+        try Self.call { kbfs_tpm_primary_name(handle, &out, &n, $0, $1) }
+        return Array(out[..<n])
+    }
+
+    /// Seals `secret` under `auth`, usable only while the epoch counter at `epoch` is at
+    /// most `bound` (policy: PolicyAuthValue, PolicyNV).
+    func seal(_ secret: SecureKey, auth: SecureKey, epoch: UInt32, nvAuth: SecureKey, bound: UInt64) throws
+        -> (public: [UInt8], private: [UInt8])
+    {
+        var pub = [UInt8](repeating: 0, count: Int(KBFS_TPM_PUB_MAX)), priv = [UInt8](repeating: 0, count: Int(KBFS_TPM_PRIV_MAX))
+        var pubLen = pub.count, privLen = priv.count
+        try secret.withBytes { s in
+            try auth.withBytes { a in
+                try nvAuth.withBytes { v in
+                    try Self.call {
+                        kbfs_tpm_seal_epoch(
+                            handle, s.baseAddress!.assumingMemoryBound(to: UInt8.self), s.count,
+                            a.baseAddress!.assumingMemoryBound(to: UInt8.self), a.count, epoch,
+                            v.baseAddress!.assumingMemoryBound(to: UInt8.self), v.count, bound, &pub, &pubLen, &priv,
+                            &privLen, $0, $1)
+                    }
+                }
+            }
+        }
+        return (Array(pub[..<pubLen]), Array(priv[..<privLen]))
+    }
+
+    /// Unseals an epoch-bound object into guarded memory; `stale` once its epoch has passed.
+    func unseal(
+        public pub: [UInt8], private priv: [UInt8], auth: SecureKey, epoch: UInt32, nvAuth: SecureKey, bound: UInt64
+    ) throws -> SecureKey {
+        do {
+            return try SecureKey(count: 32) { out in
+                var n = out.count
+                try auth.withBytes { a in
+                    try nvAuth.withBytes { v in
+                        try Self.call {
+                            kbfs_tpm_unseal_epoch(
+                                handle, pub, pub.count, priv, priv.count, a.baseAddress!.assumingMemoryBound(to: UInt8.self),
+                                a.count, epoch, v.baseAddress!.assumingMemoryBound(to: UInt8.self), v.count, bound,
+                                out.baseAddress!.assumingMemoryBound(to: UInt8.self), &n, $0, $1)
+                        }
+                    }
+                }
+                guard n == out.count else { throw TPMError.failed("the sealed secret has \(n) bytes, not 32") }
+            }
+        } catch TPMError.lockout {
+            throw TPMError.lockout(retryAfter: Double(max(1, (try? lockoutState().recoveryTime) ?? 1)))
+        }
     }
 
     deinit { kbfs_tpm_close(handle) }
@@ -94,49 +163,13 @@ final class TPMConnection {
         }
     }
 
-    /// Seals `secret` under `auth`: the object's public and private blobs.
-    func seal(_ secret: SecureKey, auth: SecureKey) throws -> (public: [UInt8], private: [UInt8]) {
-        var pub = [UInt8](repeating: 0, count: Int(KBFS_TPM_PUB_MAX)), priv = [UInt8](repeating: 0, count: Int(KBFS_TPM_PRIV_MAX))
-        var pubLen = pub.count, privLen = priv.count
-        try secret.withBytes { s in
-            try auth.withBytes { a in
-                try Self.call {
-                    kbfs_tpm_seal(
-                        handle, s.baseAddress!.assumingMemoryBound(to: UInt8.self), s.count,
-                        a.baseAddress!.assumingMemoryBound(to: UInt8.self), a.count, &pub, &pubLen, &priv, &privLen, $0, $1)
-                }
-            }
-        }
-        return (Array(pub[..<pubLen]), Array(priv[..<privLen]))
-    }
-
-    /// Unseals the object of `blobs` with `auth` into guarded memory.
-    /// In lockout the error carries the TPM's recovery time (one try forgiven per interval).
-    func unseal(public pub: [UInt8], private priv: [UInt8], auth: SecureKey) throws -> SecureKey {
-        do {
-            return try SecureKey(count: 32) { out in
-                var n = out.count
-                try auth.withBytes { a in
-                    try Self.call {
-                        kbfs_tpm_unseal(
-                            handle, pub, pub.count, priv, priv.count, a.baseAddress!.assumingMemoryBound(to: UInt8.self),
-                            a.count, out.baseAddress!.assumingMemoryBound(to: UInt8.self), &n, $0, $1)
-                    }
-                }
-                guard n == out.count else { throw TPMError.failed("the sealed secret has \(n) bytes, not 32") }
-            }
-        } catch TPMError.lockout {
-            throw TPMError.lockout(retryAfter: Double(max(1, (try? lockoutState().recoveryTime) ?? 1)))
-        }
-    }
-
     /// The TPM's dictionary-attack counter and limits.
     func lockoutState() throws -> TPMLockoutState {
         var da = kbfs_tpm_da()
         try Self.call { kbfs_tpm_da_info(handle, &da, $0, $1) }
         return TPMLockoutState(
             counter: Int(da.counter), maxTries: Int(da.max_tries), recoveryTime: Int(da.interval),
-            lockoutRecovery: Int(da.recovery), inLockout: da.in_lockout != 0)
+            lockoutRecovery: Int(da.recovery), inLockout: da.in_lockout != 0, lockoutAuthSet: da.lockout_auth_set != 0)
     }
 
     /// Defines a monotonic NV counter under `auth`; its index.

@@ -9,9 +9,10 @@ import Glibc
 /// The authorization goes to the child and the secret comes back through a pipe, written
 /// from and read into guarded memory, never through the daemon's heap.
 ///
-/// Frames (little-endian lengths): request `op(1) ‖ u32 ‖ tcti ‖ u32 ‖ a ‖ u32 ‖ b ‖ u32 ‖ auth`
-/// (`unseal`: a, b the public and private blobs; `seal`: a the secret, b empty); reply
-/// `i32 code ‖ u32 ‖ message ‖ u32 ‖ p ‖ u32 ‖ q` (`unseal`: p the secret; `seal`: p, q the blobs).
+/// Frames (little-endian; each part a u32 length and its bytes): request `op(1) ‖ tcti ‖ pin ‖
+/// a ‖ b ‖ auth ‖ nvAuth ‖ epoch(u32) ‖ bound(u64)` (`unseal`: a, b the public and private
+/// blobs; `seal`: a the secret, b empty; pin: the TPM's primary name, or empty); reply
+/// `i32 code ‖ message ‖ p ‖ q` (`unseal`: p the secret; `seal`: p, q the blobs).
 public struct TPMHelperProcess: Sendable {
     /// The keybagfs binary that answers `tpm2 helper`.
     public let executable: String
@@ -21,18 +22,23 @@ public struct TPMHelperProcess: Sendable {
     /// Operation bytes.
     static let opUnseal: UInt8 = 1, opSeal: UInt8 = 2
 
-    /// The secret the TPM at `tcti` releases for `auth`.
-    func unseal(tcti: String, public pub: [UInt8], private priv: [UInt8], auth: SecureKey) throws -> SecureKey {
-        try exchange(op: Self.opUnseal, tcti: tcti, a: .plain(pub), b: .plain(priv), auth: auth) { fd in
+    /// Where the TPM is and which object's epoch applies.
+    struct Target {
+        let tcti: String, pin: [UInt8], epoch: UInt32, bound: UInt64, nvAuth: SecureKey
+    }
+
+    /// The secret the TPM of `target` releases for `auth`.
+    func unseal(_ target: Target, public pub: [UInt8], private priv: [UInt8], auth: SecureKey) throws -> SecureKey {
+        try exchange(op: Self.opUnseal, target, a: .plain(pub), b: .plain(priv), auth: auth) { fd in
             let n = try Self.readLength(fd)
             guard n == 32 else { throw TPMError.failed("the helper returned \(n) bytes, not a 32-byte secret") }
             return try SecureKey(count: 32) { out in try Self.readExactly(fd, out.baseAddress!, 32) }
         }
     }
 
-    /// `secret` sealed under `auth` in the TPM at `tcti`: the blobs.
-    func seal(tcti: String, secret: SecureKey, auth: SecureKey) throws -> (public: [UInt8], private: [UInt8]) {
-        try exchange(op: Self.opSeal, tcti: tcti, a: .secret(secret), b: .plain([]), auth: auth) { fd in
+    /// `secret` sealed under `auth` in the TPM of `target`: the blobs.
+    func seal(_ target: Target, secret: SecureKey, auth: SecureKey) throws -> (public: [UInt8], private: [UInt8]) {
+        try exchange(op: Self.opSeal, target, a: .secret(secret), b: .plain([]), auth: auth) { fd in
             (try Self.readBlob(fd), try Self.readBlob(fd))
         }
     }
@@ -43,7 +49,7 @@ public struct TPMHelperProcess: Sendable {
     /// Starts the helper, writes the request, reads the reply with `payload` after the
     /// code and message, and reaps the child.
     private func exchange<R>(
-        op: UInt8, tcti: String, a: Part, b: Part, auth: SecureKey, payload: (Int32) throws -> R
+        op: UInt8, _ target: Target, a: Part, b: Part, auth: SecureKey, payload: (Int32) throws -> R
     ) throws -> R {
         // A helper that ends early must give this process EPIPE, not SIGPIPE (its default kills).
         signal(SIGPIPE, SIG_IGN)
@@ -75,7 +81,8 @@ public struct TPMHelperProcess: Sendable {
         do {
             defer { close(toChild[1]) }
             var head: [UInt8] = [op]
-            Self.appendBlob(&head, Array(tcti.utf8))
+            Self.appendBlob(&head, Array(target.tcti.utf8))
+            Self.appendBlob(&head, target.pin)
             try Self.writeAll(toChild[1], head)
             for part in [a, b] {
                 switch part {
@@ -84,6 +91,11 @@ public struct TPMHelperProcess: Sendable {
                 }
             }
             try Self.writeSecret(toChild[1], auth)
+            try Self.writeSecret(toChild[1], target.nvAuth)
+            var tail: [UInt8] = []
+            withUnsafeBytes(of: target.epoch.littleEndian) { tail += $0 }
+            withUnsafeBytes(of: target.bound.littleEndian) { tail += $0 }
+            try Self.writeAll(toChild[1], tail)
             sent = true
         } catch { sent = false }
         let fd = fromChild[0]
@@ -108,19 +120,25 @@ public struct TPMHelperProcess: Sendable {
         do {
             var op: UInt8 = 0
             try readExactly(0, &op, 1)
-            let tcti = String(decoding: try readBlob(0), as: UTF8.self)
-            let a = try readSecret(0), b = try readBlob(0), auth = try readSecret(0)
-            defer { a.wipe(); auth.wipe() }
-            let tpm = try TPMConnection(tcti: tcti)
+            let tcti = String(decoding: try readBlob(0), as: UTF8.self), pin = try readBlob(0)
+            let a = try readSecret(0), b = try readBlob(0), auth = try readSecret(0), nvAuth = try readSecret(0)
+            defer { a.wipe(); auth.wipe(); nvAuth.wipe() }
+            var epoch: UInt32 = 0, bound: UInt64 = 0
+            try readExactly(0, &epoch, 4)
+            try readExactly(0, &bound, 8)
+            epoch = UInt32(littleEndian: epoch)
+            bound = UInt64(littleEndian: bound)
+            let tpm = try TPMConnection(tcti: tcti, pinned: pin.isEmpty ? nil : pin)
             switch op {
             case opUnseal:
-                let secret = try tpm.unseal(public: try a.withBytes { Array($0) }, private: b, auth: auth)
+                let secret = try tpm.unseal(
+                    public: try a.withBytes { Array($0) }, private: b, auth: auth, epoch: epoch, nvAuth: nvAuth, bound: bound)
                 defer { secret.wipe() }
                 try writeAll(1, [0, 0, 0, 0] + length(0))
                 try writeSecret(1, secret)
                 return 0
             case opSeal:
-                let (pub, priv) = try tpm.seal(a, auth: auth)
+                let (pub, priv) = try tpm.seal(a, auth: auth, epoch: epoch, nvAuth: nvAuth, bound: bound)
                 answer(0, "", [pub, priv])
             default:
                 answer(Int32(KBFS_TPM_ERROR), "unknown helper operation \(op)", [])

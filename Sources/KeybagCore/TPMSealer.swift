@@ -18,19 +18,24 @@ public protocol PasscodeSealer: Sendable {
     func advanceGeneration() throws
     /// The hardware's lockout counter and limits.
     func lockoutState() throws -> TPMLockoutState
+    /// Finishes a change a crash may have cut short: the secret of `salt` (the keybag's) is
+    /// made the only one the hardware releases. Nothing is dropped from the enrollment.
+    func settle(salt: String) throws
 }
 
 /// This device's TPM enrollment, kept outside the store beside its key-set floor
 /// (`STATE/DEVICEID.tpm2`, STATE being `$STATE_DIRECTORY` or /var/lib/keybagfs; JSON, mode
 /// 0600), so a sync engine never carries it to another device and the daemon and every
 /// command find it whatever path the device key comes from (a file, a systemd credential):
-/// the TCTI, one sealed object per keybag salt (two only while a passcode changes), the NV
-/// counter.
+/// the TCTI, the TPM's identity, one sealed object per keybag salt (two only while a passcode
+/// changes), the keybag-generation and epoch counters.
 public struct TPMEnrollment: Codable, Sendable, Equatable {
-    /// One sealed object: TPM2B_PUBLIC and TPM2B_PRIVATE as tpm2-tss marshals them, base64.
+    /// One sealed object: TPM2B_PUBLIC and TPM2B_PRIVATE as tpm2-tss marshals them, base64,
+    /// and the epoch it is bound to (it unseals only while the epoch counter is at most that).
     public struct SealedObject: Codable, Sendable, Equatable {
         public var publicBlob: String
         public var privateBlob: String
+        public var bound: UInt64
     }
 
     /// Format of this file (1).
@@ -41,6 +46,25 @@ public struct TPMEnrollment: Codable, Sendable, Equatable {
     public var objects: [String: SealedObject] = [:]
     /// The NV index of this device's keybag-generation counter.
     public var nvIndex: UInt32?
+    /// The NV index of this device's epoch counter: it steps at each new sealed secret, and
+    /// every older object is then refused by the TPM itself.
+    public var epochIndex: UInt32?
+    /// The TPM's storage primary name (hex), checked before any authorization is sent.
+    public var primaryName: String?
+
+    /// `primaryName` as bytes (nil: not pinned yet).
+    var pin: [UInt8]? {
+        guard let h = primaryName, h.utf8.count % 2 == 0 else { return nil }
+        var out: [UInt8] = []
+        var i = h.startIndex
+        while i < h.endIndex {
+            let j = h.index(i, offsetBy: 2)
+            guard let b = UInt8(h[i..<j], radix: 16) else { return nil }
+            out.append(b)
+            i = j
+        }
+        return out
+    }
 
     /// Where the enrollment of device `deviceID` lives.
     public static func path(deviceID: String) -> String { KeySetFloor.stateFolder + "/\(deviceID).tpm2" }
@@ -132,14 +156,24 @@ public final class TPMSealer: PasscodeSealer {
         return sealer
     }
 
+    /// The helper's view of where the TPM is, for an object bound to `bound`.
+    private func target(_ e: TPMEnrollment, bound: UInt64) throws -> TPMHelperProcess.Target {
+        guard let epoch = e.epochIndex else {
+            throw KeybagError.invalid("this device's TPM enrollment \(path) names no epoch counter (it was edited)")
+        }
+        return .init(tcti: e.tcti, pin: e.pin ?? [], epoch: epoch, bound: bound, nvAuth: nvAuth)
+    }
+
     public func secret(salt: String, auth: SecureKey, making: Bool) throws -> SecureKey {
         defer { lastState.withLock { $0 = nil } }
         return try enrollment.withLock { e in
             if let o = e.objects[salt], let pub = Data(base64Encoded: o.publicBlob), let priv = Data(base64Encoded: o.privateBlob) {
+                let t = try target(e, bound: o.bound)
                 guard let helper else {
-                    return try TPMConnection(tcti: e.tcti).unseal(public: [UInt8](pub), private: [UInt8](priv), auth: auth)
+                    return try TPMConnection(tcti: e.tcti, pinned: e.pin).unseal(
+                        public: [UInt8](pub), private: [UInt8](priv), auth: auth, epoch: t.epoch, nvAuth: nvAuth, bound: o.bound)
                 }
-                do { return try helper.unseal(tcti: e.tcti, public: [UInt8](pub), private: [UInt8](priv), auth: auth) } catch TPMError.lockout {
+                do { return try helper.unseal(t, public: [UInt8](pub), private: [UInt8](priv), auth: auth) } catch TPMError.lockout {
                     let wait = (try? TPMConnection(tcti: e.tcti).lockoutState().recoveryTime) ?? 1
                     throw TPMError.lockout(retryAfter: Double(max(1, wait)))
                 }
@@ -149,14 +183,20 @@ public final class TPMSealer: PasscodeSealer {
                     "this device's TPM enrollment \(path) holds no secret for its keybag (one of the two was replaced); " +
                         "run `keybagfs recover` with the recovery key")
             }
+            // A new secret for a new salt: bound to the epoch after the current one, which
+            // `keepOnly` steps to once the keybag is saved (the older objects then die).
             let secret = SecureKey(random: 32)
             do {
-                let tpm = try TPMConnection(tcti: e.tcti)
-                let (pub, priv) = try helper.map { try $0.seal(tcti: e.tcti, secret: secret, auth: auth) } ?? tpm.seal(secret, auth: auth)
+                let tpm = try TPMConnection(tcti: e.tcti, pinned: e.pin)
                 var next = e
+                if next.primaryName == nil { next.primaryName = try tpm.primaryName().map { String(format: "%02x", $0) }.joined() }
                 if next.nvIndex == nil { next.nvIndex = try tpm.defineCounter(auth: nvAuth) }
+                if next.epochIndex == nil { next.epochIndex = try tpm.defineCounter(auth: nvAuth) }
+                let bound = try Self.counterCall { try tpm.readCounter(next.epochIndex!, auth: nvAuth) } + 1
+                let (pub, priv) = try helper.map { try $0.seal(try target(next, bound: bound), secret: secret, auth: auth) }
+                    ?? tpm.seal(secret, auth: auth, epoch: next.epochIndex!, nvAuth: nvAuth, bound: bound)
                 next.objects[salt] = .init(
-                    publicBlob: Data(pub).base64EncodedString(), privateBlob: Data(priv).base64EncodedString())
+                    publicBlob: Data(pub).base64EncodedString(), privateBlob: Data(priv).base64EncodedString(), bound: bound)
                 try next.save(to: path)
                 e = next
             } catch { secret.wipe(); throw error }
@@ -172,14 +212,33 @@ public final class TPMSealer: PasscodeSealer {
                 try next.save(to: path)
                 e = next
             }
-            // A replaced enrollment's counter on this TPM (it answers to this device's NV
-            // authorization, so it is ours, not another store's at the same index): released.
+            try step(e, to: e.objects[salt]?.bound)
+            // A replaced enrollment's counters on this TPM (they answer to this device's NV
+            // authorization, so they are ours, not another store's at the same index): released.
             if let old = replaced.withLock({ r -> TPMEnrollment? in defer { r = nil }; return r }),
-                let index = old.nvIndex, index != e.nvIndex, let tpm = try? TPMConnection(tcti: e.tcti),
-                (try? tpm.readCounter(index, auth: nvAuth)) != nil
+                let tpm = try? TPMConnection(tcti: e.tcti)
             {
-                try? tpm.undefineCounter(index)
+                for index in [old.nvIndex, old.epochIndex].compactMap({ $0 })
+                where index != e.nvIndex && index != e.epochIndex && (try? tpm.readCounter(index, auth: nvAuth)) != nil {
+                    try? tpm.undefineCounter(index)
+                }
             }
+        }
+    }
+
+    public func settle(salt: String) throws {
+        try enrollment.withLock { e in try step(e, to: e.objects[salt]?.bound) }
+    }
+
+    /// Steps the epoch counter up to `bound`: every object bound below it is then refused
+    /// by the TPM (counters only go up, one at a time).
+    private func step(_ e: TPMEnrollment, to bound: UInt64?) throws {
+        guard let bound, let index = e.epochIndex else { return }
+        let tpm = try TPMConnection(tcti: e.tcti, pinned: e.pin)
+        var v = try Self.counterCall { try tpm.readCounter(index, auth: nvAuth) }
+        while v < bound {
+            try Self.counterCall { try tpm.incrementCounter(index, auth: nvAuth) }
+            v += 1
         }
     }
 
@@ -219,7 +278,7 @@ public final class TPMSealer: PasscodeSealer {
     /// has none) and deletes the enrollment file.
     public func remove() throws {
         try enrollment.withLock { e in
-            if let index = e.nvIndex {
+            for index in [e.nvIndex, e.epochIndex].compactMap({ $0 }) {
                 do { try TPMConnection(tcti: e.tcti).undefineCounter(index) } catch TPMError.nvMissing {}
             }
             guard unlink(path) == 0 || errno == ENOENT else { throw KeybagError.system("cannot remove \(path)", errno) }
@@ -243,6 +302,7 @@ extension Keybag {
         }
         self.sealer = sealer
         try checkGeneration()
+        do { try sealer.settle(salt: file.kdfSalt) } catch let e as TPMError { throw KeybagError.invalid(Keybag.tpmTrouble(e)) }
     }
 }
 

@@ -77,7 +77,7 @@ final class Controller: Sendable {
         do {
             let s = try sealer.lockoutState()
             return ["inUse": true, "lockoutCounter": s.counter, "maxTries": s.maxTries, "recoveryTime": s.recoveryTime,
-                    "lockoutRecovery": s.lockoutRecovery, "inLockout": s.inLockout]
+                    "lockoutRecovery": s.lockoutRecovery, "inLockout": s.inLockout, "lockoutAuthSet": s.lockoutAuthSet]
         } catch {
             return ["inUse": true, "error": "\(error)"]
         }

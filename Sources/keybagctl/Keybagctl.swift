@@ -135,6 +135,9 @@ struct Status: ParsableCommand {
             print(
                 "TPM: in use; lockout counter \(tpm["lockoutCounter"] ?? "?") of \(tpm["maxTries"] ?? "?") tries, one " +
                     "forgiven every \(tpm["recoveryTime"] ?? "?") s" + ((tpm["inLockout"] as? Bool) == true ? " (in lockout)" : ""))
+            if (tpm["lockoutAuthSet"] as? Bool) == false {
+                print("TPM: its lockout authorization is not set: any root user can clear the lockout (tpm2_changeauth -c lockout)")
+            }
         } else {
             print("TPM: not in use")
         }

@@ -22,7 +22,7 @@ final class Swtpm {
         state = root + "/" + name
         try FileManager.default.createDirectory(atPath: state, withIntermediateDirectories: true)
         for _ in 0..<20 {
-            let p = 20_000 + Int.random(in: 0..<4_000) * 10
+            let p = 10_000 + Int.random(in: 0..<2_200) * 10   // below the ephemeral range (32768+), where clients bind
             guard !Self.listening(p), !Self.listening(p + 1) else { continue }
             let proc = Process()
             proc.executableURL = URL(fileURLWithPath: "/usr/bin/swtpm")

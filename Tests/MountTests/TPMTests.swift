@@ -214,14 +214,18 @@ final class TPMTests: XCTestCase {
         // With the TPM: the authorization from the Argon2id output releases the secret.
         let auth = blake(key: stretched, [Array("keybagfs-tpm-auth-v1".utf8), id])
         let enrolled = try XCTUnwrap(JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: enrollment(m)))) as? [String: Any])
-        let object = try XCTUnwrap((enrolled["objects"] as? [String: [String: String]])?[try XCTUnwrap(kb["kdfSalt"] as? String)])
-        let pub = [UInt8](try XCTUnwrap(Data(base64Encoded: try XCTUnwrap(object["publicBlob"])))), priv = [UInt8](try XCTUnwrap(Data(base64Encoded: try XCTUnwrap(object["privateBlob"]))))
+        let object = try XCTUnwrap((enrolled["objects"] as? [String: [String: Any]])?[try XCTUnwrap(kb["kdfSalt"] as? String)])
+        let pub = [UInt8](try XCTUnwrap(Data(base64Encoded: try XCTUnwrap(object["publicBlob"] as? String))))
+        let priv = [UInt8](try XCTUnwrap(Data(base64Encoded: try XCTUnwrap(object["privateBlob"] as? String))))
+        let bound = try XCTUnwrap(object["bound"] as? UInt64), epoch = try XCTUnwrap(enrolled["epochIndex"] as? UInt32)
+        let nvAuth = blake(key: dk, [Array("keybagfs-tpm-nv-v1".utf8), id])
         var handle: OpaquePointer?
         var err = [CChar](repeating: 0, count: 256)
         XCTAssertEqual(kbfs_tpm_open(tpm.tcti, &handle, &err, err.count), 0, String(decoding: err.prefix { $0 != 0 }.map { UInt8(bitPattern: $0) }, as: UTF8.self))
         var secret = [UInt8](repeating: 0, count: 64)
         var secretLen = secret.count
-        XCTAssertEqual(kbfs_tpm_unseal(handle, pub, pub.count, priv, priv.count, auth, auth.count, &secret, &secretLen, &err, err.count), 0, String(decoding: err.prefix { $0 != 0 }.map { UInt8(bitPattern: $0) }, as: UTF8.self))
+        XCTAssertEqual(kbfs_tpm_unseal_epoch(handle, pub, pub.count, priv, priv.count, auth, auth.count, epoch, nvAuth, nvAuth.count, bound,
+                                             &secret, &secretLen, &err, err.count), 0, String(decoding: err.prefix { $0 != 0 }.map { UInt8(bitPattern: $0) }, as: UTF8.self))
         kbfs_tpm_close(handle)
         secret = Array(secret[..<secretLen])
         XCTAssertEqual(secret.count, 32)
@@ -242,5 +246,62 @@ final class TPMTests: XCTestCase {
         }
         XCTAssertFalse(MemoryScan.find(pid: getpid(), pieces: pieces).isEmpty, "the scanner finds them where they are")
         XCTAssertEqual(MemoryScan.find(pid: pid, pieces: pieces), [], "the TPM's secret and authorization after a lock")
+    }
+
+    /// A thief who holds the device key (so can forge every keybag MAC), an older keybag and
+    /// its enrollment from before a passcode change, and the machine with its TPM, still
+    /// cannot use the old passcode: the old sealed object is bound to an epoch the TPM's
+    /// counter has passed, and the TPM refuses it (without counting a failure).
+    func testAnOldPasscodeStaysDeadAfterPasswdEvenWithForgedKeybagMACs() throws {
+        let tpm = try Swtpm(root: try MountFixture.makeRoot(), maxTries: 32)
+        addTeardownBlock { tpm.stop(); try? FileManager.default.removeItem(atPath: (tpm.state as NSString).deletingLastPathComponent) }
+        let m = try storeOnTPM(tpm)
+        addTeardownBlock { m.close() }
+        try m.mount()
+        m.unlock()
+        XCTAssertEqual(writeFile(m.path("f"), bytes("secret")), 0)
+        let keybagURL = URL(fileURLWithPath: m.store + "/keybag"), enrollmentURL = URL(fileURLWithPath: enrollment(m))
+        let oldKeybag = try Data(contentsOf: keybagURL), oldEnrollment = try Data(contentsOf: enrollmentURL)
+        let newPasscode = "the new passcode"
+        XCTAssertEqual(m.ctl(["passwd", "--passcode-stdin"], stdin: m.passcode + "\n" + newPasscode + "\n").code, 0)
+        m.unmount()
+        // Put back the old keybag and enrollment, the keybag's generation forged past the TPM's
+        // counter with its settings MAC recomputed from the device key (FORMAT.md, "Format 4").
+        var kb = try XCTUnwrap(JSONSerialization.jsonObject(with: oldKeybag) as? [String: Any])
+        kb["generation"] = 1_000_000
+        kb["settingsMAC"] = try settingsMAC(kb, deviceKey: [UInt8](Data(contentsOf: URL(fileURLWithPath: m.deviceKey))))
+        try JSONSerialization.data(withJSONObject: kb).write(to: keybagURL)
+        try oldEnrollment.write(to: enrollmentURL)
+        try m.mount()   // the forged generation passes the rollback check
+        let before = tpm.lockoutCounter
+        let r = m.ctl(["unlock", "--passcode-stdin"], stdin: m.passcode + "\n")
+        XCTAssertEqual(r.code, 1, "the old passcode unlocked a rolled-back keybag")
+        XCTAssertTrue(r.stderr.contains("no longer releases"), r.stderr)
+        XCTAssertEqual(tpm.lockoutCounter, before, "a stale object is refused before its authorization is checked")
+        XCTAssertNotEqual(m.state, "unlocked")
+    }
+
+    /// The settings MAC of a keybag's JSON, by hand as docs/FORMAT.md gives it.
+    private func settingsMAC(_ kb: [String: Any], deviceKey: [UInt8]) throws -> String {
+        var counterKey = [UInt8](repeating: 0, count: 32)
+        XCTAssertEqual(crypto_kdf_derive_from_key(&counterKey, 32, 2, "kbfscnt1", deviceKey), 0)
+        var msg = Array("keybagfs-settings-v1|".utf8)
+        func field(_ name: String, _ value: String?) {
+            func put(_ b: [UInt8]) { withUnsafeBytes(of: UInt32(b.count).littleEndian) { msg += $0 }; msg += b }
+            put(Array(name.utf8))
+            if let value { msg.append(1); put(Array(value.utf8)) } else { msg.append(0) }
+        }
+        func text(_ k: String) -> String? { kb[k].map { "\($0)" } }
+        for k in ["format", "storeID", "kdfOpsLimit", "kdfMemLimit", "kdfSalt", "classBPublic", "keySet"] { field(k, text(k)) }
+        field("classBPublics", (kb["classBPublics"] as? [String: String]).map { $0.sorted { $0.key < $1.key }.map { "\($0.key)=\($0.value)" }.joined(separator: ",") })
+        field("deviceID", text("deviceID"))
+        field("deviceName", text("deviceName"))
+        if kb["tpm2"] != nil || kb["generation"] != nil {
+            field("tpm2", (kb["tpm2"] as? Bool).map { $0 ? "1" : "0" })
+            field("generation", text("generation"))
+        }
+        var mac = [UInt8](repeating: 0, count: 32)
+        crypto_generichash(&mac, 32, msg, UInt64(msg.count), counterKey, 32)
+        return Data(mac).base64EncodedString()
     }
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds Tests/tpm-shim/shim_test.c with Sources/CTPM and runs it against two swtpm instances
 # of its own (loopback, fresh state dirs), RUNS times in a row (default 1).
-# Needs: gcc, libtss2-dev, swtpm, libtss2-tcti-swtpm0, tpm2-tools.
+# Needs: gcc, libtss2-dev, libssl-dev (the test's by-hand policy digest), swtpm, libtss2-tcti-swtpm0, tpm2-tools.
 # usage: Tests/tpm-shim/run.sh [RUNS]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -9,7 +9,7 @@ RUNS=${1:-1}
 BIN=${SHIM_TEST_BIN:-/tmp/shim_test}
 
 gcc -Wall -Wextra -I Sources/CTPM/include Sources/CTPM/tpm.c Tests/tpm-shim/shim_test.c \
-    -ltss2-esys -ltss2-tctildr -ltss2-mu -ltss2-rc -ltss2-sys -o "$BIN"
+    -ltss2-esys -ltss2-tctildr -ltss2-mu -ltss2-rc -ltss2-sys -lcrypto -o "$BIN"
 
 WORK=$(mktemp -d /tmp/tpm-shim.XXXXXX)
 PIDS=()
@@ -23,11 +23,16 @@ trap cleanup EXIT
 # Whether something accepts TCP connections on 127.0.0.1:$1.
 listening() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
-# Picks a base port with base..base+4 all free (two swtpm data+control pairs, one closed port).
+# Picks a base port with base..base+4 all free (two swtpm data+control pairs, one closed port),
+# below the kernel's ephemeral range: the test's own client connections (and their TIME_WAIT
+# leftovers) take ephemeral ports, which swtpm's bind would then find in use.
 pick_ports() {
-    local tries p i busy
+    local tries p i busy low span
+    low=$(awk '{print $1}' /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
+    span=$(( (low - 10000) / 10 - 1 ))
+    [ "$span" -ge 10 ] || span=1000
     for tries in $(seq 50); do
-        p=$(( 20000 + (RANDOM % 4000) * 10 ))
+        p=$(( 10000 + (RANDOM % span) * 10 ))
         busy=0
         for i in 0 1 2 3 4; do listening $((p + i)) && { busy=1; break; }; done
         [ $busy = 0 ] && { echo "$p"; return 0; }
@@ -51,6 +56,7 @@ wait_port() {
     local i
     for i in $(seq 100); do listening "$1" && return 0; sleep 0.05; done
     echo "swtpm did not come up on port $1" >&2
+    cat "$WORK"/*.log >&2 || true
     return 1
 }
 

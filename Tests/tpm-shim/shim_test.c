@@ -6,6 +6,7 @@
 #include "kbfs_tpm.h"
 
 #include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,6 +14,9 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+
+#include <openssl/evp.h>
+#include <tss2/tss2_mu.h>
 
 static int failures;
 static char err[256];
@@ -33,8 +37,9 @@ static char tcti1[96], tcti2[96], tcti_closed[96];
 
 /* Names a KBFS_TPM_* code. */
 static const char *name(int code) {
-    static const char *names[] = {"OK", "BAD_AUTH", "LOCKOUT", "NOT_THIS_TPM", "UNREACHABLE", "ERROR", "NV_MISSING"};
-    return code >= 0 && code <= 6 ? names[code] : "?";
+    static const char *names[] = {"OK", "BAD_AUTH", "LOCKOUT", "NOT_THIS_TPM", "UNREACHABLE", "ERROR", "NV_MISSING",
+                                  "STALE"};
+    return code >= 0 && code <= 7 ? names[code] : "?";
 }
 
 /* Checks that rc is `want`, printing err when it is not. */
@@ -109,6 +114,54 @@ static int getcap_count(const char *tcti, const char *what) {
     while (fgets(line, sizeof line, f) != NULL)
         if (strstr(line, "0x") != NULL) n++;
     return pclose(f) == 0 ? n : -1;
+}
+
+/* SHA-256 of the concatenation of n (pointer, length) pairs into out[32]. */
+static void sha256(uint8_t out[32], int n, ...) {
+    va_list ap;
+    EVP_MD_CTX *c = EVP_MD_CTX_new();
+    if (c == NULL || EVP_DigestInit_ex(c, EVP_sha256(), NULL) != 1) abort();
+    va_start(ap, n);
+    for (int i = 0; i < n; i++) {
+        const void *p = va_arg(ap, const void *);
+        size_t len = va_arg(ap, size_t);
+        if (EVP_DigestUpdate(c, p, len) != 1) abort();
+    }
+    va_end(ap);
+    unsigned int olen = 0;
+    if (EVP_DigestFinal_ex(c, out, &olen) != 1 || olen != 32) abort();
+    EVP_MD_CTX_free(c);
+}
+
+/* Writes v big-endian into n bytes at p. */
+static void put_be(uint8_t *p, uint64_t v, int n) {
+    for (int i = 0; i < n; i++) p[i] = (uint8_t)(v >> (8 * (n - 1 - i)));
+}
+
+/* The authPolicy kbfs_tpm_seal_epoch should produce, by hand from TPM 2.0 Part 3: PolicyAuthValue
+   then PolicyNV(ULE, offset 0, operandB = bound) on the counter `index` as define_counter makes it
+   (name computed from the expected TPMS_NV_PUBLIC, WRITTEN set). */
+static void expected_epoch_policy(uint32_t index, uint64_t bound, uint8_t out[32]) {
+    uint8_t d[32] = {0}, cc[4], args[32], ob[8], off_op[4], nvpub[128], nvname[34];
+    put_be(cc, 0x0000016B, 4); /* TPM_CC_PolicyAuthValue */
+    sha256(d, 2, d, (size_t)32, cc, (size_t)4);
+    TPMS_NV_PUBLIC np;
+    memset(&np, 0, sizeof np);
+    np.nvIndex = index;
+    np.nameAlg = TPM2_ALG_SHA256;
+    np.attributes = TPMA_NV_AUTHWRITE | TPMA_NV_AUTHREAD | TPMA_NV_NO_DA | TPMA_NV_WRITTEN |
+                    ((TPM2_NT_COUNTER << TPMA_NV_TPM2_NT_SHIFT) & TPMA_NV_TPM2_NT_MASK);
+    np.dataSize = 8;
+    size_t len = 0;
+    if (Tss2_MU_TPMS_NV_PUBLIC_Marshal(&np, nvpub, sizeof nvpub, &len) != TSS2_RC_SUCCESS) abort();
+    put_be(nvname, TPM2_ALG_SHA256, 2);
+    sha256(nvname + 2, 1, nvpub, len);
+    put_be(ob, bound, 8);
+    put_be(off_op, 0, 2);                        /* offset */
+    put_be(off_op + 2, TPM2_EO_UNSIGNED_LE, 2);  /* operation */
+    sha256(args, 2, ob, (size_t)8, off_op, (size_t)4);
+    put_be(cc, 0x00000149, 4); /* TPM_CC_PolicyNV */
+    sha256(out, 4, d, (size_t)32, cc, (size_t)4, args, (size_t)32, nvname, sizeof nvname);
 }
 
 /* Fills buf with random bytes. */
@@ -327,6 +380,242 @@ int main(int argc, char **argv) {
         EXPECT(kbfs_tpm_nv_read_counter(t1, index2, nvauth, sizeof nvauth, &w, err, sizeof err), KBFS_TPM_OK, "nv_read_counter");
         CHECK(w > v1, "new counter starts above the old one's %llu: %llu", (unsigned long long)v1, (unsigned long long)w);
         EXPECT(kbfs_tpm_nv_undefine(t1, index2, err, sizeof err), KBFS_TPM_OK, "nv_undefine");
+    }
+
+    /* ---- Epoch-bound sealed objects ---- */
+    {
+        uint8_t nvauth[32], nvwrong[32], ep[KBFS_TPM_PUB_MAX], ev[KBFS_TPM_PRIV_MAX], ep2[KBFS_TPM_PUB_MAX],
+            ev2[KBFS_TPM_PRIV_MAX];
+        size_t epl = sizeof ep, evl = sizeof ev, ep2l = sizeof ep2, ev2l = sizeof ev2;
+        random_bytes(nvauth, sizeof nvauth);
+        memcpy(nvwrong, nvauth, sizeof nvwrong);
+        nvwrong[5] ^= 0x10;
+        uint32_t ix = 0;
+        uint64_t v = 0, w = 0;
+        EXPECT(kbfs_tpm_nv_define_counter(t1, nvauth, sizeof nvauth, &ix, err, sizeof err), KBFS_TPM_OK,
+               "nv_define_counter (epoch)");
+        EXPECT(kbfs_tpm_nv_read_counter(t1, ix, nvauth, sizeof nvauth, &v, err, sizeof err), KBFS_TPM_OK,
+               "nv_read_counter (epoch)");
+        EXPECT(kbfs_tpm_seal_epoch(t1, secret, sizeof secret, auth, sizeof auth, ix, nvauth, sizeof nvauth, v, ep, &epl,
+                                   ev, &evl, err, sizeof err),
+               KBFS_TPM_OK, "seal_epoch with bound = counter");
+        {   /* The object: userWithAuth and noDA clear, authPolicy = the by-hand digest. */
+            TPM2B_PUBLIC pb;
+            memset(&pb, 0, sizeof pb);
+            size_t off = 0;
+            int parsed = Tss2_MU_TPM2B_PUBLIC_Unmarshal(ep, epl, &off, &pb) == TSS2_RC_SUCCESS && off == epl;
+            TPMA_OBJECT a = pb.publicArea.objectAttributes;
+            CHECK(parsed && !(a & TPMA_OBJECT_USERWITHAUTH) && !(a & TPMA_OBJECT_NODA) && (a & TPMA_OBJECT_FIXEDTPM),
+                  "epoch object: userWithAuth clear, noDA clear, fixedTPM (attributes 0x%08X)", (unsigned)a);
+            uint8_t want[32];
+            expected_epoch_policy(ix, v, want);
+            CHECK(pb.publicArea.authPolicy.size == 32 && memcmp(pb.publicArea.authPolicy.buffer, want, 32) == 0,
+                  "authPolicy equals PolicyAuthValue+PolicyNV(ULE, bound %llu) computed by hand",
+                  (unsigned long long)v);
+        }
+        got_len = sizeof got;
+        memset(got, 0, sizeof got);
+        EXPECT(kbfs_tpm_unseal_epoch(t1, ep, epl, ev, evl, auth, sizeof auth, ix, nvauth, sizeof nvauth, v, got, &got_len,
+                                     err, sizeof err),
+               KBFS_TPM_OK, "unseal_epoch with the right auth (real policy session reproduces the digest)");
+        CHECK(got_len == sizeof secret && memcmp(got, secret, sizeof secret) == 0, "epoch secret matches");
+        got_len = sizeof got;
+        memset(got, 0, sizeof got);
+        int rc = kbfs_tpm_unseal(t1, ep, epl, ev, evl, auth, sizeof auth, got, &got_len, err, sizeof err);
+        CHECK(rc != KBFS_TPM_OK && memcmp(got, secret, sizeof secret) != 0,
+              "plain unseal (HMAC session, userWithAuth clear) of the epoch object refused -> %s: %s", name(rc), err);
+
+        CHECK(tool(tcti1, "tpm2_dictionarylockout -c") == 0, "tpm2_dictionarylockout -c");
+        got_len = sizeof got;
+        EXPECT(kbfs_tpm_unseal_epoch(t1, ep, epl, ev, evl, wrong, sizeof wrong, ix, nvauth, sizeof nvauth, v, got,
+                                     &got_len, err, sizeof err),
+               KBFS_TPM_BAD_AUTH, "unseal_epoch with a wrong auth");
+        kbfs_tpm_da_info(t1, &da, err, sizeof err);
+        long cap = getcap_prop(tcti1, "TPM2_PT_LOCKOUT_COUNTER");
+        CHECK(da.counter == 1 && cap == 1, "lockout counter after one wrong epoch try: da_info %u, tpm2_getcap %ld",
+              da.counter, cap);
+
+        EXPECT(kbfs_tpm_seal_epoch(t1, secret, sizeof secret, auth, sizeof auth, ix, nvauth, sizeof nvauth, v + 1, ep2,
+                                   &ep2l, ev2, &ev2l, err, sizeof err),
+               KBFS_TPM_OK, "seal_epoch with bound = counter + 1");
+        EXPECT(kbfs_tpm_nv_increment(t1, ix, nvauth, sizeof nvauth, err, sizeof err), KBFS_TPM_OK, "nv_increment (epoch)");
+        EXPECT(kbfs_tpm_nv_read_counter(t1, ix, nvauth, sizeof nvauth, &w, err, sizeof err), KBFS_TPM_OK,
+               "nv_read_counter (epoch)");
+        CHECK(w == v + 1, "epoch counter %llu -> %llu", (unsigned long long)v, (unsigned long long)w);
+        got_len = sizeof got;
+        EXPECT(kbfs_tpm_unseal_epoch(t1, ep, epl, ev, evl, auth, sizeof auth, ix, nvauth, sizeof nvauth, v, got, &got_len,
+                                     err, sizeof err),
+               KBFS_TPM_STALE, "unseal_epoch (bound v) with the right auth after the counter passed v");
+        printf("info  stale message: %s\n", err);
+        got_len = sizeof got;
+        EXPECT(kbfs_tpm_unseal_epoch(t1, ep, epl, ev, evl, wrong, sizeof wrong, ix, nvauth, sizeof nvauth, v, got,
+                                     &got_len, err, sizeof err),
+               KBFS_TPM_STALE, "unseal_epoch (bound v) with a wrong auth after the counter passed v");
+        kbfs_tpm_da_info(t1, &da, err, sizeof err);
+        CHECK(da.counter == 1, "stale tries do not count in the lockout counter (%u)", da.counter);
+        got_len = sizeof got;
+        memset(got, 0, sizeof got);
+        EXPECT(kbfs_tpm_unseal_epoch(t1, ep2, ep2l, ev2, ev2l, auth, sizeof auth, ix, nvauth, sizeof nvauth, v + 1, got,
+                                     &got_len, err, sizeof err),
+               KBFS_TPM_OK, "unseal_epoch (bound v+1) at counter v+1");
+        CHECK(got_len == sizeof secret && memcmp(got, secret, sizeof secret) == 0, "epoch secret matches");
+        got_len = sizeof got;
+        EXPECT(kbfs_tpm_unseal_epoch(t1, ep2, ep2l, ev2, ev2l, auth, sizeof auth, ix, nvauth, sizeof nvauth, v + 5, got,
+                                     &got_len, err, sizeof err),
+               KBFS_TPM_ERROR, "unseal_epoch with a bound other than the sealed one");
+        printf("info  other-bound message: %s\n", err);
+        got_len = sizeof got;
+        EXPECT(kbfs_tpm_unseal_epoch(t1, ep2, ep2l, ev2, ev2l, auth, sizeof auth, ix, nvwrong, sizeof nvwrong, v + 1,
+                                     got, &got_len, err, sizeof err),
+               KBFS_TPM_ERROR, "unseal_epoch with a wrong nv_auth");
+        printf("info  wrong-nv_auth message: %s\n", err);
+        got_len = sizeof got;
+        EXPECT(kbfs_tpm_unseal_epoch(t1, pub, pub_len, priv, priv_len, auth, sizeof auth, ix, nvauth, sizeof nvauth,
+                                     v + 1, got, &got_len, err, sizeof err),
+               KBFS_TPM_ERROR, "unseal_epoch of a plain kbfs_tpm_seal object");
+        {
+            uint8_t p3[KBFS_TPM_PUB_MAX], v3[KBFS_TPM_PRIV_MAX];
+            size_t p3l = sizeof p3, v3l = sizeof v3;
+            EXPECT(kbfs_tpm_seal_epoch(t1, secret, sizeof secret, auth, sizeof auth, ix, nvwrong, sizeof nvwrong, v + 1,
+                                       p3, &p3l, v3, &v3l, err, sizeof err),
+                   KBFS_TPM_ERROR, "seal_epoch with a wrong nv_auth");
+            p3l = sizeof p3;
+            v3l = sizeof v3;
+            EXPECT(kbfs_tpm_seal_epoch(t1, secret, sizeof secret, auth, sizeof auth, KBFS_TPM_NV_LAST, nvauth,
+                                       sizeof nvauth, v + 1, p3, &p3l, v3, &v3l, err, sizeof err),
+                   KBFS_TPM_NV_MISSING, "seal_epoch on an undefined index");
+        }
+        if (t2 != NULL) {
+            got_len = sizeof got;
+            EXPECT(kbfs_tpm_unseal_epoch(t2, ep2, ep2l, ev2, ev2l, auth, sizeof auth, ix, nvauth, sizeof nvauth, v + 1,
+                                         got, &got_len, err, sizeof err),
+                   KBFS_TPM_NOT_THIS_TPM, "unseal_epoch swtpm #1's blobs on swtpm #2");
+        }
+
+        /* Lockout (3 tries since the lockout test): two more wrong tries, then the right one. */
+        for (int i = 2; i <= 3; i++) {
+            got_len = sizeof got;
+            EXPECT(kbfs_tpm_unseal_epoch(t1, ep2, ep2l, ev2, ev2l, wrong, sizeof wrong, ix, nvauth, sizeof nvauth, v + 1,
+                                         got, &got_len, err, sizeof err),
+                   KBFS_TPM_BAD_AUTH, "unseal_epoch with a wrong auth");
+        }
+        kbfs_tpm_da_info(t1, &da, err, sizeof err);
+        CHECK(da.counter == 3 && da.in_lockout, "after 3 wrong epoch tries: counter %u, inLockout %d", da.counter,
+              da.in_lockout);
+        got_len = sizeof got;
+        EXPECT(kbfs_tpm_unseal_epoch(t1, ep2, ep2l, ev2, ev2l, auth, sizeof auth, ix, nvauth, sizeof nvauth, v + 1, got,
+                                     &got_len, err, sizeof err),
+               KBFS_TPM_LOCKOUT, "unseal_epoch with the RIGHT auth while locked out");
+        CHECK(tool(tcti1, "tpm2_dictionarylockout -c") == 0, "tpm2_dictionarylockout -c");
+
+        /* Benchmarks (10 each). */
+        enum { N = 10 };
+        double t_seal[N], t_unseal[N];
+        int ok = 1;
+        for (int i = 0; i < N; i++) {
+            size_t pl = sizeof ep2, vl = sizeof ev2;
+            double a = now_ms();
+            ok &= kbfs_tpm_seal_epoch(t1, secret, sizeof secret, auth, sizeof auth, ix, nvauth, sizeof nvauth, v + 1, ep2,
+                                      &pl, ev2, &vl, err, sizeof err) == KBFS_TPM_OK;
+            t_seal[i] = now_ms() - a;
+            ep2l = pl;
+            ev2l = vl;
+        }
+        for (int i = 0; i < N; i++) {
+            size_t gl = sizeof got;
+            double a = now_ms();
+            ok &= kbfs_tpm_unseal_epoch(t1, ep2, ep2l, ev2, ev2l, auth, sizeof auth, ix, nvauth, sizeof nvauth, v + 1, got,
+                                        &gl, err, sizeof err) == KBFS_TPM_OK;
+            t_unseal[i] = now_ms() - a;
+            ok &= gl == sizeof secret && memcmp(got, secret, gl) == 0;
+        }
+        CHECK(ok, "10x seal_epoch, 10x unseal_epoch all succeed");
+        printf("info  median of %d on swtpm: seal_epoch %.2f ms, unseal_epoch %.2f ms (epoch blobs: public %zu, "
+               "private %zu bytes)\n", N, median(t_seal, N), median(t_unseal, N), ep2l, ev2l);
+
+        EXPECT(kbfs_tpm_nv_undefine(t1, ix, err, sizeof err), KBFS_TPM_OK, "nv_undefine (epoch)");
+        got_len = sizeof got;
+        EXPECT(kbfs_tpm_unseal_epoch(t1, ep2, ep2l, ev2, ev2l, auth, sizeof auth, ix, nvauth, sizeof nvauth, v + 1, got,
+                                     &got_len, err, sizeof err),
+               KBFS_TPM_NV_MISSING, "unseal_epoch after the counter was undefined");
+    }
+
+    /* ---- Only our kind of counter is read or incremented ---- */
+    {
+        uint8_t nvauth[32];
+        random_bytes(nvauth, sizeof nvauth);
+        char hexauth[65], cmd[512], file[64];
+        for (int i = 0; i < 32; i++) snprintf(hexauth + 2 * i, 3, "%02x", nvauth[i]);
+        uint16_t r;
+        random_bytes((uint8_t *)&r, sizeof r);
+        uint32_t ix = KBFS_TPM_NV_FIRST + r;
+        snprintf(cmd, sizeof cmd, "tpm2_nvdefine 0x%08x -C o -s 8 -a 'authread|authwrite|no_da' -p hex:%s", ix, hexauth);
+        CHECK(tool(tcti1, cmd) == 0, "tpm2_nvdefine an ordinary 8-byte index 0x%08X with the counter's attributes", ix);
+        snprintf(file, sizeof file, "/tmp/shim_test_nv.%d", (int)getpid());
+        FILE *f = fopen(file, "wb");
+        if (f != NULL) {
+            fwrite("\0\0\0\0\0\0\0\x01", 1, 8, f);
+            fclose(f);
+        }
+        snprintf(cmd, sizeof cmd, "tpm2_nvwrite 0x%08x -C 0x%08x -P hex:%s -i %s", ix, ix, hexauth, file);
+        CHECK(tool(tcti1, cmd) == 0, "tpm2_nvwrite 8 bytes into it");
+        unlink(file);
+        uint64_t value = 0;
+        EXPECT(kbfs_tpm_nv_read_counter(t1, ix, nvauth, sizeof nvauth, &value, err, sizeof err), KBFS_TPM_ERROR,
+               "nv_read_counter on an ordinary index");
+        printf("info  not-a-counter message: %s\n", err);
+        EXPECT(kbfs_tpm_nv_increment(t1, ix, nvauth, sizeof nvauth, err, sizeof err), KBFS_TPM_ERROR,
+               "nv_increment on an ordinary index");
+        EXPECT(kbfs_tpm_nv_undefine(t1, ix, err, sizeof err), KBFS_TPM_OK, "nv_undefine the ordinary index");
+    }
+
+    /* ---- The primary's name pins the TPM ---- */
+    {
+        uint8_t n1[KBFS_TPM_NAME_MAX], n1b[KBFS_TPM_NAME_MAX], n2[KBFS_TPM_NAME_MAX];
+        size_t n1l = sizeof n1, n1bl = sizeof n1b, n2l = sizeof n2;
+        kbfs_tpm *again = NULL;
+        EXPECT(kbfs_tpm_primary_name(t1, n1, &n1l, err, sizeof err), KBFS_TPM_OK, "primary_name (swtpm #1)");
+        EXPECT(kbfs_tpm_open(tcti1, &again, err, sizeof err), KBFS_TPM_OK, "open swtpm #1 again");
+        if (again != NULL)
+            EXPECT(kbfs_tpm_primary_name(again, n1b, &n1bl, err, sizeof err), KBFS_TPM_OK, "primary_name (swtpm #1 again)");
+        kbfs_tpm_close(again);
+        CHECK(n1l == 34 && n1l == n1bl && memcmp(n1, n1b, n1l) == 0, "same name across two opens (%zu bytes)", n1l);
+        if (t2 != NULL) {
+            EXPECT(kbfs_tpm_primary_name(t2, n2, &n2l, err, sizeof err), KBFS_TPM_OK, "primary_name (swtpm #2)");
+            CHECK(n2l == n1l && memcmp(n1, n2, n1l) != 0, "swtpm #2's name differs");
+        }
+        uint8_t small[8];
+        size_t sl = sizeof small;
+        EXPECT(kbfs_tpm_primary_name(t1, small, &sl, err, sizeof err), KBFS_TPM_ERROR, "primary_name into 8 bytes");
+        CHECK(sl == 34, "short buffer: *out_len reports %zu", sl);
+    }
+
+    /* ---- lockoutAuthSet ---- */
+    EXPECT(kbfs_tpm_da_info(t1, &da, err, sizeof err), KBFS_TPM_OK, "da_info");
+    CHECK(da.lockout_auth_set == 0, "lockout_auth_set %d on a fresh swtpm", da.lockout_auth_set);
+    CHECK(tool(tcti1, "tpm2_changeauth -c lockout somepassword") == 0, "tpm2_changeauth -c lockout somepassword");
+    EXPECT(kbfs_tpm_da_info(t1, &da, err, sizeof err), KBFS_TPM_OK, "da_info");
+    CHECK(da.lockout_auth_set == 1, "lockout_auth_set %d after changing lockoutAuth", da.lockout_auth_set);
+    CHECK(tool(tcti1, "tpm2_changeauth -c lockout -p somepassword") == 0, "tpm2_changeauth back to the empty lockoutAuth");
+    EXPECT(kbfs_tpm_da_info(t1, &da, err, sizeof err), KBFS_TPM_OK, "da_info");
+    printf("info  lockout_auth_set after changing lockoutAuth back to empty: %d\n", da.lockout_auth_set);
+    CHECK(tool(tcti1, "tpm2_dictionarylockout -c") == 0, "tpm2_dictionarylockout -c works with the empty lockoutAuth again");
+
+    /* ---- TCTI allow-list ---- */
+    {
+        static const char *refused[] = {"/tmp/evil.so", "../x:y", "libtss2-tcti-device.so", "", "devicex:/dev/tpm0",
+                                        "swtpm/x:port=1", "libtss2-tcti-swtpm.so.0:port=2321"};
+        for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+            kbfs_tpm *x = NULL;
+            char what[96];
+            snprintf(what, sizeof what, "open TCTI \"%s\"", refused[i]);
+            EXPECT(kbfs_tpm_open(refused[i], &x, err, sizeof err), KBFS_TPM_ERROR, what);
+            CHECK(x == NULL, "no context");
+        }
+        printf("info  refused-TCTI message: %s\n", err);
+        kbfs_tpm *x = NULL;
+        EXPECT(kbfs_tpm_open("device:/dev/nonexistent", &x, err, sizeof err), KBFS_TPM_UNREACHABLE,
+               "open \"device:/dev/nonexistent\" (allowed module)");
     }
 
     /* ---- Unreachable TPMs ---- */
