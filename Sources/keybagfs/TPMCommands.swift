@@ -55,6 +55,10 @@ struct TPMCommand: ParsableCommand {
             let sealer = try TPMSealer.enroll(tcti: tcti, deviceKey: dk, storeID: kb.file.storeID)
             try kb.moveToSealer(sealer, passcode: passcode, deviceKey: dk)
             print("bound this device's passcode to the TPM at \(tcti) (enrollment \(sealer.path))")
+            if let st = try? sealer.lockoutState(), !st.lockoutAuthSet {
+                print("  warning: the TPM's lockout authorization is empty, so any root user can clear its lockout and keep " +
+                    "guessing; set one with `tpm2_changeauth -c lockout` (keep it apart from this machine)")
+            }
         }
     }
 
