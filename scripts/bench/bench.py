@@ -358,8 +358,10 @@ class Harness:
         os.mkdir(repo)
         for p in parts:
             shutil.copytree(os.path.join(self.src, TOP, p), os.path.join(repo, p), symlinks=True)
+        # gc.auto=0: a commit of the medium tree would start an automatic gc in the background,
+        # which then holds gc.pid and makes the explicit gc below fail.
         g = ["git", "-C", repo, "-c", "user.name=bench", "-c", "user.email=bench@localhost",
-             "-c", "commit.gpgsign=false"]
+             "-c", "commit.gpgsign=false", "-c", "gc.auto=0", "-c", "maintenance.auto=false"]
         run(g + ["init", "-q", "-b", "main"])
         run(g + ["add", "-A"])
         run(g + ["commit", "-q", "-m", "A"])
