@@ -101,10 +101,7 @@ struct Init: ParsableCommand {
         print("  device key: \(dkPath)  (keep it; without it the store cannot be opened)")
         if let sealer {
             print("  TPM:        \(sealer.tcti), enrollment \(sealer.path) (the passcode works only with this TPM)")
-            if let st = try? sealer.lockoutState(), !st.lockoutAuthSet {
-                print("  warning: the TPM's lockout authorization is empty, so any root user can clear its lockout and keep " +
-                    "guessing; set one with `tpm2_changeauth -c lockout` (keep it apart from this machine)")
-            }
+            TPMCommand.warnIfLockoutIsOpen(sealer)
         }
     }
 }

@@ -11,6 +11,34 @@ struct TPMCommand: ParsableCommand {
         abstract: "Bind this device's passcode to its TPM 2.0, or unbind it (store unmounted).",
         subcommands: [Enroll.self, Remove.self, Helper.self])
 
+    /// What enroll and remove share: the store locked against a daemon, this device's keybag
+    /// (with its TPM, when bound) and key, and the passcode read only when `body` asks for it
+    /// (after its own checks); key and passcode wiped after.
+    static func moving(
+        _ target: UnmountedStore, passcodeStdin: Bool,
+        _ body: (inout Keybag, SecureKey, () throws -> SecureKey) throws -> Void
+    ) throws {
+        let lock = try lockUnmountedStore(target.store)
+        defer { close(lock) }
+        var (kb, dk) = try target.deviceKeybag()
+        defer { dk.wipe() }
+        var read: SecureKey?
+        defer { read?.wipe() }
+        try body(&kb, dk) {
+            let p = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ")
+            read = p
+            return p
+        }
+    }
+
+    /// Says so when the TPM's lockout authorization is empty (root can then clear its lockout).
+    static func warnIfLockoutIsOpen(_ sealer: TPMSealer) {
+        guard let st = try? sealer.lockoutState(), !st.lockoutAuthSet else { return }
+        print(
+            "  warning: the TPM's lockout authorization is empty, so any root user can clear its lockout and keep " +
+                "guessing; set one with `tpm2_changeauth -c lockout` (keep it apart from this machine)")
+    }
+
     /// `keybagfs tpm2 helper`: one seal or unseal for the daemon (`TPMHelperProcess`), on
     /// stdin and stdout; not for people.
     struct Helper: ParsableCommand {
@@ -41,23 +69,16 @@ struct TPMCommand: ParsableCommand {
         var passcodeStdin = false
 
         func run() throws {
-            let lock = try lockUnmountedStore(target.store)
-            defer { close(lock) }
-            var (kb, dk) = try target.deviceKeybag()
-            defer { dk.wipe() }
-            if let current = kb.sealer as? TPMSealer {
-                throw KeybagError.invalid(
-                    "this device is already bound to the TPM at \(current.tcti); `keybagfs tpm2 remove` first to move it")
-            }
-            guard let tcti = try TPMChoice.on.tcti(device: target.tpm2Device) else { return }
-            let passcode = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ")
-            defer { passcode.wipe() }
-            let sealer = try TPMSealer.enroll(tcti: tcti, deviceKey: dk, storeID: kb.file.storeID)
-            try kb.moveToSealer(sealer, passcode: passcode, deviceKey: dk)
-            print("bound this device's passcode to the TPM at \(tcti) (enrollment \(sealer.path))")
-            if let st = try? sealer.lockoutState(), !st.lockoutAuthSet {
-                print("  warning: the TPM's lockout authorization is empty, so any root user can clear its lockout and keep " +
-                    "guessing; set one with `tpm2_changeauth -c lockout` (keep it apart from this machine)")
+            try TPMCommand.moving(target, passcodeStdin: passcodeStdin) { kb, dk, passcode in
+                if let current = kb.sealer as? TPMSealer {
+                    throw KeybagError.invalid(
+                        "this device is already bound to the TPM at \(current.tcti); `keybagfs tpm2 remove` first to move it")
+                }
+                guard let tcti = try TPMChoice.on.tcti(device: target.tpm2Device) else { return }
+                let sealer = try TPMSealer.enroll(tcti: tcti, deviceKey: dk, storeID: kb.file.storeID)
+                try kb.moveToSealer(sealer, passcode: try passcode(), deviceKey: dk)
+                print("bound this device's passcode to the TPM at \(tcti) (enrollment \(sealer.path))")
+                TPMCommand.warnIfLockoutIsOpen(sealer)
             }
         }
     }
@@ -74,18 +95,14 @@ struct TPMCommand: ParsableCommand {
         var passcodeStdin = false
 
         func run() throws {
-            let lock = try lockUnmountedStore(target.store)
-            defer { close(lock) }
-            var (kb, dk) = try target.deviceKeybag()
-            defer { dk.wipe() }
-            guard let old = kb.sealer as? TPMSealer else {
-                throw KeybagError.invalid("this device's passcode is not bound to a TPM")
+            try TPMCommand.moving(target, passcodeStdin: passcodeStdin) { kb, dk, passcode in
+                guard let old = kb.sealer as? TPMSealer else {
+                    throw KeybagError.invalid("this device's passcode is not bound to a TPM")
+                }
+                try kb.moveToSealer(nil, passcode: try passcode(), deviceKey: dk)
+                try old.remove()
+                print("this device's passcode is no longer bound to the TPM at \(old.tcti)")
             }
-            let passcode = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ")
-            defer { passcode.wipe() }
-            try kb.moveToSealer(nil, passcode: passcode, deviceKey: dk)
-            try old.remove()
-            print("this device's passcode is no longer bound to the TPM at \(old.tcti)")
         }
     }
 }
