@@ -8,6 +8,9 @@ import Glibc
 public enum StoreLock {
     /// Longest wait for a holder that is exiting.
     public static let exitingHolderWait: Double = 30
+    /// Longest wait for a live holder: a daemon just unmounted (`umount` then `mount` at
+    /// once) releases the store as its session ends, a moment after `umount` returns.
+    public static let liveHolderWait: Double = 0.5
 
     /// Why the lock was not taken.
     public enum Refusal: Error, Equatable {
@@ -29,7 +32,14 @@ public enum StoreLock {
         let holder = holderPID(
             locks: (try? String(contentsOfFile: "/proc/locks", encoding: .utf8)) ?? "", device: st.st_dev,
             inode: st.st_ino)
-        guard let pid = holder, isExiting(pid: pid) else { throw Refusal.heldByLiveProcess(pid: holder) }
+        guard let pid = holder, isExiting(pid: pid) else {
+            let deadline = Date().addingTimeInterval(liveHolderWait)
+            while Date() < deadline {
+                usleep(10_000)
+                if flock(fd, LOCK_EX | LOCK_NB) == 0 { return }
+            }
+            throw Refusal.heldByLiveProcess(pid: holder)
+        }
         note("the store's lock is held by process \(pid), which is exiting; waiting for it (at most \(Int(maxWait)) s)")
         let deadline = Date().addingTimeInterval(maxWait)
         while Date() < deadline {

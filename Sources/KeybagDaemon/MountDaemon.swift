@@ -120,6 +120,8 @@ public enum MountDaemon {
         let server: ControlServer
         /// Changes another writer makes in the store; nil where they cannot be watched.
         let watcher: StoreWatcher?
+        /// The store's lock (its directory, flock'd), released once the session has ended.
+        let storeLock: Int32
     }
 
     /// Runs the daemon in this process; returns the exit code.
@@ -158,7 +160,7 @@ public enum MountDaemon {
     /// Takes the store (one daemon per store: the lock lives as long as this process), its
     /// keys and folders; builds the filesystem, the controller and the control socket.
     private static func start(_ cfg: MountConfiguration) throws -> Started {
-        try lockStore(cfg.store)
+        let storeLock = try lockStore(cfg.store)
         let (keybag, deviceKey, classD, names) = try loadKeys(cfg)
         let data = try openFolder(cfg.store, Keybag.dataDirName, create: false)
         let targets = try openFolder(cfg.store, Keybag.targetsDirName, create: true)
@@ -182,7 +184,7 @@ public enum MountDaemon {
             let server = try ControlServer(path: cfg.socketPath, controller: controller, owner: owner)
             return Started(
                 fs: fs, controller: controller, server: server,
-                watcher: startWatcher(cfg, fs))
+                watcher: startWatcher(cfg, fs), storeLock: storeLock)
         } catch {
             controller.shutdown()
             throw error
@@ -213,13 +215,14 @@ public enum MountDaemon {
     }
 
     /// Locks the store against a second daemon (the descriptor stays open until exit).
-    private static func lockStore(_ store: String) throws {
+    private static func lockStore(_ store: String) throws -> Int32 {
         let fd = open(store, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
         guard fd >= 0 else {
             throw StartFailure(message: "cannot open the store \(store): \(String(cString: strerror(errno)))")
         }
         do {
             try StoreLock.acquire(fd: fd) { log($0) }
+            return fd
         } catch StoreLock.Refusal.heldByLiveProcess(let pid) {
             close(fd)
             throw StartFailure(
@@ -368,6 +371,9 @@ public enum MountDaemon {
         fuse_loop_cfg_destroy(loopCfg)
 
         s.watcher?.stop()
+        // Every request is answered and nothing writes the store any more: the next daemon
+        // (`umount` then `mount` at once) may take it while this one wipes and exits.
+        close(s.storeLock)
         s.fs.kernel.detach()
         HeapTrimmer.shared.stop()
         s.server.stop()

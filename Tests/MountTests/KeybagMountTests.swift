@@ -169,6 +169,20 @@ final class KeybagMountTests: XCTestCase {
         XCTAssertEqual(m.state, "unlocked")
     }
 
+    /// `umount` then `mount` at once (fstab, scripts): the unmounted daemon still wipes and
+    /// exits for a moment; the new mount must not be refused as "already mounted" (seen
+    /// once in the system test). The daemon releases the store when its session ends, and a
+    /// mount waits half a second for a live holder.
+    func testAMountRightAfterAnUnmountComesUp() throws {
+        let m = try MountFixture(mount: false)
+        addTeardownBlock { m.close() }
+        for i in 1...10 {
+            let r = MountFixture.run(MountFixture.binDir + "/keybagfs", ["mount", m.store, m.mnt, "--socket", m.socket, "--device-key", m.deviceKey])
+            XCTAssertEqual(r.code, 0, "round \(i): \(r.stderr)")
+            XCTAssertEqual(MountFixture.run("/bin/umount", [m.mnt]).code, 0, "round \(i)")
+        }
+    }
+
     func testHostileKDFLimitsAreAClearErrorNotACrash() throws {
         let m = try MountFixture(mount: false)
         addTeardownBlock { m.close() }
