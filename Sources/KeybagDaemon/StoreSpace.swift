@@ -31,14 +31,23 @@ final class StoreSpace: Sendable {
 
         /// For a store of `size` bytes and a mount whose kernel may hold `dirty` bytes of
         /// dirty pages (loose), of which `tightDirty` while tight (0: the limit cannot be
-        /// lowered, and only a failed write makes the mount tight).
+        /// lowered, and only a failed write makes the mount tight). While tight, a check lets
+        /// a write(2) of up to `promisedWrite` through while the kernel holds up to twice
+        /// `tightDirty` (its limit is soft: pages dirtied between two looks, pages under
+        /// write-back); all of it sealed must fit in `refuseBelow`.
         init(size: Int, dirty: Int, canLowerDirty: Bool) {
-            let margin = min(4 << 20, size / 16)
             tightDirty = canLowerDirty ? min(4 << 20, size / 32) : 0
-            refuseBelow = tightDirty + margin
-            tightBelow = canLowerDirty ? dirty + refuseBelow : 0
+            refuseBelow = Self.sealed(Self.promisedWrite(size: size) + 2 * tightDirty)
+            tightBelow = canLowerDirty ? Self.sealed(dirty) + refuseBelow : 0
             looseAbove = max(tightBelow, refuseBelow) + min(16 << 20, size / 16)
         }
+
+        /// The largest write(2) whose data is never lost for want of space (docs/FORMAT.md).
+        static func promisedWrite(size: Int) -> Int { min(4 << 20, size / 16) }
+
+        /// At least the store bytes `plain` content bytes take: 64 per 4 KiB block (the
+        /// costlier cipher's nonce and tag take 40) and a last partly filled page.
+        static func sealed(_ plain: Int) -> Int { plain + plain / 64 + 4096 }
     }
 
     /// The store's data directory.
