@@ -44,7 +44,7 @@ final class FilesystemTests: XCTestCase {
     }
 
     /// A new file of `cls` holding `text`, with its first handle.
-    func file(_ name: String, _ cls: ProtectionClass, _ text: String) throws -> KeybagDaemon.FileHandle {
+    func file(_ name: String, _ cls: ProtectionClass, _ text: String) throws -> KeybagDaemon.OpenFile {
         let (n, _, h) = try fs.create(parent: 1, name: name, mode: S_IFREG | 0o644, flags: O_RDWR | O_CREAT, caller: root)
         try fs.setProtection(of: n.id, to: cls)
         try Array(text.utf8).withUnsafeBytes { try fs.write(h, offset: 0, data: $0) }
@@ -52,7 +52,7 @@ final class FilesystemTests: XCTestCase {
     }
 
     /// The text read through `h`, or the errno the read failed with.
-    func read(_ h: KeybagDaemon.FileHandle) -> Result<String, FSError> {
+    func read(_ h: KeybagDaemon.OpenFile) -> Result<String, FSError> {
         var buf = [UInt8](repeating: 0, count: 4096)
         var text = ""
         do {

@@ -70,7 +70,7 @@ extension Filesystem {
     // MARK: files
 
     /// Opens the backing file for a handle and loads the file key (EACCES by class rules).
-    func open(_ id: UInt64, flags: Int32, caller: Caller? = nil) throws -> FileHandle {
+    func open(_ id: UInt64, flags: Int32, caller: Caller? = nil) throws -> OpenFile {
         let n = try node(id)
         guard n.isRegular else { throw FSError(n.isDirectory ? EISDIR : EINVAL) }
         let writable = (flags & O_ACCMODE) != O_RDONLY
@@ -104,7 +104,7 @@ extension Filesystem {
             if fstat(fd, &st) == 0, let mode = Self.modeAfterModification(st, by: caller) { _ = fchmod(fd, mode) }
         }
         openFiles.add(1, ordering: .relaxed)
-        return FileHandle(node: n, fd: fd, writable: writable, directIO: usesDirectIO(cls))
+        return OpenFile(node: n, fd: fd, writable: writable, directIO: usesDirectIO(cls))
     }
 
     /// Whether handles of `cls` bypass the kernel's page cache: class A, where the kernel
@@ -117,7 +117,7 @@ extension Filesystem {
     /// name, so a crash never leaves a named file without a header.
     func create(
         parent: UInt64, name: String, mode: mode_t, flags: Int32, caller: Caller
-    ) throws -> (Node, stat, FileHandle) {
+    ) throws -> (Node, stat, OpenFile) {
         try retryingWhileSpaceReturns {
             try createOnce(parent: parent, name: name, mode: mode, flags: flags, caller: caller)
         }
@@ -126,7 +126,7 @@ extension Filesystem {
     /// One attempt of `create`; undoes what it did when it fails.
     private func createOnce(
         parent: UInt64, name: String, mode: mode_t, flags: Int32, caller: Caller
-    ) throws -> (Node, stat, FileHandle) {
+    ) throws -> (Node, stat, OpenFile) {
         try Self.checkName(name)
         let p = try node(parent)
         let cls = try inheritedClass(p)
@@ -170,7 +170,7 @@ extension Filesystem {
     /// gone at its last close unless `linkat(2)` gives it one (a backing O_TMPFILE file,
     /// whose node keeps a descriptor: an unlinked inode cannot be reopened by handle).
     /// EOPNOTSUPP where the store's filesystem has no O_TMPFILE.
-    func createUnnamed(parent: UInt64, mode: mode_t, caller: Caller) throws -> (Node, stat, FileHandle) {
+    func createUnnamed(parent: UInt64, mode: mode_t, caller: Caller) throws -> (Node, stat, OpenFile) {
         try retryingWhileSpaceReturns {
             let p = try node(parent)
             let cls = try inheritedClass(p)
@@ -234,7 +234,7 @@ extension Filesystem {
     /// Gives a new file's key to its node and opens the creator's handle on it.
     private func adopt(
         _ file: NewFile, node n: Node, stat st: stat, class cls: ProtectionClass, epoch: UInt64
-    ) throws -> (Node, stat, FileHandle) {
+    ) throws -> (Node, stat, OpenFile) {
         do {
             try n.io.write { s in try s.adoptCreated(header: file.header, key: file.key, epoch: epoch, keyring: keyring)
             }
@@ -245,7 +245,7 @@ extension Filesystem {
         openFiles.add(1, ordering: .relaxed)
         return (
             n, plaintextAttributes(st, linkAt: -1, ""),
-            FileHandle(node: n, fd: file.fd, writable: true, directIO: usesDirectIO(cls))
+            OpenFile(node: n, fd: file.fd, writable: true, directIO: usesDirectIO(cls))
         )
     }
 
@@ -301,7 +301,7 @@ extension Filesystem {
     /// The last close of a handle: class B file keys die with the last handle once locked,
     /// and so do the crypto library's key schedules and the inode's cached pages (dropped
     /// from the notifier's queue, not this FUSE thread).
-    func release(_ h: FileHandle) {
+    func release(_ h: OpenFile) {
         HeapTrimmer.shared.note()
         let (closed, header) = h.node.io.write { st in (st.release(keyring: keyring), st.header) }
         let lastClose = closed.lastClose
@@ -320,7 +320,7 @@ extension Filesystem {
     /// Reads through a handle and replies while still holding the inode's lock, so a lock
     /// (which takes it alone before dropping the page cache) cannot be overtaken by a reply.
     /// The reply buffer is zeroed once sent.
-    func read(_ h: FileHandle, offset: Int, into buf: UnsafeMutableRawBufferPointer, reply: (Int) -> Void) throws {
+    func read(_ h: OpenFile, offset: Int, into buf: UnsafeMutableRawBufferPointer, reply: (Int) -> Void) throws {
         guard offset >= 0 else { throw FSError(EINVAL) }
         if offset >= Self.maxFileSize { return reply(0) }
         try withContentKey(h.node, .read) { key in
@@ -336,7 +336,7 @@ extension Filesystem {
 
     /// Writes through a handle. The request's plaintext (in the FUSE receive buffer) is
     /// zeroed afterwards, whether the write was accepted or refused.
-    func write(_ h: FileHandle, offset: Int, data: UnsafeRawBufferPointer) throws {
+    func write(_ h: OpenFile, offset: Int, data: UnsafeRawBufferPointer) throws {
         guard offset >= 0 else { throw FSError(EINVAL) }
         guard offset <= Self.maxFileSize - data.count else { throw FSError(EFBIG) }
         defer { Self.wipe(data) }
@@ -370,7 +370,7 @@ extension Filesystem {
     }
 
     /// Truncates through a handle when given, else through a fresh backing descriptor.
-    func truncate(_ n: Node, handle: FileHandle?, to size: Int) throws {
+    func truncate(_ n: Node, handle: OpenFile?, to size: Int) throws {
         guard size >= 0 else { throw FSError(EINVAL) }
         guard size <= Self.maxFileSize else { throw FSError(EFBIG) }
         let fd: Int32
@@ -387,7 +387,7 @@ extension Filesystem {
     /// ZERO_RANGE (optionally KEEP_SIZE); other modes are EOPNOTSUPP.
     /// The kernel leaves set-ID bits to us here (no per-request flag, as for writes), so they
     /// go as after a write by `caller`.
-    func fallocate(_ h: FileHandle, mode: Int32, offset: Int, length: Int, caller: Caller) throws {
+    func fallocate(_ h: OpenFile, mode: Int32, offset: Int, length: Int, caller: Caller) throws {
         let keepSize: Int32 = 0x01, punchHole: Int32 = 0x02, zeroRange: Int32 = 0x10
         guard offset >= 0, length > 0 else { throw FSError(EINVAL) }
         guard offset <= Self.maxFileSize - length else { throw FSError(EFBIG) }
@@ -421,7 +421,7 @@ extension Filesystem {
     }
 
     /// fsync of a handle.
-    func fsync(_ h: FileHandle, dataOnly: Bool) throws {
+    func fsync(_ h: OpenFile, dataOnly: Bool) throws {
         try check(dataOnly ? fdatasync(h.fd) : Glibc.fsync(h.fd))
     }
 

@@ -196,7 +196,7 @@ final class Filesystem: Sendable {
     }
 
     /// getattr.
-    func getattr(_ id: UInt64, handle: FileHandle? = nil) throws -> stat {
+    func getattr(_ id: UInt64, handle: OpenFile? = nil) throws -> stat {
         let n = try node(id)
         // The kernel names a handle when it needs fresh attributes before using it — with
         // the write-back cache, before every write() into the page cache. For a file whose
@@ -254,7 +254,7 @@ final class Filesystem: Sendable {
     /// A regular file with an open handle (the kernel names it only for a truncate; tar's
     /// fchown, fchmod and futimens after writing come without) is changed through that
     /// handle's descriptor, else through an `O_PATH` descriptor opened for the call.
-    func setattr(_ id: UInt64, handle: FileHandle?, mode: mode_t?, uid: uid_t?, gid: gid_t?, size: Int?,
+    func setattr(_ id: UInt64, handle: OpenFile?, mode: mode_t?, uid: uid_t?, gid: gid_t?, size: Int?,
                  atime: timespec?, mtime: timespec?, truncatedBy: Caller? = nil) throws -> stat {
         let n = try node(id)
         if let size {

@@ -254,7 +254,7 @@ final class NodeTable: Sendable {
 }
 
 /// An open file: its node and the backing descriptor used for content I/O.
-final class FileHandle: Sendable {
+final class OpenFile: Sendable {
     /// The inode.
     let node: Node
     /// Backing descriptor (O_RDWR when the open allowed writing, else O_RDONLY).

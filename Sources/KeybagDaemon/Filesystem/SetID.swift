@@ -83,7 +83,7 @@ extension Filesystem {
     /// Clears the set-ID bits of an open file that `caller` just modified (write, fallocate)
     /// as `modeAfterModification` rules. Costs nothing when the kernel said they stay (writes
     /// of callers with CAP_FSETID, and the page cache's write-back); else one `fstat`.
-    func clearSetIDAfterModification(_ h: FileHandle, by caller: Caller) {
+    func clearSetIDAfterModification(_ h: OpenFile, by caller: Caller) {
         if caller.kernelSaysClearSetID == false { return }
         var st = stat()
         if fstat(h.fd, &st) == 0, let mode = Self.modeAfterModification(st, by: caller) {
@@ -94,7 +94,7 @@ extension Filesystem {
     /// Changes the mode of an open file on a request that does not answer with attributes
     /// (write, fallocate): the kernel keeps the mode it has cached (the attributes it took
     /// just before, when it updated the times) until told to ask again.
-    func setModeBehindTheKernel(_ h: FileHandle, _ mode: mode_t) {
+    func setModeBehindTheKernel(_ h: OpenFile, _ mode: mode_t) {
         guard fchmod(h.fd, mode) == 0 else { return }
         kernel.refreshAttributes([h.node.id])
     }

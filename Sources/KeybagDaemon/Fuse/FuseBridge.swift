@@ -110,8 +110,8 @@ enum FuseBridge {
     }
 
     /// The file handle behind `fi.fh`.
-    static func handle(_ fi: UnsafeMutablePointer<fuse_file_info>?) -> FileHandle? {
-        object(fi, as: FileHandle.self)?.takeUnretainedValue()
+    static func handle(_ fi: UnsafeMutablePointer<fuse_file_info>?) -> OpenFile? {
+        object(fi, as: OpenFile.self)?.takeUnretainedValue()
     }
 
     /// The directory handle behind `fi.fh`.
@@ -120,7 +120,7 @@ enum FuseBridge {
     }
 
     /// Stores a file handle in `fi` (no page cache kept across opens; direct I/O for class A).
-    static func attach(_ h: FileHandle, to fi: UnsafeMutablePointer<fuse_file_info>) {
+    static func attach(_ h: OpenFile, to fi: UnsafeMutablePointer<fuse_file_info>) {
         fi.pointee.fh = UInt64(UInt(bitPattern: Unmanaged.passRetained(h).toOpaque()))
         fi.pointee.keep_cache = 0
         fi.pointee.direct_io = h.directIO ? 1 : 0
@@ -134,7 +134,7 @@ enum FuseBridge {
     /// Takes the file handle out of `fi` (RELEASE, or an open whose reply did not reach the
     /// kernel) and closes it in the filesystem.
     static func releaseHandle(_ req: fuse_req_t?, _ fi: UnsafeMutablePointer<fuse_file_info>?) {
-        guard let h = object(fi, as: FileHandle.self)?.takeRetainedValue() else { return }
+        guard let h = object(fi, as: OpenFile.self)?.takeRetainedValue() else { return }
         fs(req).release(h)
     }
 
