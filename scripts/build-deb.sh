@@ -81,8 +81,8 @@ Removing the package stops and disables the keybagfs units and takes the PAM pro
 of common-auth. It never deletes stores, device keys (/var/lib/keybagfs) or /etc/keybagfs,
 not even on purge: without the device key a store cannot be opened.
 
-The full documentation is the project's README (commands, classes, lock semantics) and
-docs/FORMAT.md (on-disk format and key constructions).
+The full documentation is the project's README and docs/ (COMMANDS.md: commands, classes, lock semantics;
+FORMAT.md: on-disk format and key constructions).
 TXT
 cat >"$doc/copyright" <<'TXT'
 Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/

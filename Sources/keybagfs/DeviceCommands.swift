@@ -13,7 +13,7 @@ struct DeviceCommand: ParsableCommand {
         Each device has its own device key, passcode, failed-attempt counter and lock. A device is added on \
         the new machine, with the store's recovery key, from its copy of the store; it is removed from \
         another device, with that device's passcode: files written from then on cannot be opened with the \
-        removed device's keys. See README "Several devices".
+        removed device's keys. See docs/DEVICES.md, "Several devices".
         """,
         subcommands: [ID.self, List.self, Add.self, Remove.self])
 

@@ -7,7 +7,7 @@ import XCTest
 /// each kill `fsck` may report only what a cut-off write leaves (FORMAT.md, "Crashes"),
 /// `fsck --repair --yes` fixes it, every byte the workload saw fsync'd (or a rename and a
 /// class change return) is intact, and every file reads. Rounds: KEYBAGFS_KILL_ROUNDS
-/// (default 30; the long run in the README uses 500).
+/// (default 30; the long run in docs/TESTING.md uses 500).
 final class CrashSafetyTests: XCTestCase {
     /// The workload: journals each durable fact (JSON lines, fsync'd) outside the mount.
     static let workload = #"""

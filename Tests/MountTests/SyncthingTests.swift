@@ -169,7 +169,7 @@ final class SyncthingTests: XCTestCase {
             }, "both folders' names on \(m.root): \((try? FileManager.default.contentsOfDirectory(atPath: m.path("shared"))) ?? []) \(diagnosis([a, b], sync))")
         }
         // The conflict copy's id is the short id of the device whose change won (the version
-        // still under the file's name), as the README says: Syncthing names the copy after the
+        // still under the file's name), as docs/DEVICES.md says: Syncthing names the copy after the
         // change it lost to, so on that device's own mount the copy carries its own id.
         let winner = (try? readFile(a.path("docs/report.txt")).get()) == fromB ? 1 : 0
         for m in [a, b] {
