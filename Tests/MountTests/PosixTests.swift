@@ -46,6 +46,52 @@ final class PosixTests: XCTestCase {
 
     /// Root's private mount goes without kernel permission checks (root passes them anyway);
     /// access(2) must still answer as it would with them.
+    /// A name looked up while absent is remembered by the kernel (a negative entry, as long
+    /// as an entry); every way of making that name through the mount shows it at once, to
+    /// this process and to a listing, and it goes again when removed.
+    func testNamesLookedUpWhileAbsentShowAsSoonAsTheyAreMade() throws {
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        XCTAssertEqual(writeFile(m.path("source"), bytes("source")), 0)
+        XCTAssertEqual(mkdir(m.path("dir"), 0o755), 0)
+        let tmpfile: (String) -> Int32 = { path in
+            let fd = open(m.path("dir"), kbfs_O_TMPFILE | O_RDWR, 0o600)
+            guard fd >= 0 else { return -1 }
+            defer { close(fd) }
+            return linkat(AT_FDCWD, "/proc/self/fd/\(fd)", AT_FDCWD, path, AT_SYMLINK_FOLLOW)
+        }
+        let makers: [(String, (String) -> Int32)] = [
+            ("create", { writeFile($0, bytes("made")) }),
+            ("mkdir", { mkdir($0, 0o755) }),
+            ("symlink", { symlink("source", $0) }),
+            ("link", { link(m.path("source"), $0) }),
+            ("rename", { p in writeFile(m.path("dir/moving"), bytes("moved")) == 0 ? rename(m.path("dir/moving"), p) : -1 }),
+            ("mknod", { mknod($0, S_IFREG | 0o644, 0) }),
+            ("O_TMPFILE + linkat", tmpfile),
+        ]
+        for (i, (how, make)) in makers.enumerated() {
+            let name = "absent-\(i)", path = m.path("dir/" + name)
+            var st = stat()
+            for _ in 0..<2 { XCTAssertEqual(lstat(path, &st), -1); XCTAssertEqual(errno, ENOENT, how) }
+            XCTAssertEqual(make(path), 0, "\(how): errno \(errno)")
+            XCTAssertEqual(lstat(path, &st), 0, "\(how): the new name shows at once: errno \(errno)")
+            XCTAssertTrue(((try? FileManager.default.contentsOfDirectory(atPath: m.path("dir"))) ?? []).contains(name), how)
+            XCTAssertEqual(how == "mkdir" ? rmdir(path) : unlink(path), 0, how)
+            XCTAssertEqual(lstat(path, &st), -1, "\(how): and goes when removed")
+        }
+        // Made by another process through the mount (the kernel's cache is shared).
+        var st = stat()
+        XCTAssertEqual(lstat(m.path("dir/by-shell"), &st), -1)
+        XCTAssertEqual(MountFixture.run("/bin/sh", ["-c", "echo x > '\(m.path("dir/by-shell"))'"]).code, 0)
+        XCTAssertEqual(lstat(m.path("dir/by-shell"), &st), 0)
+        // And after a restart of the daemon, nothing stale (the kernel's entries went with the mount).
+        try m.restart()
+        m.unlock()
+        XCTAssertEqual(lstat(m.path("dir/by-shell"), &st), 0)
+        XCTAssertEqual(lstat(m.path("dir/absent-0"), &st), -1)
+    }
+
     func testRootPrivateMountAnswersAccessLikeTheKernel() throws {
         let m = try MountFixture()
         addTeardownBlock { m.close() }

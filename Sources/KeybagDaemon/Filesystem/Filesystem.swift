@@ -57,6 +57,10 @@ final class Filesystem: Sendable {
     /// Bumped whenever a directory's class or the tree's shape changes; cached
     /// inherited classes of an older generation are recomputed.
     let classGeneration = Atomic<UInt64>(1)
+    /// Bumped by the store watcher before it tells the kernel to forget entries, for changes
+    /// another writer made: a lookup that found no name replies a cacheable "absent" only
+    /// when no such change came while it ran (`fuseLookup`).
+    let namesChangedUnderneath = Atomic<UInt64>(0)
     let keyring: ClassKeyring
     let content: EncryptedContent
     let cipher: ContentCipher

@@ -181,6 +181,17 @@ enum FuseBridge {
         if fuse_reply_entry(req, &e) != 0 { fs(req).table.forget(node.id, count: 1) }
     }
 
+    /// Replies that a name does not exist, for the kernel to remember as long as an entry
+    /// (a negative entry): a program that looks for a file before it makes it, or a compiler
+    /// searching its include path, asks once. Names made through the mount replace it; a
+    /// name another writer makes in the store is forgotten by the store watcher.
+    static func replyAbsent(_ req: fuse_req_t?) {
+        var e = fuse_entry_param()
+        e.ino = 0
+        e.entry_timeout = context(req).cacheTimeout
+        fuse_reply_entry(req, &e)
+    }
+
     /// Replies attributes with the node's cache time.
     static func replyAttributes(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ st: stat) {
         var st = st

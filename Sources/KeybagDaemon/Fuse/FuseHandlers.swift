@@ -47,9 +47,16 @@ func fuseInit(_ userdata: UnsafeMutableRawPointer?, _ conn: UnsafeMutablePointer
 // MARK: names and attributes
 
 func fuseLookup(_ req: fuse_req_t?, _ parent: fuse_ino_t, _ name: CName?) {
-    FuseBridge.replying(req) {
-        let (n, st) = try FuseBridge.fs(req).lookup(parent: parent, name: FuseBridge.name(name))
+    let fs = FuseBridge.fs(req)
+    let changes = fs.namesChangedUnderneath.load(ordering: .sequentiallyConsistent)
+    do {
+        let (n, st) = try fs.lookup(parent: parent, name: FuseBridge.name(name))
         FuseBridge.replyEntry(req, n, st)
+    } catch where FSError(error).errno == ENOENT
+        && fs.namesChangedUnderneath.load(ordering: .sequentiallyConsistent) == changes {
+        FuseBridge.replyAbsent(req)
+    } catch {
+        FuseBridge.fail(req, error)
     }
 }
 

@@ -284,6 +284,7 @@ final class StoreWatcher: Sendable {
         }
         for d in ownDirectories { watchNew(d.name, in: d.handle, parent: nil) }
         if !changes.isEmpty && Failpoint.watcherLosesEvents.isOn { changes = []; overflow = true }
+        if !changes.isEmpty { fs.namesChangedUnderneath.add(1, ordering: .sequentiallyConsistent) }
         var relist: [UInt64: Node] = [:]
         for c in changes {
             if let dir = apply(c.change, in: c.handle) { relist[dir.id] = dir }
@@ -386,6 +387,7 @@ final class StoreWatcher: Sendable {
     /// the entry timeout.
     private func forgetEverything(because reason: String) {
         MountDaemon.log(reason + ": dropping every cached entry")
+        fs.namesChangedUnderneath.add(1, ordering: .sequentiallyConsistent)
         watchTree(dup(dataFD))
         fs.classGeneration.add(1, ordering: .relaxed)
         fs.storedXattrSets.store(Filesystem.countStoredSets(fs.xattrsFD), ordering: .relaxed)
