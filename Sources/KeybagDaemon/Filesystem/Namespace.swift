@@ -498,19 +498,11 @@ extension Filesystem {
         if unlinkat(p.fd, e.name, AT_REMOVEDIR) == 0 { removeSideFile(p, e); return }
         let err = errno
         guard err == ENOTEMPTY || err == EEXIST else { throw FSError(err) }
-        let dfd = try check(openat(p.fd, e.name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC))
-        defer { close(dfd) }
-        let entries = try backingEntries(dirFD: dfd)
-        guard Self.holdsOnlyStoreFiles(entries.map(\.name)) else { throw FSError(ENOTEMPTY) }
-        let saved = try? readMeta(dirFD: dfd)
-        for r in entries { unlinkat(dfd, r.name, 0) }
-        if unlinkat(p.fd, e.name, AT_REMOVEDIR) != 0 {
-            let e2 = errno
-            if let saved { _ = try? createFileIfAbsent(dirFD: dfd, DirectoryMeta.fileName, try saved.encode(names)) }
-            throw FSError(e2)
+        let failed = try replacingDirectoryOfStoreFiles(parentFD: p.fd, name: e.name) {
+            unlinkat(p.fd, e.name, AT_REMOVEDIR)
         }
+        if failed != 0 { throw FSError(failed) }
         removeSideFile(p, e)
-        dropXattrs(ofDirectory: saved)
     }
 
     /// rename (flags: RENAME_NOREPLACE, RENAME_EXCHANGE, RENAME_WHITEOUT): the name is
@@ -528,7 +520,7 @@ extension Filesystem {
         var rc = kbfs_renameat2(p.fd, src.name, np.fd, dst.name, flags)
         if rc != 0 && (errno == ENOTEMPTY || errno == EEXIST) && !exchange && !noReplace {
             // The target is a directory; one holding only the store's own files is empty.
-            rc = try renameOverEmptyDirectory(p, src.name, np, dst.name, flags: flags)
+            rc = renameOverEmptyDirectory(p, src.name, np, dst.name, flags: flags)
         }
         if rc != 0 {
             let e = errno
@@ -555,23 +547,38 @@ extension Filesystem {
     /// removing them (restored if the rename still fails). Returns the rename's result.
     private func renameOverEmptyDirectory(
         _ p: Node, _ from: String, _ np: Node, _ to: String, flags: UInt32
-    ) throws -> Int32 {
-        let dfd = openat(np.fd, to, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
-        guard dfd >= 0 else { errno = ENOTEMPTY; return -1 }
+    ) -> Int32 {
+        let failed: Int32
+        do {
+            failed = try replacingDirectoryOfStoreFiles(parentFD: np.fd, name: to) {
+                kbfs_renameat2(p.fd, from, np.fd, to, flags)
+            }
+        } catch {
+            failed = ENOTEMPTY
+        }
+        errno = failed
+        return failed == 0 ? 0 : -1
+    }
+
+    /// Runs `replace` (which removes, or renames over, the directory `name` of `parentFD`)
+    /// once that directory, holding only the store's own files (it counts as empty), is
+    /// cleared of them; its metadata is put back when `replace` fails, and its xattr set
+    /// dropped when it succeeds. Throws the error of opening it, and ENOTEMPTY when it holds
+    /// anything else. Returns 0, or the errno `replace` failed with.
+    private func replacingDirectoryOfStoreFiles(parentFD: Int32, name: String, _ replace: () -> Int32) throws -> Int32 {
+        let dfd = try check(openat(parentFD, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC))
         defer { close(dfd) }
         let entries = try backingEntries(dirFD: dfd)
-        guard Self.holdsOnlyStoreFiles(entries.map(\.name)) else { errno = ENOTEMPTY; return -1 }
+        guard Self.holdsOnlyStoreFiles(entries.map(\.name)) else { throw FSError(ENOTEMPTY) }
         let saved = try? readMeta(dirFD: dfd)
         for r in entries { unlinkat(dfd, r.name, 0) }
-        let rc = kbfs_renameat2(p.fd, from, np.fd, to, flags)
-        if rc != 0 {
+        guard replace() == 0 else {
             let e = errno
             if let saved { _ = try? createFileIfAbsent(dirFD: dfd, DirectoryMeta.fileName, try saved.encode(names)) }
-            errno = e
-        } else {
-            dropXattrs(ofDirectory: saved)   // the replaced directory's set
+            return e
         }
-        return rc
+        dropXattrs(ofDirectory: saved)
+        return 0
     }
 
     /// link: hard links share the backing inode, so its header, key and class.
