@@ -7,6 +7,8 @@ import Glibc
 /// `@unchecked Sendable`: `address` is only read under the shared lock and only
 /// changed under the exclusive one.
 public final class SecureKey: @unchecked Sendable {
+    /// Shared for uses, exclusive for the wipe. Lock order: last of the daemon's locks but
+    /// CCrypto's context pool, a leaf.
     private let lock: UnsafeMutablePointer<pthread_rwlock_t>
     /// The guarded bytes; 0 once wiped.
     private var address: UInt

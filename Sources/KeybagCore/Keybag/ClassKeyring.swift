@@ -80,6 +80,8 @@ public final class ClassKeyring: Sendable {
             maps.removeAll()
         }
     }
+    /// The class keys and what the lock state allows. Lock order: after a node's `io`,
+    /// before `SecureKey`'s lock.
     private let keys: Locked<Keys>
     /// `keys.access` as one word, stored under `keys`' lock and read without it.
     private let published: Atomic<UInt64>

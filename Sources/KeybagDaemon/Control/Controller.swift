@@ -10,6 +10,8 @@ import Synchronization
 /// Transitions are serialised by one lock that no FUSE request handler ever takes.
 final class Controller: Sendable {
     private let machine = Locked(LockStateMachine())
+    /// One lock, unlock or passcode change at a time. Lock order (docs/ARCHITECTURE.md):
+    /// first; then a node's `io`, `ClassKeyring`'s keys, `SecureKey`'s lock.
     private let transitions = Locked(0)
     private let keybag: Locked<Keybag>
     private let deviceKey: SecureKey

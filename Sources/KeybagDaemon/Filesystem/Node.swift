@@ -22,7 +22,8 @@ final class Node: Sendable {
     /// File type bits (`S_IFMT` part of st_mode).
     let type: mode_t
     /// The file key's life (regular files): reads share the lock, writes, truncation,
-    /// class changes and eviction take it alone.
+    /// class changes and eviction take it alone. Lock order: after `Controller.transitions`,
+    /// before `ClassKeyring`'s keys and `SecureKey`'s lock; one node's at a time.
     let io: RWLocked<FileKeyLife>
     /// Directories: the parsed `.kbfs-dir` (name IV, default class), once read.
     let dirMeta = Locked<DirectoryMeta?>(nil)
