@@ -1,0 +1,54 @@
+import CFuse
+import Dispatch
+import CSodium
+import CSystem
+import Glibc
+import KeybagCore
+import KeybagProtocol
+import Synchronization
+
+/// The `user.protection` xattr: a file's class (changed by rewrapping its key) and a
+/// directory's default.
+extension Filesystem {
+    /// The class of a file, or the stored default of a directory (ENODATA where none).
+    func protection(of id: UInt64) throws -> ProtectionClass {
+        let n = try node(id)
+        if n.isDirectory {
+            guard let c = try meta(of: n).defaultClass else { throw FSError(ENODATA) }
+            return c
+        }
+        guard n.isRegular else { throw FSError(ENODATA) }
+        if let c = n.io.read({ $0.protectionClass }) { return c }
+        return try n.io.write { st in try st.header { try readHeader(n) }.protectionClass }
+    }
+
+    /// Changes a file's class by rewrapping its key (the rules are `FileKeyLife`'s): the new
+    /// slot is written and made durable, then the old slot is erased and that made durable,
+    /// so no older class's wrap survives a finished change. On a directory, stores the
+    /// default for new children.
+    func setProtection(of id: UInt64, to cls: ProtectionClass) throws {
+        let n = try node(id)
+        if n.isDirectory { return try setDirectoryClass(n, cls) }
+        guard n.isRegular else { throw FSError(EPERM) }
+        let fd = try check(n.open(O_RDWR))
+        defer { close(fd) }
+        try n.io.write { st in
+            _ = try st.header { try readHeader(n) }
+            try st.changeClass(to: cls, keyring: keyring, cipher: cipher) { next in
+                try EncryptedContent.writeHeaderSlot(fd: fd, next)
+                Failpoint.classChangeBetweenSlots.hit()
+                try EncryptedContent.eraseHeaderSlot(fd: fd, index: 1 - next.slot)
+            }
+        }
+        var after = stat()
+        if fstat(fd, &after) == 0 { n.headerRewritten.withLock { $0 = after.st_mtim } }
+    }
+
+    /// Removes a directory's stored default (files always have a class: EPERM).
+    func removeProtection(of id: UInt64) throws {
+        let n = try node(id)
+        guard n.isDirectory else { throw FSError(n.isRegular ? EPERM : ENODATA) }
+        guard try meta(of: n).defaultClass != nil else { throw FSError(ENODATA) }
+        try setDirectoryClass(n, nil)
+    }
+}
