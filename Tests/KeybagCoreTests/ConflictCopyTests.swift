@@ -41,16 +41,4 @@ final class ConflictCopyTests: XCTestCase {
             XCTAssertNil(ConflictCopy.parse(readable: name), name)
         }
     }
-
-    func testTheShownNameOfAConflictCopyDecryptsItsOriginal() throws {
-        let names = try NameCipher(volumeKey: SecureKey(random: 32))
-        let iv = Sodium.randomArray(16)
-        let enc = try names.encrypt(Array("report.txt".utf8), dirIV: iv)
-        XCTAssertEqual(try names.shownName(ofShort: enc, dirIV: iv), "report.txt")
-        let copy = ConflictCopy(original: enc, date: "20261125", time: "101010", device: "HOSTB27")
-        XCTAssertEqual(try names.shownName(ofShort: copy.backing, dirIV: iv), "report (conflict 2026-11-25 101010 HOSTB27).txt")
-        let other = ConflictCopy(original: try names.encrypt(Array("x".utf8), dirIV: Sodium.randomArray(16)),
-                                 date: "20261125", time: "101010", device: "HOSTB27")
-        XCTAssertThrowsError(try names.shownName(ofShort: other.backing, dirIV: iv), "a copy from another directory")
-    }
 }

@@ -31,24 +31,24 @@ public final class StoreCheck {
     }
 
     /// Problems in the order found.
-    public private(set) var problems: [Problem] = []
+    public internal(set) var problems: [Problem] = []
     /// Directories, regular files, blocks checked, and files whose contents could not be
     /// checked for want of the passcode.
-    public private(set) var directories = 0, files = 0, blocks = 0, keyless = 0
+    public internal(set) var directories = 0, files = 0, blocks = 0, keyless = 0
 
-    private let store: String
-    private let options: Options
-    private let keybag: Keybag
-    private let names: NameCipher
+    let store: String
+    let options: Options
+    let keybag: Keybag
+    let names: NameCipher
     /// Class D of every key set, and A, B, C too with the passcode.
-    private let keyring: ClassKeyring
+    let keyring: ClassKeyring
     /// The current key set's class B public key (class B headers without the passcode).
-    private let classBPublic: [UInt8]
-    private let content: EncryptedContent
-    private var seenInodes = Set<UInt64>()
-    private var xattrIDs = Set<String>()
-    private var targetIDs = Set<String>()
-    private var unreadableHeaders = 0
+    let classBPublic: [UInt8]
+    let content: EncryptedContent
+    var seenInodes = Set<UInt64>()
+    var xattrIDs = Set<String>()
+    var targetIDs = Set<String>()
+    var unreadableHeaders = 0
     /// Called now and then with the number of files checked (a progress line).
     public var progress: ((Int) -> Void)?
 
@@ -111,12 +111,12 @@ public final class StoreCheck {
     // MARK: recording
 
     /// Records a problem with its repair state.
-    private func note(_ kind: String, _ path: String, _ name: String?, _ detail: String, _ repair: String) {
+    func note(_ kind: String, _ path: String, _ name: String?, _ detail: String, _ repair: String) {
         problems.append(Problem(kind: kind, path: path, name: name, detail: detail, repair: repair))
     }
 
     /// Records a problem and runs its repair when allowed (`losesData`: needs `dropData`).
-    private func fix(
+    func fix(
         _ kind: String, _ path: String, _ name: String?, _ detail: String, losesData: Bool = false,
         _ repair: () throws -> Void
     ) {
@@ -130,7 +130,7 @@ public final class StoreCheck {
     // MARK: walk
 
     /// Entries of a directory (without . and ..).
-    private func entries(_ fd: Int32) -> [String] {
+    func entries(_ fd: Int32) -> [String] {
         let d = dup(fd)
         guard d >= 0, let dir = fdopendir(d) else { return [] }
         defer { closedir(dir) }
@@ -146,7 +146,7 @@ public final class StoreCheck {
     }
 
     /// Checks one directory of the tree and everything below it.
-    private func checkDirectory(fd: Int32, rel: String, plain: String, inherited: ProtectionClass?) {
+    func checkDirectory(fd: Int32, rel: String, plain: String, inherited: ProtectionClass?) {
         directories += 1
         var meta: DirectoryMeta?
         let mfd = StoreFileOpen.regular(fd, DirectoryMeta.fileName)
@@ -236,56 +236,31 @@ public final class StoreCheck {
         return fstatat(dirFD, name, &st, AT_SYMLINK_NOFOLLOW) == 0 && st.st_mode & S_IFMT == S_IFCHR && st.st_rdev == 0
     }
 
-    /// The plaintext name of an entry, recording a name problem when it does not decrypt.
-    private func plaintextName(dirFD: Int32, backing: String, ivs: DirectoryIVs?, path: String) -> String? {
+    /// The plaintext name of an entry (`StoreNames`), recording a name problem when it has none.
+    func plaintextName(dirFD: Int32, backing: String, ivs: DirectoryIVs?, path: String) -> String? {
         guard let ivs else { return nil }
-        if let copy = ConflictCopy(backing: backing), copy.isLong {
-            // A copy of a long name reads its name from the original's side file.
-            guard let plain = plaintextName(dirFD: dirFD, backing: copy.original, ivs: ivs, path: path) else {
-                return nil
-            }
-            return copy.readableName(of: plain)
-        }
-        var encrypted = backing
-        if NameCipher.isLongName(backing) {
-            let fd = StoreFileOpen.regular(dirFD, backing + NameCipher.longSuffix)
-            guard fd >= 0 else {
-                note(
-                    "side-file-missing", path, nil, "a long name without its side file: the name is lost",
-                    "not-repairable")
-                return nil
-            }
-            var buf = [UInt8](repeating: 0, count: 1024)
-            let n = read(fd, &buf, buf.count)
-            close(fd)
-            encrypted = String(decoding: buf[0..<max(n, 0)], as: UTF8.self)
-            guard NameCipher.backingEntry(for: encrypted).name == backing else {
-                note("side-file-mismatch", path, nil, "the side file holds another name", "not-repairable")
-                return nil
-            }
-        }
-        let shown = ivs.all.lazy.compactMap { iv in
-            NameCipher.isLongName(backing)
-                ? (try? self.names.decrypt(encrypted, dirIV: iv)).map { String(decoding: $0, as: UTF8.self) }
-                : try? self.names.shownName(ofShort: backing, dirIV: iv)
-        }.first
-        guard let shown else {
+        switch StoreNames(cipher: names).plaintextName(dirFD: dirFD, backing: backing, ivs: ivs.all) {
+        case .success(let found):
+            return found?.name
+        case .failure(.sideFileMissing):
+            note("side-file-missing", path, nil, "a long name without its side file: the name is lost", "not-repairable")
+        case .failure(.sideFileMismatch):
+            note("side-file-mismatch", path, nil, "the side file holds another name", "not-repairable")
+        case .failure(.doesNotDecrypt), .failure(.readableNameTooLong):
             note(
                 "name", path, nil, "the name does not decrypt in this directory (moved or edited offline)",
                 "not-repairable")
-            return nil
         }
-        return shown
+        return nil
     }
 
     /// A symlink: its target decrypts; a long target's file exists.
-    private func checkSymlink(dirFD: Int32, backing: String, path: String, name: String?) {
+    func checkSymlink(dirFD: Int32, backing: String, path: String, name: String?) {
         var buf = [UInt8](repeating: 0, count: Int(PATH_MAX) + 1)
         let len = readlinkat(dirFD, backing, &buf, buf.count)
         guard len > 0 else { return }
         var stored = String(decoding: buf[0..<len], as: UTF8.self)
-        if stored.hasPrefix(NameCipher.longTargetPrefix) {
-            let id = String(stored.dropFirst(NameCipher.longTargetPrefix.count))
+        if let id = StoreNames.longTargetID(stored) {
             targetIDs.insert(id)
             guard let d = FileManager.default.contents(atPath: store + "/" + Keybag.targetsDirName + "/" + id) else {
                 return note("target-missing", path, name, "the symlink's long target is gone", "not-repairable")
@@ -297,143 +272,10 @@ public final class StoreCheck {
         }
     }
 
-    // MARK: files
-
-    /// The unwrapping key of a class in a key set, when at hand (B needs its private key).
-    private func classKey(_ cls: ProtectionClass, keySet: UInt8) -> FileHeader.ClassKey? {
-        keyring.unwrappingKey(for: cls, keySet: keySet)
-    }
-
-    /// Gives a headerless file a header of `cls` (a fresh key; it holds no data).
-    private func writeFreshHeader(_ fd: Int32, _ cls: ProtectionClass) throws {
-        let set = keyring.currentKeySet
-        guard !keyring.refusesNewWraps else { throw KeybagError.keyUnavailable }   // a removed device would open it
-        let wrap: FileHeader.ClassKey
-        if cls == .completeUnlessOpen { wrap = .classBPublic(classBPublic) } else {
-            guard let k = classKey(cls, keySet: set) else { throw KeybagError.keyUnavailable }
-            wrap = k
-        }
-        guard ftruncate(fd, 0) == 0 else { throw KeybagError.system("ftruncate", errno) }
-        let raw = SecureKey(random: 32)
-        defer { raw.wipe() }
-        try EncryptedContent.writeNewHeader(
-            fd: fd, try FileHeader.create(fileKey: raw, class: cls, cipher: keybag.cipher, using: wrap, keySet: set))
-        guard fsync(fd) == 0 else { throw KeybagError.system("fsync", errno) }
-    }
-
-    /// Checks one regular file: header slots, layout, and with its class key every block.
-    private func checkFile(dirFD: Int32, backing: String, path: String, name: String?, dirClass: ProtectionClass) {
-        let fd = openat(dirFD, backing, (options.repair ? O_RDWR : O_RDONLY) | O_NOFOLLOW | O_CLOEXEC)
-        guard fd >= 0 else { return note("unreadable", path, name, String(cString: strerror(errno)), "not-repairable") }
-        defer { close(fd) }
-        var st = stat()
-        fstat(fd, &st)
-        let size = Int(st.st_size)
-        if size < FileHeader.size {
-            let keyAtHand = dirClass == .completeUnlessOpen || classKey(dirClass, keySet: keyring.currentKeySet) != nil
-            let detail =
-                size == 0
-                ? "an empty file without header (a crash during create); it becomes an empty \(dirClass.name) file"
-                : "a header cut to \(size) bytes: the file key is lost" + Self.halfSynced
-            if !keyAtHand && options.repair {
-                return note(size == 0 ? "no-header" : "header-truncated", path, name, detail, "needs-passcode")
-            }
-            return fix(size == 0 ? "no-header" : "header-truncated", path, name, detail, losesData: size > 0) {
-                try writeFreshHeader(fd, dirClass)
-            }
-        }
-        let header: FileHeader
-        do {
-            let (h, superseded) = try EncryptedContent.readHeaderSlots(fd: fd)
-            header = h
-            if let superseded {
-                fix(
-                    "header-superseded-slot", path, name,
-                    "a class change was cut off: slot \(superseded) still holds the older class's wrap"
-                ) {
-                    try EncryptedContent.eraseHeaderSlot(fd: fd, index: superseded)
-                }
-            }
-        } catch {
-            unreadableHeaders += 1
-            return note("header-damaged", path, name, "\(error): the file key is lost", "not-repairable")
-        }
-        xattrIDs.insert(Base64URL.encode(header.fileID))
-        guard header.cipher.sharesLayout(with: keybag.cipher) else {
-            return note(
-                "header-cipher", path, name,
-                "the header names \(header.cipher.name), whose blocks have another layout than the store's " +
-                    "\(keybag.cipher.name)",
-                "not-repairable")
-        }
-        let layout = content.layout
-        let rest = (size - FileHeader.size) % layout.cipherBlockSize
-        if rest > 0 && rest <= layout.overhead {
-            let detail = "\(rest) bytes after the last block hold no data (a write cut off" + Self.halfSynced + ")"
-            fix("torn-fragment", path, name, detail) {
-                guard ftruncate(fd, off_t(size - rest)) == 0 else { throw KeybagError.system("ftruncate", errno) }
-            }
-        }
-        guard let ck = classKey(header.protectionClass, keySet: header.keySet) else { keyless += 1; return }
-        let key: FileContentKey
-        do { key = try FileContentKey(key: try header.unwrap(using: ck), header: header) } catch {
-            return note(
-                "header-wrap", path, name, "the file key does not unwrap (header edited offline)", "not-repairable")
-        }
-        defer { key.wipe() }
-        checkBlocks(fd: fd, key: key, path: path, name: name)
-    }
-
-    /// Every block of a file; repairs end marks, torn tails and damaged blocks.
-    private func checkBlocks(fd: Int32, key: FileContentKey, path: String, name: String?) {
-        guard let checks = try? content.blockChecks(fd: fd, key: key) else {
-            return note("unreadable", path, name, "cannot read the blocks", "not-repairable")
-        }
-        blocks += checks.count
-        let n = checks.count
-        guard n > 0 else { return }
-        // The last block that authenticates: everything after it is torn.
-        let lastGood = checks.lastIndex { $0 == .authentic || $0 == .wrongEnd } ?? -1
-        if lastGood < n - 1 {
-            let lost = n - 1 - lastGood
-            fix(
-                "torn-tail", path, name,
-                "the last \(lost) block(s) do not authenticate (a write cut off before fsync" + Self.halfSynced +
-                    "); repair cuts the file after block \(lastGood)",
-                losesData: true
-            ) {
-                try content.cut(fd: fd, afterBlocks: lastGood + 1)
-                if lastGood >= 0 && key.sealsEnd {
-                    try content.resealEndMark(fd: fd, key: key, block: lastGood, from: false, to: true)
-                }
-            }
-        } else if checks[n - 1] == .wrongEnd {
-            fix(
-                "end-not-sealed", path, name,
-                "the file ends at block \(n - 1) but that block is not sealed as the end (a cut, or a truncate " +
-                    "cut off" + Self.halfSynced + ")"
-            ) {
-                try content.resealEndMark(fd: fd, key: key, block: n - 1, from: false, to: true)
-            }
-        }
-        for (b, c) in checks.enumerated() where b < lastGood && c == .damaged {
-            fix(
-                "block-damaged", path, name, "block \(b) does not authenticate; repair turns it into a hole (zeros)",
-                losesData: true
-            ) {
-                let zeros = [UInt8](repeating: 0, count: content.layout.cipherBlockSize)
-                try zeros.withUnsafeBytes {
-                    try EncryptedContent.pwriteFull(fd, $0, offset: content.layout.cipherOffset(ofBlock: b))
-                }
-            }
-        }
-        if options.repair { _ = fsync(fd) }
-    }
-
     // MARK: store folders
 
     /// `xattrs/` or `targets/`: files nothing refers to.
-    private func checkSideFolder(_ folder: String, referenced: Set<String>, kind: String, what: String) {
+    func checkSideFolder(_ folder: String, referenced: Set<String>, kind: String, what: String) {
         let fd = open(store + "/" + folder, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
         guard fd >= 0 else { return }
         defer { close(fd) }
@@ -457,7 +299,7 @@ public final class StoreCheck {
     }
 
     /// unlinkat or a thrown error.
-    private func unlinkOrThrow(_ dirFD: Int32, _ name: String) throws {
+    func unlinkOrThrow(_ dirFD: Int32, _ name: String) throws {
         guard unlinkat(dirFD, name, 0) == 0 else { throw KeybagError.system("unlink \(name)", errno) }
     }
 }

@@ -112,19 +112,3 @@ public struct ConflictCopy: Equatable, Sendable {
         (b >= 65 && b <= 90) || (b >= 97 && b <= 122) || (b >= 48 && b <= 57) || b == 45 || b == 95
     }
 }
-
-extension NameCipher {
-    /// The name the mount shows for a short (not hashed) backing entry: its plaintext, or for
-    /// a sync engine's conflict copy of one, `ConflictCopy.readableName`. Throws `corrupt`
-    /// when it does not decrypt.
-    public func shownName(ofShort backing: String, dirIV: [UInt8]) throws -> String {
-        guard let copy = ConflictCopy(backing: backing) else {
-            return String(decoding: try decrypt(backing, dirIV: dirIV), as: UTF8.self)
-        }
-        let readable = copy.readableName(of: String(decoding: try decrypt(copy.original, dirIV: dirIV), as: UTF8.self))
-        guard readable.utf8.count <= Self.backingNameMax else {
-            throw KeybagError.corrupt("the readable name of a conflict copy is over 255 bytes")
-        }
-        return readable
-    }
-}

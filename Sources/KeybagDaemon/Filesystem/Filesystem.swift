@@ -157,9 +157,7 @@ final class Filesystem: Sendable {
         let n = readlinkat(dirFD, name, &buf, buf.count)
         let link = n > 0 ? String(decoding: buf[0..<n], as: UTF8.self) : ""
         var t = stat()
-        guard link.hasPrefix(NameCipher.longTargetPrefix),
-            fstatat(targetsFD, String(link.dropFirst(NameCipher.longTargetPrefix.count)), &t, AT_SYMLINK_NOFOLLOW) == 0
-        else {
+        guard let id = StoreNames.longTargetID(link), fstatat(targetsFD, id, &t, AT_SYMLINK_NOFOLLOW) == 0 else {
             return NameCipher.targetLength(storedLength: storedLength)
         }
         return NameCipher.targetLength(storedLength: Int(t.st_size))
