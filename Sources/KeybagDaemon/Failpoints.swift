@@ -25,6 +25,9 @@ enum Failpoint: String, Sendable {
     /// A switch: the store watcher takes every batch of changes another process made as lost
     /// (as a queue overflow), and drops everything instead of applying them.
     case watcherLosesEvents = "watcher-loses-events"
+    /// A switch: the store watcher cannot mark the directories made after it started (as for
+    /// a daemon that is not root, whose `open_by_handle_at` fails): changes in them go unseen.
+    case watcherCannotMarkNewDirectories = "watcher-cannot-mark-new-directories"
 
     /// What a failpoint does when reached.
     enum Action: Sendable, Equatable { case sleep(UInt32), stop, on }

@@ -149,6 +149,24 @@ final class ChangesUnderneathTests: XCTestCase {
         XCTAssertEqual(try readFile(here.path("mine.txt")).get(), bytes("mine"))
     }
 
+    /// Where another writer is expected, the kernel remembers a name's absence for a second at
+    /// most: the watcher may not see every directory (a daemon that is not root cannot mark
+    /// the directories made after it started; the failpoint stands for that), and a name
+    /// another device brings into such a directory must still show within seconds, as it did
+    /// before negative entries. (With the entry time of 30 s it stayed hidden for 30 s.)
+    func testANameBroughtWhereTheWatcherIsBlindShowsWithinSeconds() throws {
+        let (here, there) = try twoDevices(environment: ["KEYBAGFS_TEST_FAILPOINTS": "watcher-cannot-mark-new-directories=on"]) { m in
+            XCTAssertEqual(mkdir(m.path("fresh"), 0o755), 0)   // made after the watcher started: not marked
+            XCTAssertEqual(writeFile(m.path("fresh/kept.txt"), bytes("kept")), 0)
+        }
+        XCTAssertEqual(statErrno(here.path("fresh/new.txt")), ENOENT, "looked up while absent")
+        XCTAssertEqual(writeFile(there.path("fresh/new.txt"), bytes("new")), 0)
+        sync()
+        try push(from: there.store, to: here.store)
+        XCTAssertTrue(waitUntil(5) { (try? readFile(here.path("fresh/new.txt")).get()) == bytes("new") },
+                      "a name another device brings shows within seconds")
+    }
+
     /// A change in a folder below the mount root, made underneath after the mount cached it.
     private func changeInAFolder(_ here: MountFixture, _ there: MountFixture) throws {
         XCTAssertEqual(try readFile(here.path("d/kept.txt")).get(), bytes("kept"))

@@ -61,6 +61,17 @@ final class Filesystem: Sendable {
     /// another writer made: a lookup that found no name replies a cacheable "absent" only
     /// when no such change came while it ran (`fuseLookup`).
     let namesChangedUnderneath = Atomic<UInt64>(0)
+    /// Whether another writer is expected in the store (it is watched in full): the kernel
+    /// then keeps a name's absence for one second only (`negativeEntrySeconds`).
+    let anotherWriterExpected = Atomic<Bool>(false)
+
+    /// How long the kernel may remember that a name is absent: the entry time where the
+    /// daemon is the only writer, at most one second where another writer is expected (the
+    /// watcher may not see every directory: a daemon that is not root cannot mark the
+    /// directories made after it started, and a name brought into one would stay hidden).
+    func negativeEntrySeconds(normal: Double) -> Double {
+        anotherWriterExpected.load(ordering: .relaxed) ? min(normal, 1) : normal
+    }
     let keyring: ClassKeyring
     let content: EncryptedContent
     let cipher: ContentCipher

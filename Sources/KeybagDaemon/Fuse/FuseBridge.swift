@@ -181,14 +181,16 @@ enum FuseBridge {
         if fuse_reply_entry(req, &e) != 0 { fs(req).table.forget(node.id, count: 1) }
     }
 
-    /// Replies that a name does not exist, for the kernel to remember as long as an entry
-    /// (a negative entry): a program that looks for a file before it makes it, or a compiler
-    /// searching its include path, asks once. Names made through the mount replace it; a
-    /// name another writer makes in the store is forgotten by the store watcher.
+    /// Replies that a name does not exist, for the kernel to remember (a negative entry, as
+    /// long as an entry, at most 1 s where another writer is expected): a program that looks
+    /// for a file before it makes it, or a compiler searching its include path, asks once.
+    /// Names made through the mount replace it; a name another writer makes in the store is
+    /// forgotten by the store watcher.
     static func replyAbsent(_ req: fuse_req_t?) {
         var e = fuse_entry_param()
         e.ino = 0
-        e.entry_timeout = context(req).cacheTimeout
+        let ctx = context(req)
+        e.entry_timeout = ctx.fs.negativeEntrySeconds(normal: ctx.cacheTimeout)
         fuse_reply_entry(req, &e)
     }
 

@@ -88,6 +88,7 @@ final class StoreWatcher: Sendable {
             rootHandle: rootLen > 0 ? Array(rootHandle[0..<Int(rootLen)]) : [])
         w.watchDevicesFolder()
         if full { w.watchTree(dup(data)) } else { _ = w.watch(data) }   // else the data root only
+        fs.anotherWriterExpected.store(full, ordering: .relaxed)
         let t = Thread { [w] in w.run() }
         t.name = "keybagfs-store-watcher"
         t.start()
@@ -183,6 +184,7 @@ final class StoreWatcher: Sendable {
     /// Watches the new directory `name` of the directory `handle` (the node `parent`, when the
     /// kernel knows it) and everything already below it.
     private func watchNew(_ name: String, in handle: [UInt8], parent: Node?) {
+        if Failpoint.watcherCannotMarkNewDirectories.isOn { return }
         let p = parent.map { dup($0.fd) }
             ?? handle.withUnsafeBufferPointer { kbfs_open_handle(dataFD, $0.baseAddress, kbfs_O_PATH | O_CLOEXEC) }
         guard p >= 0 else { return }
@@ -279,6 +281,7 @@ final class StoreWatcher: Sendable {
         }
         if foreign {
             full.withLock { $0 = true }
+            fs.anotherWriterExpected.store(true, ordering: .relaxed)
             forgetEverything(because: "another process changed the store: watching all of it from now on")
             return
         }
