@@ -246,10 +246,12 @@ public final class StoreCheck {
             note("side-file-missing", path, nil, "a long name without its side file: the name is lost", "not-repairable")
         case .failure(.sideFileMismatch):
             note("side-file-mismatch", path, nil, "the side file holds another name", "not-repairable")
-        case .failure(.doesNotDecrypt), .failure(.readableNameTooLong):
+        case .failure(.doesNotDecrypt):
             note(
                 "name", path, nil, "the name does not decrypt in this directory (moved or edited offline)",
                 "not-repairable")
+        case .failure(.readableNameTooLong):
+            note("name", path, nil, "a conflict copy whose readable name would be over 255 bytes", "not-repairable")
         }
         return nil
     }

@@ -181,6 +181,12 @@ final class StoreWatcher: Sendable {
                 "refused until `keybagfs recover` and a new mount")
     }
 
+    /// From now on every directory is watched and another writer is expected.
+    private func watchInFull() {
+        full.withLock { $0 = true }
+        fs.anotherWriterExpected.store(true, ordering: .relaxed)
+    }
+
     /// Watches the new directory `name` of the directory `handle` (the node `parent`, when the
     /// kernel knows it) and everything already below it.
     private func watchNew(_ name: String, in handle: [UInt8], parent: Node?) {
@@ -280,8 +286,7 @@ final class StoreWatcher: Sendable {
             checkRemovals()
         }
         if foreign {
-            full.withLock { $0 = true }
-            fs.anotherWriterExpected.store(true, ordering: .relaxed)
+            watchInFull()
             forgetEverything(because: "another process changed the store: watching all of it from now on")
             return
         }
