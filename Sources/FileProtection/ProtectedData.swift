@@ -13,13 +13,13 @@ public enum ProtectedDataEvent: String, Sendable, Equatable {
     /// The device was unlocked.
     case didBecomeAvailable
 
-    /// The event of a socket line's `event` field.
-    init?(socketName: String) {
-        switch socketName {
-        case "protectedDataWillBecomeUnavailable": self = .willBecomeUnavailable
-        case "protectedDataDidBecomeUnavailable": self = .didBecomeUnavailable
-        case "protectedDataDidBecomeAvailable": self = .didBecomeAvailable
-        default: return nil
+    /// The event of a socket line's `event` field; nil for one Apple has no name for.
+    init?(_ event: ProtectionEvent) {
+        switch event {
+        case .willBecomeUnavailable: self = .willBecomeUnavailable
+        case .didBecomeUnavailable: self = .didBecomeUnavailable
+        case .didBecomeAvailable: self = .didBecomeAvailable
+        case .didReturnToBeforeFirstUnlock: return nil
         }
     }
 
@@ -58,22 +58,22 @@ public enum ProtectedData {
         return ControlPaths.defaultSocket(forMountpoint: mount)
     }
 
-    /// The daemon's `status` object, or nil when it cannot be reached.
-    public static func status(socket: String) -> [String: Any]? {
+    /// The daemon's `status` reply, or nil when it cannot be reached.
+    public static func status(socket: String) -> StatusReply? {
         guard let fd = try? ControlClient.connect(path: socket) else { return nil }
         defer { close(fd) }
         var tv = timeval(tv_sec: 5, tv_usec: 0)
         setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, socklen_t(MemoryLayout<timeval>.size))
-        guard (try? ControlClient.sendLine(fd, #"{"op":"status"}"#)) != nil else { return nil }
+        guard (try? ControlClient.sendLine(fd, ControlCall.status.line)) != nil else { return nil }
         var buf: [UInt8] = []
-        return ControlClient.readLine(fd, buffer: &buf).flatMap(ControlProtocol.decode)
+        return ControlClient.readLine(fd, buffer: &buf).flatMap { ControlProtocol.decode(StatusReply.self, from: $0) }
     }
 
     /// Whether protected data (`complete` files) is available now, like
     /// `UIApplication.isProtectedDataAvailable`; false when the daemon cannot be reached.
     public static func isAvailable(for url: URL, socket: String? = nil) -> Bool {
         guard let s = socket ?? (try? socketPath(for: url)), let st = status(socket: s) else { return false }
-        return (st["protectedDataAvailable"] as? Bool) == true
+        return st.protectedDataAvailable
     }
 
     /// Whether EACCES on `path` comes from a locked class rather than permissions. A path
@@ -90,7 +90,7 @@ public enum ProtectedData {
         else { return false }
         let url = URL(fileURLWithPath: path)
         guard let s = try? socketPath(for: url), let st = status(socket: s) else { return false }
-        return (st["protectedDataAvailable"] as? Bool) == false
+        return !st.protectedDataAvailable
     }
 
     /// Availability changes of the mount that holds `url`, as an `AsyncStream`. Subscribes
@@ -169,20 +169,19 @@ final class Subscription: Sendable {
                 state.withLock { $0.fd = -1 }
                 close(fd)
             }
-            guard keep, (try? ControlClient.sendLine(fd, #"{"op":"subscribe"}"#)) != nil else { continue }
+            guard keep, (try? ControlClient.sendLine(fd, ControlCall.subscribe.line)) != nil else { continue }
             var buf: [UInt8] = []
-            guard let reply = ControlClient.readLine(fd, buffer: &buf).flatMap(ControlProtocol.decode),
-                (reply["ok"] as? Bool) == true
+            guard let line = ControlClient.readLine(fd, buffer: &buf),
+                case .success(let reply)? = ControlProtocol.reply(StateReply.self, from: line)
             else { continue }
             delay = 0.1
-            let nowAvailable = (reply["state"] as? String) == "unlocked"
+            let nowAvailable = reply.state == .unlocked
             if let was = available, was != nowAvailable {
                 yield(nowAvailable ? .didBecomeAvailable : .didBecomeUnavailable)
             }
             available = nowAvailable
             while let line = ControlClient.readLine(fd, buffer: &buf) {
-                guard let o = ControlProtocol.decode(line), let name = o["event"] as? String,
-                    let e = ProtectedDataEvent(socketName: name)
+                guard let o = ControlProtocol.decode(EventLine.self, from: line), let e = ProtectedDataEvent(o.event)
                 else { continue }
                 if e == .didBecomeAvailable { available = true }
                 if e == .didBecomeUnavailable { available = false }

@@ -80,22 +80,26 @@ public enum ControlProtocol {
     /// Longest accepted request line.
     public static let maxLine = 64 * 1024
 
-    /// One JSON object as a single line (no trailing newline).
-    public static func encode(_ object: [String: Any]) -> String {
-        guard
-            let d = try? JSONSerialization.data(
-                withJSONObject: object, options: [.sortedKeys, .withoutEscapingSlashes]),
-            let s = String(data: d, encoding: .utf8)
-        else { return "{\"ok\":false,\"error\":\"internal\"}" }
+    /// A message as one JSON line (no newline): keys sorted, slashes not escaped.
+    public static func encode<T: Encodable>(_ message: T) -> String {
+        let e = JSONEncoder()
+        e.outputFormatting = [.sortedKeys, .withoutEscapingSlashes]
+        guard let d = try? e.encode(message), let s = String(data: d, encoding: .utf8) else {
+            return #"{"error":"internal","message":"unencodable reply","ok":false}"#
+        }
         return s
     }
 
-    /// Parses one line into a JSON object; nil when it is not one.
-    public static func decode(_ line: String) -> [String: Any]? {
-        guard let d = line.data(using: .utf8), let o = try? JSONSerialization.jsonObject(with: d),
-            let dict = o as? [String: Any]
-        else { return nil }
-        return dict
+    /// A line as a message of type `T`; nil when it is not one.
+    public static func decode<T: Decodable>(_ type: T.Type, from line: String) -> T? {
+        try? JSONDecoder().decode(type, from: Data(line.utf8))
+    }
+
+    /// A reply line as the reply `T` a request expects, or as the daemon's refusal; nil
+    /// when it is neither.
+    public static func reply<T: Decodable>(_ type: T.Type, from line: String) -> Result<T, ControlRefusal>? {
+        if let refusal = decode(ControlRefusal.self, from: line), !refusal.ok { return .failure(refusal) }
+        return decode(type, from: line).map { .success($0) }
     }
 
     /// ISO 8601 time with milliseconds, UTC.

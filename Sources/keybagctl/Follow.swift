@@ -52,8 +52,8 @@ struct Follow: ParsableCommand {
     func say(_ s: String) { FileHandle.standardOutput.write(Data((s + "\n").utf8)) }
 
     func run() throws {
-        let status = try control().checked(["op": "status"])
-        let owner = (status["owner"] as? Int).map { uid_t($0) } ?? getuid()
+        let status = try control().checked(.status, StatusReply.self)
+        let owner = uid_t(clamping: status.owner)
         var bus: OpaquePointer?
         let rc = busAddress.map { kbfs_logind_open($0, &bus) } ?? kbfs_logind_open(nil, &bus)
         guard rc == 0, let bus else {
@@ -65,7 +65,7 @@ struct Follow: ParsableCommand {
         func inhibit() {
             guard !noSleep, inhibitor < 0 else { return }
             inhibitor = kbfs_logind_inhibit(
-                bus, "sleep", "keybagfs", "evict class keys of \(status["mountpoint"] ?? "the mount") before sleep")
+                bus, "sleep", "keybagfs", "evict class keys of \(status.mountpoint) before sleep")
             if inhibitor < 0 {
                 say(
                     "warning: no sleep inhibitor (\(String(cString: strerror(-inhibitor)))): the mount locks on " +
@@ -75,7 +75,7 @@ struct Follow: ParsableCommand {
         }
         inhibit()
         say(
-            "following logind for \(status["mountpoint"] ?? "the mount") (owner uid \(owner), sessions: " +
+            "following logind for \(status.mountpoint) (owner uid \(owner), sessions: " +
                 "\(sessions.rawValue)\(noSleep ? ", not sleep" : ""))"
         )
         var forged: UInt64 = 0
@@ -131,12 +131,9 @@ struct Follow: ParsableCommand {
     /// Asks the daemon to lock (grace nil: the mount's) and returns the state it answers,
     /// or why it could not.
     func lock(grace: Double?) -> String {
-        var req: [String: Any] = ["op": "lock"]
-        if let grace { req["grace"] = grace }
         for attempt in 0..<2 {
             do {
-                let reply = try control(fresh: attempt > 0).checked(req)
-                return reply["state"] as? String ?? "?"
+                return try control(fresh: attempt > 0).checked(.lock(grace: grace), StateReply.self).state.rawValue
             } catch let f as CtlFailure where f.code == 1 {
                 return "not locked (\(f.message))"   // refused: asking again changes nothing
             } catch {
@@ -194,13 +191,16 @@ struct PamUnlock: ParsableCommand {
             setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, socklen_t(MemoryLayout<timeval>.size))
             setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, socklen_t(MemoryLayout<timeval>.size))
             let session = Session(fd: fd)
-            guard let st = try? session.checked(["op": "status"]) else { note("\(mount): status failed"); continue }
-            guard let owner = (st["owner"] as? NSNumber)?.uint32Value, owner == uid else { continue }
+            guard let st = try? session.checked(.status, StatusReply.self) else {
+                note("\(mount): status failed"); continue
+            }
+            guard st.owner == Int(uid) else { continue }
             owned += 1
-            guard st["state"] as? String != "unlocked" else { continue }
+            guard st.state != .unlocked else { continue }
             // A login password that is not this mount's passcode costs at most one failed
             // attempt, never a lockout: after a failure only a deliberate unlock tries again.
-            if let failed = (st["failedAttempts"] as? NSNumber)?.intValue, failed > 0 {
+            if st.failedAttempts > 0 {
+                let failed = st.failedAttempts
                 note(
                     "\(mount): \(failed) failed attempt(s) since the last unlock; not tried (unlock with keybagctl " +
                         "unlock)"
@@ -208,7 +208,7 @@ struct PamUnlock: ParsableCommand {
                 continue
             }
             do {
-                _ = try session.checked(["op": "unlock", "passcode": try passcodeString(password)])
+                _ = try session.checked(.unlock(passcode: try passcodeString(password)), StateReply.self)
                 note("unlocked \(mount) for \(user)")
             } catch {
                 note("\(mount) not unlocked for \(user) (\(error))")

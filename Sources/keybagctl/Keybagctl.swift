@@ -81,29 +81,46 @@ final class Session {
     init(fd: Int32) { self.fd = fd }
     deinit { close(fd) }
 
-    /// Sends a request and returns the reply object.
-    func call(_ request: [String: Any]) throws -> [String: Any] {
-        do { try ControlClient.sendLine(fd, ControlProtocol.encode(request)) } catch {
+    /// Sends a request and returns the reply line.
+    func line(_ call: ControlCall) throws -> String {
+        do { try ControlClient.sendLine(fd, call.line) } catch {
             throw CtlFailure(code: 3, message: "lost the daemon: \(error)")
         }
         guard let line = ControlClient.readLine(fd, buffer: &buffer) else {
             throw CtlFailure(code: 3, message: "the daemon closed the connection")
         }
-        guard let reply = ControlProtocol.decode(line) else {
+        return line
+    }
+
+    /// Sends a request and returns its reply or the daemon's refusal, and the line it came in.
+    func call<T: Decodable>(_ call: ControlCall, _ type: T.Type) throws -> (Result<T, ControlRefusal>, line: String) {
+        let line = try line(call)
+        guard let reply = ControlProtocol.reply(type, from: line) else {
             throw CtlFailure(code: 3, message: "unreadable reply from the daemon")
         }
-        return reply
+        return (reply, line)
     }
 
     /// Sends a request; a refusal becomes exit 1 with the daemon's message and any retry delay.
-    func checked(_ request: [String: Any]) throws -> [String: Any] {
-        let reply = try call(request)
-        if reply["ok"] as? Bool == true { return reply }
-        let code = reply["error"] as? String ?? "error"
-        var msg = reply["message"] as? String ?? code
-        if let r = reply["retryAfter"] as? Int, !msg.contains("retry") { msg += " (retry in \(r) s)" }
-        throw CtlFailure(code: 1, message: "\(code): \(msg)")
+    func checked<T: Decodable>(_ call: ControlCall, _ type: T.Type) throws -> T {
+        try checkedLine(call, type).reply
     }
+
+    /// `checked`, with the reply's line as it came.
+    func checkedLine<T: Decodable>(_ call: ControlCall, _ type: T.Type) throws -> (reply: T, line: String) {
+        switch try self.call(call, type) {
+        case (.success(let reply), let line): return (reply, line)
+        case (.failure(let refusal), _):
+            var msg = refusal.message
+            if let r = refusal.retryAfter, !msg.contains("retry") { msg += " (retry in \(r) s)" }
+            throw CtlFailure(code: 1, message: "\(refusal.error): \(msg)")
+        }
+    }
+}
+
+/// A number of seconds as JSON shows it: no ".0" on whole numbers.
+func seconds(_ d: Double) -> String {
+    d.rounded() == d && abs(d) < 1e15 ? String(Int(d)) : String(d)
 }
 
 /// A passcode as a JSON string (the protocol carries text).
@@ -123,19 +140,21 @@ struct Status: ParsableCommand {
     var json = false
 
     func run() throws {
-        let reply = try target.connect().checked(["op": "status"])
-        if json { print(ControlProtocol.encode(reply)); return }
-        print("state: \(reply["state"] ?? "?")")
-        print("protected data available: \((reply["protectedDataAvailable"] as? Bool) == true ? "yes" : "no")")
-        print("open files: \(reply["openFiles"] ?? 0)")
-        print("grace: \(reply["grace"] ?? 0) s")
-        if let r = reply["retryAfter"] as? Int, r > 0 { print("unlock throttled: retry in \(r) s") }
-        if let tpm = reply["tpm2"] as? [String: Any], (tpm["inUse"] as? Bool) == true {
-            if let e = tpm["error"] { print("TPM: in use; \(e)"); return }
+        let (reply, line) = try target.connect().checkedLine(.status, StatusReply.self)
+        if json { print(line); return }   // the daemon's line as it came
+        print("state: \(reply.state.rawValue)")
+        print("protected data available: \(reply.protectedDataAvailable ? "yes" : "no")")
+        print("open files: \(reply.openFiles)")
+        print("grace: \(seconds(reply.grace)) s")
+        if reply.retryAfter > 0 { print("unlock throttled: retry in \(reply.retryAfter) s") }
+        let tpm = reply.tpm2
+        if tpm.inUse {
+            if let e = tpm.error { print("TPM: in use; \(e)"); return }
+            func shown(_ n: Int?) -> String { n.map(String.init) ?? "?" }
             print(
-                "TPM: in use; lockout counter \(tpm["lockoutCounter"] ?? "?") of \(tpm["maxTries"] ?? "?") tries, one " +
-                    "forgiven every \(tpm["recoveryTime"] ?? "?") s" + ((tpm["inLockout"] as? Bool) == true ? " (in lockout)" : ""))
-            if (tpm["lockoutAuthSet"] as? Bool) == false {
+                "TPM: in use; lockout counter \(shown(tpm.lockoutCounter)) of \(shown(tpm.maxTries)) tries, one "
+                    + "forgiven every \(shown(tpm.recoveryTime)) s" + (tpm.inLockout == true ? " (in lockout)" : ""))
+            if tpm.lockoutAuthSet == false {
                 print("TPM: its lockout authorization is not set: any root user can clear the lockout (tpm2_changeauth -c lockout)")
             }
         } else {
@@ -155,8 +174,8 @@ struct Unlock: ParsableCommand {
         let session = try target.connect()
         let k = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ")
         defer { k.wipe() }
-        let reply = try session.checked(["op": "unlock", "passcode": try passcodeString(k)])
-        if !passcodeStdin { print("state: \(reply["state"] ?? "unlocked")") }
+        let reply = try session.checked(.unlock(passcode: try passcodeString(k)), StateReply.self)
+        if !passcodeStdin { print("state: \(reply.state.rawValue)") }
     }
 }
 
@@ -177,14 +196,12 @@ struct Lock: ParsableCommand {
 
     func run() throws {
         let session = try target.connect()
-        var req: [String: Any] = ["op": "lock"]
-        if let grace { req["grace"] = grace }
-        var reply = try session.checked(req)
-        while wait, let s = reply["state"] as? String, s == LockState.locking.rawValue {
+        var state = try session.checked(.lock(grace: grace), StateReply.self).state
+        while wait, state == .locking {
             usleep(50_000)
-            reply = try session.checked(["op": "status"])
+            state = try session.checked(.status, StatusReply.self).state
         }
-        print("state: \(reply["state"] ?? "?")")
+        print("state: \(state.rawValue)")
     }
 }
 
@@ -197,11 +214,11 @@ struct Watch: ParsableCommand {
 
     func run() throws {
         let session = try target.connect()
-        _ = try session.checked(["op": "subscribe"])
+        _ = try session.checked(.subscribe, StateReply.self)
         while let line = ControlClient.readLine(session.fd, buffer: &session.buffer) {
             var out = line
-            if !json, let e = ControlProtocol.decode(line) {
-                out = "\(e["time"] ?? "") \(e["event"] ?? "?") (state \(e["state"] ?? "?"))"
+            if !json, let e = ControlProtocol.decode(EventLine.self, from: line) {
+                out = "\(e.time) \(e.event.rawValue) (state \(e.state.rawValue))"
             }
             FileHandle.standardOutput.write(Data((out + "\n").utf8))   // unbuffered: one line as it arrives
         }
@@ -230,7 +247,7 @@ struct Passwd: ParsableCommand {
                 throw CtlFailure(code: 2, message: "the new passcodes differ")
             }
         }
-        _ = try session.checked(["op": "passwd", "old": try passcodeString(old), "new": try passcodeString(new)])
+        _ = try session.checked(.passwd(old: try passcodeString(old), new: try passcodeString(new)), DoneReply.self)
         if !passcodeStdin { print("passcode changed") }
     }
 }

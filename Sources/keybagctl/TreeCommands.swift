@@ -182,15 +182,15 @@ struct Report: ParsableCommand {
 
     func run() throws {
         let root = try walkRoot()
-        let status = try? statusSession(for: root).checked(["op": "status"])
-        let state = status?["state"] as? String
-        let policyReply = status == nil ? nil : try? statusSession(for: root).call(["op": "policy"])
-        let policy = (status?["mountpoint"] as? String).flatMap { m in
-            policyReply.flatMap { PolicyView(reply: $0, mountpoint: m, root: root) }
+        let status = try? statusSession(for: root).checked(.status, StatusReply.self)
+        let policyReply = status == nil ? nil : try? statusSession(for: root).call(.policy, PolicyReply.self).0
+        let policy = status.flatMap { s -> PolicyView? in
+            guard case .success(let reply)? = policyReply else { return nil }
+            return PolicyView(rules: reply.rules, mountpoint: s.mountpoint, root: root)
         }
-        var tally = ReportTally(limit: limit, state: state, policy: policy,
-                                mountpoint: status?["mountpoint"] as? String ?? "/",
-                                mountDefault: status?["defaultClass"] as? String
+        var tally = ReportTally(limit: limit, state: status?.state.rawValue, policy: policy,
+                                mountpoint: status?.mountpoint ?? "/",
+                                mountDefault: status?.defaultClass
                                     ?? ProtectionClass.completeUntilFirstUserAuthentication.name)
         let started = Date()
         let progress = ProgressLine("report")
@@ -206,7 +206,7 @@ struct Report: ParsableCommand {
         if json {
             try printJSON(tally, root: root, seconds: seconds)
         } else {
-            printText(tally, root: root, policyRefused: policyReply?["error"] as? String == "forbidden",
+            printText(tally, root: root, policyRefused: { if case .failure(let r)? = policyReply { return r.error == .forbidden }; return false }(),
                       entries: progress.count, seconds: seconds)
         }
         if tally.failures > 0 { throw ExitCode(1) }
@@ -413,14 +413,12 @@ struct PolicyView {
     /// The walk's root as given (paths below it start with it).
     let root: String
 
-    /// Nil when the reply has no rules or `root` is not below `mountpoint`.
-    init?(reply: [String: Any], mountpoint: String, root: String) {
-        guard let rules = reply["rules"] as? [[String: Any]], !rules.isEmpty else { return nil }
+    /// Nil when there are no rules or `root` is not below `mountpoint`.
+    init?(rules: [PolicyReply.Rule], mountpoint: String, root: String) {
+        guard !rules.isEmpty else { return nil }
         var p = ClassPolicy()
         for r in rules {
-            guard let pattern = r["pattern"] as? String, let cls = r["class"] as? String,
-                (try? p.add("\(pattern)=\(cls)")) != nil
-            else { return nil }
+            guard (try? p.add("\(r.pattern)=\(r.protectionClass)")) != nil else { return nil }
         }
         guard let m = realpath(mountpoint, nil), let r = realpath(root, nil) else { return nil }
         defer { free(m); free(r) }

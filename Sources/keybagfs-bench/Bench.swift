@@ -147,16 +147,21 @@ enum Bench {
         }
     }
 
-    /// One request on the control socket, with its round-trip time in ms.
-    static func request(_ socket: String, _ req: [String: Any]) -> ([String: Any], Double) {
+    /// One request on the control socket: its reply line and round-trip time in ms.
+    static func request(_ socket: String, _ call: ControlCall) -> (String, Double) {
         let fd = try! ControlClient.connect(path: socket)
         defer { close(fd) }
         let t0 = DispatchTime.now().uptimeNanoseconds
-        try! ControlClient.sendLine(fd, ControlProtocol.encode(req))
+        try! ControlClient.sendLine(fd, call.line)
         var buf: [UInt8] = []
         let line = ControlClient.readLine(fd, buffer: &buf) ?? "{}"
         let ms = Double(DispatchTime.now().uptimeNanoseconds - t0) / 1e6
-        return (ControlProtocol.decode(line) ?? [:], ms)
+        return (line, ms)
+    }
+
+    /// The state a reply line gives, or the line itself.
+    static func stateShown(_ line: String) -> String {
+        ControlProtocol.decode(StateReply.self, from: line)?.state.rawValue ?? line
     }
 
     /// RSS of a process in KiB.
@@ -185,23 +190,23 @@ enum Bench {
             _ = pread(fd, &scratch, 4096, 0)
             fds.append(fd)
         }
-        let (st, _) = request(socket, ["op": "status"])
-        let pid = st["pid"] as? Int ?? 0
+        let (st, _) = request(socket, .status)
+        let pid = ControlProtocol.decode(StatusReply.self, from: st)?.pid ?? 0
         let rssOpen = rssKiB(pid)
-        let (lock, lockMs) = request(socket, ["op": "lock", "grace": 0])
+        let (lock, lockMs) = request(socket, .lock(grace: 0))
         let refused = fds.prefix(100).allSatisfy { pread($0, &scratch, 4096, 0) < 0 && errno == EACCES }
         print(
             String(
                 format: "files open: %d   daemon RSS: %.1f MiB   lock --grace 0: %.1f ms -> %@   old fds refused: %@",
-                files, Double(rssOpen) / 1024, lockMs, (lock["state"] as? String ?? "?") as NSString,
+                files, Double(rssOpen) / 1024, lockMs, stateShown(lock) as NSString,
                 refused ? "yes" : "NO"))
         print("unlock: type the passcode on stdin (one line) to time it, or close stdin to skip")
         if let pass = readLine(), !pass.isEmpty {
-            let (u, ms) = request(socket, ["op": "unlock", "passcode": pass])
+            let (u, ms) = request(socket, .unlock(passcode: pass))
             print(
                 String(
                     format: "unlock: %.1f ms (includes the KDF) -> %@", ms,
-                    (u["state"] as? String ?? "\(u)") as NSString))
+                    stateShown(u) as NSString))
         }
         for fd in fds { close(fd) }
     }

@@ -1,17 +1,3 @@
-/// The device states, by their contract names.
-public enum LockState: String, Sendable, CaseIterable {
-    case beforeFirstUnlock, unlocked, locking, locked
-}
-
-/// The three notifications programs subscribe to.
-public enum ProtectionEvent: String, Sendable {
-    case willBecomeUnavailable = "protectedDataWillBecomeUnavailable"
-    case didBecomeUnavailable = "protectedDataDidBecomeUnavailable"
-    case didBecomeAvailable = "protectedDataDidBecomeAvailable"
-    /// The device stayed locked past the inactivity limit: class C keys are gone too.
-    case didReturnToBeforeFirstUnlock = "protectedDataDidReturnToBeforeFirstUnlock"
-}
-
 /// Pure transition logic of lock and unlock (no keys, no timers): the daemon asks it what
 /// to do and performs the side effects. Each lock request gets a ticket; a grace timer
 /// whose ticket is stale (the lock was cancelled by an unlock) does nothing.

@@ -296,8 +296,7 @@ final class ControlServer: Sendable {
                 guard peer.privileged, privileged.makeRoom(for: peer.uid) else {
                     let refused = Connection(fd: fd)
                     _ = refused.sendEvent(
-                        ControlProtocol.encode(
-                            Controller.refusal("busy", "too many control connections for uid \(uid)")))  // never waits
+                        ControlProtocol.encode(ControlRefusal(.busy, "too many control connections for uid \(uid)")))  // never waits
                     refused.close()
                     continue
                 }
@@ -344,12 +343,14 @@ final class ControlServer: Sendable {
             }
             used += n
             while true {
-                let line: (reply: [String: Any], length: Int)?? = try? buffer.withBytes {
-                    b -> (reply: [String: Any], length: Int)? in
+                // The reply line to send; nil when nothing is sent now (a blank line, or a
+                // subscribe whose reply is already queued).
+                let line: (reply: String?, length: Int)?? = try? buffer.withBytes {
+                    b -> (reply: String?, length: Int)? in
                     guard let nl = UnsafeRawBufferPointer(rebasing: b[0..<used]).firstIndex(of: UInt8(ascii: "\n"))
                     else { return nil }
                     let raw = UnsafeRawBufferPointer(rebasing: b[0..<nl])
-                    if raw.allSatisfy({ $0 == 0x20 || $0 == 0x0D || $0 == 0x09 }) { return ([:], nl) }
+                    if raw.allSatisfy({ $0 == 0x20 || $0 == 0x0D || $0 == 0x09 }) { return (nil, nl) }
                     if let registered { privileged.serving(registered, true, subscribed: false) }
                     return (handle(raw, peer: peer, connection: c, subscribed: &subscribed), nl)
                 }
@@ -363,76 +364,67 @@ final class ControlServer: Sendable {
                     used = rest
                 }
                 if subscribed { Failpoint.subscribeBeforeReply.hit() }
-                if reply.isEmpty {
+                if let reply {
+                    guard c.send(reply), !c.isDropped else { return }
+                } else if subscribed {
                     // A subscribe: its reply is queued; send it (and what followed) now.
-                    if subscribed { guard c.drain(), !c.isDropped else { return } }
-                } else {
-                    guard c.send(ControlProtocol.encode(reply)), !c.isDropped else { return }
+                    guard c.drain(), !c.isDropped else { return }
                 }
                 if let registered { privileged.serving(registered, false, subscribed: subscribed) }
             }
             if used == capacity {
-                _ = c.send(ControlProtocol.encode(Controller.refusal("badRequest", "line longer than 64 KiB")))
+                _ = c.send(ControlProtocol.encode(ControlRefusal(.badRequest, "line longer than 64 KiB")))
                 return
             }
         }
     }
 
-    /// Answers one request line.
+    /// Answers one request line: the reply line, or nil for a subscribe (its reply is queued).
     private func handle(
         _ raw: UnsafeRawBufferPointer, peer: Peer, connection: Connection, subscribed: inout Bool
-    ) -> [String: Any] {
+    ) -> String? {
         let req: ControlRequest
-        do { req = try ControlRequest.parse(raw) } catch {
-            return Controller.refusal("badRequest", "not a flat JSON object: \(error)")
+        switch ControlRequest.parsed(raw) {
+        case .failure(let refusal): return ControlProtocol.encode(refusal)
+        case .success(let r): req = r
         }
         defer { req.wipe() }
-        guard let op = req.op else { return Controller.refusal("badRequest", "missing \"op\"") }
-        switch op {
-        case "status":
-            return controller.status()
-        case "subscribe":
+        let command: ControlCommand
+        switch req.operation() {
+        case .failure(let refusal): return ControlProtocol.encode(refusal)
+        case .success(let op):
+            if let refusal = op.refusalForOthers, !peer.privileged { return ControlProtocol.encode(refusal) }
+            switch req.command(op) {
+            case .failure(let refusal): return ControlProtocol.encode(refusal)
+            case .success(let c): command = c
+            }
+        }
+        switch command {
+        case .status:
+            return ControlProtocol.encode(controller.status())
+        case .subscribe:
             // Joining the hub, reading the state and queueing the reply happen in one step:
             // every event published after the state was read follows the reply.
             subscribed = true
             Self.setTimeout(connection.fd, SO_RCVTIMEO, seconds: 0)
-            controller.events.subscribe(connection) {
-                ControlProtocol.encode(["ok": true, "state": controller.state.rawValue])
-            }
-            return [:]
-        case "policy":
-            guard peer.privileged else {
-                return Controller.refusal("forbidden", "only root and the mounting user may read the policy")
-            }
-            return controller.policy()
-        case "unlock", "lock", "passwd":
-            guard peer.privileged else {
-                return Controller.refusal("forbidden", "only root and the mounting user may \(op)")
-            }
-            if op == "unlock" {
-                guard let p = req.secrets["passcode"] else {
-                    return Controller.refusal("badRequest", "unlock needs a non-empty \"passcode\" string")
-                }
-                return controller.unlock(passcode: p)
-            }
-            if op == "passwd" {
-                guard let o = req.secrets["old"], let n = req.secrets["new"] else {
-                    return Controller.refusal("badRequest", "passwd needs non-empty \"old\" and \"new\" strings")
-                }
-                return controller.passwd(old: o, new: n)
-            }
-            var grace: Double? = nil
-            if let g = req.fields["grace"] {
-                guard case .number(let d) = g, d >= 0, d < 86_400 else {
-                    return Controller.refusal("badRequest", "\"grace\" must be a number of seconds from 0 to 86400")
-                }
-                grace = d
-            }
-            return controller.lock(grace: grace)
-        default:
-            // Quote at most 40 characters: the reply must not echo a 64 KiB line back.
-            let shown = op.count > 40 ? String(op.prefix(40)) + "…" : op
-            return Controller.refusal("badRequest", "unknown op \"\(shown)\"")
+            controller.events.subscribe(connection) { ControlProtocol.encode(StateReply(controller.state)) }
+            return nil
+        case .policy:
+            return ControlProtocol.encode(controller.policy())
+        case .unlock(let passcode):
+            return Self.encode(controller.unlock(passcode: passcode))
+        case .passwd(let old, let new):
+            return Self.encode(controller.passwd(old: old, new: new))
+        case .lock(let grace):
+            return ControlProtocol.encode(controller.lock(grace: grace))
+        }
+    }
+
+    /// A reply or refusal as its line.
+    private static func encode<T: Encodable>(_ result: Result<T, ControlRefusal>) -> String {
+        switch result {
+        case .success(let reply): return ControlProtocol.encode(reply)
+        case .failure(let refusal): return ControlProtocol.encode(refusal)
         }
     }
 }

@@ -55,33 +55,41 @@ final class Controller: Sendable {
     var state: LockState { machine.withLock { $0.state } }
 
     /// The `status` reply.
-    func status() -> [String: Any] {
+    func status() -> StatusReply {
         let st = state
         let (failures, retry, device, keySet) = keybag.withLock {
             ($0.file.failedAttempts, $0.retryAfter(now: Date().timeIntervalSince1970), $0.deviceID, $0.currentKeySet)
         }
-        return ["ok": true, "state": st.rawValue, "protectedDataAvailable": st == .unlocked, "grace": defaultGrace,
-                "openFiles": fs.openFiles.load(ordering: .relaxed), "pid": Int(getpid()), "mountpoint": mountpoint,
-                "failedAttempts": failures, "retryAfter": Self.seconds(retry),
-                "classADirectIO": kernel.negotiated.directIOMappable, "writebackCache": kernel.negotiated.writeback,
-                "posixACLs": fs.posixACLs.load(ordering: .relaxed), "subscribers": events.count,
-                "owner": Int(owner), "defaultClass": fs.defaultClass.name,
-                "aesMemoryLocked": HardwareAES.ownsMemory && HardwareAES.unlockedAllocations == 0,
-                "inactivityRelock": inactivityRelock.map { $0 / 3600 } ?? NSNull(),
-                "relockIn": relockDeadline.withLock { $0 }.map { Self.seconds($0 - Self.bootTime()) } ?? NSNull(),
-                "deviceID": device ?? NSNull(), "keySet": keySet,
-                "keySetBehind": keyring.refusesNewWraps, "tpm2": tpmStatus()]
+        var r = StatusReply(
+            state: st, mountpoint: mountpoint, pid: Int(getpid()), owner: Int(owner), grace: defaultGrace,
+            defaultClass: fs.defaultClass.name)
+        r.openFiles = fs.openFiles.load(ordering: .relaxed)
+        r.failedAttempts = failures
+        r.retryAfter = Self.seconds(retry)
+        r.classADirectIO = kernel.negotiated.directIOMappable
+        r.writebackCache = kernel.negotiated.writeback
+        r.posixACLs = fs.posixACLs.load(ordering: .relaxed)
+        r.subscribers = events.count
+        r.aesMemoryLocked = HardwareAES.ownsMemory && HardwareAES.unlockedAllocations == 0
+        r.inactivityRelock = inactivityRelock.map { $0 / 3600 }
+        r.relockIn = relockDeadline.withLock { $0 }.map { Self.seconds($0 - Self.bootTime()) }
+        r.deviceID = device
+        r.keySet = keySet
+        r.keySetBehind = keyring.refusesNewWraps
+        r.tpm2 = tpmStatus()
+        return r
     }
 
     /// Whether a TPM holds part of the passcode key, and its own lockout counter and limits.
-    private func tpmStatus() -> [String: Any] {
-        guard let sealer = keybag.withLock({ $0.sealer }) else { return ["inUse": false] }
+    private func tpmStatus() -> StatusReply.TPMStatus {
+        guard let sealer = keybag.withLock({ $0.sealer }) else { return .notInUse }
         do {
             let s = try sealer.lockoutState()
-            return ["inUse": true, "lockoutCounter": s.counter, "maxTries": s.maxTries, "recoveryTime": s.recoveryTime,
-                    "lockoutRecovery": s.lockoutRecovery, "inLockout": s.inLockout, "lockoutAuthSet": s.lockoutAuthSet]
+            return StatusReply.TPMStatus(
+                inUse: true, lockoutCounter: s.counter, maxTries: s.maxTries, recoveryTime: s.recoveryTime,
+                lockoutRecovery: s.lockoutRecovery, inLockout: s.inLockout, lockoutAuthSet: s.lockoutAuthSet)
         } catch {
-            return ["inUse": true, "error": "\(error)"]
+            return StatusReply.TPMStatus(inUse: true, error: "\(error)")
         }
     }
 
@@ -125,19 +133,12 @@ final class Controller: Sendable {
     }
 
     /// The `policy` reply: the mount's directory rules in order (the last match wins).
-    func policy() -> [String: Any] {
-        ["ok": true, "rules": fs.policy.rules.map { ["pattern": $0.pattern, "class": $0.protectionClass.name] }]
-    }
-
-    /// An error reply.
-    static func refusal(_ code: String, _ message: String, _ extra: [String: Any] = [:]) -> [String: Any] {
-        var r: [String: Any] = ["ok": false, "error": code, "message": message]
-        for (k, v) in extra { r[k] = v }
-        return r
+    func policy() -> PolicyReply {
+        PolicyReply(rules: fs.policy.rules.map { .init(pattern: $0.pattern, protectionClass: $0.protectionClass.name) })
     }
 
     /// Outcome of a passcode check.
-    private enum Verification { case accepted([UnlockedClassKeys]), refused([String: Any]) }
+    private enum Verification { case accepted([UnlockedClassKeys]), refused(ControlRefusal) }
 
     /// Checks the throttle, then the passcode, counting failures in the keybag. The KDF
     /// runs on a copy of the keybag, so `status` (which reads it) never waits for a KDF;
@@ -148,7 +149,7 @@ final class Controller: Sendable {
         let wait = snapshot.retryAfter(now: now)
         if wait > 0 {
             let s = Self.seconds(wait)
-            return .refused(Self.refusal("throttled", "too many failed attempts; retry in \(s) s", ["retryAfter": s]))
+            return .refused(ControlRefusal(.throttled, "too many failed attempts; retry in \(s) s", retryAfter: s))
         }
         do {
             let keys = try snapshot.unlockAll(passcode: passcode, deviceKey: deviceKey)
@@ -158,24 +159,23 @@ final class Controller: Sendable {
             return keybag.withLock { kb in
                 do { try kb.recordFailure(now: now) } catch {
                     return .refused(
-                        Self.refusal("internal", "wrong passcode; the failure could not be recorded: \(error)"))
+                        ControlRefusal(.internal, "wrong passcode; the failure could not be recorded: \(error)"))
                 }
                 let retry = Self.seconds(kb.retryAfter(now: now))
-                var extra: [String: Any] = ["failedAttempts": kb.file.failedAttempts]
-                if retry > 0 { extra["retryAfter"] = retry }
                 return .refused(
-                    Self.refusal(
-                        "badPasscode", retry > 0 ? "wrong passcode; retry in \(retry) s" : "wrong passcode", extra))
+                    ControlRefusal(
+                        .badPasscode, retry > 0 ? "wrong passcode; retry in \(retry) s" : "wrong passcode",
+                        retryAfter: retry > 0 ? retry : nil, failedAttempts: kb.file.failedAttempts))
             }
         } catch KeybagError.throttled(let wait) {
             // The TPM's own dictionary-attack lockout (the software delays come first, above).
             let s = Self.seconds(wait)
             return .refused(
-                Self.refusal("throttled", "the TPM is in dictionary-attack lockout; retry in \(s) s", ["retryAfter": s]))
+                ControlRefusal(.throttled, "the TPM is in dictionary-attack lockout; retry in \(s) s", retryAfter: s))
         } catch let e as KeybagError {
-            return .refused(Self.refusal("internal", e.description))
+            return .refused(ControlRefusal(.internal, e.description))
         } catch {
-            return .refused(Self.refusal("internal", "\(error)"))
+            return .refused(ControlRefusal(.internal, "\(error)"))
         }
     }
 
@@ -186,44 +186,44 @@ final class Controller: Sendable {
     }
 
     /// unlock: installs the class keys, cancels a pending lock, sends `didBecomeAvailable`.
-    func unlock(passcode: SecureKey) -> [String: Any] {
+    func unlock(passcode: SecureKey) -> Result<StateReply, ControlRefusal> {
         transitions.withLock { _ in
             switch verify(passcode) {
-            case .refused(let reply): return reply
+            case .refused(let refusal): return .failure(refusal)
             case .accepted(let keys):
                 keyring.install(keys)
                 let evs = machine.withLock { $0.unlocked() }
                 relockDeadline.withLock { $0 = nil }
                 for e in evs { events.publish(e, state: .unlocked) }
                 stateChanged(.unlocked)
-                return ["ok": true, "state": LockState.unlocked.rawValue]
+                return .success(StateReply(.unlocked))
             }
         }
     }
 
     /// passwd: rewraps the passcode-protected class keys under a new passcode.
-    func passwd(old: SecureKey, new: SecureKey) -> [String: Any] {
+    func passwd(old: SecureKey, new: SecureKey) -> Result<DoneReply, ControlRefusal> {
         transitions.withLock { _ in
             switch verify(old) {
-            case .refused(let reply): return reply
+            case .refused(let refusal): return .failure(refusal)
             case .accepted(let keys):
                 for k in keys { k.wipe() }
                 do {
                     var next = keybag.withLock { $0 }
                     try next.changePasscode(old: old, new: new, deviceKey: deviceKey)   // two KDFs, off the lock
                     keybag.withLock { $0 = next }
-                    return ["ok": true]
+                    return .success(DoneReply())
                 } catch {
-                    return Self.refusal("internal", "passcode not changed: \(error)")
+                    return .failure(ControlRefusal(.internal, "passcode not changed: \(error)"))
                 }
             }
         }
     }
 
     /// lock: `locking` and `willBecomeUnavailable` now; after the grace period the keys go.
-    func lock(grace: Double?) -> [String: Any] {
+    func lock(grace: Double?) -> StateReply {
         let g = max(0, grace ?? defaultGrace)
-        return transitions.withLock { _ -> [String: Any] in
+        return transitions.withLock { _ -> StateReply in
             let action = machine.withLock { $0.requestLock(grace: g) }
             switch action {
             case .nothing:
@@ -238,7 +238,7 @@ final class Controller: Sendable {
                 if sendWill { events.publish(.willBecomeUnavailable, state: .locking) }
                 evict(ticket: ticket)
             }
-            return ["ok": true, "state": state.rawValue]
+            return StateReply(state)
         }
     }
 
@@ -290,8 +290,7 @@ final class EventHub: Sendable {
 
     /// Sends an event to every subscriber.
     func publish(_ event: ProtectionEvent, state: LockState) {
-        let line = ControlProtocol.encode(["event": event.rawValue, "state": state.rawValue,
-            "time": ControlProtocol.timestamp()])
+        let line = ControlProtocol.encode(EventLine(event: event, state: state, time: ControlProtocol.timestamp()))
         let all = subscribers.withLock { Array($0.values) }
         for c in all where !c.sendEvent(line) {
             remove(c)
