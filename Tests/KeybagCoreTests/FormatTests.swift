@@ -304,6 +304,12 @@ final class FormatTests: TempDirTestCase {
                 guard case KeybagError.corrupt = $0 else { return XCTFail("\($0)") }
             }
             let torn = Array(h2.encodeSlot()[0..<cut]) + [UInt8](repeating: 0, count: FileHeader.slotSize - cut)
+            // A tear whose lost bytes were zero anyway (the checksum's last byte is 0 in one
+            // header of 256) lost nothing: that slot is whole and must read as such.
+            if torn == h2.encodeSlot() {
+                XCTAssertEqual(try FileHeader.parse(h1.encodeSlot() + torn).protectionClass, .complete)
+                continue
+            }
             XCTAssertThrowsError(try FileHeader.parse(h1.encodeSlot() + torn), "torn at \(cut)")
         }
         XCTAssertThrowsError(try FileHeader.parse(empty + empty), "no slot at all")

@@ -94,7 +94,7 @@ final class FilesystemTests: XCTestCase {
         XCTAssertEqual(try read(h).get(), "partial", "a handle opened before the lock keeps its key")
         XCTAssertFalse(pageDrops.withLock { $0 }.contains { $0.0.contains(h.node.id) }, "an open class B file keeps its pages")
         fs.release(h)
-        XCTAssertNil(h.node.io.read { $0.readyKey(for: .write, keyring.access) }, "the last close while locked wipes the key")
+        XCTAssertNil(h.file.io.read { $0.readyKey(for: .write, keyring.access) }, "the last close while locked wipes the key")
         fs.kernel.detach()   // returns once the queued page drop has run (no session here anyway)
         XCTAssertTrue(pageDrops.withLock { $0 }.contains { $0.0 == [h.node.id] && $0.1.contains("last close") },
                       "and its cached pages go")

@@ -14,18 +14,12 @@ public struct EncryptedContent: Sendable {
 
     public init(layout: BlockLayout) { self.layout = layout }
 
-    static let B = BlockLayout.plainBlockSize
-
     /// Plaintext size of the backing file behind `fd`, from its size alone.
     public func plainSize(fd: Int32) throws -> Int {
         var st = stat()
         guard fstat(fd, &st) == 0 else { throw KeybagError.system("fstat", errno) }
         return layout.plainSize(backingSize: Int(st.st_size))
     }
-
-    /// Index of the last block of a file of `size` plaintext bytes (-1 when empty).
-    @inline(__always)
-    static func lastBlock(ofSize size: Int) -> Int { size > 0 ? (size - 1) / B : -1 }
 
     /// Blocks in one read from which the decryption is split over two threads (256 KiB).
     static let parallelBlocks = 64
@@ -37,13 +31,12 @@ public struct EncryptedContent: Sendable {
         defer { kbfs_scrub_stack() }  // cipher locals left below this frame
         let size = try plainSize(fd: fd)
         guard offset < size, out.count > 0 else { return 0 }
-        let end = min(offset + out.count, size)
-        let first = offset / Self.B, last = (end - 1) / Self.B
-        let cStart = layout.cipherOffset(ofBlock: first)
-        let cEnd = layout.cipherOffset(ofBlock: last) + min(Self.B, size - last * Self.B) + layout.overhead
-        return try ScratchBuffers.shared.withBlock(cEnd - cStart) { cbuf, plain in
-            let got = try Self.preadFull(fd, cbuf, offset: cStart)
-            let span = BlockSpan(first: first, offset: offset, end: end, size: size, got: got)
+        let range = PlainRange(offset: offset, end: min(offset + out.count, size))
+        let first = range.blocks.lowerBound, last = range.blocks.upperBound
+        let sealed = layout.cipherRange(of: range.blocks, inFileOf: size)
+        return try ScratchBuffers.shared.withBlock(sealed.count) { cbuf, plain in
+            let got = try Self.preadFull(fd, cbuf, offset: sealed.lowerBound)
+            let span = BlockSpan(first: first, range: range, size: size, got: got)
             guard last - first + 1 >= Self.parallelBlocks else {
                 return try openBlocks(first...last, of: span, key: key, cbuf: cbuf, out: out, plain: plain).written
             }
@@ -85,7 +78,7 @@ public struct EncryptedContent: Sendable {
     /// The geometry of one read: its first block, plaintext range, file size and how many
     /// ciphertext bytes the `pread` returned.
     struct BlockSpan: Sendable {
-        let first: Int, offset: Int, end: Int, size: Int, got: Int
+        let first: Int, range: PlainRange, size: Int, got: Int
     }
 
     /// Decrypts `blocks` of a read (the ciphertext of block `span.first` at the start of
@@ -96,18 +89,17 @@ public struct EncryptedContent: Sendable {
         _ blocks: ClosedRange<Int>, of span: BlockSpan, key: FileContentKey, cbuf: UnsafeMutableRawBufferPointer,
         out: UnsafeMutableRawBufferPointer, plain: UnsafeMutableRawBufferPointer
     ) throws -> (written: Int, whole: Bool) {
-        let fileLast = Self.lastBlock(ofSize: span.size)
+        let fileLast = BlockLayout.lastBlock(ofSize: span.size)
         var written = 0
         var markedRun = 0
         for b in blocks {
-            let bStart = b * Self.B
-            let bLen = min(Self.B, span.size - bStart)
+            let bLen = BlockLayout.length(ofBlock: b, inFileOf: span.size)
             let rel = (b - span.first) * layout.cipherBlockSize
             guard rel + bLen + layout.overhead <= span.got else { return (written, false) }   // truncated underneath us
             let sealed = UnsafeRawBufferPointer(rebasing: cbuf[rel..<(rel + bLen + layout.overhead)])
-            let lo = max(span.offset, bStart) - bStart
-            let at = bStart + lo - span.offset
-            if lo == 0 && span.end - bStart >= bLen {
+            let part = span.range.part(ofBlock: b)
+            let at = part.atInRange
+            if part.coversAll(ofLength: bLen) {
                 // The whole block is wanted: decrypt straight into the reply.
                 let n = try key.open(sealed, block: UInt64(b), last: b == fileLast, markedRun: &markedRun,
                                      into: UnsafeMutableRawBufferPointer(rebasing: out[at..<(at + bLen)]))
@@ -116,10 +108,10 @@ public struct EncryptedContent: Sendable {
                 continue
             }
             let n = try key.open(sealed, block: UInt64(b), last: b == fileLast, markedRun: &markedRun, into: plain)
-            let hi = min(span.end, bStart + n) - bStart
-            guard hi > lo else { return (written, false) }
-            (out.baseAddress! + at).copyMemory(from: plain.baseAddress! + lo, byteCount: hi - lo)
-            written += hi - lo
+            let hi = min(part.hi, n)
+            guard hi > part.lo else { return (written, false) }
+            (out.baseAddress! + at).copyMemory(from: plain.baseAddress! + part.lo, byteCount: hi - part.lo)
+            written += hi - part.lo
         }
         return (written, true)
     }
@@ -133,11 +125,11 @@ public struct EncryptedContent: Sendable {
         defer { kbfs_scrub_stack() }   // cipher locals left below this frame
         guard data.count > 0 else { return }
         let size = try plainSize(fd: fd)
-        let end = offset + data.count
-        let newSize = max(size, end)
-        let oldLast = Self.lastBlock(ofSize: size), newLast = Self.lastBlock(ofSize: newSize)
-        let dataFirst = offset / Self.B, dataLast = (end - 1) / Self.B
-        let oldLastGrows = oldLast >= 0 && oldLast < dataFirst && size % Self.B != 0
+        let range = PlainRange(offset: offset, end: offset + data.count)
+        let newSize = max(size, range.end)
+        let oldLast = BlockLayout.lastBlock(ofSize: size), newLast = BlockLayout.lastBlock(ofSize: newSize)
+        let dataFirst = range.blocks.lowerBound, dataLast = range.blocks.upperBound
+        let oldLastGrows = oldLast >= 0 && oldLast < dataFirst && size % BlockLayout.plainBlockSize != 0
         // A full disk must refuse the write before any byte of it lands: a short pwrite
         // (at the end, or into a hole) would leave a torn block that reads as damage.
         if oldLastGrows { try reserve(fd: fd, blocks: oldLast...oldLast, newSize: newSize) }
@@ -145,24 +137,21 @@ public struct EncryptedContent: Sendable {
         if oldLastGrows && oldLast < dataFirst - 1 {
             try sealAndWrite(
                 fd: fd, key: key, blocks: oldLast...oldLast, size: size, newSize: newSize, newLast: newLast,
-                data: NewData(offset: 0, bytes: nil))
+                data: NewData(range: nil, bytes: nil))
         }
         let first = oldLastGrows && oldLast == dataFirst - 1 ? oldLast : dataFirst
         try sealAndWrite(
             fd: fd, key: key, blocks: first...dataLast, size: size, newSize: newSize, newLast: newLast,
-            data: NewData(offset: offset, bytes: data))
+            data: NewData(range: range, bytes: data))
     }
 
     /// Reserves the backing space of `blocks` (sealed for a file of `newSize` bytes) without
     /// changing the file's size: ENOSPC or EDQUOT are thrown; a file system that cannot
     /// reserve (EOPNOTSUPP) is written without.
     private func reserve(fd: Int32, blocks: ClosedRange<Int>, newSize: Int) throws {
-        let start = layout.cipherOffset(ofBlock: blocks.lowerBound)
-        let end =
-            layout.cipherOffset(ofBlock: blocks.upperBound) + min(Self.B, newSize - blocks.upperBound * Self.B)
-            + layout.overhead
-        guard end > start else { return }
-        if kbfs_reserve(fd, Int64(start), Int64(end - start)) != 0 && (errno == ENOSPC || errno == EDQUOT) {
+        let sealed = layout.cipherRange(of: blocks, inFileOf: newSize)
+        guard !sealed.isEmpty else { return }
+        if kbfs_reserve(fd, Int64(sealed.lowerBound), Int64(sealed.count)) != 0 && (errno == ENOSPC || errno == EDQUOT) {
             throw KeybagError.system("fallocate", errno)
         }
     }
@@ -170,14 +159,12 @@ public struct EncryptedContent: Sendable {
     /// New bytes of a write at a plaintext offset (none: only old blocks are re-sealed).
     // @unchecked: the bytes are read only, by the threads of one write, while it runs.
     struct NewData: @unchecked Sendable {
-        let offset: Int, bytes: UnsafeRawBufferPointer?
+        let range: PlainRange?, bytes: UnsafeRawBufferPointer?
         /// The slice of new bytes for block b: start and end within the block, and the bytes.
         func slice(_ b: Int) -> (Int, Int, UnsafeRawPointer)? {
-            guard let bytes, let base = bytes.baseAddress else { return nil }
-            let bStart = b * EncryptedContent.B
-            let lo = max(offset, bStart) - bStart
-            let hi = min(offset + bytes.count, bStart + EncryptedContent.B) - bStart
-            return hi > lo ? (lo, hi, base + (bStart + lo - offset)) : nil
+            guard let range, let base = bytes?.baseAddress else { return nil }
+            let part = range.part(ofBlock: b)
+            return part.count > 0 ? (part.lo, part.hi, base + part.atInRange) : nil
         }
     }
 
@@ -244,12 +231,11 @@ public struct EncryptedContent: Sendable {
         _ blocks: ClosedRange<Int>, of span: SealSpan, fd: Int32, key: FileContentKey, data: NewData,
         out: UnsafeMutableRawBufferPointer, plain: UnsafeMutableRawBufferPointer
     ) throws -> Int {
-        let oldLast = Self.lastBlock(ofSize: span.size)
+        let oldLast = BlockLayout.lastBlock(ofSize: span.size)
         var outLen = 0
         for b in blocks {
-            let bStart = b * Self.B
-            let existing = max(0, min(Self.B, span.size - bStart))
-            let newLen = min(Self.B, span.newSize - bStart)
+            let existing = BlockLayout.length(ofBlock: b, inFileOf: span.size)
+            let newLen = BlockLayout.length(ofBlock: b, inFileOf: span.newSize)
             let at = (b - span.first) * layout.cipherBlockSize
             let dst = UnsafeMutableRawBufferPointer(rebasing: out[at..<(at + newLen + layout.overhead)])
             let slice = data.slice(b)
@@ -281,13 +267,13 @@ public struct EncryptedContent: Sendable {
         defer { kbfs_scrub_stack() }   // cipher locals left below this frame
         let size = try plainSize(fd: fd)
         if newSize < size {
-            let oldLast = Self.lastBlock(ofSize: size), newLast = Self.lastBlock(ofSize: newSize)
+            let oldLast = BlockLayout.lastBlock(ofSize: size), newLast = BlockLayout.lastBlock(ofSize: newSize)
             guard newLast >= 0 else {
                 guard ftruncate(fd, off_t(FileHeader.size)) == 0 else { throw KeybagError.system("ftruncate", errno) }
                 return
             }
-            let keepLen = newSize - newLast * Self.B
-            let oldLen = min(Self.B, size - newLast * Self.B)
+            let keepLen = BlockLayout.length(ofBlock: newLast, inFileOf: newSize)
+            let oldLen = BlockLayout.length(ofBlock: newLast, inFileOf: size)
             if keepLen == oldLen && !key.sealsEnd {
                 // Block-aligned cut of a file whose end is not sealed: nothing to re-seal.
                 guard ftruncate(fd, off_t(layout.backingSize(plainSize: newSize))) == 0 else {
@@ -313,7 +299,7 @@ public struct EncryptedContent: Sendable {
             }
         } else if newSize > size {
             // Write zeros over the part of the new last block beyond the old end.
-            let from = max(size, Self.lastBlock(ofSize: newSize) * Self.B)
+            let from = max(size, BlockLayout.lastBlock(ofSize: newSize) * BlockLayout.plainBlockSize)
             try ScratchBuffers.shared.with(newSize - from) { z in
                 memset(z.baseAddress!, 0, z.count)
                 try write(fd: fd, key: key, offset: from, data: UnsafeRawBufferPointer(z))
@@ -329,21 +315,19 @@ public struct EncryptedContent: Sendable {
         let size = try plainSize(fd: fd)
         let end = min(offset + length, size)
         guard offset < end else { return }
-        let fileLast = Self.lastBlock(ofSize: size)
-        var pos = offset
-        while pos < end {
-            let b = pos / Self.B
-            let bStart = b * Self.B
-            let bEnd = min(bStart + Self.B, size)
-            let stop = min(end, bEnd)
-            if pos == bStart && stop == bEnd && !(key.sealsEnd && b == fileLast)
-                && punch(layout.cipherOffset(ofBlock: b), bEnd - bStart + layout.overhead) {
-                pos = stop
+        let range = PlainRange(offset: offset, end: end)
+        let fileLast = BlockLayout.lastBlock(ofSize: size)
+        for b in range.blocks {
+            let part = range.part(ofBlock: b)
+            let bLen = BlockLayout.length(ofBlock: b, inFileOf: size)
+            if part.coversAll(ofLength: bLen) && !(key.sealsEnd && b == fileLast)
+                && punch(layout.cipherOffset(ofBlock: b), bLen + layout.overhead) {
                 continue
             }
-            let zeros = [UInt8](repeating: 0, count: stop - pos)
-            try zeros.withUnsafeBytes { try write(fd: fd, key: key, offset: pos, data: $0) }
-            pos = stop
+            let zeros = [UInt8](repeating: 0, count: part.count)
+            try zeros.withUnsafeBytes {
+                try write(fd: fd, key: key, offset: b * BlockLayout.plainBlockSize + part.lo, data: $0)
+            }
         }
     }
 
@@ -351,11 +335,11 @@ public struct EncryptedContent: Sendable {
     public func blockChecks(fd: Int32, key: FileContentKey) throws -> [FileContentKey.BlockCheck] {
         defer { kbfs_scrub_stack() }   // cipher locals left below this frame
         let size = try plainSize(fd: fd)
-        let last = Self.lastBlock(ofSize: size)
+        let last = BlockLayout.lastBlock(ofSize: size)
         guard last >= 0 else { return [] }
         return try ScratchBuffers.shared.withBlock(layout.cipherBlockSize) { sealed, plain in
             try (0...last).map { b in
-                let len = min(Self.B, size - b * Self.B) + layout.overhead
+                let len = BlockLayout.length(ofBlock: b, inFileOf: size) + layout.overhead
                 let got = try Self.preadFull(
                     fd, UnsafeMutableRawBufferPointer(rebasing: sealed[0..<len]),
                     offset: layout.cipherOffset(ofBlock: b))
@@ -372,7 +356,7 @@ public struct EncryptedContent: Sendable {
     public func resealEndMark(fd: Int32, key: FileContentKey, block: Int, from: Bool, to: Bool) throws {
         defer { kbfs_scrub_stack() }   // cipher locals left below this frame
         let size = try plainSize(fd: fd)
-        let len = min(Self.B, size - block * Self.B)
+        let len = BlockLayout.length(ofBlock: block, inFileOf: size)
         try ScratchBuffers.shared.withBlock(len + layout.overhead) { sealed, plain in
             let n = try readBlock(fd: fd, key: key, block: block, length: len, last: from, into: plain)
             guard n == len else { throw KeybagError.corrupt("block \(block) short") }

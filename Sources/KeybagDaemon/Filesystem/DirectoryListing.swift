@@ -52,7 +52,7 @@ extension Filesystem {
         let raw = try backingEntries(dirFD: dfd)
         // The folder made on two devices apart: names under its metadata copies' IVs too.
         let metaCopies = metadataCopies(dirFD: dfd, entries: raw.map(\.name))
-        n.metadataCopies.withLock { $0 = metaCopies }
+        n.directory?.metadataCopies.withLock { $0 = metaCopies }
         let ivs = DirectoryIVs(own: iv, copies: metaCopies)
         var underOthers: [(entry: DirHandle.Entry, index: Int)] = []
         for e in raw {

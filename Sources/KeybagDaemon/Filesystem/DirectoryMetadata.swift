@@ -64,12 +64,12 @@ extension Filesystem {
     /// (folder first, then its files): EIO until it arrives, as an IV made now would hide
     /// every name that comes with it.
     func meta(of dir: Node) throws -> DirectoryMeta {
-        guard dir.isDirectory else { throw FSError(ENOTDIR) }
-        if let m = dir.dirMeta.withLock({ $0 }) { return m }
+        guard let state = dir.directory else { throw FSError(ENOTDIR) }
+        if let m = state.meta.withLock({ $0 }) { return m }
         guard let m = try dir.id == 1 ? ensureMeta(dirFD: dir.fd) : readMeta(dirFD: dir.fd) else {
             throw FSError(EIO)
         }
-        dir.dirMeta.withLock { $0 = m }
+        state.meta.withLock { $0 = m }
         return m
     }
 
@@ -97,9 +97,9 @@ extension Filesystem {
 
     /// The metadata copies of a directory node, read once and cached.
     func metadataCopies(of dir: Node) -> [DirectoryIVs.Other] {
-        if let c = dir.metadataCopies.withLock({ $0 }) { return c }
+        if let c = dir.directory?.metadataCopies.withLock({ $0 }) { return c }
         let c = metadataCopies(dirFD: dir.fd)
-        dir.metadataCopies.withLock { $0 = c }
+        dir.directory?.metadataCopies.withLock { $0 = c }
         return c
     }
 
@@ -113,7 +113,7 @@ extension Filesystem {
         var m = try meta(of: dir)
         m.defaultClass = cls
         try replaceFile(dirFD: dir.fd, DirectoryMeta.fileName, try m.encode(names))
-        dir.dirMeta.withLock { $0 = m }
+        dir.directory?.meta.withLock { $0 = m }
         classGeneration.add(1, ordering: .relaxed)
     }
 
@@ -122,7 +122,7 @@ extension Filesystem {
     /// change or rename anywhere.
     func inheritedClass(_ dir: Node) throws -> ProtectionClass {
         let gen = classGeneration.load(ordering: .relaxed)
-        if let c = dir.inherited.withLock({ $0 }), c.generation == gen { return c.cls }
+        if let c = dir.directory?.inherited.withLock({ $0 }), c.generation == gen { return c.cls }
         var result = defaultClass
         if let own = try meta(of: dir).defaultClass {
             result = own
@@ -139,7 +139,7 @@ extension Filesystem {
                 cur = up
             }
         }
-        dir.inherited.withLock { $0 = (gen, result) }
+        dir.directory?.inherited.withLock { $0 = (gen, result) }
         return result
     }
 

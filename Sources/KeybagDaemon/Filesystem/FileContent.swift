@@ -41,15 +41,16 @@ extension Filesystem {
     private func withContentKey<R>(
         _ node: Node, _ use: FileKeyLife.Use, _ body: (FileContentKey) throws -> R
     ) throws -> R {
+        guard let file = node.file else { throw FSError(EINVAL) }
         if use == .read {
             let access = keyring.access
-            let done: R?? = try node.io.read { st in
+            let done: R?? = try file.io.read { st in
                 guard let k = st.readyKey(for: .read, access) else { return .none }
                 return .some(try body(k))
             }
             if case .some(let r) = done, let r { return r }
         }
-        return try node.io.write { st in
+        return try file.io.write { st in
             _ = try st.header { try readHeader(node) }
             let key: FileContentKey
             do { key = try st.key(for: use, keyring: keyring, cipher: cipher) } catch {
@@ -72,14 +73,14 @@ extension Filesystem {
     /// Opens the backing file for a handle and loads the file key (EACCES by class rules).
     func open(_ id: UInt64, flags: Int32, caller: Caller? = nil) throws -> OpenFile {
         let n = try node(id)
-        guard n.isRegular else { throw FSError(n.isDirectory ? EISDIR : EINVAL) }
+        guard let file = n.file else { throw FSError(n.isDirectory ? EISDIR : EINVAL) }
         let writable = (flags & O_ACCMODE) != O_RDONLY
         // nearly full: tight before the first write
         if writable && space.noteWritten() { refreshAttributesOfKnownFiles() }
         let fd = try check(n.open(writable ? O_RDWR : O_RDONLY))
         let cls: ProtectionClass
         do {
-            cls = try n.io.write { st in
+            cls = try file.io.write { st in
                 let h = try st.header { try readHeader(n) }
                 let key: FileContentKey
                 do { key = try st.open(keyring: keyring, cipher: cipher) } catch {
@@ -104,7 +105,7 @@ extension Filesystem {
             if fstat(fd, &st) == 0, let mode = Self.modeAfterModification(st, by: caller) { _ = fchmod(fd, mode) }
         }
         openFiles.add(1, ordering: .relaxed)
-        return OpenFile(node: n, fd: fd, writable: writable, directIO: usesDirectIO(cls))
+        return OpenFile(node: n, file: file, fd: fd, writable: writable, directIO: usesDirectIO(cls))
     }
 
     /// Whether handles of `cls` bypass the kernel's page cache: class A, where the kernel
@@ -235,9 +236,13 @@ extension Filesystem {
     private func adopt(
         _ file: NewFile, node n: Node, stat st: stat, class cls: ProtectionClass, epoch: UInt64
     ) throws -> (Node, stat, OpenFile) {
+        let state: FileState
         do {
-            try n.io.write { s in try s.adoptCreated(header: file.header, key: file.key, epoch: epoch, keyring: keyring)
+            guard let s = n.file else { throw FSError(EIO) }   // another writer put something else there
+            try s.io.write { s in
+                try s.adoptCreated(header: file.header, key: file.key, epoch: epoch, keyring: keyring)
             }
+            state = s
         } catch {
             table.forget(n.id, count: 1)   // the kernel never learns of this node
             throw error
@@ -245,7 +250,7 @@ extension Filesystem {
         openFiles.add(1, ordering: .relaxed)
         return (
             n, plaintextAttributes(st, linkAt: -1, ""),
-            OpenFile(node: n, fd: file.fd, writable: true, directIO: usesDirectIO(cls))
+            OpenFile(node: n, file: state, fd: file.fd, writable: true, directIO: usesDirectIO(cls))
         )
     }
 
@@ -276,8 +281,9 @@ extension Filesystem {
     /// directory's class (a fresh file key; there is no data to lose). Needs that class's
     /// wrapping key now; otherwise the file stays as it is (EIO) until it can.
     func giveHeaderToEmptyFile(_ n: Node, parent p: Node) {
-        guard let cls = try? inheritedClass(p), let (wrapKey, _, keySet) = keyring.wrappingKey(for: cls) else { return }
-        n.io.write { st in
+        guard let file = n.file, let cls = try? inheritedClass(p), let (wrapKey, _, keySet) = keyring.wrappingKey(for: cls)
+        else { return }
+        file.io.write { st in
             guard st.header == nil else { return }
             let fd = n.open(O_RDWR)
             guard fd >= 0 else { return }
@@ -303,7 +309,7 @@ extension Filesystem {
     /// from the notifier's queue, not this FUSE thread).
     func release(_ h: OpenFile) {
         HeapTrimmer.shared.note()
-        let (closed, header) = h.node.io.write { st in (st.release(keyring: keyring), st.header) }
+        let (closed, header) = h.file.io.write { st in (st.release(keyring: keyring), st.header) }
         let lastClose = closed.lastClose
         if closed.pagesMustGo {
             HardwareAES.forgetKeySchedules()
@@ -365,7 +371,7 @@ extension Filesystem {
     /// the daemon's own queue (not this FUSE thread: the kernel may wait there for an inode
     /// being evicted, whose write-back needs a FUSE thread).
     func refreshAttributesOfKnownFiles() {
-        let ids = table.regularFiles().map(\.id)
+        let ids = table.regularFiles().map(\.node.id)
         kernel.soon { [kernel] in kernel.refreshAttributes(ids) }
     }
 
@@ -408,8 +414,8 @@ extension Filesystem {
             }
             if mode & (punchHole | zeroRange) == 0 {
                 // Reserve backing space for the range (best effort where the backing fs cannot).
-                let b0 = layout.cipherOffset(ofBlock: offset / BlockLayout.plainBlockSize)
-                let b1 = layout.cipherOffset(ofBlock: (end - 1) / BlockLayout.plainBlockSize + 1)
+                let whole = layout.cipherRange(ofWhole: PlainRange(offset: offset, end: end).blocks)
+                let b0 = whole.lowerBound, b1 = whole.upperBound
                 let bsize = layout.backingSize(plainSize: max(size, mode & keepSize == 0 ? end : size))
                 let upTo = mode & keepSize == 0 ? min(b1, bsize) : b1
                 if upTo > b0 && kbfs_fallocate(h.fd, keepSize, Int64(b0), Int64(upTo - b0)) != 0 && errno == ENOSPC {

@@ -226,7 +226,7 @@ final class Filesystem: Sendable {
     /// opened before a lock keep working.
     func handlesRefused(_ n: Node) -> Bool {
         let access = keyring.access
-        guard Eviction.mayRefuseHandles(access), n.isRegular, let cls = n.io.read({ $0.protectionClass }) else {
+        guard Eviction.mayRefuseHandles(access), let file = n.file, let cls = file.io.read({ $0.protectionClass }) else {
             return false
         }
         return Eviction.refusesHandles(of: cls, access)
@@ -289,7 +289,8 @@ final class Filesystem: Sendable {
     /// class. A time before the rewrite is raised to it; a later one (or "now") ends the rule.
     func storedModificationTime(_ n: Node, requested: timespec?) -> timespec? {
         guard let t = requested, t.tv_nsec != kbfs_UTIME_OMIT else { return requested }
-        return n.headerRewritten.withLock { rewritten in
+        guard let file = n.file else { return t }
+        return file.headerRewritten.withLock { rewritten in
             guard let r = rewritten else { return t }
             if t.tv_nsec != kbfs_UTIME_NOW && (t.tv_sec, t.tv_nsec) < (r.tv_sec, r.tv_nsec) { return r }
             rewritten = nil
@@ -356,7 +357,7 @@ final class Filesystem: Sendable {
 
     /// Daemon exit: every file key zeroed.
     func wipeFileKeys() {
-        for n in table.regularFiles() { n.io.write { $0.wipe() } }
+        for f in table.regularFiles() { f.file.io.write { $0.wipe() } }
     }
 
     /// statfs of the store's filesystem, in plaintext: each 4096-byte block of content takes
@@ -378,7 +379,7 @@ final class Filesystem: Sendable {
 
 /// The lock's view of the filesystem: every regular file's key life, and the kernel's page cache.
 extension Filesystem: EvictionTarget {
-    func fileKeyLives() -> [(id: UInt64, life: RWLocked<FileKeyLife>)] { table.regularFiles().map { ($0.id, $0.io) } }
+    func fileKeyLives() -> [(id: UInt64, life: RWLocked<FileKeyLife>)] { table.regularFiles().map { ($0.node.id, $0.file.io) } }
 
     func dropPageCache(_ ids: [UInt64], pass: Eviction.Pass, of kind: Eviction.Kind) {
         kernel.dropPageCache(ids, pass: "\(kind.rawValue) (\(pass.rawValue))")

@@ -66,8 +66,8 @@ extension Filesystem {
         }
         // A new folder's metadata is the one just written, and it has no copies: its first
         // lookups need neither a read nor a listing to know.
-        made.0.dirMeta.withLock { if $0 == nil { $0 = meta } }
-        made.0.metadataCopies.withLock { if $0 == nil { $0 = [] } }
+        made.0.directory?.meta.withLock { if $0 == nil { $0 = meta } }
+        made.0.directory?.metadataCopies.withLock { if $0 == nil { $0 = [] } }
         return made
     }
 

@@ -2,11 +2,60 @@ import CSystem
 import Glibc
 import KeybagCore
 
+/// What a node is, with the state only that kind keeps.
+enum NodeKind: Sendable {
+    /// A regular file: its key life and open descriptors.
+    case file(FileState)
+    /// A directory: its metadata, once read.
+    case directory(DirectoryState)
+    /// A symlink, FIFO, socket or device (its `S_IFMT` bits).
+    case other(mode_t)
+
+    /// The kind of an object of file type `type` (`S_IFMT` bits), with fresh state.
+    init(type: mode_t) {
+        switch type {
+        case S_IFREG: self = .file(FileState())
+        case S_IFDIR: self = .directory(DirectoryState())
+        default: self = .other(type)
+        }
+    }
+}
+
+/// The state of a regular file's node.
+final class FileState: Sendable {
+    /// The file key's life: reads share the lock, writes, truncation, class changes and
+    /// eviction take it alone. Lock order: after `Controller.transitions`, before
+    /// `ClassKeyring`'s keys and `SecureKey`'s lock; one node's at a time.
+    let io = RWLocked(FileKeyLife())
+    /// When this file's header was last rewritten (a class change): its backing modification
+    /// time must not go back before it (see `Filesystem.storedModificationTime`).
+    let headerRewritten = Locked<timespec?>(nil)
+    /// The descriptors of the open handles. A handle leaves the list before its descriptor
+    /// is closed, under the lock `withOpenFD` holds while it uses one.
+    let openFDs = Locked<[Int32]>([])
+}
+
+/// The state of a directory's node, read from the store when first needed.
+final class DirectoryState: Sendable {
+    /// The parsed `.kbfs-dir` (name IV, default class), once read.
+    let meta = Locked<DirectoryMeta?>(nil)
+    /// The IVs of a sync engine's copies of `.kbfs-dir` (`DirectoryIVs`), once read.
+    let metadataCopies = Locked<[DirectoryIVs.Other]?>(nil)
+    /// The inherited default class and the class generation it was computed in.
+    let inherited = Locked<(generation: UInt64, cls: ProtectionClass)?>(nil)
+
+    /// Forgets the metadata and its copies read so far (changed underneath).
+    func forget() {
+        meta.withLock { $0 = nil }
+        metadataCopies.withLock { $0 = nil }
+    }
+}
+
 /// One inode known to the kernel and how to reach its backing object: directories keep
 /// an `O_PATH` descriptor (they are the `dirfd` of every name operation); everything else
 /// keeps a file handle (`name_to_handle_at`) and is opened on demand, so the daemon does
 /// not hold a descriptor per cached inode (a tree of 100,000 files would exhaust the
-/// descriptor limit). Regular files also carry the key state under the I/O lock.
+/// descriptor limit). Its `kind` holds what only files or only directories keep.
 final class Node: Sendable {
     /// FUSE node id.
     let id: UInt64
@@ -19,24 +68,8 @@ final class Node: Sendable {
     /// Backing device and inode numbers (the identity hard links share).
     let backingDev: UInt64
     let backingIno: UInt64
-    /// File type bits (`S_IFMT` part of st_mode).
-    let type: mode_t
-    /// The file key's life (regular files): reads share the lock, writes, truncation,
-    /// class changes and eviction take it alone. Lock order: after `Controller.transitions`,
-    /// before `ClassKeyring`'s keys and `SecureKey`'s lock; one node's at a time.
-    let io: RWLocked<FileKeyLife>
-    /// Directories: the parsed `.kbfs-dir` (name IV, default class), once read.
-    let dirMeta = Locked<DirectoryMeta?>(nil)
-    /// Directories: the IVs of a sync engine's copies of `.kbfs-dir` (`DirectoryIVs`), once read.
-    let metadataCopies = Locked<[DirectoryIVs.Other]?>(nil)
-    /// When this file's header was last rewritten (a class change): its backing modification
-    /// time must not go back before it (see `Filesystem.storedModificationTime`).
-    let headerRewritten = Locked<timespec?>(nil)
-    /// Directories: the inherited default class and the class generation it was computed in.
-    let inherited = Locked<(generation: UInt64, cls: ProtectionClass)?>(nil)
-    /// Regular files: the descriptors of the open handles. A handle leaves the list before
-    /// its descriptor is closed, under the lock `withOpenFD` holds while it uses one.
-    private let openFDs = Locked<[Int32]>([])
+    /// What the node is, and the state of that kind.
+    let kind: NodeKind
 
     init(id: UInt64, fd: Int32, handle: [UInt8]? = nil, mountFD: Int32 = -1, dev: UInt64, ino: UInt64, type: mode_t) {
         self.id = id
@@ -45,16 +78,23 @@ final class Node: Sendable {
         self.mountFD = mountFD
         self.backingDev = dev
         self.backingIno = ino
-        self.type = type
-        self.io = RWLocked(FileKeyLife())
+        self.kind = NodeKind(type: type)
     }
 
     deinit { if fd >= 0 { close(fd) } }
 
-    /// Directories: forgets the metadata and its copies read so far (changed underneath).
-    func forgetDirectoryMeta() {
-        dirMeta.withLock { $0 = nil }
-        metadataCopies.withLock { $0 = nil }
+    /// A regular file's state; nil for every other kind.
+    var file: FileState? { if case .file(let f) = kind { return f }; return nil }
+    /// A directory's state; nil for every other kind.
+    var directory: DirectoryState? { if case .directory(let d) = kind { return d }; return nil }
+
+    /// File type bits (`S_IFMT` part of st_mode).
+    var type: mode_t {
+        switch kind {
+        case .file: return S_IFREG
+        case .directory: return S_IFDIR
+        case .other(let t): return t
+        }
     }
 
     /// A new descriptor of the backing object opened with `flags` (`O_PATH` allowed,
@@ -84,24 +124,25 @@ final class Node: Sendable {
     /// not `O_PATH`: fchmod, fchown and futimens work on it), or returns nil when none is
     /// open. Saves opening the node by handle for the attribute changes that follow a create.
     func withOpenFD<R: Sendable>(_ body: (Int32) throws -> R) throws -> R? {
-        try openFDs.withLock { fds throws -> R? in
+        guard let file else { return nil }
+        return try file.openFDs.withLock { fds throws -> R? in
             guard let fd = fds.last else { return nil }
             return try body(fd)
         }
     }
 
     /// A handle of this node was opened on `fd`.
-    fileprivate func handleOpened(_ fd: Int32) { openFDs.withLock { $0.append(fd) } }
+    fileprivate func handleOpened(_ fd: Int32) { file?.openFDs.withLock { $0.append(fd) } }
 
     /// A handle of this node is about to close `fd`.
     fileprivate func handleClosing(_ fd: Int32) {
-        openFDs.withLock { fds in if let i = fds.lastIndex(of: fd) { fds.remove(at: i) } }
+        file?.openFDs.withLock { fds in if let i = fds.lastIndex(of: fd) { fds.remove(at: i) } }
     }
 
     /// True for regular files.
-    var isRegular: Bool { type == S_IFREG }
+    var isRegular: Bool { file != nil }
     /// True for directories.
-    var isDirectory: Bool { type == S_IFDIR }
+    var isDirectory: Bool { directory != nil }
     /// True for symbolic links.
     var isSymlink: Bool { type == S_IFLNK }
 
@@ -248,9 +289,9 @@ final class NodeTable: Sendable {
     /// A snapshot of every node the kernel knows (for a store watcher that lost events).
     func allNodes() -> [Node] { tables.withLock { t in t.byID.values.map(\.node) } }
 
-    /// A snapshot of all regular-file nodes (for eviction on lock).
-    func regularFiles() -> [Node] {
-        tables.withLock { t in t.byID.values.compactMap { $0.node.isRegular ? $0.node : nil } }
+    /// A snapshot of all regular-file nodes with their state (for eviction on lock).
+    func regularFiles() -> [(node: Node, file: FileState)] {
+        tables.withLock { t in t.byID.values.compactMap { e in e.node.file.map { (e.node, $0) } } }
     }
 }
 
@@ -258,6 +299,8 @@ final class NodeTable: Sendable {
 final class OpenFile: Sendable {
     /// The inode.
     let node: Node
+    /// The inode's file state (its key life).
+    let file: FileState
     /// Backing descriptor (O_RDWR when the open allowed writing, else O_RDONLY).
     let fd: Int32
     /// Whether the open allowed writing.
@@ -266,8 +309,9 @@ final class OpenFile: Sendable {
     /// write the daemon refuses must never sit in the cache where another reader finds it).
     let directIO: Bool
 
-    init(node: Node, fd: Int32, writable: Bool, directIO: Bool = false) {
+    init(node: Node, file: FileState, fd: Int32, writable: Bool, directIO: Bool = false) {
         self.node = node
+        self.file = file
         self.fd = fd
         self.writable = writable
         self.directIO = directIO

@@ -17,9 +17,9 @@ extension Filesystem {
             guard let c = try meta(of: n).defaultClass else { throw FSError(ENODATA) }
             return c
         }
-        guard n.isRegular else { throw FSError(ENODATA) }
-        if let c = n.io.read({ $0.protectionClass }) { return c }
-        return try n.io.write { st in try st.header { try readHeader(n) }.protectionClass }
+        guard let file = n.file else { throw FSError(ENODATA) }
+        if let c = file.io.read({ $0.protectionClass }) { return c }
+        return try file.io.write { st in try st.header { try readHeader(n) }.protectionClass }
     }
 
     /// Changes a file's class by rewrapping its key (the rules are `FileKeyLife`'s): the new
@@ -29,10 +29,10 @@ extension Filesystem {
     func setProtection(of id: UInt64, to cls: ProtectionClass) throws {
         let n = try node(id)
         if n.isDirectory { return try setDirectoryClass(n, cls) }
-        guard n.isRegular else { throw FSError(EPERM) }
+        guard let file = n.file else { throw FSError(EPERM) }
         let fd = try check(n.open(O_RDWR))
         defer { close(fd) }
-        try n.io.write { st in
+        try file.io.write { st in
             _ = try st.header { try readHeader(n) }
             try st.changeClass(to: cls, keyring: keyring, cipher: cipher) { next in
                 try EncryptedContent.writeHeaderSlot(fd: fd, next)
@@ -41,7 +41,7 @@ extension Filesystem {
             }
         }
         var after = stat()
-        if fstat(fd, &after) == 0 { n.headerRewritten.withLock { $0 = after.st_mtim } }
+        if fstat(fd, &after) == 0 { file.headerRewritten.withLock { $0 = after.st_mtim } }
     }
 
     /// Removes a directory's stored default (files always have a class: EPERM).

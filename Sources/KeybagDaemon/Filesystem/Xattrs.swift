@@ -17,8 +17,8 @@ extension Filesystem {
     /// The stable id under which a node's xattrs are stored.
     func xattrID(_ n: Node) throws -> String {
         if n.isDirectory { return Base64URL.encode(try meta(of: n).iv) }
-        guard n.isRegular else { throw FSError(EPERM) }
-        if let h = n.io.read({ $0.header }) { return Base64URL.encode(h.fileID) }
+        guard let file = n.file else { throw FSError(EPERM) }
+        if let h = file.io.read({ $0.header }) { return Base64URL.encode(h.fileID) }
         let fd = try check(n.open(O_RDONLY))
         defer { close(fd) }
         return Base64URL.encode(try EncryptedContent.readHeader(fd: fd).fileID)
@@ -73,8 +73,8 @@ extension Filesystem {
     /// keeps its set (its descriptors may still read it).
     func xattrIDOfLastLink(dirFD: Int32, name: String, st: stat) -> String? {
         guard (st.st_mode & S_IFMT) == S_IFREG, st.st_nlink == 1, hasStoredXattrs else { return nil }
-        if let n = table.node(dev: UInt64(st.st_dev), ino: UInt64(st.st_ino)) {
-            let (open, header) = n.io.read { ($0.openCount, $0.header) }
+        if let file = table.node(dev: UInt64(st.st_dev), ino: UInt64(st.st_ino))?.file {
+            let (open, header) = file.io.read { ($0.openCount, $0.header) }
             if open > 0 { return nil }
             if let header {
                 let id = Base64URL.encode(header.fileID)

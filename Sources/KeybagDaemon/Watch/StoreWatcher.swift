@@ -326,14 +326,14 @@ final class StoreWatcher: Sendable {
         // The kernel holds nothing below a directory it does not know.
         guard let dir, dir.isDirectory else { return nil }
         if r.everyEntry { return dir }   // its metadata is forgotten there, after the names it gave
-        if r.directoryMeta { dir.forgetDirectoryMeta() }
+        if r.directoryMeta { dir.directory?.forget() }
         if let entry = r.entry ?? r.rewritten { forgetEntry(entry, of: dir) }
         if let changed = r.rewritten ?? r.attributes, let n = node(of: changed, in: dir) {
-            if r.rewritten != nil && n.isRegular {
+            if r.rewritten != nil, let file = n.file {
                 // With the write-back cache the kernel keeps its own size of an inode it
                 // holds, whatever the daemon replies: the rewritten file gets a new node
                 // (new lookups see its new size), and handles of this one answer EIO.
-                n.io.write { $0.supersede() }
+                file.io.write { $0.supersede() }
                 fs.table.retire(n)
                 fs.kernel.dropPagesSoon(n.id, pass: "a file rewritten underneath")
             } else {
@@ -349,7 +349,7 @@ final class StoreWatcher: Sendable {
     /// far, the metadata is read again, and every name it shows now is forgotten too.
     private func forgetEveryName(of dir: Node) {
         var names = Set(((try? fs.listing(dir)) ?? []).map(\.name))
-        dir.forgetDirectoryMeta()
+        dir.directory?.forget()
         names.formUnion(((try? fs.listing(dir)) ?? []).map(\.name))
         for name in names where name != "." && name != ".." { fs.kernel.forgetEntrySoon(parent: dir.id, name: name) }
         fs.kernel.refreshAttributes([dir.id])
@@ -378,12 +378,12 @@ final class StoreWatcher: Sendable {
     /// a new version): its node's header and key are stale, so it is superseded and looked
     /// up again as a new node, as for a file rewritten underneath.
     private func supersedeIfHeaderChanged(_ n: Node) {
-        guard let cached = n.io.read({ $0.header }) else { return }
+        guard let file = n.file, let cached = file.io.read({ $0.header }) else { return }
         let fd = n.open(O_RDONLY)
         guard fd >= 0 else { return }
         defer { close(fd) }
         guard (try? EncryptedContent.readHeader(fd: fd)) != cached else { return }
-        n.io.write { $0.supersede() }
+        file.io.write { $0.supersede() }
         fs.table.retire(n)
         fs.kernel.dropPagesSoon(n.id, pass: "a file rewritten underneath while events were lost")
     }
@@ -402,7 +402,7 @@ final class StoreWatcher: Sendable {
         for n in fs.table.allNodes() {
             if n.isRegular { supersedeIfHeaderChanged(n) }
             if n.isDirectory {
-                n.forgetDirectoryMeta()
+                n.directory?.forget()
                 for e in (try? fs.listing(n)) ?? [] where e.name != "." && e.name != ".." {
                     fs.kernel.forgetEntrySoon(parent: n.id, name: e.name)
                 }
