@@ -2,9 +2,7 @@
 """Size limits of the source tree (issue "The house II"), checked by scripts/test.sh.
 
 - No Swift file under Sources over 450 lines.
-- No function, initializer or deinitializer over 60 lines. The ones that were longer when
-  the check came in are listed in KNOWN with their length then: they may shrink, never grow;
-  a new long one fails.
+- No function, initializer or deinitializer over 60 lines.
 
 A function's length runs from its declaration line to the closing brace at its own
 indentation (swift-format style: the brace closes on a line of its own).
@@ -17,18 +15,6 @@ import sys
 
 FILE_LIMIT = 450
 FUNCTION_LIMIT = 60
-# path:declaration-start -> lines when the check came in (may only shrink).
-KNOWN = {
-    "Sources/KeybagCore/Check/StoreCheck.swift:func checkDirectory(": 83,
-    "Sources/keybagfs-bench/Bench.swift:static func crypto(": 82,
-    "Sources/keybagfs/RecoveryCommands.swift:func run(": 79,
-    "Sources/keybagctl/Follow.swift:func run(": 76,
-    "Sources/KeybagCore/Keybag/RecoveryKey.swift:public mutating func recover(": 67,
-    "Sources/KeybagDaemon/Watch/StoreWatcher.swift:private func handle(": 65,
-    "Sources/KeybagCore/Devices/Devices.swift:public mutating func removeDevice(": 64,
-    "Sources/KeybagCore/Keybag/Keybag.swift:static func validate(": 61,
-    "Sources/KeybagCore/Check/StoreCheck+Files.swift:func checkFile(": 61,
-}
 DECL = re.compile(
     r"^(\s*)(?:@\w+(?:\([^)]*\))?\s+)*"
     r"(?:(?:public|private|fileprivate|internal|static|override|mutating|nonmutating|final|class|"
@@ -66,18 +52,12 @@ def main():
             if len(lines) - 1 > FILE_LIMIT:
                 problems.append(f"{path}: {len(lines) - 1} lines (limit {FILE_LIMIT})")
             for start, length, decl in functions(lines):
-                if length <= FUNCTION_LIMIT:
-                    continue
-                key = next((k for k in KNOWN if k.startswith(path + ":") and decl.startswith(k.split(":", 1)[1])), None)
-                if key is None:
+                if length > FUNCTION_LIMIT:
                     problems.append(f"{path}:{start}: {length} lines (limit {FUNCTION_LIMIT}): {decl[:80]}")
-                elif length > KNOWN[key]:
-                    problems.append(f"{path}:{start}: grew to {length} lines (was {KNOWN[key]}; limit {FUNCTION_LIMIT}): {decl[:80]}")
     for p in problems:
         print("FAIL: " + p, file=sys.stderr)
     if not problems:
-        print(f"# size check: no Sources file over {FILE_LIMIT} lines, no new function over {FUNCTION_LIMIT} "
-              f"({len(KNOWN)} older ones may only shrink)")
+        print(f"# size check: no Sources file over {FILE_LIMIT} lines, no function over {FUNCTION_LIMIT}")
     return 1 if problems else 0
 
 

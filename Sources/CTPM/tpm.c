@@ -409,6 +409,45 @@ void kbfs_tpm_close(kbfs_tpm *t) {
     free(t);
 }
 
+/* Gives the loaded `object` its `auth`, unseals it through `session` and copies the secret
+ * to `out` (for `who`'s messages). The auth copy and the TPM's response are zeroed and the
+ * object's auth is forgotten, whatever happens. A policy that does not match is said as such
+ * when `policy_hint` names the sealing function. */
+static int unseal_loaded(kbfs_tpm *t, ESYS_TR object, ESYS_TR session, const uint8_t *auth, size_t auth_len,
+                         const char *who, const char *policy_hint, uint8_t *out, size_t *out_len, char *err,
+                         size_t errlen) {
+    TPM2B_SENSITIVE_DATA *data = NULL;
+    TPM2B_AUTH object_auth;
+    memset(&object_auth, 0, sizeof object_auth);
+    object_auth.size = (UINT16)auth_len;
+    memcpy(object_auth.buffer, auth, auth_len);
+    TSS2_RC rc = Esys_TR_SetAuth(t->esys, object, &object_auth);
+    explicit_bzero(&object_auth, sizeof object_auth);
+    int code;
+    if (rc != TSS2_RC_SUCCESS) {
+        code = fail(t, err, errlen, "Esys_TR_SetAuth", rc);
+        goto out;
+    }
+    RETRYING(rc, Esys_Unseal(t->esys, object, session, ESYS_TR_NONE, ESYS_TR_NONE, &data));
+    if (rc != TSS2_RC_SUCCESS) {
+        data = NULL;
+        code = fail(t, err, errlen, "Unseal", rc);
+        if (policy_hint != NULL && from_tpm(rc) && tpm_base(rc) == TPM2_RC_POLICY_FAIL)
+            say(err, errlen, "Unseal: the policy does not match this object (not sealed by %s, or with another NV "
+                             "index or bound) (0x%X)", policy_hint, (unsigned)rc);
+        goto out;
+    }
+    scrub_response(t);
+    code = copy_secret(data, out, out_len, who, err, errlen);
+out:
+    if (data != NULL) {
+        explicit_bzero(data, sizeof *data);
+        Esys_Free(data);
+    }
+    forget_auth(t, object);
+    return code;
+}
+
 int kbfs_tpm_seal(kbfs_tpm *t, const uint8_t *secret, size_t secret_len, const uint8_t *auth, size_t auth_len,
                   uint8_t *pub, size_t *pub_len, uint8_t *priv, size_t *priv_len, char *err, size_t errlen) {
     if (t == NULL || secret == NULL || auth == NULL || pub == NULL || pub_len == NULL || priv == NULL ||
@@ -450,47 +489,20 @@ int kbfs_tpm_unseal(kbfs_tpm *t, const uint8_t *pub, size_t pub_len, const uint8
         say(err, errlen, "kbfs_tpm_unseal: auth must be 1..%d bytes", KBFS_TPM_AUTH_MAX);
         return KBFS_TPM_ERROR;
     }
-    int code = KBFS_TPM_OK;
-    TSS2_RC rc;
     ESYS_TR session = ESYS_TR_NONE, object = ESYS_TR_NONE;
-    TPM2B_SENSITIVE_DATA *data = NULL;
-    TPM2B_AUTH object_auth;
-    memset(&object_auth, 0, sizeof object_auth);
-
     TPM2B_PUBLIC in_public;
     TPM2B_PRIVATE in_private;
-    code = parse_blobs(pub, pub_len, priv, priv_len, &in_public, &in_private, "kbfs_tpm_unseal", err, errlen);
+    int code = parse_blobs(pub, pub_len, priv, priv_len, &in_public, &in_private, "kbfs_tpm_unseal", err, errlen);
     if (code != KBFS_TPM_OK) return code;
     code = load_blobs(t, &in_public, &in_private, &object, err, errlen);
     if (code != KBFS_TPM_OK) goto out;
-    object_auth.size = (UINT16)auth_len;
-    memcpy(object_auth.buffer, auth, auth_len);
-    rc = Esys_TR_SetAuth(t->esys, object, &object_auth);
-    explicit_bzero(&object_auth, sizeof object_auth);
-    if (rc != TSS2_RC_SUCCESS) {
-        code = fail(t, err, errlen, "Esys_TR_SetAuth", rc);
-        goto out;
-    }
-    rc = start_session(t, TPMA_SESSION_ENCRYPT, &session);
+    TSS2_RC rc = start_session(t, TPMA_SESSION_ENCRYPT, &session);
     if (rc != TSS2_RC_SUCCESS) {
         code = fail_plain(t, err, errlen, "StartAuthSession (salted)", rc);
         goto out;
     }
-    RETRYING(rc, Esys_Unseal(t->esys, object, session, ESYS_TR_NONE, ESYS_TR_NONE, &data));
-    if (rc != TSS2_RC_SUCCESS) {
-        data = NULL;
-        code = fail(t, err, errlen, "Unseal", rc);
-        goto out;
-    }
-    scrub_response(t);
-    code = copy_secret(data, out, out_len, "kbfs_tpm_unseal", err, errlen);
-
+    code = unseal_loaded(t, object, session, auth, auth_len, "kbfs_tpm_unseal", NULL, out, out_len, err, errlen);
 out:
-    if (data != NULL) {
-        explicit_bzero(data, sizeof *data);
-        Esys_Free(data);
-    }
-    forget_auth(t, object);
     flush(t, &object);
     flush(t, &session);
     scrub_stack();
@@ -941,9 +953,6 @@ int kbfs_tpm_unseal_epoch(kbfs_tpm *t, const uint8_t *pub, size_t pub_len, const
     }
     TSS2_RC rc;
     ESYS_TR object = ESYS_TR_NONE, nv = ESYS_TR_NONE, policy = ESYS_TR_NONE, nv_session = ESYS_TR_NONE;
-    TPM2B_SENSITIVE_DATA *data = NULL;
-    TPM2B_AUTH object_auth;
-    memset(&object_auth, 0, sizeof object_auth);
     const char *step = "";
 
     TPM2B_PUBLIC in_public;
@@ -970,32 +979,9 @@ int kbfs_tpm_unseal_epoch(kbfs_tpm *t, const uint8_t *pub, size_t pub_len, const
         goto out;
     }
     flush(t, &nv_session);
-    object_auth.size = (UINT16)auth_len;
-    memcpy(object_auth.buffer, auth, auth_len);
-    rc = Esys_TR_SetAuth(t->esys, object, &object_auth);
-    explicit_bzero(&object_auth, sizeof object_auth);
-    if (rc != TSS2_RC_SUCCESS) {
-        code = fail(t, err, errlen, "Esys_TR_SetAuth", rc);
-        goto out;
-    }
-    RETRYING(rc, Esys_Unseal(t->esys, object, policy, ESYS_TR_NONE, ESYS_TR_NONE, &data));
-    if (rc != TSS2_RC_SUCCESS) {
-        data = NULL;
-        code = fail(t, err, errlen, "Unseal", rc);
-        if (from_tpm(rc) && tpm_base(rc) == TPM2_RC_POLICY_FAIL)
-            say(err, errlen, "Unseal: the policy does not match this object (not sealed by kbfs_tpm_seal_epoch, or "
-                             "with another NV index or bound) (0x%X)", (unsigned)rc);
-        goto out;
-    }
-    scrub_response(t);
-    code = copy_secret(data, out, out_len, "kbfs_tpm_unseal_epoch", err, errlen);
-
+    code = unseal_loaded(t, object, policy, auth, auth_len, "kbfs_tpm_unseal_epoch", "kbfs_tpm_seal_epoch", out,
+                         out_len, err, errlen);
 out:
-    if (data != NULL) {
-        explicit_bzero(data, sizeof *data);
-        Esys_Free(data);
-    }
-    forget_auth(t, object);
     flush(t, &object);
     nv_close(t, &nv);
     flush(t, &nv_session);

@@ -94,38 +94,45 @@ struct Follow: ParsableCommand {
             switch ev.kind {
             case KBFS_LOGIND_PREPARE_FOR_SLEEP where ev.flag != 0:
                 guard !noSleep else { continue }
-                let t0 = Date()
-                let state = lock(grace: 0)
-                let ms = Date().timeIntervalSince(t0) * 1000
-                if inhibitor >= 0 { close(inhibitor); inhibitor = -1 }
-                if state == "locked" {
-                    say(String(format: "PrepareForSleep: %@ in %.1f ms; sleep may proceed", state, ms))
-                } else {  // priority err in the journal: this sleep keeps class keys in RAM
-                    say(
-                        String(
-                            format: "<3>PrepareForSleep: %@ after %.1f ms; sleep proceeds with the mount unlocked",
-                            state, ms))
-                }
+                let outcome = lockBeforeSleep()
+                if inhibitor >= 0 { close(inhibitor); inhibitor = -1 }   // sleep may go on now
+                say(outcome)
             case KBFS_LOGIND_PREPARE_FOR_SLEEP:
                 inhibit()
                 say("resumed: inhibitor taken again")
             case KBFS_LOGIND_SESSION_LOCK, KBFS_LOGIND_LOCKED_HINT:
                 if ev.kind == KBFS_LOGIND_LOCKED_HINT && ev.flag == 0 { continue }
-                var uid: uid_t = 0, hint: Int32 = 0
-                let known = kbfs_logind_session(bus, session, &uid, &hint) == 0
-                guard sessions == .all || owner == 0 || (known && uid == owner) else { continue }
-                let what = ev.kind == KBFS_LOGIND_SESSION_LOCK ? "Lock" : "LockedHint"
-                let t0 = Date()
-                let state = lock(grace: grace)
-                say(
-                    String(format: "%@ of %@: %@ in %.1f ms", what, session, state, Date().timeIntervalSince(t0) * 1000)
-                )
+                sessionLocked(session, bus: bus, owner: owner, hint: ev.kind == KBFS_LOGIND_LOCKED_HINT)
             case KBFS_LOGIND_SESSION_UNLOCK:
                 say("Unlock of \(session): unlock with keybagctl unlock or at login (PAM)")
             default:
                 continue
             }
         }
+    }
+
+    /// PrepareForSleep: locks with no grace; the line that says whether sleep proceeds locked.
+    func lockBeforeSleep() -> String {
+        let t0 = Date()
+        let state = lock(grace: 0)
+        let ms = Date().timeIntervalSince(t0) * 1000
+        if state == "locked" { return String(format: "PrepareForSleep: %@ in %.1f ms; sleep may proceed", state, ms) }
+        // Priority err in the journal: this sleep keeps class keys in RAM.
+        return String(format: "<3>PrepareForSleep: %@ after %.1f ms; sleep proceeds with the mount unlocked", state, ms)
+    }
+
+    /// A session's Lock signal or LockedHint: locks with the grace period when the session
+    /// is one this follower watches.
+    func sessionLocked(_ session: String, bus: OpaquePointer, owner: uid_t, hint: Bool) {
+        var uid: uid_t = 0, lockedHint: Int32 = 0
+        let known = kbfs_logind_session(bus, session, &uid, &lockedHint) == 0
+        guard sessions == .all || owner == 0 || (known && uid == owner) else { return }
+        let t0 = Date()
+        let state = lock(grace: grace)
+        say(
+            String(
+                format: "%@ of %@: %@ in %.1f ms", hint ? "LockedHint" : "Lock", session, state,
+                Date().timeIntervalSince(t0) * 1000))
     }
 
     /// Asks the daemon to lock (grace nil: the mount's) and returns the state it answers,

@@ -63,12 +63,22 @@ enum Bench {
         return b
     }
 
-    /// Seal/open throughput of 4 KiB blocks for both ciphers, and header creation cost.
+    /// Seal/open throughput of 4 KiB blocks for both ciphers, header creation, the unlock
+    /// KDF and name encryption.
     static func crypto() {
         Sodium.ensureInitialized()
         HardwareAES.start()
         let mib = 256
         let plain = [UInt8](repeating: 0x61, count: 4096)
+        contentCiphers(mib: mib, plain: plain)
+        sodiumAESGCM(mib: mib, plain: plain)
+        headers(n: 20_000)
+        unlockKDF()
+        names(n: 20_000)
+    }
+
+    /// Seal and open throughput of each content cipher, 4 KiB blocks.
+    static func contentCiphers(mib: Int, plain: [UInt8]) {
         for cipher in ContentCipher.allCases where cipher.isAvailable {
             let key = try! FileContentKey(
                 key: SecureKey(random: 32), cipher: cipher, fileID: Sodium.randomArray(16), sealsEnd: true)
@@ -95,11 +105,13 @@ enum Bench {
             print(String(format: "%-18@ seal %7.0f MB/s   open %7.0f MB/s   (4 KiB blocks, %d MiB, best of 3)",
                          cipher.name as NSString, Double(mib) * 1.048576 / tSeal, Double(mib) * 1.048576 / tOpen, mib))
         }
-        sodiumAESGCM(mib: mib, plain: plain)
+    }
+
+    /// File header creation (class C and class B) and unwrapping, `n` each.
+    static func headers(n: Int) {
         let classKey = SecureKey(random: 32)
         let bs = SecureKey(random: 32)
         let bp = try! ClassBAgreement.publicKey(of: bs)
-        let n = 20_000
         let tC = best(3) {
             for _ in 0..<n {
                 _ = try! FileHeader.create(
@@ -123,8 +135,10 @@ enum Bench {
             String(
                 format: "header create class C %.1f µs, class B (X25519) %.1f µs; unwrap + cipher key setup %.1f µs",
                 tC / Double(n) * 1e6, tB / Double(n / 10) * 1e6, tU / Double(n) * 1e6))
+    }
 
-        // The unlock KDF alone (Argon2id, `--kdf interactive`), to split unlock latency.
+    /// The unlock KDF alone (Argon2id, `--kdf interactive`), to split unlock latency.
+    static func unlockKDF() {
         let salt = Sodium.randomArray(Int(crypto_pwhash_SALTBYTES))
         var stretched = [UInt8](repeating: 0, count: 32)
         let tK = best(3) {
@@ -133,8 +147,10 @@ enum Bench {
                 KDFStrength.interactive.opsLimit, Int(KDFStrength.interactive.memLimit), crypto_pwhash_ALG_ARGON2ID13)
         }
         print(String(format: "Argon2id interactive (unlock KDF) %.1f ms", tK * 1e3))
+    }
 
-        // Names: a typical 20-byte source file name and a 200-byte one (hashed long-name path).
+    /// Names: a typical 20-byte source file name and a 200-byte one (hashed long-name path).
+    static func names(n: Int) {
         let names = try! NameCipher(volumeKey: SecureKey(random: 32))
         let iv = Sodium.randomArray(16)
         for length in [20, 200] {

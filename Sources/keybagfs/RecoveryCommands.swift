@@ -59,7 +59,7 @@ struct Recover: ParsableCommand {
     func run() throws {
         let lock = try lockUnmountedStore(target.store)
         defer { close(lock) }
-        var kb = try Keybag.load(storePath: target.store)
+        let kb = try Keybag.load(storePath: target.store)
         let dkPath = target.deviceKeyPath(kb)
         let wait = kb.recoveryRetryAfter(now: Date().timeIntervalSince1970)
         guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
@@ -69,71 +69,81 @@ struct Recover: ParsableCommand {
             fromStdin: stdin, prompt: "New passcode: ", mismatch: "the passcodes differ; nothing was changed")
         defer { passcode.wipe() }
         if newDeviceKey {
-            var lst = stat()
-            if lstat(dkPath, &lst) == 0 && lst.st_mode & S_IFMT == S_IFLNK {
-                throw KeybagError.invalid("\(dkPath) is a symlink; give the path it points to with --device-key")
-            }
-            // The new key is written (and its folder synced) under a staged name, the keybag is
-            // saved, then the key is renamed into place and the folder synced again. A crash
-            // after the keybag save leaves the store needing `<key>.new`: rename it, or run
-            // `recover` again (the recovery key stays valid).
-            guard FileManager.default.fileExists(atPath: target.store + "/" + Keybag.fileName) else {
-                throw KeybagError.invalid(
-                    "the device that made this store was removed; add this device again with `keybagfs device add` " +
-                        "and a new device key")
-            }
-            let others = StoreDevices.list(storePath: target.store).contains { $0.keybag != Keybag.fileName }
-            guard firstDevice || !others else {
-                throw KeybagError.invalid(
-                    "this store has several devices and a new device key takes over the keybag of the device that " +
-                        "made it: add --first-device if this is that device; any other device is added again with " +
-                        "`keybagfs device add` and a new device key, and its old id removed")
-            }
-            kb = try Keybag.load(storePath: target.store, relativePath: Keybag.fileName)
-            let staged = dkPath + ".new"
-            unlink(staged)
-            let dk = try DeviceKeyFile.create(at: staged)
-            defer { dk.wipe() }
-            do {
-                kb.sealer = try sealer(deviceKey: dk, storeID: kb.file.storeID)
-                try kb.recover(
-                    with: recovery, newPasscode: passcode, deviceKey: dk,
-                    escrowFrom: Self.escrowSource(target.store, recovery))
-            } catch {
-                unlink(staged)
-                throw error
-            }
-            guard rename(staged, dkPath) == 0 else {
-                throw KeybagError.system(
-                    "the store now needs the device key \(staged); moving it to \(dkPath) failed", errno)
-            }
-            DeviceKeyFile.syncFolder(of: dkPath)
-            print(
-                "recovered \(target.store): new passcode set; new device key \(dkPath) (the old one no longer opens " +
-                    "the store)"
-            )
+            try recoverWithNewDeviceKey(dkPath, recovery: recovery, passcode: passcode)
         } else {
-            let dk: SecureKey
-            do { dk = try DeviceKeyFile.load(from: dkPath) } catch {
-                throw KeybagError.invalid("\(error); if the device key is lost, run again with --new-device-key")
-            }
-            defer { dk.wipe() }
-            do {
-                kb = try Keybag.load(storePath: target.store, deviceKey: dk)
-                try kb.unwrapDeviceKeySlot("D", deviceKey: dk).wipe()
-            } catch KeybagError.badDeviceKey {
-                throw KeybagError.invalid(
-                    "the device key \(dkPath) does not open this store; if the right one is lost, run again with " +
-                        "--new-device-key"
-                )
-            }
-            _ = try? kb.authenticate(deviceKey: dk)
+            try recoverWithDeviceKey(dkPath, recovery: recovery, passcode: passcode)
+        }
+    }
+
+    /// Recovery that makes a new device key: the new key is written (and its folder synced)
+    /// under a staged name, the keybag is saved, then the key is renamed into place and the
+    /// folder synced again. A crash after the keybag save leaves the store needing
+    /// `<key>.new`: rename it, or run `recover` again (the recovery key stays valid).
+    private func recoverWithNewDeviceKey(_ dkPath: String, recovery: RecoveryKey, passcode: SecureKey) throws {
+        var lst = stat()
+        if lstat(dkPath, &lst) == 0 && lst.st_mode & S_IFMT == S_IFLNK {
+            throw KeybagError.invalid("\(dkPath) is a symlink; give the path it points to with --device-key")
+        }
+        guard FileManager.default.fileExists(atPath: target.store + "/" + Keybag.fileName) else {
+            throw KeybagError.invalid(
+                "the device that made this store was removed; add this device again with `keybagfs device add` " +
+                    "and a new device key")
+        }
+        let others = StoreDevices.list(storePath: target.store).contains { $0.keybag != Keybag.fileName }
+        guard firstDevice || !others else {
+            throw KeybagError.invalid(
+                "this store has several devices and a new device key takes over the keybag of the device that " +
+                    "made it: add --first-device if this is that device; any other device is added again with " +
+                    "`keybagfs device add` and a new device key, and its old id removed")
+        }
+        var kb = try Keybag.load(storePath: target.store, relativePath: Keybag.fileName)
+        let staged = dkPath + ".new"
+        unlink(staged)
+        let dk = try DeviceKeyFile.create(at: staged)
+        defer { dk.wipe() }
+        do {
             kb.sealer = try sealer(deviceKey: dk, storeID: kb.file.storeID)
             try kb.recover(
                 with: recovery, newPasscode: passcode, deviceKey: dk,
                 escrowFrom: Self.escrowSource(target.store, recovery))
-            print("recovered \(target.store): new passcode set")
+        } catch {
+            unlink(staged)
+            throw error
         }
+        guard rename(staged, dkPath) == 0 else {
+            throw KeybagError.system(
+                "the store now needs the device key \(staged); moving it to \(dkPath) failed", errno)
+        }
+        DeviceKeyFile.syncFolder(of: dkPath)
+        print(
+            "recovered \(target.store): new passcode set; new device key \(dkPath) (the old one no longer opens " +
+                "the store)"
+        )
+    }
+
+    /// Recovery with this device's key: a new passcode, the same device key.
+    private func recoverWithDeviceKey(_ dkPath: String, recovery: RecoveryKey, passcode: SecureKey) throws {
+        let dk: SecureKey
+        do { dk = try DeviceKeyFile.load(from: dkPath) } catch {
+            throw KeybagError.invalid("\(error); if the device key is lost, run again with --new-device-key")
+        }
+        defer { dk.wipe() }
+        var kb: Keybag
+        do {
+            kb = try Keybag.load(storePath: target.store, deviceKey: dk)
+            try kb.unwrapDeviceKeySlot("D", deviceKey: dk).wipe()
+        } catch KeybagError.badDeviceKey {
+            throw KeybagError.invalid(
+                "the device key \(dkPath) does not open this store; if the right one is lost, run again with " +
+                    "--new-device-key"
+            )
+        }
+        _ = try? kb.authenticate(deviceKey: dk)
+        kb.sealer = try sealer(deviceKey: dk, storeID: kb.file.storeID)
+        try kb.recover(
+            with: recovery, newPasscode: passcode, deviceKey: dk,
+            escrowFrom: Self.escrowSource(target.store, recovery))
+        print("recovered \(target.store): new passcode set")
     }
 }
 

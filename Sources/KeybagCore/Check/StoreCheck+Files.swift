@@ -26,6 +26,26 @@ extension StoreCheck {
         guard fsync(fd) == 0 else { throw KeybagError.system("fsync", errno) }
     }
 
+    /// The file's header (a superseded slot erased, when repairing), or nil with the problem noted.
+    private func readHeader(fd: Int32, path: String, name: String?) -> FileHeader? {
+        do {
+            let (header, superseded) = try EncryptedContent.readHeaderSlots(fd: fd)
+            if let superseded {
+                fix(
+                    "header-superseded-slot", path, name,
+                    "a class change was cut off: slot \(superseded) still holds the older class's wrap"
+                ) {
+                    try EncryptedContent.eraseHeaderSlot(fd: fd, index: superseded)
+                }
+            }
+            return header
+        } catch {
+            unreadableHeaders += 1
+            note("header-damaged", path, name, "\(error): the file key is lost", "not-repairable")
+            return nil
+        }
+    }
+
     /// Checks one regular file: header slots, layout, and with its class key every block.
     func checkFile(dirFD: Int32, backing: String, path: String, name: String?, dirClass: ProtectionClass) {
         let fd = openat(dirFD, backing, (options.repair ? O_RDWR : O_RDONLY) | O_NOFOLLOW | O_CLOEXEC)
@@ -47,22 +67,7 @@ extension StoreCheck {
                 try writeFreshHeader(fd, dirClass)
             }
         }
-        let header: FileHeader
-        do {
-            let (h, superseded) = try EncryptedContent.readHeaderSlots(fd: fd)
-            header = h
-            if let superseded {
-                fix(
-                    "header-superseded-slot", path, name,
-                    "a class change was cut off: slot \(superseded) still holds the older class's wrap"
-                ) {
-                    try EncryptedContent.eraseHeaderSlot(fd: fd, index: superseded)
-                }
-            }
-        } catch {
-            unreadableHeaders += 1
-            return note("header-damaged", path, name, "\(error): the file key is lost", "not-repairable")
-        }
+        guard let header = readHeader(fd: fd, path: path, name: name) else { return }
         xattrIDs.insert(Base64URL.encode(header.fileID))
         guard header.cipher.sharesLayout(with: keybag.cipher) else {
             return note(

@@ -145,25 +145,66 @@ public final class StoreCheck {
         return out
     }
 
-    /// Checks one directory of the tree and everything below it.
-    func checkDirectory(fd: Int32, rel: String, plain: String, inherited: ProtectionClass?) {
-        directories += 1
-        var meta: DirectoryMeta?
+    /// The directory's metadata, or nil with the problem noted.
+    private func directoryMeta(fd: Int32, rel: String, plain: String) -> DirectoryMeta? {
         let mfd = StoreFileOpen.regular(fd, DirectoryMeta.fileName)
-        if mfd < 0 {
+        guard mfd >= 0 else {
             note(
                 "dir-meta-missing", rel, plain,
                 "no \(DirectoryMeta.fileName): the names in this directory cannot be decrypted", "not-repairable")
-        } else {
-            var buf = [UInt8](repeating: 0, count: 512)
-            let n = read(mfd, &buf, buf.count)
-            close(mfd)
-            do { meta = try DirectoryMeta.decode(Array(buf[0..<max(n, 0)]), names) } catch {
-                note(
-                    "dir-meta-damaged", rel + "/" + DirectoryMeta.fileName, plain,
-                    "directory metadata does not authenticate: \(error)", "not-repairable")
-            }
+            return nil
         }
+        var buf = [UInt8](repeating: 0, count: 512)
+        let n = read(mfd, &buf, buf.count)
+        close(mfd)
+        do { return try DirectoryMeta.decode(Array(buf[0..<max(n, 0)]), names) } catch {
+            note(
+                "dir-meta-damaged", rel + "/" + DirectoryMeta.fileName, plain,
+                "directory metadata does not authenticate: \(error)", "not-repairable")
+            return nil
+        }
+    }
+
+    /// Checks (and repairs) backing entry `e` when it is not an entry of the tree: a sync
+    /// engine's file, a temporary, a long name's side file or a bare whiteout. True when it
+    /// was one of those.
+    private func checkedAsNoEntry(_ e: String, dirFD fd: Int32, path: String, all: [String], present: Set<String>)
+        -> Bool
+    {
+        if let s = SyncEngineFile(backing: e) {
+            note("sync-engine-file", path, nil, s.description, Self.leftAlone)
+            return true
+        }
+        if e.hasPrefix(NameCipher.reservedPrefix) {
+            fix("temporary", path, nil, "a temporary left by an interrupted write") { try unlinkOrThrow(fd, e) }
+            return true
+        }
+        if NameCipher.isSideFile(e) {
+            let entry = String(e.dropLast(NameCipher.longSuffix.count))
+            if !present.contains(entry) && !all.contains(where: { ConflictCopy(backing: $0)?.original == entry }) {
+                fix("side-file-orphan", path, nil, "a long name's side file whose entry is gone") {
+                    try unlinkOrThrow(fd, e)
+                }
+            }
+            return true
+        }
+        if NameCipher.isLongName(e) && !present.contains(e + NameCipher.longSuffix) && Self.isWhiteout(dirFD: fd, e) {
+            fix(
+                "whiteout-without-name", path, nil,
+                "a whiteout (left by a rename of keybagfs before 2026-11) without its side file: it has no name " +
+                    "and hides nothing"
+            ) {
+                try unlinkOrThrow(fd, e)
+            }
+            return true
+        }
+        return false
+    }
+
+    /// Checks one directory of the tree and everything below it.
+    func checkDirectory(fd: Int32, rel: String, plain: String, inherited: ProtectionClass?) {
+        directories += 1
+        let meta = directoryMeta(fd: fd, rel: rel, plain: plain)
         if let meta { xattrIDs.insert(Base64URL.encode(meta.iv)) }
         let cls = meta?.defaultClass ?? inherited
         let all = entries(fd)
@@ -176,34 +217,7 @@ public final class StoreCheck {
         for other in ivs?.others ?? [] { xattrIDs.insert(Base64URL.encode(other.iv)) }
         for e in all.sorted() where e != DirectoryMeta.fileName {
             let path = rel + "/" + e
-            if let s = SyncEngineFile(backing: e) {
-                note("sync-engine-file", path, nil, s.description, Self.leftAlone)
-                continue
-            }
-            if e.hasPrefix(NameCipher.reservedPrefix) {
-                fix("temporary", path, nil, "a temporary left by an interrupted write") { try unlinkOrThrow(fd, e) }
-                continue
-            }
-            if NameCipher.isSideFile(e) {
-                let entry = String(e.dropLast(NameCipher.longSuffix.count))
-                if !present.contains(entry) && !all.contains(where: { ConflictCopy(backing: $0)?.original == entry }) {
-                    fix("side-file-orphan", path, nil, "a long name's side file whose entry is gone") {
-                        try unlinkOrThrow(fd, e)
-                    }
-                }
-                continue
-            }
-            if NameCipher.isLongName(e) && !present.contains(e + NameCipher.longSuffix) && Self.isWhiteout(dirFD: fd, e)
-            {
-                fix(
-                    "whiteout-without-name", path, nil,
-                    "a whiteout (left by a rename of keybagfs before 2026-11) without its side file: it has no name " +
-                        "and hides nothing"
-                ) {
-                    try unlinkOrThrow(fd, e)
-                }
-                continue
-            }
+            if checkedAsNoEntry(e, dirFD: fd, path: path, all: all, present: present) { continue }
             let name = plaintextName(dirFD: fd, backing: e, ivs: ivs, path: path).map { plain + "/" + $0 }
             var st = stat()
             guard fstatat(fd, e, &st, AT_SYMLINK_NOFOLLOW) == 0 else { continue }

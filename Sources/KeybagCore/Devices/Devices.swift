@@ -241,6 +241,45 @@ extension Keybag {
         return kb
     }
 
+    /// The store path of the keybag of device `id` ("first": the device that made the
+    /// store), refusing this device itself (`own`) and ids the store does not hold.
+    private func keybagOfDevice(_ id: String, own: String) throws -> String {
+        if id == "first" {
+            guard relativePath != Keybag.fileName else {
+                throw KeybagError.invalid("a device cannot remove itself; remove it from another one")
+            }
+            return Keybag.fileName
+        }
+        guard DeviceIdentity.isWellFormed(id) else {
+            throw KeybagError.invalid("not a device id: \(id.prefix(40))")
+        }
+        guard id != own else {
+            throw KeybagError.invalid("a device cannot remove itself; remove it from another one")
+        }
+        if FileManager.default.fileExists(atPath: storePath + "/" + StoreDevices.keybagPath(id)) {
+            return StoreDevices.keybagPath(id)
+        }
+        if (try? Keybag.load(storePath: storePath, relativePath: Keybag.fileName))?.file.deviceID == id {
+            return Keybag.fileName
+        }
+        throw KeybagError.invalid("no device \(id) in this store (`keybagfs device list` shows them)")
+    }
+
+    /// The newest key set any device made. With the recovery key only keybags whose escrow
+    /// opens count (a forged claim of a newer set cannot block a removal); without one every
+    /// keybag and record counts.
+    private func newestKeySet(recovery: RecoveryKey?) throws -> Int {
+        if let recovery {
+            let (source, keys) = try Keybag.escrowSource(storePath: storePath, recovery: recovery)
+            keys.wipe()
+            return source.currentKeySet
+        }
+        let keybagSets = StoreDevices.list(storePath: storePath).compactMap { d in
+            d.keybag.flatMap { try? Keybag.load(storePath: storePath, relativePath: $0) }?.currentKeySet
+        }
+        return max(StoreDevices.newestKeySet(storePath: storePath), keybagSets.max() ?? 0)
+    }
+
     /// Removes device `id` (a lost laptop; `first` names the store's first device): starts a
     /// new key set, so that nothing written from now on opens with the keys that device holds,
     /// records the removal and deletes its keybag from the store. Files written before stay
@@ -252,27 +291,7 @@ extension Keybag {
         now: Double = Date().timeIntervalSince1970
     ) throws -> Int {
         let own = try DeviceIdentity.id(deviceKey: deviceKey, storeID: file.storeID)
-        let keybag: String
-        if id == "first" {
-            guard relativePath != Keybag.fileName else {
-                throw KeybagError.invalid("a device cannot remove itself; remove it from another one")
-            }
-            keybag = Keybag.fileName
-        } else {
-            guard DeviceIdentity.isWellFormed(id) else {
-                throw KeybagError.invalid("not a device id: \(id.prefix(40))")
-            }
-            guard id != own else {
-                throw KeybagError.invalid("a device cannot remove itself; remove it from another one")
-            }
-            if FileManager.default.fileExists(atPath: storePath + "/" + StoreDevices.keybagPath(id)) {
-                keybag = StoreDevices.keybagPath(id)
-            } else if (try? Keybag.load(storePath: storePath, relativePath: Keybag.fileName))?.file.deviceID == id {
-                keybag = Keybag.fileName
-            } else {
-                throw KeybagError.invalid("no device \(id) in this store (`keybagfs device list` shows them)")
-            }
-        }
+        let keybag = try keybagOfDevice(id, own: own)
         let target = try Keybag.load(storePath: storePath, relativePath: keybag)
         // The record's name comes from the argument, never from the (store-written) keybag.
         let removedID = id == "first" ? (target.file.deviceID ?? "first") : id
@@ -283,19 +302,7 @@ extension Keybag {
         guard StoreDevices.removal(storePath: storePath, id: removedID) == nil else {
             throw KeybagError.invalid("device \(removedID) was already removed")
         }
-        // With the recovery key only keybags whose escrow opens count (a forged claim of a
-        // newer set cannot block a removal); without one every keybag and record counts.
-        let newest: Int
-        if let recovery {
-            let (source, keys) = try Keybag.escrowSource(storePath: storePath, recovery: recovery)
-            keys.wipe()
-            newest = source.currentKeySet
-        } else {
-            let keybagSets = StoreDevices.list(storePath: storePath).compactMap { d in
-                d.keybag.flatMap { try? Keybag.load(storePath: storePath, relativePath: $0) }?.currentKeySet
-            }
-            newest = max(StoreDevices.newestKeySet(storePath: storePath), keybagSets.max() ?? 0)
-        }
+        let newest = try newestKeySet(recovery: recovery)
         guard newest <= currentKeySet else {
             throw KeybagError.invalid(
                 "another device made key set \(newest) and this device holds \(currentKeySet): take it up with " +

@@ -46,6 +46,29 @@ public struct TPMHelperProcess: Sendable {
     /// A request part: plain bytes, or bytes in guarded memory.
     private enum Part { case plain([UInt8]), secret(SecureKey) }
 
+    /// Writes one request to the helper: op, TCTI, pin, the two parts, the authorizations,
+    /// the epoch and its bound.
+    private static func writeRequest(_ fd: Int32, op: UInt8, _ target: Target, a: Part, b: Part, auth: SecureKey)
+        throws
+    {
+        var head: [UInt8] = [op]
+        appendBlob(&head, Array(target.tcti.utf8))
+        appendBlob(&head, target.pin)
+        try writeAll(fd, head)
+        for part in [a, b] {
+            switch part {
+            case .plain(let bytes): try writeAll(fd, length(bytes.count) + bytes)
+            case .secret(let key): try writeSecret(fd, key)
+            }
+        }
+        try writeSecret(fd, auth)
+        try writeSecret(fd, target.nvAuth)
+        var tail: [UInt8] = []
+        withUnsafeBytes(of: target.epoch.littleEndian) { tail += $0 }
+        withUnsafeBytes(of: target.bound.littleEndian) { tail += $0 }
+        try writeAll(fd, tail)
+    }
+
     /// Starts the helper, writes the request, reads the reply with `payload` after the
     /// code and message, and reaps the child.
     private func exchange<R>(
@@ -80,22 +103,7 @@ public struct TPMHelperProcess: Sendable {
         let sent: Bool
         do {
             defer { close(toChild[1]) }
-            var head: [UInt8] = [op]
-            Self.appendBlob(&head, Array(target.tcti.utf8))
-            Self.appendBlob(&head, target.pin)
-            try Self.writeAll(toChild[1], head)
-            for part in [a, b] {
-                switch part {
-                case .plain(let bytes): try Self.writeAll(toChild[1], Self.length(bytes.count) + bytes)
-                case .secret(let key): try Self.writeSecret(toChild[1], key)
-                }
-            }
-            try Self.writeSecret(toChild[1], auth)
-            try Self.writeSecret(toChild[1], target.nvAuth)
-            var tail: [UInt8] = []
-            withUnsafeBytes(of: target.epoch.littleEndian) { tail += $0 }
-            withUnsafeBytes(of: target.bound.littleEndian) { tail += $0 }
-            try Self.writeAll(toChild[1], tail)
+            try Self.writeRequest(toChild[1], op: op, target, a: a, b: b, auth: auth)
             sent = true
         } catch { sent = false }
         let fd = fromChild[0]

@@ -130,6 +130,13 @@ public struct Keybag: Sendable {
             throw bad("classBPublic", "not a public key")
         }
         try validateKeySets(f)
+        try validateCountersAndMACs(f)
+        try validateEscrow(f)
+    }
+
+    /// The failure counters, lockout times and MACs of a keybag file.
+    private static func validateCountersAndMACs(_ f: KeybagFile) throws {
+        func bad(_ field: String, _ why: String) -> KeybagError { .corrupt("keybag field \(field): \(why)") }
         guard f.failedAttempts >= 0, f.failedAttempts <= maxFailedAttempts else {
             throw bad("failedAttempts", "out of range")
         }
@@ -145,6 +152,11 @@ public struct Keybag: Sendable {
                 throw bad("settingsMAC", "missing or not a MAC (format \(f.format) keybags carry one)")
             }
         }
+    }
+
+    /// The recovery key's escrow slots and its failure counter.
+    private static func validateEscrow(_ f: KeybagFile) throws {
+        func bad(_ field: String, _ why: String) -> KeybagError { .corrupt("keybag field \(field): \(why)") }
         let escrow = escrowedSlots.filter { f.wrapped["r" + $0] != nil }
         guard escrow.isEmpty || escrow.count == escrowedSlots.count else {
             throw bad("wrapped.r*", "some recovery slots are missing")

@@ -197,6 +197,47 @@ extension Keybag {
         max(0, min((file.recoveryLockoutUntil ?? 0) - now, UnlockThrottle.delay(afterFailures: Int.max)))
     }
 
+    /// The store keys escrowed under `recovery`, from this keybag or from `escrowFrom` when
+    /// that one holds a newer key set; a wrong recovery key is counted (and saved) here.
+    private mutating func escrowedKeysForRecovery(_ recovery: RecoveryKey, escrowFrom: Keybag?, now: Double) throws
+        -> StoreKeys
+    {
+        let source = escrowFrom.flatMap { $0.currentKeySet > currentKeySet ? $0 : nil } ?? self
+        // The sets both hold must be the same sets (a removal raced by another, or a rolled-back
+        // keybag, can make two different set N): taking the source's would lose this device's.
+        for n in 1...max(1, currentKeySet) where n <= min(currentKeySet, source.currentKeySet) {
+            guard file.classBPublics?[String(n)] == source.file.classBPublics?[String(n)] else {
+                throw KeybagError.corrupt(
+                    "key set \(n) of this device differs from the one in \(source.relativePath): two devices made " +
+                        "different sets of one number; nothing was changed")
+            }
+        }
+        do { return try source.escrowedKeys(recovery: recovery) } catch KeybagError.badRecoveryKey {
+            var failed = file
+            failed.recoveryFailedAttempts = (failed.recoveryFailedAttempts ?? 0) + 1
+            let d = UnlockThrottle.delay(afterFailures: failed.recoveryFailedAttempts!)
+            failed.recoveryLockoutUntil = d > 0 ? now + d : 0
+            file = failed
+            if counterKey != nil { try save() } else { try saveWithoutCounter() }
+            throw KeybagError.badRecoveryKey
+        }
+    }
+
+    /// With the current device key the escrowed D and volume keys must be the ones it opens.
+    private func checkEscrowMatchesDeviceSlots(_ keys: StoreKeys, deviceKey: SecureKey) throws {
+        for (slot, escrowed) in [("D", keys.classD[0]), ("volume", keys.volume)] {
+            guard let current = try? unwrapDeviceKeySlot(slot, deviceKey: deviceKey) else { continue }
+            defer { current.wipe() }
+            let same = try current.withBytes { a in
+                try escrowed.withBytes { b in sodium_memcmp(a.baseAddress!, b.baseAddress!, 32) == 0 }
+            }
+            guard same else {
+                throw KeybagError.corrupt(
+                    "the recovery slots do not match this keybag (damaged or replaced); nothing was changed")
+            }
+        }
+    }
+
     /// Sets a new passcode and binds the store to `deviceKey` (the old one, or a new one
     /// when it was lost), from the recovery key. The class keys stay, so no file changes.
     /// A wrong key is counted and throttled like a passcode. The escrow slots are read from
@@ -210,38 +251,9 @@ extension Keybag {
         }
         let wait = recoveryRetryAfter(now: now)
         guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
-        let keys: StoreKeys
-        let source = escrowFrom.flatMap { $0.currentKeySet > currentKeySet ? $0 : nil } ?? self
-        // The sets both hold must be the same sets (a removal raced by another, or a rolled-back
-        // keybag, can make two different set N): taking the source's would lose this device's.
-        for n in 1...max(1, currentKeySet) where n <= min(currentKeySet, source.currentKeySet) {
-            guard file.classBPublics?[String(n)] == source.file.classBPublics?[String(n)] else {
-                throw KeybagError.corrupt(
-                    "key set \(n) of this device differs from the one in \(source.relativePath): two devices made " +
-                        "different sets of one number; nothing was changed")
-            }
-        }
-        do { keys = try source.escrowedKeys(recovery: recovery) } catch KeybagError.badRecoveryKey {
-            var failed = file
-            failed.recoveryFailedAttempts = (failed.recoveryFailedAttempts ?? 0) + 1
-            let d = UnlockThrottle.delay(afterFailures: failed.recoveryFailedAttempts!)
-            failed.recoveryLockoutUntil = d > 0 ? now + d : 0
-            file = failed
-            if counterKey != nil { try save() } else { try saveWithoutCounter() }
-            throw KeybagError.badRecoveryKey
-        }
+        let keys = try escrowedKeysForRecovery(recovery, escrowFrom: escrowFrom, now: now)
         defer { keys.wipe() }
-        // With the current device key the escrowed D and volume keys must be the ones it opens.
-        let mismatch = KeybagError.corrupt(
-            "the recovery slots do not match this keybag (damaged or replaced); nothing was changed")
-        for (slot, escrowed) in [("D", keys.classD[0]), ("volume", keys.volume)] {
-            guard let current = try? unwrapDeviceKeySlot(slot, deviceKey: deviceKey) else { continue }
-            defer { current.wipe() }
-            let same = try current.withBytes { a in
-                try escrowed.withBytes { b in sodium_memcmp(a.baseAddress!, b.baseAddress!, 32) == 0 }
-            }
-            guard same else { throw mismatch }
-        }
+        try checkEscrowMatchesDeviceSlots(keys, deviceKey: deviceKey)
         var next = file
         let id = try DeviceIdentity.id(deviceKey: deviceKey, storeID: file.storeID)
         guard relativePath == Keybag.fileName || id == file.deviceID else {

@@ -62,7 +62,7 @@ final class Controller: Sendable {
         }
         var r = StatusReply(
             state: st, mountpoint: mountpoint, pid: Int(getpid()), owner: Int(owner), grace: defaultGrace,
-            defaultClass: fs.defaultClass.name)
+            defaultClass: fs.classes.mountDefault.name)
         r.openFiles = fs.openFiles.load(ordering: .relaxed)
         r.failedAttempts = failures
         r.retryAfter = Self.seconds(retry)
@@ -134,7 +134,7 @@ final class Controller: Sendable {
 
     /// The `policy` reply: the mount's directory rules in order (the last match wins).
     func policy() -> PolicyReply {
-        PolicyReply(rules: fs.policy.rules.map { .init(pattern: $0.pattern, protectionClass: $0.protectionClass.name) })
+        PolicyReply(rules: fs.classes.policy.rules.map { .init(pattern: $0.pattern, protectionClass: $0.protectionClass.name) })
     }
 
     /// Outcome of a passcode check.

@@ -18,35 +18,6 @@ extension Filesystem {
         return try DirectoryMeta.decode(Array(buf[0..<n]), names)
     }
 
-    /// Writes `bytes` to a fresh temporary file in `dirFD` and returns its name; `durable`
-    /// syncs it before it is linked or renamed into place.
-    private func writeTemporary(dirFD: Int32, _ bytes: [UInt8], durable: Bool = true) throws -> String {
-        let tmp = Self.reservedPrefix + "tmp-" + Base64URL.encode(Sodium.randomArray(9))
-        let fd = try check(openat(dirFD, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0o644))
-        let ok = Glibc.write(fd, bytes, bytes.count) == bytes.count && (!durable || fdatasync(fd) == 0)
-        let e = errno
-        close(fd)
-        guard ok else { unlinkat(dirFD, tmp, 0); throw FSError(e == 0 ? EIO : e) }
-        return tmp
-    }
-
-    /// Creates `name` in `dirFD` with `bytes` unless it exists (atomic: temp file + link).
-    /// Returns whether this call created it.
-    @discardableResult
-    func createFileIfAbsent(dirFD: Int32, _ name: String, _ bytes: [UInt8]) throws -> Bool {
-        let tmp = try writeTemporary(dirFD: dirFD, bytes)
-        defer { unlinkat(dirFD, tmp, 0) }
-        if linkat(dirFD, tmp, dirFD, name, 0) == 0 { return true }
-        if errno == EEXIST { return false }
-        throw FSError(errno)
-    }
-
-    /// Replaces `name` in `dirFD` with `bytes` atomically (temp file + rename).
-    func replaceFile(dirFD: Int32, _ name: String, _ bytes: [UInt8], durable: Bool = true) throws {
-        let tmp = try writeTemporary(dirFD: dirFD, bytes, durable: durable)
-        guard renameat(dirFD, tmp, dirFD, name) == 0 else { let e = errno; unlinkat(dirFD, tmp, 0); throw FSError(e) }
-    }
-
     /// Gives the root of a new store its metadata and returns what is there now. Its IV is
     /// derived from the volume key (`NameCipher.rootIV`): two devices that mount a store
     /// before the first one's root metadata reached the other write the same bytes, so a sync
@@ -54,7 +25,7 @@ extension Filesystem {
     func ensureMeta(dirFD: Int32) throws -> DirectoryMeta {
         if let m = try readMeta(dirFD: dirFD) { return m }
         let root = DirectoryMeta(iv: try names.rootIV(), defaultClass: nil)
-        try createFileIfAbsent(dirFD: dirFD, DirectoryMeta.fileName, try root.encode(names))
+        try AtomicStoreFile.createIfAbsent(dirFD: dirFD, DirectoryMeta.fileName, try root.encode(names))
         guard let m = try readMeta(dirFD: dirFD) else { throw FSError(EIO) }
         return m
     }
@@ -112,18 +83,18 @@ extension Filesystem {
     func setDirectoryClass(_ dir: Node, _ cls: ProtectionClass?) throws {
         var m = try meta(of: dir)
         m.defaultClass = cls
-        try replaceFile(dirFD: dir.fd, DirectoryMeta.fileName, try m.encode(names))
+        try AtomicStoreFile.replace(dirFD: dir.fd, DirectoryMeta.fileName, try m.encode(names))
         dir.directory?.meta.withLock { $0 = m }
-        classGeneration.add(1, ordering: .relaxed)
+        classes.changed()
     }
 
     /// The default class for new children of `dir`: its own setting, else the nearest
     /// ancestor's, else the mount's default. Cached per directory until the next class
     /// change or rename anywhere.
     func inheritedClass(_ dir: Node) throws -> ProtectionClass {
-        let gen = classGeneration.load(ordering: .relaxed)
+        let gen = classes.current
         if let c = dir.directory?.inherited.withLock({ $0 }), c.generation == gen { return c.cls }
-        var result = defaultClass
+        var result = classes.mountDefault
         if let own = try meta(of: dir).defaultClass {
             result = own
         } else if dir.id != 1 {

@@ -46,38 +46,17 @@ final class Filesystem: Sendable {
     let names: NameCipher
     /// The store's folder of long symlink targets.
     let targetsFD: Int32
-    /// The store's folder of sealed user xattrs.
-    let xattrsFD: Int32
-    /// Serialises read-modify-write of stored xattr sets.
-    let xattrUpdates = Locked(())
-    /// How many xattr sets are stored (while none are, removals skip looking for one).
-    let storedXattrSets: Atomic<Int>
+    /// The store's user xattr sets.
+    let xattrs: XattrStorage
     /// Whether the kernel enforces POSIX ACLs on this mount (set at INIT; see PosixACLs.swift).
     let posixACLs = Atomic<Bool>(false)
-    /// Bumped whenever a directory's class or the tree's shape changes; cached
-    /// inherited classes of an older generation are recomputed.
-    let classGeneration = Atomic<UInt64>(1)
-    /// Bumped by the store watcher before it tells the kernel to forget entries, for changes
-    /// another writer made: a lookup that found no name replies a cacheable "absent" only
-    /// when no such change came while it ran (`fuseLookup`).
-    let namesChangedUnderneath = Atomic<UInt64>(0)
-    /// Whether another writer is expected in the store (it is watched in full): the kernel
-    /// then keeps a name's absence for one second only (`negativeEntrySeconds`).
-    let anotherWriterExpected = Atomic<Bool>(false)
-
-    /// How long the kernel may remember that a name is absent: the entry time where the
-    /// daemon is the only writer, at most one second where another writer is expected (the
-    /// watcher may not see every directory: a daemon that is not root cannot mark the
-    /// directories made after it started, and a name brought into one would stay hidden).
-    func negativeEntrySeconds(normal: Double) -> Double {
-        anotherWriterExpected.load(ordering: .relaxed) ? min(normal, 1) : normal
-    }
+    /// The mount's default class, its directory policy, and their generation.
+    let classes: ClassDefaults
+    /// What the store watcher reports of another writer (for lookups' "absent" replies).
+    let underneath = ChangesUnderneath()
     let keyring: ClassKeyring
     let content: EncryptedContent
     let cipher: ContentCipher
-    let defaultClass: ProtectionClass
-    /// Default classes given to directories created at matching paths.
-    let policy: ClassPolicy
     /// Open file handles (for `status`).
     let openFiles = Atomic<Int>(0)
     /// Page drops, attribute refreshes and off-thread work (see `KernelNotifier`).
@@ -97,26 +76,12 @@ final class Filesystem: Sendable {
         space = StoreSpace(storeFD: dataFD, threads: threads) { [keyring] in keyring.access.canOpen(.complete) }
         self.names = names
         self.targetsFD = targetsFD
-        self.xattrsFD = xattrsFD
+        self.xattrs = XattrStorage(dirFD: xattrsFD, names: names)
         self.keyring = keyring
         self.cipher = cipher
         self.content = EncryptedContent(layout: BlockLayout(cipher: cipher))
-        self.defaultClass = defaultClass
-        self.policy = policy
+        self.classes = ClassDefaults(mountDefault: defaultClass, policy: policy)
         self.chownToCaller = geteuid() == 0
-        storedXattrSets = Atomic(Self.countStoredSets(xattrsFD))
-    }
-
-    /// Stored xattr sets in the store's folder (temporary files not counted).
-    static func countStoredSets(_ dirFD: Int32) -> Int {
-        let fd = openat(dirFD, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC)
-        guard fd >= 0, let dir = fdopendir(fd) else { if fd >= 0 { close(fd) }; return 0 }
-        defer { closedir(dir) }
-        var count = 0
-        while let ent = readdir(dir) {
-            if Self.entryName(ent).pointee != CChar(UInt8(ascii: ".")) { count += 1 }
-        }
-        return count
     }
 
     // MARK: nodes and attributes

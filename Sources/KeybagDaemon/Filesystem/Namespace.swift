@@ -98,7 +98,7 @@ extension Filesystem {
     /// created now (so a failed operation can remove it again).
     func ensureSideFile(_ dir: Node, _ e: BackingEntry) throws -> Bool {
         guard let side = e.sideFile else { return false }
-        return try createFileIfAbsent(dirFD: dir.fd, side, Array(e.encrypted.utf8))
+        return try AtomicStoreFile.createIfAbsent(dirFD: dir.fd, side, Array(e.encrypted.utf8))
     }
 
     /// Removes a long name's side file after its entry is gone, unless a sync engine's

@@ -46,6 +46,7 @@ extension Filesystem {
     /// a directory's IV names.)
     func mkdir(parent: UInt64, name: String, mode: mode_t, caller: Caller) throws -> (Node, stat) {
         var meta = DirectoryMeta.fresh()
+        let policy = classes.policy
         if policy.mayMatch(name: name) {
             let p = try node(parent)
             // A rename of an ancestor during the walk can hide a name: one more try.
@@ -58,7 +59,7 @@ extension Filesystem {
             do {
                 let d = try check(openat(dirFD, backing, kbfs_O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC))
                 defer { close(d) }
-                try createFileIfAbsent(dirFD: d, DirectoryMeta.fileName, try meta.encode(names))
+                try AtomicStoreFile.createIfAbsent(dirFD: d, DirectoryMeta.fileName, try meta.encode(names))
             } catch {
                 unlinkat(dirFD, backing, AT_REMOVEDIR)
                 throw error
@@ -98,7 +99,7 @@ extension Filesystem {
             let b = Array(stored.utf8)
             crypto_generichash(&h, 32, b, UInt64(b.count), nil, 0)
             let id = Base64URL.encode(h)
-            try createFileIfAbsent(dirFD: targetsFD, id, b)
+            try AtomicStoreFile.createIfAbsent(dirFD: targetsFD, id, b)
             stored = NameCipher.longTargetPrefix + id
         }
         return try makeEntry(parent: parent, name: name, caller: caller) { dirFD, backing in
@@ -192,7 +193,7 @@ extension Filesystem {
             throw FSError(e)
         }
         if let replacedXattrs { dropXattrs(replacedXattrs) }
-        classGeneration.add(1, ordering: .relaxed)   // a moved directory may inherit differently
+        classes.changed()   // a moved directory may inherit differently
         let same = p.id == np.id && src.name == dst.name
         if !exchange && flags & kbfs_RENAME_WHITEOUT == 0 && !same { removeSideFile(p, src) }
     }
@@ -238,7 +239,7 @@ extension Filesystem {
         for r in entries { unlinkat(dfd, r.name, 0) }
         guard replace() == 0 else {
             let e = errno
-            if let saved { _ = try? createFileIfAbsent(dirFD: dfd, DirectoryMeta.fileName, try saved.encode(names)) }
+            if let saved { _ = try? AtomicStoreFile.createIfAbsent(dirFD: dfd, DirectoryMeta.fileName, try saved.encode(names)) }
             return e
         }
         dropXattrs(ofDirectory: saved)

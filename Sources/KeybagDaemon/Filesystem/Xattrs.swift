@@ -8,9 +8,6 @@ import KeybagCore
 /// IV, so renames, hard links and `cp -a` keep them. Linux allows `user.*` only on regular
 /// files and directories; elsewhere they answer EPERM as on ext4.
 extension Filesystem {
-    /// Most bytes of user xattrs one object may hold (names and values); ENOSPC beyond.
-    static let maxXattrBytes = 256 * 1024
-
     /// The virtual xattr of the protection class.
     static let protectionXattr = "user.protection"
 
@@ -24,44 +21,11 @@ extension Filesystem {
         return Base64URL.encode(try EncryptedContent.readHeader(fd: fd).fileID)
     }
 
-    /// The stored set of a node (empty when none).
-    func loadXattrs(_ id: String) throws -> XattrSet {
-        let fd = StoreFileOpen.regular(xattrsFD, id)
-        if fd < 0 { if errno == ENOENT { return XattrSet() }; throw FSError(errno) }
-        defer { close(fd) }
-        var st = stat()
-        try check(fstat(fd, &st))
-        guard st.st_size <= 16 << 20 else { throw FSError(EIO) }
-        var buf = [UInt8](repeating: 0, count: Int(st.st_size))
-        let n = try buf.withUnsafeMutableBytes { try EncryptedContent.preadFull(fd, $0, offset: 0) }
-        return try XattrSet.decode(try names.open(Array(buf[0..<n]), purpose: "keybagfs-xattr-v1|" + id))
-    }
-
     /// Whether any xattr set is stored (removals look for one only then).
-    var hasStoredXattrs: Bool { storedXattrSets.load(ordering: .relaxed) > 0 }
-
-    /// Replaces the stored set atomically (removes it when empty); `existed`: whether this
-    /// one was stored before. Called under `xattrUpdates`.
-    func saveXattrs(_ id: String, _ set: XattrSet, existed: Bool) throws {
-        if set.values.isEmpty {
-            if unlinkat(xattrsFD, id, 0) == 0 { storedXattrSets.subtract(1, ordering: .relaxed) }
-            else if errno != ENOENT { throw FSError(errno) }
-            return
-        }
-        let encoded = set.encode()
-        guard encoded.count <= Self.maxXattrBytes else { throw FSError(ENOSPC) }
-        // Atomic by rename; not synced (like xattrs on ext4, durable at the next sync).
-        try replaceFile(
-            dirFD: xattrsFD, id, try names.seal(encoded, purpose: "keybagfs-xattr-v1|" + id), durable: false)
-        if !existed { storedXattrSets.add(1, ordering: .relaxed) }
-    }
+    var hasStoredXattrs: Bool { xattrs.holdsAny }
 
     /// Deletes the xattr set stored under `id`, if any (its object is gone).
-    func dropXattrs(_ id: String) {
-        xattrUpdates.withLock { _ in
-            if unlinkat(xattrsFD, id, 0) == 0 { storedXattrSets.subtract(1, ordering: .relaxed) }
-        }
-    }
+    func dropXattrs(_ id: String) { xattrs.drop(id) }
 
     /// Deletes the xattr set of a removed directory (known by its metadata), if any.
     func dropXattrs(ofDirectory meta: DirectoryMeta?) {
@@ -93,7 +57,7 @@ extension Filesystem {
     /// Whether the stored set `id` of entry `name` must stay because a conflict copy may
     /// share it (looked for only when the set exists: a directory scan).
     private func keptForConflictCopies(_ id: String, dirFD: Int32, name: String) -> Bool {
-        faccessat(xattrsFD, id, F_OK, 0) == 0 && mayShareXattrSet(dirFD: dirFD, name: name)
+        xattrs.exists(id) && mayShareXattrSet(dirFD: dirFD, name: name)
     }
 
     /// getxattr: an ACL where the kernel enforces them, the virtual `user.protection`, or a
@@ -132,7 +96,7 @@ extension Filesystem {
         guard name.hasPrefix("user.") else { throw FSError(EOPNOTSUPP) }
         let n = try node(id)
         guard n.isRegular || n.isDirectory else { throw FSError(ENODATA) }
-        guard let v = try loadXattrs(try xattrID(n)).values[name] else { throw FSError(ENODATA) }
+        guard let v = try xattrs.load(try xattrID(n)).values[name] else { throw FSError(ENODATA) }
         return v
     }
 
@@ -143,14 +107,14 @@ extension Filesystem {
         }
         let n = try node(id)
         let key = try xattrID(n)
-        try xattrUpdates.withLock { _ in
-            var set = try loadXattrs(key)
+        try xattrs.update {
+            var set = try xattrs.load(key)
             let existed = !set.values.isEmpty
             let exists = set.values[name] != nil
             if flags & kbfs_XATTR_CREATE != 0 && exists { throw FSError(EEXIST) }
             if flags & kbfs_XATTR_REPLACE != 0 && !exists { throw FSError(ENODATA) }
             set.values[name] = value
-            try saveXattrs(key, set, existed: existed)
+            try xattrs.save(key, set, existed: existed)
         }
     }
 
@@ -160,10 +124,10 @@ extension Filesystem {
         let n = try node(id)
         guard n.isRegular || n.isDirectory else { throw FSError(ENODATA) }
         let key = try xattrID(n)
-        try xattrUpdates.withLock { _ in
-            var set = try loadXattrs(key)
+        try xattrs.update {
+            var set = try xattrs.load(key)
             guard set.values.removeValue(forKey: name) != nil else { throw FSError(ENODATA) }
-            try saveXattrs(key, set, existed: true)
+            try xattrs.save(key, set, existed: true)
         }
     }
 
@@ -172,7 +136,7 @@ extension Filesystem {
         let n = try node(id)
         var out: [String] = []
         if (try? protection(of: id)) != nil { out.append(Self.protectionXattr) }
-        if n.isRegular || n.isDirectory { out += try loadXattrs(try xattrID(n)).values.keys.sorted() }
+        if n.isRegular || n.isDirectory { out += try xattrs.load(try xattrID(n)).values.keys.sorted() }
         return out + aclNames(n)
     }
 }

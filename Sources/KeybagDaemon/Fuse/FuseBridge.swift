@@ -190,7 +190,7 @@ enum FuseBridge {
         var e = fuse_entry_param()
         e.ino = 0
         let ctx = context(req)
-        e.entry_timeout = ctx.fs.negativeEntrySeconds(normal: ctx.cacheTimeout)
+        e.entry_timeout = ctx.fs.underneath.negativeEntrySeconds(normal: ctx.cacheTimeout)
         fuse_reply_entry(req, &e)
     }
 

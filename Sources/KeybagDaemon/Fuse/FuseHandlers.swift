@@ -48,12 +48,12 @@ func fuseInit(_ userdata: UnsafeMutableRawPointer?, _ conn: UnsafeMutablePointer
 
 func fuseLookup(_ req: fuse_req_t?, _ parent: fuse_ino_t, _ name: CName?) {
     let fs = FuseBridge.fs(req)
-    let changes = fs.namesChangedUnderneath.load(ordering: .sequentiallyConsistent)
+    let changes = fs.underneath.namesSeen
     do {
         let (n, st) = try fs.lookup(parent: parent, name: FuseBridge.name(name))
         FuseBridge.replyEntry(req, n, st)
     } catch where FSError(error).errno == ENOENT
-        && fs.namesChangedUnderneath.load(ordering: .sequentiallyConsistent) == changes {
+        && fs.underneath.namesSeen == changes {
         FuseBridge.replyAbsent(req)
     } catch {
         FuseBridge.fail(req, error)

@@ -31,7 +31,7 @@ final class StoreWatcher: Sendable {
     /// A real (not `O_PATH`) descriptor of `STORE/data`, to open directories by handle.
     private let dataFD: Int32
     /// The file handle of `STORE/xattrs` (empty when it is not watched): a set another writer
-    /// adds or removes there changes the count `Filesystem.storedXattrSets` keeps.
+    /// adds or removes there changes the count `XattrStorage` keeps.
     private let xattrsHandle: [UInt8]
     /// Written once by `stop` to end the reading thread.
     private let stopPipe: (read: Int32, write: Int32)
@@ -88,7 +88,7 @@ final class StoreWatcher: Sendable {
             rootHandle: rootLen > 0 ? Array(rootHandle[0..<Int(rootLen)]) : [])
         w.watchDevicesFolder()
         if full { w.watchTree(dup(data)) } else { _ = w.watch(data) }   // else the data root only
-        fs.anotherWriterExpected.store(full, ordering: .relaxed)
+        if full { fs.underneath.expectAnotherWriter() }
         let t = Thread { [w] in w.run() }
         t.name = "keybagfs-store-watcher"
         t.start()
@@ -184,7 +184,7 @@ final class StoreWatcher: Sendable {
     /// From now on every directory is watched and another writer is expected.
     private func watchInFull() {
         full.withLock { $0 = true }
-        fs.anotherWriterExpected.store(true, ordering: .relaxed)
+        fs.underneath.expectAnotherWriter()
     }
 
     /// Watches the new directory `name` of the directory `handle` (the node `parent`, when the
@@ -237,19 +237,53 @@ final class StoreWatcher: Sendable {
 
     /// Parses one read's events and applies those another process caused.
     private func handle(events buf: [UInt8], count: Int) {
-        var offset = 0
-        var overflow = false
+        let devices = devicesHandle.withLock { $0 }
+        var batch = sort(events: buf, count: count, devices: devices)
+        if batch.devicesChanged {
+            if devices.isEmpty { watchDevicesFolder() }
+            checkRemovals()
+        }
+        if batch.foreign {
+            watchInFull()
+            forgetEverything(because: "another process changed the store: watching all of it from now on")
+            return
+        }
+        for d in batch.ownDirectories { watchNew(d.name, in: d.handle, parent: nil) }
+        if !batch.changes.isEmpty && Failpoint.watcherLosesEvents.isOn { batch.changes = []; batch.overflow = true }
+        if !batch.changes.isEmpty { fs.underneath.namesChanged() }
+        var relist: [UInt64: Node] = [:]
+        for c in batch.changes {
+            if let dir = apply(c.change, in: c.handle) { relist[dir.id] = dir }
+        }
+        for dir in relist.values { forgetEveryName(of: dir) }
+        if batch.xattrSetsChanged {
+            fs.xattrs.recount()
+        }
+        if batch.overflow { forgetEverything(because: "the store watcher lost events (queue overflow)") }
+    }
+
+    /// What one read of fanotify events asks for, sorted by kind.
+    private struct EventBatch {
+        /// Other writers' changes of entries, by the handle of their directory.
         var changes: [(handle: [UInt8], change: StoreChange)] = []
+        /// Directories the daemon itself made (to be watched).
         var ownDirectories: [(handle: [UInt8], name: String)] = []
+        var overflow = false
         var xattrSetsChanged = false
+        /// Another process changed the store while only the root was watched.
         var foreign = false
         var devicesChanged = false
+    }
+
+    /// Sorts the events in `buf` (`devices`: the handle of devices/, if watched).
+    private func sort(events buf: [UInt8], count: Int, devices: [UInt8]) -> EventBatch {
+        var batch = EventBatch()
+        var offset = 0
         let watchingAll = full.withLock { $0 }
-        let devices = devicesHandle.withLock { $0 }
         buf.withUnsafeBufferPointer { b in
             var ev = kbfs_fan_event()
             while kbfs_fanotify_next(b.baseAddress, count, &offset, &ev) == 1 {
-                if ev.mask & kbfs_FAN_Q_OVERFLOW != 0 { overflow = true; continue }
+                if ev.mask & kbfs_FAN_Q_OVERFLOW != 0 { batch.overflow = true; continue }
                 guard let h = ev.handle, let name = ev.name else { continue }
                 let isDir = ev.mask & kbfs_FAN_ONDIR != 0
                 // The daemon's own changes need nothing, but the directories it makes are watched.
@@ -258,48 +292,30 @@ final class StoreWatcher: Sendable {
                 let handle = Array(UnsafeBufferPointer(start: h, count: Int(ev.handle_len)))
                 // The store root and devices/: removal records (and a devices folder made).
                 if handle == rootHandle || handle == devices {
-                    devicesChanged =
-                        devicesChanged || handle == devices || String(cString: name) == StoreDevices.dirName
-                    if !watchingAll { foreign = true }
+                    batch.devicesChanged =
+                        batch.devicesChanged || handle == devices || String(cString: name) == StoreDevices.dirName
+                    if !watchingAll { batch.foreign = true }
                     continue
                 }
                 if !watchingAll {
-                    foreign = true
+                    batch.foreign = true
                     continue
                 }
                 if !xattrsHandle.isEmpty && handle == xattrsHandle {
-                    xattrSetsChanged = true
+                    batch.xattrSetsChanged = true
                     continue
                 }
                 let entry = String(cString: name)
                 if own {
-                    ownDirectories.append((handle, entry))
+                    batch.ownDirectories.append((handle, entry))
                     continue
                 }
                 for e in Self.events(ev.mask) {
-                    changes.append((handle, StoreChange(name: entry, event: e, isDirectory: isDir)))
+                    batch.changes.append((handle, StoreChange(name: entry, event: e, isDirectory: isDir)))
                 }
             }
         }
-        if devicesChanged {
-            if devices.isEmpty { watchDevicesFolder() }
-            checkRemovals()
-        }
-        if foreign {
-            watchInFull()
-            forgetEverything(because: "another process changed the store: watching all of it from now on")
-            return
-        }
-        for d in ownDirectories { watchNew(d.name, in: d.handle, parent: nil) }
-        if !changes.isEmpty && Failpoint.watcherLosesEvents.isOn { changes = []; overflow = true }
-        if !changes.isEmpty { fs.namesChangedUnderneath.add(1, ordering: .sequentiallyConsistent) }
-        var relist: [UInt64: Node] = [:]
-        for c in changes {
-            if let dir = apply(c.change, in: c.handle) { relist[dir.id] = dir }
-        }
-        for dir in relist.values { forgetEveryName(of: dir) }
-        if xattrSetsChanged { fs.storedXattrSets.store(Filesystem.countStoredSets(fs.xattrsFD), ordering: .relaxed) }
-        if overflow { forgetEverything(because: "the store watcher lost events (queue overflow)") }
+        return batch
     }
 
     /// The changes one event's mask reports (merged events report several).
@@ -320,7 +336,7 @@ final class StoreWatcher: Sendable {
     private func apply(_ change: StoreChange, in handle: [UInt8]) -> Node? {
         let r = change.response
         guard !r.isNothing, let d = directory(handle) else { return nil }
-        if r.classesMayChange { fs.classGeneration.add(1, ordering: .relaxed) }
+        if r.classesMayChange { fs.classes.changed() }
         let dir = fs.table.node(dev: d.dev, ino: d.ino)
         if r.newDirectory { watchNew(change.name, in: handle, parent: dir) }
         // The kernel holds nothing below a directory it does not know.
@@ -395,10 +411,10 @@ final class StoreWatcher: Sendable {
     /// the entry timeout.
     private func forgetEverything(because reason: String) {
         MountDaemon.log(reason + ": dropping every cached entry")
-        fs.namesChangedUnderneath.add(1, ordering: .sequentiallyConsistent)
+        fs.underneath.namesChanged()
         watchTree(dup(dataFD))
-        fs.classGeneration.add(1, ordering: .relaxed)
-        fs.storedXattrSets.store(Filesystem.countStoredSets(fs.xattrsFD), ordering: .relaxed)
+        fs.classes.changed()
+        fs.xattrs.recount()
         for n in fs.table.allNodes() {
             if n.isRegular { supersedeIfHeaderChanged(n) }
             if n.isDirectory {

@@ -1,0 +1,86 @@
+import Glibc
+import KeybagCore
+import Synchronization
+
+/// The store's folder of user xattr sets (`STORE/xattrs/<id>`, sealed under the volume key)
+/// and how many it holds: loads, saves and drops sets by id. Read-modify-write of a set
+/// runs under `update` (lock order: after a node's `io`, alone among the daemon's locks).
+final class XattrStorage: Sendable {
+    /// The folder's descriptor.
+    let dirFD: Int32
+    /// Seals and opens the sets.
+    private let names: NameCipher
+    /// Serialises read-modify-write of stored sets.
+    private let updates = Locked(())
+    /// How many sets are stored (while none are, removals skip looking for one).
+    private let count: Atomic<Int>
+
+    init(dirFD: Int32, names: NameCipher) {
+        self.dirFD = dirFD
+        self.names = names
+        count = Atomic(Self.countSets(dirFD))
+    }
+
+    /// Most bytes of user xattrs one object may hold (names and values); ENOSPC beyond.
+    static let maxBytes = 256 * 1024
+
+    /// Sets in the folder of `dirFD` (temporary files not counted).
+    static func countSets(_ dirFD: Int32) -> Int {
+        let fd = openat(dirFD, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+        guard fd >= 0, let dir = fdopendir(fd) else { if fd >= 0 { close(fd) }; return 0 }
+        defer { closedir(dir) }
+        var n = 0
+        while let ent = readdir(dir) {
+            if Filesystem.entryName(ent).pointee != CChar(UInt8(ascii: ".")) { n += 1 }
+        }
+        return n
+    }
+
+    /// Counts the sets again (another writer added or removed some).
+    func recount() { count.store(Self.countSets(dirFD), ordering: .relaxed) }
+
+    /// Whether any set is stored.
+    var holdsAny: Bool { count.load(ordering: .relaxed) > 0 }
+
+    /// Whether a set is stored under `id`.
+    func exists(_ id: String) -> Bool { faccessat(dirFD, id, F_OK, 0) == 0 }
+
+    /// Runs a read-modify-write of sets.
+    func update<R>(_ body: () throws -> R) rethrows -> R { try updates.withLock { _ in try body() } }
+
+    /// The set stored under `id` (empty when none).
+    func load(_ id: String) throws -> XattrSet {
+        let fd = StoreFileOpen.regular(dirFD, id)
+        if fd < 0 { if errno == ENOENT { return XattrSet() }; throw FSError(errno) }
+        defer { close(fd) }
+        var st = stat()
+        try check(fstat(fd, &st))
+        guard st.st_size <= 16 << 20 else { throw FSError(EIO) }
+        var buf = [UInt8](repeating: 0, count: Int(st.st_size))
+        let n = try buf.withUnsafeMutableBytes { try EncryptedContent.preadFull(fd, $0, offset: 0) }
+        return try XattrSet.decode(try names.open(Array(buf[0..<n]), purpose: "keybagfs-xattr-v1|" + id))
+    }
+
+    /// Replaces the set under `id` atomically (removes it when empty); `existed`: whether
+    /// one was stored before. Called inside `update`.
+    func save(_ id: String, _ set: XattrSet, existed: Bool) throws {
+        if set.values.isEmpty {
+            if unlinkat(dirFD, id, 0) == 0 { count.subtract(1, ordering: .relaxed) }
+            else if errno != ENOENT { throw FSError(errno) }
+            return
+        }
+        let encoded = set.encode()
+        guard encoded.count <= Self.maxBytes else { throw FSError(ENOSPC) }
+        // Atomic by rename; not synced (like xattrs on ext4, durable at the next sync).
+        try AtomicStoreFile.replace(
+            dirFD: dirFD, id, try names.seal(encoded, purpose: "keybagfs-xattr-v1|" + id), durable: false)
+        if !existed { count.add(1, ordering: .relaxed) }
+    }
+
+    /// Deletes the set stored under `id`, if any (its object is gone).
+    func drop(_ id: String) {
+        updates.withLock { _ in
+            if unlinkat(dirFD, id, 0) == 0 { count.subtract(1, ordering: .relaxed) }
+        }
+    }
+}
