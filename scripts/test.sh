@@ -43,8 +43,8 @@ rm -f "$log"
 [[ $passed -gt 0 ]] || { echo "FAIL: no test ran" >&2; status=1; }
 # The source tree's size limits (scripts/size-check.py): files and functions.
 python3 scripts/size-check.py || status=1
-# Every file, folder, type and member docs/ARCHITECTURE.md names exists (scripts/doc-check.py).
-python3 scripts/doc-check.py || status=1
+# Every file, folder, type and member docs/ARCHITECTURE.md names exists (scripts/architecture-check.py).
+python3 scripts/architecture-check.py || status=1
 # The FileProtection library's DocC catalog builds without warnings, and every public
 # symbol has a doc comment.
 if swift package generate-documentation --target FileProtection --warnings-as-errors >/tmp/kbfs-docc.log 2>&1 &&
