@@ -41,6 +41,11 @@ failures=$(grep -E "^Test Case .* failed \(|: error: " "$log" | head -40 || true
 rm -f "$log"
 [[ $failed -eq 0 ]] || status=1
 [[ $passed -gt 0 ]] || { echo "FAIL: no test ran" >&2; status=1; }
+# Style: swift-format's lint with the committed .swift-format (swift format -i fixes it).
+if ! swift format lint --strict -r Sources Tests Examples >/tmp/kbfs-format.log 2>&1; then
+  echo "FAIL: swift format lint (swift format -i -r Sources Tests Examples fixes it):" >&2
+  head -20 /tmp/kbfs-format.log >&2; status=1
+fi
 # The source tree's size limits (scripts/size-check.py): files and functions.
 python3 scripts/size-check.py || status=1
 # Every file, folder, type and member docs/ARCHITECTURE.md names exists (scripts/architecture-check.py).

@@ -29,7 +29,9 @@ final class Notes: Sendable {
     /// Creates the notes file (complete) and the inbox (completeUnlessOpen) if missing.
     func prepare() throws {
         let fm = FileManager.default
-        if !fm.fileExists(atPath: notesPath) { try Data().write(to: URL(fileURLWithPath: notesPath), protection: .complete) }
+        if !fm.fileExists(atPath: notesPath) {
+            try Data().write(to: URL(fileURLWithPath: notesPath), protection: .complete)
+        }
         if !fm.fileExists(atPath: inbox.path) {
             try fm.createDirectory(at: inbox, withIntermediateDirectories: false)
             try fm.setProtection(.completeUnlessOpen, ofItemAtPath: inbox.path)
@@ -43,7 +45,9 @@ final class Notes: Sendable {
             s.fd = Glibc.open(notesPath, O_WRONLY | O_APPEND | O_CLOEXEC)
             guard s.fd >= 0 else { return say("cannot open notes: \(String(cString: strerror(errno)))") }
             var merged = 0
-            let names = ((try? FileManager.default.contentsOfDirectory(atPath: inbox.path)) ?? []).filter { $0.hasPrefix("entry-") }.sorted()
+            let names = ((try? FileManager.default.contentsOfDirectory(atPath: inbox.path)) ?? []).filter {
+                $0.hasPrefix("entry-")
+            }.sorted()
             for name in names {
                 let p = inbox.appendingPathComponent(name).path
                 guard let d = FileManager.default.contents(atPath: p) else { continue }
@@ -106,7 +110,9 @@ final class Notes: Sendable {
 
 var args = Array(CommandLine.arguments.dropFirst())
 var socket: String? = nil
-if let i = args.firstIndex(of: "--socket"), i + 1 < args.count { socket = args[i + 1]; args.removeSubrange(i...(i + 1)) }
+if let i = args.firstIndex(of: "--socket"), i + 1 < args.count {
+    socket = args[i + 1]; args.removeSubrange(i...(i + 1))
+}
 guard let dirArg = args.first else {
     FileHandle.standardError.write(Data("usage: SecureNotes DIR [--socket PATH]\n".utf8))
     exit(2)

@@ -1,5 +1,5 @@
-import Foundation
 import CSystem
+import Foundation
 import Glibc
 
 /// The extended attribute that holds a file's (or a directory's default) class on a
@@ -55,8 +55,10 @@ enum ProtectionErrors {
     /// Maps `errno` of an operation on `path` (`writing` or reading) to a `CocoaError`;
     /// `classOf`: where the class that may have denied it is read (default `path`).
     static func error(_ code: Int32, path: String, writing: Bool, what: String, classOf: String? = nil) -> CocoaError {
-        var info: [String: Any] = [NSFilePathErrorKey: path,
-            NSUnderlyingErrorKey: NSError(domain: NSPOSIXErrorDomain, code: Int(code))]
+        var info: [String: Any] = [
+            NSFilePathErrorKey: path,
+            NSUnderlyingErrorKey: NSError(domain: NSPOSIXErrorDomain, code: Int(code)),
+        ]
         let reason = String(cString: strerror(code))
         let cocoa: CocoaError.Code
         switch code {
@@ -65,8 +67,8 @@ enum ProtectionErrors {
             if code == EACCES, ProtectedData.isLockedClassDenial(path: classOf ?? path) {
                 info[unavailableKey] = true
                 info[NSLocalizedDescriptionKey] =
-                    "\(what) \(path): protected data is not available (the device is locked and the file's class " +
-                        "needs its key)"
+                    "\(what) \(path): protected data is not available (the device is locked and the file's class "
+                    + "needs its key)"
             } else {
                 info[NSLocalizedDescriptionKey] = "\(what) \(path): \(reason)"
             }

@@ -52,8 +52,12 @@ public enum ProtectedData {
     public static func socketPath(for url: URL) throws -> String {
         if let s = ProcessInfo.processInfo.environment["KEYBAGFS_SOCKET"], !s.isEmpty { return s }
         guard let mount = ControlPaths.keybagfsMount(holding: url.path) else {
-            throw CocoaError(.featureUnsupported, userInfo: [NSFilePathErrorKey: url.path,
-                NSLocalizedDescriptionKey: "\(url.path) is not on a keybagfs mount"])
+            throw CocoaError(
+                .featureUnsupported,
+                userInfo: [
+                    NSFilePathErrorKey: url.path,
+                    NSLocalizedDescriptionKey: "\(url.path) is not on a keybagfs mount",
+                ])
         }
         return ControlPaths.defaultSocket(forMountpoint: mount)
     }
@@ -107,7 +111,9 @@ public enum ProtectedData {
             guard let path else { continuation.finish(); return }
             let sub = Subscription(socket: path)
             continuation.onTermination = { _ in sub.cancel() }
-            let thread = Thread { sub.run(assuming: assuming) { continuation.yield($0) }; continuation.finish() }
+            let thread = Thread {
+                sub.run(assuming: assuming) { continuation.yield($0) }; continuation.finish()
+            }
             thread.start()
         }
     }

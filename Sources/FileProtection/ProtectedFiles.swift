@@ -12,8 +12,12 @@ extension FileManager {
         }
         let name = String(decoding: buf[0..<n], as: UTF8.self)
         guard let t = FileProtectionType(keybagfsName: name) else {
-            throw CocoaError(.fileReadCorruptFile, userInfo: [NSFilePathErrorKey: path,
-                NSLocalizedDescriptionKey: "unknown protection class \"\(name)\" on \(path)"])
+            throw CocoaError(
+                .fileReadCorruptFile,
+                userInfo: [
+                    NSFilePathErrorKey: path,
+                    NSLocalizedDescriptionKey: "unknown protection class \"\(name)\" on \(path)",
+                ])
         }
         return t
     }
@@ -22,8 +26,12 @@ extension FileManager {
     /// a file's class is crash-safe in keybagfs (the file reads in the old or new class).
     public func setProtection(_ protection: FileProtectionType, ofItemAtPath path: String) throws {
         guard let name = protection.keybagfsName else {
-            throw CocoaError(.fileWriteInvalidFileName, userInfo: [NSFilePathErrorKey: path,
-                NSLocalizedDescriptionKey: "unknown protection type \(protection.rawValue)"])
+            throw CocoaError(
+                .fileWriteInvalidFileName,
+                userInfo: [
+                    NSFilePathErrorKey: path,
+                    NSLocalizedDescriptionKey: "unknown protection type \(protection.rawValue)",
+                ])
         }
         guard setxattr(path, protectionAttribute, name, name.utf8.count, 0) == 0 else {
             throw ProtectionErrors.error(errno, path: path, writing: true, what: "setting the protection of")
@@ -43,8 +51,14 @@ extension FileManager {
         var rest = attributes
         if let p = rest.removeValue(forKey: .protectionKey) {
             let type = (p as? FileProtectionType) ?? (p as? String).map { FileProtectionType(rawValue: $0) }
-            guard let type else { throw CocoaError(.fileWriteInvalidFileName, userInfo: [NSFilePathErrorKey: path,
-                NSLocalizedDescriptionKey: "protectionKey must be a FileProtectionType"]) }
+            guard let type else {
+                throw CocoaError(
+                    .fileWriteInvalidFileName,
+                    userInfo: [
+                        NSFilePathErrorKey: path,
+                        NSLocalizedDescriptionKey: "protectionKey must be a FileProtectionType",
+                    ])
+            }
             try setProtection(type, ofItemAtPath: path)
         }
         if !rest.isEmpty { try setAttributes(rest, ofItemAtPath: path) }
@@ -60,8 +74,12 @@ extension Data {
     public func write(to url: URL, protection: FileProtectionType, options: Data.WritingOptions = []) throws {
         let path = url.path
         guard let className = protection.keybagfsName else {
-            throw CocoaError(.fileWriteInvalidFileName, userInfo: [NSFilePathErrorKey: path,
-                NSLocalizedDescriptionKey: "unknown protection type \(protection.rawValue)"])
+            throw CocoaError(
+                .fileWriteInvalidFileName,
+                userInfo: [
+                    NSFilePathErrorKey: path,
+                    NSLocalizedDescriptionKey: "unknown protection type \(protection.rawValue)",
+                ])
         }
         let dir = url.deletingLastPathComponent().path
         func fail(_ code: Int32, _ what: String) -> CocoaError {

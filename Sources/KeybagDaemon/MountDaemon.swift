@@ -96,7 +96,7 @@ public enum MountDaemon {
         var addr = sockaddr_un()
         addr.sun_family = sa_family_t(AF_UNIX)
         var bytes = Array(path.utf8)
-        if bytes.first == UInt8(ascii: "@") { bytes[0] = 0 }   // abstract namespace
+        if bytes.first == UInt8(ascii: "@") { bytes[0] = 0 }  // abstract namespace
         guard bytes.count < MemoryLayout.size(ofValue: addr.sun_path) else { return }
         withUnsafeMutableBytes(of: &addr.sun_path) { p in for (i, b) in bytes.enumerated() { p[i] = b } }
         let msg = Array(message.utf8)
@@ -148,11 +148,11 @@ public enum MountDaemon {
         _ = kbfs_fix_malloc_thresholds(128 * 1024, 1 << 20)
         umask(0)
         Sodium.ensureInitialized()
-        HardwareAES.start()   // OpenSSL's allocator must be in place before its first allocation
+        HardwareAES.start()  // OpenSSL's allocator must be in place before its first allocation
         if !HardwareAES.ownsMemory {
             log(
-                "warning: OpenSSL was set up before keybagfs' allocator: its key schedules live in memory that may " +
-                    "be swapped (freed contexts are still zeroed)"
+                "warning: OpenSSL was set up before keybagfs' allocator: its key schedules live in memory that may "
+                    + "be swapped (freed contexts are still zeroed)"
             )
         }
     }
@@ -168,10 +168,11 @@ public enum MountDaemon {
         let behind = StoreDevices.newestKeySet(storePath: cfg.store) > keybag.currentKeySet
         let keyring = ClassKeyring(classD: classD, current: UInt8(keybag.currentKeySet), behind: behind)
         let cipher = keybag.cipher.isAvailable ? keybag.cipher : .xchacha20poly1305
-        let fs = try Filesystem(dataFD: data, targetsFD: targets, xattrsFD: xattrs, names: names, keyring: keyring,
-                                cipher: cipher, defaultClass: cfg.defaultClass, policy: cfg.policy,
-                                threads: cfg.threads, kernel: KernelNotifier())
-        _ = try fs.meta(of: fs.table.root)   // the root's name IV exists before the first request
+        let fs = try Filesystem(
+            dataFD: data, targetsFD: targets, xattrsFD: xattrs, names: names, keyring: keyring,
+            cipher: cipher, defaultClass: cfg.defaultClass, policy: cfg.policy,
+            threads: cfg.threads, kernel: KernelNotifier())
+        _ = try fs.meta(of: fs.table.root)  // the root's name IV exists before the first request
         let mountpoint = URL(fileURLWithPath: cfg.mountpoint).standardizedFileURL.path
         let owner = cfg.owner ?? getuid()
         let controller = Controller(
@@ -206,8 +207,8 @@ public enum MountDaemon {
                 full = true
             } else {
                 log(
-                    "watching the store's top level only (no other device or sync engine marker found; a sync " +
-                        "engine that leaves none needs --watch-store on)")
+                    "watching the store's top level only (no other device or sync engine marker found; a sync "
+                        + "engine that leaves none needs --watch-store on)")
                 full = false
             }
         }
@@ -274,8 +275,8 @@ public enum MountDaemon {
         case .upgraded: log("keybag upgraded to format \(Keybag.currentFormat) (authenticated failed-attempt counter)")
         case .tampered:
             log(
-                "the keybag's failed-attempt counter does not authenticate (edited offline?): unlock refused for " +
-                    "\(Controller.seconds(kb.retryAfter(now: Date().timeIntervalSince1970))) s"
+                "the keybag's failed-attempt counter does not authenticate (edited offline?): unlock refused for "
+                    + "\(Controller.seconds(kb.retryAfter(now: Date().timeIntervalSince1970))) s"
             )
         }
         // Only an authenticated keybag may raise the floor (a forged key set would lock the device out).
@@ -283,9 +284,9 @@ public enum MountDaemon {
         let newest = StoreDevices.newestKeySet(storePath: cfg.store)
         if newest > kb.currentKeySet {
             log(
-                "a device was removed from this store (key set \(newest)) and this device holds key set " +
-                    "\(kb.currentKeySet): new files and class changes are refused (the removed device could open " +
-                    "them) until this device takes up the new keys with `keybagfs recover`")
+                "a device was removed from this store (key set \(newest)) and this device holds key set "
+                    + "\(kb.currentKeySet): new files and class changes are refused (the removed device could open "
+                    + "them) until this device takes up the new keys with `keybagfs recover`")
         }
         let volume = try kb.unwrapDeviceKeySlot("volume", deviceKey: deviceKey)
         defer { volume.wipe() }
@@ -314,7 +315,7 @@ public enum MountDaemon {
         var opts = ["fsname=\(fsname)", "subtype=keybagfs"]
         let kernelChecks = Self.needsKernelPermissionChecks(euid: geteuid(), options: cfg.fuseOptions)
         let posixACL = cfg.posixACL ?? kernelChecks
-        if kernelChecks || posixACL { opts.append("default_permissions") }   // ACLs imply it (the kernel sets it too)
+        if kernelChecks || posixACL { opts.append("default_permissions") }  // ACLs imply it (the kernel sets it too)
         opts += cfg.fuseOptions
         let argv: [String] = ["keybagfs", "-o", opts.joined(separator: ",")]
         let cargs = argv.map { strdup($0) }

@@ -18,7 +18,7 @@ public enum ControlPaths {
             case UInt8(ascii: "."):
                 out += i == 0 ? "\\x2e" : "."
             case UInt8(ascii: "a")...UInt8(ascii: "z"), UInt8(ascii: "A")...UInt8(ascii: "Z"),
-                 UInt8(ascii: "0")...UInt8(ascii: "9"), UInt8(ascii: ":"), UInt8(ascii: "_"):
+                UInt8(ascii: "0")...UInt8(ascii: "9"), UInt8(ascii: ":"), UInt8(ascii: "_"):
                 out += String(UnicodeScalar(byte))
             default:
                 out += String(format: "\\x%02x", byte)
@@ -65,7 +65,8 @@ public enum ControlPaths {
         var i = 0
         while i < u.count {
             if u[i] == UInt8(ascii: "\\"), i + 4 <= u.count,
-               let v = UInt8(String(decoding: u[(i + 1)..<(i + 4)], as: UTF8.self), radix: 8) {
+                let v = UInt8(String(decoding: u[(i + 1)..<(i + 4)], as: UTF8.self), radix: 8)
+            {
                 bytes.append(v); i += 4
             } else {
                 bytes.append(u[i]); i += 1

@@ -1,6 +1,7 @@
 import Foundation
+
 #if canImport(Glibc)
-import Glibc
+    import Glibc
 #endif
 
 /// Whole reads of /proc files. Foundation's `String(contentsOfFile:)` and `Data(contentsOf:)`

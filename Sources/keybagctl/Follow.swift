@@ -11,12 +11,12 @@ struct Follow: ParsableCommand {
     static let configuration = CommandConfiguration(
         abstract: "Lock with logind: before sleep, on session Lock, on LockedHint.",
         discussion: """
-        Runs until stopped (a systemd unit: keybagfs-follow@.service). Before sleep it holds a logind \
-        'delay' inhibitor, locks with grace 0 and releases the inhibitor only once the daemon answers \
-        'locked', so the machine never sleeps with class complete keys in memory. Session locks use \
-        --grace (default: the mount's). Signals not sent by logind itself are ignored. Unlocking stays \
-        with `keybagctl unlock` or PAM.
-        """)
+            Runs until stopped (a systemd unit: keybagfs-follow@.service). Before sleep it holds a logind \
+            'delay' inhibitor, locks with grace 0 and releases the inhibitor only once the daemon answers \
+            'locked', so the machine never sleeps with class complete keys in memory. Session locks use \
+            --grace (default: the mount's). Signals not sent by logind itself are ignored. Unlocking stays \
+            with `keybagctl unlock` or PAM.
+            """)
 
     @OptionGroup var target: Target
 
@@ -25,8 +25,8 @@ struct Follow: ParsableCommand {
 
     @Option(
         help: ArgumentHelp(
-            "Sessions whose Lock/LockedHint lock the mount: owner (the mount owner's; all when the owner is root) or " +
-                "all.")
+            "Sessions whose Lock/LockedHint lock the mount: owner (the mount owner's; all when the owner is root) or "
+                + "all.")
     )
     var sessions: Sessions = .owner
 
@@ -68,15 +68,15 @@ struct Follow: ParsableCommand {
                 bus, "sleep", "keybagfs", "evict class keys of \(status.mountpoint) before sleep")
             if inhibitor < 0 {
                 say(
-                    "warning: no sleep inhibitor (\(String(cString: strerror(-inhibitor)))): the mount locks on " +
-                        "PrepareForSleep but sleep may not wait"
+                    "warning: no sleep inhibitor (\(String(cString: strerror(-inhibitor)))): the mount locks on "
+                        + "PrepareForSleep but sleep may not wait"
                 )
             }
         }
         inhibit()
         say(
-            "following logind for \(status.mountpoint) (owner uid \(owner), sessions: " +
-                "\(sessions.rawValue)\(noSleep ? ", not sleep" : ""))"
+            "following logind for \(status.mountpoint) (owner uid \(owner), sessions: "
+                + "\(sessions.rawValue)\(noSleep ? ", not sleep" : ""))"
         )
         var forged: UInt64 = 0
         var ev = kbfs_logind_event()
@@ -95,7 +95,7 @@ struct Follow: ParsableCommand {
             case KBFS_LOGIND_PREPARE_FOR_SLEEP where ev.flag != 0:
                 guard !noSleep else { continue }
                 let outcome = lockBeforeSleep()
-                if inhibitor >= 0 { close(inhibitor); inhibitor = -1 }   // sleep may go on now
+                if inhibitor >= 0 { close(inhibitor); inhibitor = -1 }  // sleep may go on now
                 say(outcome)
             case KBFS_LOGIND_PREPARE_FOR_SLEEP:
                 inhibit()
@@ -142,7 +142,7 @@ struct Follow: ParsableCommand {
             do {
                 return try control(fresh: attempt > 0).checked(.lock(grace: grace), StateReply.self).state.rawValue
             } catch let f as CtlFailure where f.code == 1 {
-                return "not locked (\(f.message))"   // refused: asking again changes nothing
+                return "not locked (\(f.message))"  // refused: asking again changes nothing
             } catch {
                 if attempt == 1 { return "not locked (\((error as? CtlFailure)?.message ?? "\(error)"))" }
             }
@@ -171,11 +171,11 @@ struct PamUnlock: ParsableCommand {
         commandName: "pam-unlock",
         abstract: "Unlock the mounts of $PAM_USER with the password on stdin (for pam_exec expose_authtok).",
         discussion: """
-        At the end of /etc/pam.d/common-auth (reached only once pam_unix accepted the password):
-          auth optional pam_exec.so expose_authtok quiet /usr/local/bin/keybagctl pam-unlock
-        A mount belongs to a user when it was mounted by that user or with --owner. Failures are \
-        logged to stderr and never fail the login.
-        """)
+            At the end of /etc/pam.d/common-auth (reached only once pam_unix accepted the password):
+              auth optional pam_exec.so expose_authtok quiet /usr/local/bin/keybagctl pam-unlock
+            A mount belongs to a user when it was mounted by that user or with --owner. Failures are \
+            logged to stderr and never fail the login.
+            """)
 
     func run() throws {
         let env = ProcessInfo.processInfo.environment
@@ -186,7 +186,7 @@ struct PamUnlock: ParsableCommand {
             return note("no password on stdin (expose_authtok missing?)")
         }
         defer { password.wipe() }
-        signal(SIGALRM) { _ in _exit(0) }   // a login never waits longer for keybagfs
+        signal(SIGALRM) { _ in _exit(0) }  // a login never waits longer for keybagfs
         alarm(Self.timeLimit)
         var owned = 0
         for mount in ControlPaths.keybagfsMounts() {
@@ -209,8 +209,8 @@ struct PamUnlock: ParsableCommand {
             if st.failedAttempts > 0 {
                 let failed = st.failedAttempts
                 note(
-                    "\(mount): \(failed) failed attempt(s) since the last unlock; not tried (unlock with keybagctl " +
-                        "unlock)"
+                    "\(mount): \(failed) failed attempt(s) since the last unlock; not tried (unlock with keybagctl "
+                        + "unlock)"
                 )
                 continue
             }

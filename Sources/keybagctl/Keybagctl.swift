@@ -15,11 +15,13 @@ struct Keybagctl: ParsableCommand {
         commandName: "keybagctl",
         abstract: "Lock, unlock and watch a keybagfs mount.",
         discussion: """
-        Exit codes: 0 done, 1 refused (wrong passcode, locked, throttled), 2 usage, 3 cannot reach the daemon.
-        Without --socket or --mount, the only keybagfs mount in /proc/self/mountinfo is used.
-        """,
-        subcommands: [Status.self, Unlock.self, Lock.self, Watch.self, Passwd.self, Protect.self, Report.self,
-            Follow.self, PamUnlock.self])
+            Exit codes: 0 done, 1 refused (wrong passcode, locked, throttled), 2 usage, 3 cannot reach the daemon.
+            Without --socket or --mount, the only keybagfs mount in /proc/self/mountinfo is used.
+            """,
+        subcommands: [
+            Status.self, Unlock.self, Lock.self, Watch.self, Passwd.self, Protect.self, Report.self,
+            Follow.self, PamUnlock.self,
+        ])
 
     /// Runs the command with the contract's exit codes.
     static func main() {
@@ -36,11 +38,13 @@ func hoistingTargetOptions(_ args: [String]) -> [String] {
     var i = 0
     while i < args.count {
         let a = args[i]
-        if (a == "--socket" || a == "--mount"), i + 1 < args.count {
+        if a == "--socket" || a == "--mount", i + 1 < args.count {
             leading += [a, args[i + 1]]; i += 2
         } else if a.hasPrefix("--socket=") || a.hasPrefix("--mount=") {
             leading.append(a); i += 1
-        } else { break }
+        } else {
+            break
+        }
     }
     guard !leading.isEmpty, i < args.count else { return args }
     return [args[i]] + leading + Array(args[(i + 1)...])
@@ -141,7 +145,7 @@ struct Status: ParsableCommand {
 
     func run() throws {
         let (reply, line) = try target.connect().checkedLine(.status, StatusReply.self)
-        if json { print(line); return }   // the daemon's line as it came
+        if json { print(line); return }  // the daemon's line as it came
         print("state: \(reply.state.rawValue)")
         print("protected data available: \(reply.protectedDataAvailable ? "yes" : "no")")
         print("open files: \(reply.openFiles)")
@@ -155,7 +159,9 @@ struct Status: ParsableCommand {
                 "TPM: in use; lockout counter \(shown(tpm.lockoutCounter)) of \(shown(tpm.maxTries)) tries, one "
                     + "forgiven every \(shown(tpm.recoveryTime)) s" + (tpm.inLockout == true ? " (in lockout)" : ""))
             if tpm.lockoutAuthSet == false {
-                print("TPM: its lockout authorization is not set: any root user can clear the lockout (tpm2_changeauth -c lockout)")
+                print(
+                    "TPM: its lockout authorization is not set: any root user can clear the lockout (tpm2_changeauth -c lockout)"
+                )
             }
         } else {
             print("TPM: not in use")
@@ -220,7 +226,7 @@ struct Watch: ParsableCommand {
             if !json, let e = ControlProtocol.decode(EventLine.self, from: line) {
                 out = "\(e.time) \(e.event.rawValue) (state \(e.state.rawValue))"
             }
-            FileHandle.standardOutput.write(Data((out + "\n").utf8))   // unbuffered: one line as it arrives
+            FileHandle.standardOutput.write(Data((out + "\n").utf8))  // unbuffered: one line as it arrives
         }
         throw CtlFailure(code: 3, message: "the daemon closed the connection")
     }

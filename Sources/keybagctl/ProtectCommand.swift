@@ -10,8 +10,8 @@ struct Protect: ParsableCommand {
     static let configuration = CommandConfiguration(
         abstract: "Set the protection class of files, and the default class of directories.",
         discussion:
-            "With -R, also of everything below each directory. Symlinks are never followed and other file systems " +
-                "never entered. Exit 1 if any path failed (each is named on stderr)."
+            "With -R, also of everything below each directory. Symlinks are never followed and other file systems "
+            + "never entered. Exit 1 if any path failed (each is named on stderr)."
     )
 
     /// Accepted like every subcommand's; classes are set through the paths themselves.
@@ -29,8 +29,8 @@ struct Protect: ParsableCommand {
     func run() throws {
         guard let cls = ProtectionClass(name: protectionClass) else {
             throw ValidationError(
-                "unknown class \"\(protectionClass)\" (none, completeUntilFirstUserAuthentication, " +
-                    "completeUnlessOpen, complete)"
+                "unknown class \"\(protectionClass)\" (none, completeUntilFirstUserAuthentication, "
+                    + "completeUnlessOpen, complete)"
             )
         }
         let name = cls.name
@@ -46,28 +46,32 @@ struct Protect: ParsableCommand {
         let progress = ProgressLine("protect", total: total)
         var files = 0, dirs = 0, failures = 0
         for p in paths {
-            TreeWalk.walk(p, recursive: recursive, visit: { path, st, depth in
-                guard Self.takesClass(st) else {
-                    if depth == 0 {
+            TreeWalk.walk(
+                p, recursive: recursive,
+                visit: { path, st, depth in
+                    guard Self.takesClass(st) else {
+                        if depth == 0 {
+                            failures += 1
+                            FileHandle.standardError.write(
+                                Data(
+                                    ("keybagctl: \(path): only files and directories have a class "
+                                        + "(symlinks are not followed)\n").utf8))
+                        }
+                        return
+                    }
+                    progress.tick()
+                    if setxattr(path, "user.protection", name, name.utf8.count, 0) == 0 {
+                        if st.st_mode & S_IFMT == S_IFDIR { dirs += 1 } else { files += 1 }
+                    } else {
                         failures += 1
                         FileHandle.standardError.write(
-                            Data(("keybagctl: \(path): only files and directories have a class " +
-                                "(symlinks are not followed)\n").utf8))
+                            Data("keybagctl: \(path): \(String(cString: strerror(errno)))\n".utf8))
                     }
-                    return
-                }
-                progress.tick()
-                if setxattr(path, "user.protection", name, name.utf8.count, 0) == 0 {
-                    if st.st_mode & S_IFMT == S_IFDIR { dirs += 1 } else { files += 1 }
-                } else {
+                },
+                failed: { path, err in
                     failures += 1
-                    FileHandle.standardError.write(
-                        Data("keybagctl: \(path): \(String(cString: strerror(errno)))\n".utf8))
-                }
-            }, failed: { path, err in
-                failures += 1
-                FileHandle.standardError.write(Data("keybagctl: \(path): \(String(cString: strerror(err)))\n".utf8))
-            })
+                    FileHandle.standardError.write(Data("keybagctl: \(path): \(String(cString: strerror(err)))\n".utf8))
+                })
         }
         progress.finish()
         print("set \(name) on \(files) files and \(dirs) directories" + (failures > 0 ? "; \(failures) failed" : ""))

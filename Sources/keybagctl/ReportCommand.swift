@@ -9,12 +9,12 @@ import KeybagCore
 struct Report: ParsableCommand {
     static let configuration = CommandConfiguration(
         abstract:
-            "Count files and bytes per class, list what is unreadable now, and directories whose default differs " +
-                "from their parent's.",
+            "Count files and bytes per class, list what is unreadable now, and directories whose default differs "
+            + "from their parent's.",
         discussion:
-            "PATH defaults to the mount point. Symlinks are never followed and other file systems never entered. " +
-                "Unreadable now: complete files unless unlocked; completeUnlessOpen files (to new opens) unless " +
-                "unlocked; completeUntilFirstUserAuthentication files before the first unlock."
+            "PATH defaults to the mount point. Symlinks are never followed and other file systems never entered. "
+            + "Unreadable now: complete files unless unlocked; completeUnlessOpen files (to new opens) unless "
+            + "unlocked; completeUntilFirstUserAuthentication files before the first unlock."
     )
 
     @OptionGroup var target: Target
@@ -37,26 +37,34 @@ struct Report: ParsableCommand {
             guard case .success(let reply)? = policyReply else { return nil }
             return PolicyView(rules: reply.rules, mountpoint: s.mountpoint, root: root)
         }
-        var tally = ReportTally(limit: limit, state: status?.state.rawValue, policy: policy,
-                                mountpoint: status?.mountpoint ?? "/",
-                                mountDefault: status?.defaultClass
-                                    ?? ProtectionClass.completeUntilFirstUserAuthentication.name)
+        var tally = ReportTally(
+            limit: limit, state: status?.state.rawValue, policy: policy,
+            mountpoint: status?.mountpoint ?? "/",
+            mountDefault: status?.defaultClass
+                ?? ProtectionClass.completeUntilFirstUserAuthentication.name)
         let started = Date()
         let progress = ProgressLine("report")
-        TreeWalk.walk(root, recursive: true, visit: { p, st, depth in
-            progress.tick()
-            tally.visit(p, st, depth: depth)
-        }, failed: { p, err in
-            tally.failures += 1
-            FileHandle.standardError.write(Data("keybagctl: \(p): \(String(cString: strerror(err)))\n".utf8))
-        })
+        TreeWalk.walk(
+            root, recursive: true,
+            visit: { p, st, depth in
+                progress.tick()
+                tally.visit(p, st, depth: depth)
+            },
+            failed: { p, err in
+                tally.failures += 1
+                FileHandle.standardError.write(Data("keybagctl: \(p): \(String(cString: strerror(err)))\n".utf8))
+            })
         progress.finish()
         let seconds = Date().timeIntervalSince(started)
         if json {
             try printJSON(tally, root: root, seconds: seconds)
         } else {
-            printText(tally, root: root, policyRefused: { if case .failure(let r)? = policyReply { return r.error == .forbidden }; return false }(),
-                      entries: progress.count, seconds: seconds)
+            printText(
+                tally, root: root,
+                policyRefused: {
+                    if case .failure(let r)? = policyReply { return r.error == .forbidden }; return false
+                }(),
+                entries: progress.count, seconds: seconds)
         }
         if tally.failures > 0 { throw ExitCode(1) }
     }
@@ -66,7 +74,11 @@ struct Report: ParsableCommand {
     /// symlink); symlinks are not resolved.
     func walkRoot() throws -> String {
         var root: String
-        if let path { root = path } else if let m = target.mount { root = m } else {
+        if let path {
+            root = path
+        } else if let m = target.mount {
+            root = m
+        } else {
             let mounts = ControlPaths.keybagfsMounts()
             guard mounts.count == 1 else {
                 throw ValidationError("give a PATH (found \(mounts.count) keybagfs mounts)")
@@ -90,8 +102,10 @@ struct Report: ParsableCommand {
         }
         if let policy = t.policy {
             o["policy"] = policy.policy.rules.map {
-                ["pattern": $0.pattern, "class": $0.protectionClass.name,
-                    "directories": t.policyMatched[$0.pattern] ?? 0] as [String: Any]
+                [
+                    "pattern": $0.pattern, "class": $0.protectionClass.name,
+                    "directories": t.policyMatched[$0.pattern] ?? 0,
+                ] as [String: Any]
             }
             o["offPolicyDirectories"] = t.offPolicy
             o["offPolicyDirectoryCount"] = t.offPolicyCount
@@ -196,8 +210,10 @@ struct ReportTally {
         if kind != S_IFDIR, let policy, let rule = policy.rule(forPath: p) {
             // Something else where the policy wants a directory (a symlink there would
             // send new files elsewhere).
-            noteOffPolicy(["path": p, "class": kind == S_IFLNK ? "symlink" : "not a directory",
-                           "policyClass": rule.protectionClass.name, "pattern": rule.pattern])
+            noteOffPolicy([
+                "path": p, "class": kind == S_IFLNK ? "symlink" : "not a directory",
+                "policyClass": rule.protectionClass.name, "pattern": rule.pattern,
+            ])
         }
         guard kind == S_IFREG || kind == S_IFDIR else { other += 1; return }
         let parent = (p as NSString).deletingLastPathComponent
@@ -224,8 +240,10 @@ struct ReportTally {
         if let policy, let rule = policy.rule(forPath: p) {
             policyMatched[rule.pattern, default: 0] += 1
             if cls != rule.protectionClass.name {
-                noteOffPolicy(["path": p, "class": cls, "policyClass": rule.protectionClass.name,
-                    "pattern": rule.pattern])
+                noteOffPolicy([
+                    "path": p, "class": cls, "policyClass": rule.protectionClass.name,
+                    "pattern": rule.pattern,
+                ])
             }
         }
         if let pc = parentClass, pc != cls {

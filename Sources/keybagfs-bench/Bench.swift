@@ -1,9 +1,9 @@
 import CSodium
 import CSystem
 import Foundation
-import KeybagProtocol
 import Glibc
 import KeybagCore
+import KeybagProtocol
 
 /// `keybagfs-bench`: micro-benchmarks of the block crypto path and the lock latency of a
 /// live mount. A release executable for people, not run in CI.
@@ -16,10 +16,11 @@ enum Bench {
         case "lock-latency" where args.count >= 3:
             lockLatency(mount: args[1], socket: args[2], files: args.count > 3 ? Int(args[3]) ?? 10_000 : 10_000)
         default:
-            print("""
-            usage: keybagfs-bench crypto
-                   keybagfs-bench lock-latency MOUNTPOINT SOCKET [FILES]   (mount unlocked, grace irrelevant)
-            """)
+            print(
+                """
+                usage: keybagfs-bench crypto
+                       keybagfs-bench lock-latency MOUNTPOINT SOCKET [FILES]   (mount unlocked, grace irrelevant)
+                """)
             exit(2)
         }
     }
@@ -102,8 +103,10 @@ enum Bench {
                     }
                 }
             }
-            print(String(format: "%-18@ seal %7.0f MB/s   open %7.0f MB/s   (4 KiB blocks, %d MiB, best of 3)",
-                         cipher.name as NSString, Double(mib) * 1.048576 / tSeal, Double(mib) * 1.048576 / tOpen, mib))
+            print(
+                String(
+                    format: "%-18@ seal %7.0f MB/s   open %7.0f MB/s   (4 KiB blocks, %d MiB, best of 3)",
+                    cipher.name as NSString, Double(mib) * 1.048576 / tSeal, Double(mib) * 1.048576 / tOpen, mib))
         }
     }
 
@@ -158,8 +161,10 @@ enum Bench {
             let stored = try! names.encrypt(name, dirIV: iv)
             let tE = best(3) { for _ in 0..<n { _ = try! names.encrypt(name, dirIV: iv) } }
             let tD = best(3) { for _ in 0..<n { _ = try! names.decrypt(stored, dirIV: iv) } }
-            print(String(format: "name of %d bytes: encrypt %.2f µs, decrypt %.2f µs (stored as %d characters)",
-                         length, tE / Double(n) * 1e6, tD / Double(n) * 1e6, stored.utf8.count))
+            print(
+                String(
+                    format: "name of %d bytes: encrypt %.2f µs, decrypt %.2f µs (stored as %d characters)",
+                    length, tE / Double(n) * 1e6, tD / Double(n) * 1e6, stored.utf8.count))
         }
     }
 

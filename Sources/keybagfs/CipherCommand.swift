@@ -12,13 +12,13 @@ struct CipherCommand: ParsableCommand {
         commandName: "cipher",
         abstract: "Show the cipher new files get, or change it; the store must not be mounted to change it.",
         discussion: """
-        Each file names its cipher in its header, so files keep theirs and keep reading. After a change, new \
-        files and files saved by replacing them (how editors and most programs save) get the new one. \
-        xaes256gcm and xchacha20poly1305 can replace each other; aes256gcm stores keep aes256gcm (its blocks \
-        have another layout). The name is authenticated with the device key: a keybag edited offline is \
-        refused at mount, and this command sets it again. A keybagfs older than xaes256gcm refuses to mount \
-        a store set to it ("keybag field cipher: unknown cipher"); it changes nothing in the store.
-        """)
+            Each file names its cipher in its header, so files keep theirs and keep reading. After a change, new \
+            files and files saved by replacing them (how editors and most programs save) get the new one. \
+            xaes256gcm and xchacha20poly1305 can replace each other; aes256gcm stores keep aes256gcm (its blocks \
+            have another layout). The name is authenticated with the device key: a keybag edited offline is \
+            refused at mount, and this command sets it again. A keybagfs older than xaes256gcm refuses to mount \
+            a store set to it ("keybag field cipher: unknown cipher"); it changes nothing in the store.
+            """)
 
     @Argument(help: "The store directory.")
     var store: String
@@ -41,14 +41,14 @@ struct CipherCommand: ParsableCommand {
         let dk = try DeviceKeyFile.load(from: deviceKey ?? DeviceKeyFile.defaultPath(storeID: storeID))
         defer { dk.wipe() }
         var kb = try Keybag.load(storePath: store, deviceKey: dk)
-        try kb.unwrapDeviceKeySlot("D", deviceKey: dk).wipe()   // the right device key, or badDeviceKey
+        try kb.unwrapDeviceKeySlot("D", deviceKey: dk).wipe()  // the right device key, or badDeviceKey
         let old = kb.cipher
         let authentic = try kb.cipherIsAuthentic(deviceKey: dk)
         // An edited name (its MAC fails) says nothing about the store's layout: any cipher may be set back.
         guard authentic == false || cipher.sharesLayout(with: old) else {
             throw KeybagError.invalid(
-                "\(old.name) stores cannot change to \(cipher.name): their blocks have another layout; copy the " +
-                    "files into a new store instead"
+                "\(old.name) stores cannot change to \(cipher.name): their blocks have another layout; copy the "
+                    + "files into a new store instead"
             )
         }
         guard cipher.isAvailable else { throw KeybagError.invalid("this CPU cannot run \(cipher.name)") }

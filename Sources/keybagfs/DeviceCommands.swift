@@ -10,11 +10,11 @@ struct DeviceCommand: ParsableCommand {
         commandName: "device",
         abstract: "List, add and remove the devices of a store shared by several machines.",
         discussion: """
-        Each device has its own device key, passcode, failed-attempt counter and lock. A device is added on \
-        the new machine, with the store's recovery key, from its copy of the store; it is removed from \
-        another device, with that device's passcode: files written from then on cannot be opened with the \
-        removed device's keys. See docs/DEVICES.md, "Several devices".
-        """,
+            Each device has its own device key, passcode, failed-attempt counter and lock. A device is added on \
+            the new machine, with the store's recovery key, from its copy of the store; it is removed from \
+            another device, with that device's passcode: files written from then on cannot be opened with the \
+            removed device's keys. See docs/DEVICES.md, "Several devices".
+            """,
         subcommands: [ID.self, List.self, Add.self, Remove.self])
 
     /// `keybagfs device id`.
@@ -43,7 +43,7 @@ struct DeviceCommand: ParsableCommand {
         var json = false
 
         func run() throws {
-            _ = try Keybag.load(storePath: store)   // a clear error when it is no store
+            _ = try Keybag.load(storePath: store)  // a clear error when it is no store
             let devices = StoreDevices.list(storePath: store)
             if json {
                 let rows: [[String: Any]] = devices.map { d in
@@ -77,12 +77,12 @@ struct DeviceCommand: ParsableCommand {
         static let configuration = CommandConfiguration(
             abstract: "Make this machine a device of a store it holds a copy of (needs the recovery key).",
             discussion: """
-            Run on the new machine, with the store unmounted. The device key is made at --device-key (or the \
-            default path) unless a 32-byte key is there. The recovery key is read from --recovery-key-file, \
-            or as the first line of stdin with --stdin (the new device's passcode is then the second line), \
-            or asked on the terminal. The keys come from the store's recovery slots; no key travels between \
-            machines.
-            """)
+                Run on the new machine, with the store unmounted. The device key is made at --device-key (or the \
+                default path) unless a 32-byte key is there. The recovery key is read from --recovery-key-file, \
+                or as the first line of stdin with --stdin (the new device's passcode is then the second line), \
+                or asked on the terminal. The keys come from the store's recovery slots; no key travels between \
+                machines.
+                """)
 
         @OptionGroup var target: UnmountedStore
 
@@ -144,13 +144,13 @@ struct DeviceCommand: ParsableCommand {
         static let configuration = CommandConfiguration(
             abstract: "Remove another device (a lost machine): it cannot open files written from now on.",
             discussion: """
-            Run on a device that stays, with the store unmounted; needs that device's passcode and the \
-            store's recovery key (it must cover the new keys): from --recovery-key-file, or the first line of \
-            stdin with --stdin (the passcode is then the second line), or asked on the terminal. New class \
-            keys are made for files written from now on; the removed device keeps what it could already \
-            read. Other devices take up the new keys with `keybagfs recover`; until then they refuse new \
-            files. Also remove the device from the sync engine.
-            """)
+                Run on a device that stays, with the store unmounted; needs that device's passcode and the \
+                store's recovery key (it must cover the new keys): from --recovery-key-file, or the first line of \
+                stdin with --stdin (the passcode is then the second line), or asked on the terminal. New class \
+                keys are made for files written from now on; the removed device keeps what it could already \
+                read. Other devices take up the new keys with `keybagfs recover`; until then they refuse new \
+                files. Also remove the device from the sync engine.
+                """)
 
         @OptionGroup var target: UnmountedStore
 

@@ -11,12 +11,12 @@ struct Fsck: ParsableCommand {
     static let configuration = CommandConfiguration(
         abstract: "Check an unmounted store; with --repair, fix what can be fixed.",
         discussion: """
-        Checks the keybag, every directory's metadata, names and long-name side files, every file header \
-        (both slots), every block of files whose class key is at hand, and the xattr and symlink-target \
-        folders. Without the passcode, classes A, B and C are checked for structure only. --repair fixes \
-        what loses no data; repairs that drop data (torn or damaged blocks) also need --yes. \
-        Exit status: 0 clean, 1 problems found (or the check failed), 2 usage.
-        """)
+            Checks the keybag, every directory's metadata, names and long-name side files, every file header \
+            (both slots), every block of files whose class key is at hand, and the xattr and symlink-target \
+            folders. Without the passcode, classes A, B and C are checked for structure only. --repair fixes \
+            what loses no data; repairs that drop data (torn or damaged blocks) also need --yes. \
+            Exit status: 0 clean, 1 problems found (or the check failed), 2 usage.
+            """)
 
     @OptionGroup var target: UnmountedStore
 

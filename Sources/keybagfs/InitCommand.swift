@@ -11,8 +11,8 @@ struct Init: ParsableCommand {
     static let configuration = CommandConfiguration(
         abstract: "Create a new store: keybag, class keys and the device key.",
         discussion:
-            "The passcode is asked on the terminal (twice), or read as one line from stdin with --passcode-stdin. It " +
-                "is never taken from the command line."
+            "The passcode is asked on the terminal (twice), or read as one line from stdin with --passcode-stdin. It "
+            + "is never taken from the command line."
     )
 
     @Argument(help: "The store directory to create (must be absent or empty).")
@@ -29,8 +29,8 @@ struct Init: ParsableCommand {
 
     @Option(
         help: ArgumentHelp(
-            "Bind the passcode to this machine's TPM 2.0: auto (when one is present), on (required) or off. With a " +
-                "TPM no passcode can be tried off this machine, and the TPM's lockout counts every wrong one."))
+            "Bind the passcode to this machine's TPM 2.0: auto (when one is present), on (required) or off. With a "
+                + "TPM no passcode can be tried off this machine, and the TPM's lockout counts every wrong one."))
     var tpm2: TPMChoice = .auto
 
     @Option(help: "The TPM's TCTI (default device:/dev/tpmrm0), e.g. swtpm:host=127.0.0.1,port=2321.")
@@ -38,8 +38,8 @@ struct Init: ParsableCommand {
 
     @Option(
         help: ArgumentHelp(
-            "Content cipher: xaes256gcm (the default where the CPU has AES instructions), xchacha20poly1305 (the " +
-                "default elsewhere) or aes256gcm (at most 2^32 block writes per file key; for compatibility only).")
+            "Content cipher: xaes256gcm (the default where the CPU has AES instructions), xchacha20poly1305 (the "
+                + "default elsewhere) or aes256gcm (at most 2^32 block writes per file key; for compatibility only).")
     )
     var cipher: ContentCipher = .default
 

@@ -14,10 +14,10 @@ struct Keybagfs: ParsableCommand {
         abstract:
             "iOS-style Data Protection for a directory: an encrypted FUSE filesystem with four protection classes.",
         discussion: """
-        Create a store once with `keybagfs init`, mount it with `keybagfs mount`, then unlock and lock it \
-        with `keybagctl`. Each file's class is the xattr user.protection (none, \
-        completeUntilFirstUserAuthentication, completeUnlessOpen, complete).
-        """,
+            Create a store once with `keybagfs init`, mount it with `keybagfs mount`, then unlock and lock it \
+            with `keybagctl`. Each file's class is the xattr user.protection (none, \
+            completeUntilFirstUserAuthentication, completeUnlessOpen, complete).
+            """,
         subcommands: [
             Init.self, Mount.self, Fsck.self, Recover.self, RecoveryKeyCommand.self, CipherCommand.self,
             DeviceCommand.self, TPMCommand.self,

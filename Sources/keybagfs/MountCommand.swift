@@ -11,8 +11,8 @@ struct Mount: ParsableCommand {
     static let configuration = CommandConfiguration(
         abstract: "Mount a store. Returns once the mount is usable (or stays in the foreground with --foreground).",
         discussion:
-            "The mount starts in state beforeFirstUnlock: only class none files are readable until `keybagctl " +
-                "unlock`. Unmount with `fusermount3 -u MOUNTPOINT`; the daemon then exits."
+            "The mount starts in state beforeFirstUnlock: only class none files are readable until `keybagctl "
+            + "unlock`. Unmount with `fusermount3 -u MOUNTPOINT`; the daemon then exits."
     )
 
     @Argument(help: "The store directory.")
@@ -35,9 +35,9 @@ struct Mount: ParsableCommand {
 
     @Option(
         help: ArgumentHelp(
-            "Policy file: one `PATTERN CLASS` per line; a directory created at a matching path (relative to the " +
-                "mount root, `*` within a name, leading `**/` for any depth) gets CLASS as its default. The last " +
-                "matching rule wins.")
+            "Policy file: one `PATTERN CLASS` per line; a directory created at a matching path (relative to the "
+                + "mount root, `*` within a name, leading `**/` for any depth) gets CLASS as its default. The last "
+                + "matching rule wins.")
     )
     var policy: String?
 
@@ -51,8 +51,8 @@ struct Mount: ParsableCommand {
 
     @Option(
         help: ArgumentHelp(
-            "Hours locked (suspend included) after which class completeUntilFirstUserAuthentication goes too and the " +
-                "state returns to beforeFirstUnlock (iOS: 72). Default: never.")
+            "Hours locked (suspend included) after which class completeUntilFirstUserAuthentication goes too and the "
+                + "state returns to beforeFirstUnlock (iOS: 72). Default: never.")
     )
     var inactivityRelock: Double?
 
@@ -61,18 +61,17 @@ struct Mount: ParsableCommand {
 
     @Flag(
         help: ArgumentHelp(
-            "Send every write to the daemon at once instead of through the kernel's write-back cache (slower; a full " +
-                "disk then fails the write() itself rather than the later fsync() or close()).")
+            "Send every write to the daemon at once instead of through the kernel's write-back cache (slower; a full "
+                + "disk then fails the write() itself rather than the later fsync() or close()).")
     )
     var noWritebackCache = false
 
     @Option(
         help: ArgumentHelp(
-            "Watch the store for changes another writer makes (a sync engine): auto (in full when the store has " +
-                "another device or lies in a folder a sync engine marks, such as Syncthing's .stfolder; otherwise " +
-                "from the first change another process makes at the store's top level), on (always: engines that " +
-                "leave no " +
-                "marker, such as rclone or Unison), off (the daemon is the only writer).")
+            "Watch the store for changes another writer makes (a sync engine): auto (in full when the store has "
+                + "another device or lies in a folder a sync engine marks, such as Syncthing's .stfolder; otherwise "
+                + "from the first change another process makes at the store's top level), on (always: engines that "
+                + "leave no " + "marker, such as rclone or Unison), off (the daemon is the only writer).")
     )
     var watchStore: StoreSharing.Mode = .auto
 
@@ -82,8 +81,8 @@ struct Mount: ParsableCommand {
     @Option(
         name: .customShort("o"),
         help: ArgumentHelp(
-            "FUSE mount options, comma separated (e.g. allow_other; suid,dev: set-ID programs and device files work, " +
-                "root only, as on ext4; without them the mount is nosuid,nodev).")
+            "FUSE mount options, comma separated (e.g. allow_other; suid,dev: set-ID programs and device files work, "
+                + "root only, as on ext4; without them the mount is nosuid,nodev).")
     )
     var options: [String] = []
 
@@ -186,7 +185,7 @@ struct Mount: ParsableCommand {
     }
 
     func run() throws {
-        _ = try Keybag.load(storePath: store)   // a clear error before any daemon starts
+        _ = try Keybag.load(storePath: store)  // a clear error before any daemon starts
         let policy = try classPolicy()
         let socketPath = socket ?? ControlPaths.defaultSocket(forMountpoint: mountpoint)
         let fuseOptions = options.flatMap { $0.split(separator: ",").map(String.init) }.filter { !$0.isEmpty }

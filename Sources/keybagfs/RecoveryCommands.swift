@@ -10,15 +10,15 @@ import KeybagDaemon
 struct Recover: ParsableCommand {
     static let configuration = CommandConfiguration(
         abstract:
-            "Set a new passcode (and, if asked, a new device key) from the recovery key; the store must not be " +
-                "mounted.",
+            "Set a new passcode (and, if asked, a new device key) from the recovery key; the store must not be "
+            + "mounted.",
         discussion: """
-        The recovery key is read from --recovery-key-file, or as the first line of stdin with --stdin \
-        (the new passcode is then the second line), or asked on the terminal. No file is re-encrypted. \
-        With --new-device-key a new device key is written (to --device-key or the default path; an \
-        existing file there is replaced) and the old one stops working. Wrong recovery keys are \
-        throttled like passcodes. The recovery key stays valid; replace it with `keybagfs recovery-key rotate`.
-        """)
+            The recovery key is read from --recovery-key-file, or as the first line of stdin with --stdin \
+            (the new passcode is then the second line), or asked on the terminal. No file is re-encrypted. \
+            With --new-device-key a new device key is written (to --device-key or the default path; an \
+            existing file there is replaced) and the old one stops working. Wrong recovery keys are \
+            throttled like passcodes. The recovery key stays valid; replace it with `keybagfs recovery-key rotate`.
+            """)
 
     @OptionGroup var target: UnmountedStore
 
@@ -36,8 +36,8 @@ struct Recover: ParsableCommand {
 
     @Option(
         help: ArgumentHelp(
-            "Bind the new passcode to this machine's TPM 2.0 (re-enrolls a cleared or replaced one): auto (the TPM " +
-                "of --tpm2-device, of the current enrollment, or /dev/tpmrm0, when present), on, or off."))
+            "Bind the new passcode to this machine's TPM 2.0 (re-enrolls a cleared or replaced one): auto (the TPM "
+                + "of --tpm2-device, of the current enrollment, or /dev/tpmrm0, when present), on, or off."))
     var tpm2: TPMChoice = .auto
 
     /// The TPM the recovered passcode is bound to (nil: none), for `deviceKey`.
@@ -86,15 +86,15 @@ struct Recover: ParsableCommand {
         }
         guard FileManager.default.fileExists(atPath: target.store + "/" + Keybag.fileName) else {
             throw KeybagError.invalid(
-                "the device that made this store was removed; add this device again with `keybagfs device add` " +
-                    "and a new device key")
+                "the device that made this store was removed; add this device again with `keybagfs device add` "
+                    + "and a new device key")
         }
         let others = StoreDevices.list(storePath: target.store).contains { $0.keybag != Keybag.fileName }
         guard firstDevice || !others else {
             throw KeybagError.invalid(
-                "this store has several devices and a new device key takes over the keybag of the device that " +
-                    "made it: add --first-device if this is that device; any other device is added again with " +
-                    "`keybagfs device add` and a new device key, and its old id removed")
+                "this store has several devices and a new device key takes over the keybag of the device that "
+                    + "made it: add --first-device if this is that device; any other device is added again with "
+                    + "`keybagfs device add` and a new device key, and its old id removed")
         }
         var kb = try Keybag.load(storePath: target.store, relativePath: Keybag.fileName)
         let staged = dkPath + ".new"
@@ -116,8 +116,8 @@ struct Recover: ParsableCommand {
         }
         DeviceKeyFile.syncFolder(of: dkPath)
         print(
-            "recovered \(target.store): new passcode set; new device key \(dkPath) (the old one no longer opens " +
-                "the store)"
+            "recovered \(target.store): new passcode set; new device key \(dkPath) (the old one no longer opens "
+                + "the store)"
         )
     }
 
@@ -134,8 +134,8 @@ struct Recover: ParsableCommand {
             try kb.unwrapDeviceKeySlot("D", deviceKey: dk).wipe()
         } catch KeybagError.badDeviceKey {
             throw KeybagError.invalid(
-                "the device key \(dkPath) does not open this store; if the right one is lost, run again with " +
-                    "--new-device-key"
+                "the device key \(dkPath) does not open this store; if the right one is lost, run again with "
+                    + "--new-device-key"
             )
         }
         _ = try? kb.authenticate(deviceKey: dk)
@@ -159,8 +159,8 @@ struct RecoveryKeyCommand: ParsableCommand {
         static let configuration = CommandConfiguration(
             abstract: "Make a new recovery key (the old one stops working); the store must not be mounted.",
             discussion:
-                "Needs the passcode (asked on the terminal, or one line of stdin with --passcode-stdin) and the " +
-                    "device key. Also gives a recovery key to a store made without one."
+                "Needs the passcode (asked on the terminal, or one line of stdin with --passcode-stdin) and the "
+                + "device key. Also gives a recovery key to a store made without one."
         )
 
         @OptionGroup var target: UnmountedStore

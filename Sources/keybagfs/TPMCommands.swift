@@ -35,8 +35,8 @@ struct TPMCommand: ParsableCommand {
     static func warnIfLockoutIsOpen(_ sealer: TPMSealer) {
         guard let st = try? sealer.lockoutState(), !st.lockoutAuthSet else { return }
         print(
-            "  warning: the TPM's lockout authorization is empty, so any root user can clear its lockout and keep " +
-                "guessing; set one with `tpm2_changeauth -c lockout` (keep it apart from this machine)")
+            "  warning: the TPM's lockout authorization is empty, so any root user can clear its lockout and keep "
+                + "guessing; set one with `tpm2_changeauth -c lockout` (keep it apart from this machine)")
     }
 
     /// `keybagfs tpm2 helper`: one seal or unseal for the daemon (`TPMHelperProcess`), on
@@ -56,12 +56,12 @@ struct TPMCommand: ParsableCommand {
         static let configuration = CommandConfiguration(
             abstract: "Bind this device's passcode to its TPM: no passcode can then be tried off this machine.",
             discussion: """
-            The passcode is asked (or read from stdin with --passcode-stdin); a wrong one counts. A random secret is \
-            sealed in the TPM behind an authorization derived from the passcode, and the class keys are rewrapped \
-            under a key that needs it. The TPM's file goes to /var/lib/keybagfs/DEVICEID.tpm2 ($STATE_DIRECTORY), never \
-            into the store. \
-            The TPM is --tpm2-device, else /dev/tpmrm0.
-            """)
+                The passcode is asked (or read from stdin with --passcode-stdin); a wrong one counts. A random secret is \
+                sealed in the TPM behind an authorization derived from the passcode, and the class keys are rewrapped \
+                under a key that needs it. The TPM's file goes to /var/lib/keybagfs/DEVICEID.tpm2 ($STATE_DIRECTORY), never \
+                into the store. \
+                The TPM is --tpm2-device, else /dev/tpmrm0.
+                """)
 
         @OptionGroup var target: UnmountedStore
 
@@ -72,7 +72,8 @@ struct TPMCommand: ParsableCommand {
             try TPMCommand.moving(target, passcodeStdin: passcodeStdin) { kb, dk, passcode in
                 if let current = kb.sealer as? TPMSealer {
                     throw KeybagError.invalid(
-                        "this device is already bound to the TPM at \(current.tcti); `keybagfs tpm2 remove` first to move it")
+                        "this device is already bound to the TPM at \(current.tcti); `keybagfs tpm2 remove` first to move it"
+                    )
                 }
                 guard let tcti = try TPMChoice.on.tcti(device: target.tpm2Device) else { return }
                 let sealer = try TPMSealer.enroll(tcti: tcti, deviceKey: dk, storeID: kb.file.storeID)

@@ -49,8 +49,8 @@ enum RecoveryKeyOutput {
                 && fsync(fd) == 0
             guard ok else { throw KeybagError.system("cannot write the recovery key file \(file)", errno) }
             print(
-                "recovery key: written to \(file)  (keep it offline; it opens the store without passcode and device " +
-                    "key)"
+                "recovery key: written to \(file)  (keep it offline; it opens the store without passcode and device "
+                    + "key)"
             )
             return
         }
@@ -69,7 +69,8 @@ enum RecoveryKeyOutput {
             return true
         }
         fflush(nil)
-        let ok = try Array(intro.utf8).withUnsafeBytes { put($0.baseAddress!, $0.count) }
+        let ok =
+            try Array(intro.utf8).withUnsafeBytes { put($0.baseAddress!, $0.count) }
             && text.withBytes { put($0.baseAddress!, $0.count) } && put("\n", 1)
         guard ok else {
             throw KeybagError.system("cannot show the recovery key on standard output; nothing was changed", errno)

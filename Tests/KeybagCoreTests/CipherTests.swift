@@ -2,6 +2,7 @@ import CCrypto
 import CSodium
 import CTestSupport
 import XCTest
+
 @testable import KeybagCore
 
 /// The content ciphers on hardware AES: published vectors, agreement with libsodium for the
@@ -26,7 +27,7 @@ final class CipherTests: XCTestCase {
         ]
         let plain = Array("XAES-256-GCM".utf8)
         for c in cases {
-            kbfs_crypto_forget()   // no batch going on: the seal takes the nonce given
+            kbfs_crypto_forget()  // no batch going on: the seal takes the nonce given
             var nonce = Array("ABCDEFGHIJKLMNOPQRSTUVWX".utf8)
             let key = [UInt8](repeating: c.key, count: 32), ad = Array(c.aad.utf8)
             var k1 = [UInt8](repeating: 0, count: 16)
@@ -56,12 +57,19 @@ final class CipherTests: XCTestCase {
 
     /// GCM specification test case 16 (AES-256, 96-bit IV, AAD): AES-256-GCM itself.
     func testAES256GCMVector() throws {
-        let key = hex("feffe9928665731c6d6a8f9467308308feffe9928665731c6d6a8f9467308308"), iv = hex("cafebabefacedbaddecaf888")
-        let p = hex("d9313225f88406e5a55909c5aff5269a86a7a9531534f7da2e4c303d8a318a721c3c0c95956809532fcf0e2449a6b525b16aedf5aa0de657ba637b39")
+        let key = hex("feffe9928665731c6d6a8f9467308308feffe9928665731c6d6a8f9467308308"),
+            iv = hex("cafebabefacedbaddecaf888")
+        let p = hex(
+            "d9313225f88406e5a55909c5aff5269a86a7a9531534f7da2e4c303d8a318a721c3c0c95956809532fcf0e2449a6b525b16aedf5aa0de657ba637b39"
+        )
         let ad = hex("feedfacedeadbeeffeedfacedeadbeefabaddad2")
         var ct = [UInt8](repeating: 0, count: p.count), tag = [UInt8](repeating: 0, count: 16)
         XCTAssertEqual(kbfs_aes256gcm_seal(key, iv, ad, ad.count, p, p.count, &ct, &tag), 0)
-        XCTAssertEqual(ct, hex("522dc1f099567d07f47f37a32a84427d643a8cdcbfe5c0c97598a2bd2555d1aa8cb08e48590dbb3da7b08b1056828838c5f61e6393ba7a0abcc9f662"))
+        XCTAssertEqual(
+            ct,
+            hex(
+                "522dc1f099567d07f47f37a32a84427d643a8cdcbfe5c0c97598a2bd2555d1aa8cb08e48590dbb3da7b08b1056828838c5f61e6393ba7a0abcc9f662"
+            ))
         XCTAssertEqual(tag, hex("76fc6ece0f4e1768cddf8853bb2d551b"))
     }
 
@@ -95,7 +103,8 @@ final class CipherTests: XCTestCase {
         Sodium.ensureInitialized()
         guard crypto_aead_aes256gcm_is_available() == 1 else { return XCTFail("this CPU has no AES-NI") }
         for n in [1, 15, 16, 17, 4095, 4096] {
-            let key = Sodium.randomArray(32), nonce = Sodium.randomArray(12), ad = Sodium.randomArray(24), plain = Sodium.randomArray(n)
+            let key = Sodium.randomArray(32), nonce = Sodium.randomArray(12), ad = Sodium.randomArray(24),
+                plain = Sodium.randomArray(n)
             var sodium = [UInt8](repeating: 0, count: n + 16)
             var clen: UInt64 = 0
             XCTAssertEqual(crypto_aead_aes256gcm_encrypt(&sodium, &clen, plain, UInt64(n), ad, 24, nil, nonce, key), 0)
@@ -110,15 +119,21 @@ final class CipherTests: XCTestCase {
 
     /// Forgetting frees every idle context (and with it every cached key schedule).
     func testForgettingFreesIdleContexts() throws {
-        let key = try FileContentKey(key: SecureKey(random: 32), cipher: .xaes256gcm, fileID: Sodium.randomArray(16), sealsEnd: true)
+        let key = try FileContentKey(
+            key: SecureKey(random: 32), cipher: .xaes256gcm, fileID: Sodium.randomArray(16), sealsEnd: true)
         var sealed = [UInt8](repeating: 0, count: 4096 + 40)
         let plain = [UInt8](repeating: 7, count: 4096)
-        try plain.withUnsafeBytes { p in try sealed.withUnsafeMutableBytes { try key.seal(p, block: 0, last: true, into: $0) } }
+        try plain.withUnsafeBytes { p in
+            try sealed.withUnsafeMutableBytes { try key.seal(p, block: 0, last: true, into: $0) }
+        }
         XCTAssertGreaterThan(HardwareAES.contexts, 0)
         HardwareAES.forgetKeySchedules()
         XCTAssertEqual(HardwareAES.contexts, 0)
         var out = [UInt8](repeating: 0, count: 4096)
-        XCTAssertEqual(try sealed.withUnsafeBytes { s in try out.withUnsafeMutableBytes { try key.open(s, block: 0, last: true, into: $0) } }, 4096)
+        XCTAssertEqual(
+            try sealed.withUnsafeBytes { s in
+                try out.withUnsafeMutableBytes { try key.open(s, block: 0, last: true, into: $0) }
+            }, 4096)
         XCTAssertEqual(out, plain, "a new context after forgetting")
     }
 
@@ -140,7 +155,9 @@ final class CipherTests: XCTestCase {
     func testBlocksOfOneKeyShareAPrefixButNeverANonce() throws {
         kbfs_crypto_forget()
         let raw = Sodium.randomArray(32)
-        let key = try FileContentKey(key: SecureKey(count: 32) { $0.copyBytes(from: raw) }, cipher: .xaes256gcm, fileID: Sodium.randomArray(16), sealsEnd: true)
+        let key = try FileContentKey(
+            key: SecureKey(count: 32) { $0.copyBytes(from: raw) }, cipher: .xaes256gcm, fileID: Sodium.randomArray(16),
+            sealsEnd: true)
         let sealed = try sealBlocks(key, 300)
         let nonces = sealed.map { Array($0[0..<24]) }
         XCTAssertEqual(Set(nonces.map { $0 }).count, 300, "no nonce twice")
@@ -156,7 +173,8 @@ final class CipherTests: XCTestCase {
             let kx = derivedKey(raw, k1: k1, prefix: s[0..<12])
             var back = [UInt8](repeating: 0, count: 64)
             let ad = key.fileID + withUnsafeBytes(of: UInt64(b).littleEndian) { Array($0) }
-            XCTAssertEqual(kbfs_aes256gcm_open(kx, Array(s[12..<24]), ad, 24, Array(s[24..<88]), 64, Array(s[88...]), &back), 0)
+            XCTAssertEqual(
+                kbfs_aes256gcm_open(kx, Array(s[12..<24]), ad, 24, Array(s[24..<88]), 64, Array(s[88...]), &back), 0)
             XCTAssertEqual(back, [UInt8](repeating: UInt8(truncatingIfNeeded: b), count: 64))
         }
     }
@@ -168,13 +186,15 @@ final class CipherTests: XCTestCase {
         kbfs_test_set_xaes_batch(3)
         defer { kbfs_test_set_xaes_batch(0) }
         func key() throws -> FileContentKey {
-            try FileContentKey(key: SecureKey(random: 32), cipher: .xaes256gcm, fileID: Sodium.randomArray(16), sealsEnd: true)
+            try FileContentKey(
+                key: SecureKey(random: 32), cipher: .xaes256gcm, fileID: Sodium.randomArray(16), sealsEnd: true)
         }
         let a = try key(), b = try key()
         let prefixes = { (s: [[UInt8]]) in s.map { Array($0[0..<12]) } }
         let a1 = try sealBlocks(a, 7)
         let p = prefixes(a1)
-        XCTAssertEqual(p[0], p[2]); XCTAssertNotEqual(p[2], p[3]); XCTAssertEqual(p[3], p[5]); XCTAssertNotEqual(p[5], p[6])
+        XCTAssertEqual(p[0], p[2]); XCTAssertNotEqual(p[2], p[3]); XCTAssertEqual(p[3], p[5]);
+        XCTAssertNotEqual(p[5], p[6])
         let b1 = try sealBlocks(b, 2)
         let a2 = try sealBlocks(a, 2)
         XCTAssertNotEqual(prefixes(a2)[0], p[6], "another key in between starts a new batch")
@@ -183,20 +203,26 @@ final class CipherTests: XCTestCase {
         XCTAssertNotEqual(prefixes(a3)[0], prefixes(a2)[1], "a forget starts a new batch")
         XCTAssertEqual(Set((a1 + a2 + a3).map { Array($0[0..<24]) }).count, 10)
         // Interleaved opens: every block under its own key, whatever the context last held.
-        let all = a1.enumerated().map { (a, $0.offset, $0.element) } + b1.enumerated().map { (b, $0.offset, $0.element) }
+        let all =
+            a1.enumerated().map { (a, $0.offset, $0.element) } + b1.enumerated().map { (b, $0.offset, $0.element) }
             + a2.enumerated().map { (a, $0.offset, $0.element) }
         for (k, blk, s) in all.shuffled() + all.reversed() {
             var out = [UInt8](repeating: 0, count: 64)
             var run = 0
             let n = try s.withUnsafeBytes { sb in
-                try out.withUnsafeMutableBytes { try k.open(sb, block: UInt64(blk), last: false, markedRun: &run, into: $0) }
+                try out.withUnsafeMutableBytes {
+                    try k.open(sb, block: UInt64(blk), last: false, markedRun: &run, into: $0)
+                }
             }
             XCTAssertEqual(n, 64)
             XCTAssertEqual(out, [UInt8](repeating: UInt8(truncatingIfNeeded: blk), count: 64))
             var bad = s; bad[30] ^= 1
-            XCTAssertThrowsError(try bad.withUnsafeBytes { sb in
-                try out.withUnsafeMutableBytes { try k.open(sb, block: UInt64(blk), last: false, markedRun: &run, into: $0) }
-            })
+            XCTAssertThrowsError(
+                try bad.withUnsafeBytes { sb in
+                    try out.withUnsafeMutableBytes {
+                        try k.open(sb, block: UInt64(blk), last: false, markedRun: &run, into: $0)
+                    }
+                })
         }
     }
 
@@ -211,7 +237,8 @@ final class CipherTests: XCTestCase {
         var wrong = k1; wrong[0] ^= 1
         var blocks: [(nonce: [UInt8], ct: [UInt8], tag: [UInt8])] = []
         for _ in 0..<3 {
-            var nonce = Sodium.randomArray(24), ct = [UInt8](repeating: 0, count: 100), tag = [UInt8](repeating: 0, count: 16)
+            var nonce = Sodium.randomArray(24), ct = [UInt8](repeating: 0, count: 100),
+                tag = [UInt8](repeating: 0, count: 16)
             XCTAssertEqual(kbfs_xaes256gcm_seal(key, k1, &nonce, nil, 0, plain, 100, &ct, &tag), 0)
             blocks.append((nonce, ct, tag))
         }
@@ -225,7 +252,8 @@ final class CipherTests: XCTestCase {
         // A seal after an open of the batch's block (the context keyed for decryption) goes on
         // with the batch and is still XAES under the right key.
         XCTAssertEqual(kbfs_xaes256gcm_open(key, k1, b[2].nonce, nil, 0, b[2].ct, 100, b[2].tag, &back), 0)
-        var nonce = Sodium.randomArray(24), ct = [UInt8](repeating: 0, count: 100), tag = [UInt8](repeating: 0, count: 16)
+        var nonce = Sodium.randomArray(24), ct = [UInt8](repeating: 0, count: 100),
+            tag = [UInt8](repeating: 0, count: 16)
         XCTAssertEqual(kbfs_xaes256gcm_seal(key, k1, &nonce, nil, 0, plain, 100, &ct, &tag), 0)
         XCTAssertEqual(nonce[0..<12], b[0].nonce[0..<12], "the batch goes on")
         let kx = derivedKey(key, k1: k1, prefix: nonce[0..<12])
@@ -237,7 +265,8 @@ final class CipherTests: XCTestCase {
     func testWhichCiphersShareAStore() {
         XCTAssertTrue(ContentCipher.xaes256gcm.sharesLayout(with: .xchacha20poly1305))
         XCTAssertFalse(ContentCipher.aes256gcm.sharesLayout(with: .xaes256gcm))
-        XCTAssertEqual(BlockLayout(cipher: .xaes256gcm).cipherBlockSize, BlockLayout(cipher: .xchacha20poly1305).cipherBlockSize)
+        XCTAssertEqual(
+            BlockLayout(cipher: .xaes256gcm).cipherBlockSize, BlockLayout(cipher: .xchacha20poly1305).cipherBlockSize)
         XCTAssertEqual(ContentCipher.default, kbfs_cpu_has_aes() == 1 ? .xaes256gcm : .xchacha20poly1305)
     }
 }

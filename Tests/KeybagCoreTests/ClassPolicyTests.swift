@@ -4,16 +4,18 @@ import XCTest
 /// Parsing and matching of mount-time class policies.
 final class ClassPolicyTests: XCTestCase {
     func testParsesFilesWithCommentsBothSeparatorsAndAppleNames() throws {
-        let p = try ClassPolicy(text: """
-        # app container layout
-        Documents            complete
-        ./Library/Caches/    none      # trailing slash and ./ are fine
-        **/tmp=completeUnlessOpen
-        My Files  NSFileProtectionComplete
+        let p = try ClassPolicy(
+            text: """
+                # app container layout
+                Documents            complete
+                ./Library/Caches/    none      # trailing slash and ./ are fine
+                **/tmp=completeUnlessOpen
+                My Files  NSFileProtectionComplete
 
-        """)
+                """)
         XCTAssertEqual(p.rules.map(\.pattern), ["Documents", "Library/Caches", "**/tmp", "My Files"])
-        XCTAssertEqual(p.rules.map(\.protectionClass), [.complete, ProtectionClass.none, .completeUnlessOpen, .complete])
+        XCTAssertEqual(
+            p.rules.map(\.protectionClass), [.complete, ProtectionClass.none, .completeUnlessOpen, .complete])
         XCTAssertEqual(p.depth, 2)
     }
 
@@ -35,7 +37,9 @@ final class ClassPolicyTests: XCTestCase {
         XCTAssertEqual(p.protectionClass(tail: ["Documents"], fromRoot: true), .complete)
         XCTAssertNil(p.protectionClass(tail: ["a", "Documents"], fromRoot: true), "anchored at the root")
         XCTAssertNil(p.protectionClass(tail: ["Documents"], fromRoot: false), "a tail that is not the whole path")
-        XCTAssertNil(p.protectionClass(tail: ["Documents", "x"], fromRoot: true), "not inherited by pattern: x inherits by class")
+        XCTAssertNil(
+            p.protectionClass(tail: ["Documents", "x"], fromRoot: true), "not inherited by pattern: x inherits by class"
+        )
         XCTAssertEqual(p.protectionClass(tail: ["Library", "Caches"], fromRoot: true), ProtectionClass.none)
         XCTAssertNil(p.protectionClass(tail: ["Library", "Prefs"], fromRoot: true))
         XCTAssertEqual(p.protectionClass(tail: ["home", "u", ".cache"], fromRoot: true), ProtectionClass.none)

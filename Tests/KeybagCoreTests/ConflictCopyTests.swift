@@ -1,5 +1,6 @@
-@testable import KeybagCore
 import XCTest
+
+@testable import KeybagCore
 
 /// Syncthing's conflict copies of encrypted names, and the readable names the mount shows.
 final class ConflictCopyTests: XCTestCase {
@@ -28,16 +29,20 @@ final class ConflictCopyTests: XCTestCase {
     }
 
     func testOtherEntriesAndNamesAreNotConflicts() {
-        for backing in ["q1w2E3r4", ".kbfs-dir", ".kbfs-dir.sync-conflict-20261125-101010-HOSTB27", "kbl.abc.name",
-                        "kbl.sync-conflict-20261125-101010-HOSTB27", "kbl.sync-conflict-20261125-101010-HOSTB27.",
-                        "kbl.sync-conflict-20261125-101010-HOSTB27.a.b", "a.b.sync-conflict-20261125-101010-HOSTB27",
-                        "abc.sync-conflict-2026112-101010-HOSTB27", "abc.sync-conflict-20261125-101010-hostb27",
-                        "abc.sync-conflict-20261125-101010-HOSTB2", ".sync-conflict-20261125-101010-HOSTB27"] {
+        for backing in [
+            "q1w2E3r4", ".kbfs-dir", ".kbfs-dir.sync-conflict-20261125-101010-HOSTB27", "kbl.abc.name",
+            "kbl.sync-conflict-20261125-101010-HOSTB27", "kbl.sync-conflict-20261125-101010-HOSTB27.",
+            "kbl.sync-conflict-20261125-101010-HOSTB27.a.b", "a.b.sync-conflict-20261125-101010-HOSTB27",
+            "abc.sync-conflict-2026112-101010-HOSTB27", "abc.sync-conflict-20261125-101010-hostb27",
+            "abc.sync-conflict-20261125-101010-HOSTB2", ".sync-conflict-20261125-101010-HOSTB27",
+        ] {
             XCTAssertNil(ConflictCopy(backing: backing), backing)
         }
-        for name in ["report.txt", "report (conflict).txt", "report (conflict 2026-11-25 HOSTB27).txt",
-                     "report (conflict 2026-11-25 1010 HOSTB27).txt", "report (conflict 2026-11-25 101010 hostb27).txt",
-                     " (conflict 2026-11-25 101010 HOSTB27)"] {
+        for name in [
+            "report.txt", "report (conflict).txt", "report (conflict 2026-11-25 HOSTB27).txt",
+            "report (conflict 2026-11-25 1010 HOSTB27).txt", "report (conflict 2026-11-25 101010 hostb27).txt",
+            " (conflict 2026-11-25 101010 HOSTB27)",
+        ] {
             XCTAssertNil(ConflictCopy.parse(readable: name), name)
         }
     }

@@ -38,7 +38,8 @@ final class ControlMessagesTests: XCTestCase {
                     .init(pattern: "Documents/**", protectionClass: "complete"),
                     .init(pattern: "Downloads", protectionClass: "none"),
                 ])),
-            #"{"ok":true,"rules":[{"class":"complete","pattern":"Documents/**"},{"class":"none","pattern":"Downloads"}]}"#)
+            #"{"ok":true,"rules":[{"class":"complete","pattern":"Documents/**"},{"class":"none","pattern":"Downloads"}]}"#
+        )
         XCTAssertEqual(
             ControlProtocol.encode(
                 ControlRefusal(.throttled, "too many failed attempts; retry in 60 s", retryAfter: 60)),
@@ -81,7 +82,8 @@ final class ControlMessagesTests: XCTestCase {
         XCTAssertEqual(ControlCall.lock(grace: 86399.5).line, #"{"grace":86399.5,"op":"lock"}"#)
         XCTAssertEqual(ControlCall.lock(grace: nil).line, #"{"op":"lock"}"#)
         XCTAssertEqual(
-            ControlCall.unlock(passcode: "é\u{1}\"\\/ \u{7f}").line, "{\"op\":\"unlock\",\"passcode\":\"é\\u0001\\\"\\\\/ \u{7f}\"}")
+            ControlCall.unlock(passcode: "é\u{1}\"\\/ \u{7f}").line,
+            "{\"op\":\"unlock\",\"passcode\":\"é\\u0001\\\"\\\\/ \u{7f}\"}")
         XCTAssertEqual(ControlCall.passwd(old: "a", new: "b").line, #"{"new":"b","old":"a","op":"passwd"}"#)
     }
 

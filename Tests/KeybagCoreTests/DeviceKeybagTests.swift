@@ -2,6 +2,7 @@ import CSodium
 import Foundation
 import Glibc
 import XCTest
+
 @testable import KeybagCore
 
 /// Devices of one store: a keybag per device, adding with the recovery key, removing by a
@@ -16,7 +17,8 @@ final class DeviceKeybagTests: TempDirTestCase {
             storePath: dir, storeID: storeID, passcode: secret("pa"), deviceKey: dkA, strength: .interactive,
             recovery: recovery, deviceName: "a")
         let b = try Keybag.addDevice(
-            storePath: dir, recovery: recovery, passcode: secret("pb"), deviceKey: dkB, name: "b", strength: .interactive)
+            storePath: dir, recovery: recovery, passcode: secret("pb"), deviceKey: dkB, name: "b",
+            strength: .interactive)
         return (a, dkA, b, dkB, recovery)
     }
 
@@ -25,9 +27,14 @@ final class DeviceKeybagTests: TempDirTestCase {
         let a = try Keybag.load(storePath: dir, deviceKey: dkA), b = try Keybag.load(storePath: dir, deviceKey: dkB)
         XCTAssertEqual(a.relativePath, "keybag")
         XCTAssertEqual(b.relativePath, "devices/\(try DeviceIdentity.id(deviceKey: dkB, storeID: storeID)).keybag")
-        XCTAssertThrowsError(try b.unlock(passcode: secret("pa"), deviceKey: dkB)) { XCTAssertEqual($0 as? KeybagError, .badPasscode) }
-        XCTAssertThrowsError(try a.unlock(passcode: secret("pb"), deviceKey: dkA)) { XCTAssertEqual($0 as? KeybagError, .badPasscode) }
-        let ka = try a.openAll(passcode: secret("pa"), deviceKey: dkA), kb = try b.openAll(passcode: secret("pb"), deviceKey: dkB)
+        XCTAssertThrowsError(try b.unlock(passcode: secret("pa"), deviceKey: dkB)) {
+            XCTAssertEqual($0 as? KeybagError, .badPasscode)
+        }
+        XCTAssertThrowsError(try a.unlock(passcode: secret("pb"), deviceKey: dkA)) {
+            XCTAssertEqual($0 as? KeybagError, .badPasscode)
+        }
+        let ka = try a.openAll(passcode: secret("pa"), deviceKey: dkA),
+            kb = try b.openAll(passcode: secret("pb"), deviceKey: dkB)
         XCTAssertTrue(try same(ka.sets[0].classA, kb.sets[0].classA))
         XCTAssertTrue(try same(ka.classD[0], kb.classD[0]))
         XCTAssertTrue(try same(ka.volume, kb.volume))
@@ -45,14 +52,19 @@ final class DeviceKeybagTests: TempDirTestCase {
     func testARemovalStartsAKeySetTheRemovedDeviceNeverHolds() throws {
         var (a, dkA, b, dkB, recovery) = try twoDevices()
         let idB = try DeviceIdentity.id(deviceKey: dkB, storeID: storeID)
-        XCTAssertThrowsError(try a.removeDevice(idB, passcode: secret("wrong"), deviceKey: dkA, recovery: recovery, now: 1000))
+        XCTAssertThrowsError(
+            try a.removeDevice(idB, passcode: secret("wrong"), deviceKey: dkA, recovery: recovery, now: 1000))
         XCTAssertEqual(a.file.failedAttempts, 1, "a wrong passcode counts")
-        XCTAssertThrowsError(try a.removeDevice(idB, passcode: secret("pa"), deviceKey: dkA, recovery: nil, now: 1500)) {
+        XCTAssertThrowsError(try a.removeDevice(idB, passcode: secret("pa"), deviceKey: dkA, recovery: nil, now: 1500))
+        {
             XCTAssertTrue("\($0)".contains("recovery key"), "the recovery key must cover the new set: \($0)")
         }
-        XCTAssertThrowsError(try a.removeDevice(idB, passcode: secret("pa"), deviceKey: dkA, recovery: RecoveryKey.generate(), now: 1600))
+        XCTAssertThrowsError(
+            try a.removeDevice(idB, passcode: secret("pa"), deviceKey: dkA, recovery: RecoveryKey.generate(), now: 1600)
+        )
         XCTAssertEqual(a.currentKeySet, 0, "nothing changed")
-        XCTAssertEqual(try a.removeDevice(idB, passcode: secret("pa"), deviceKey: dkA, recovery: recovery, now: 2000), 1)
+        XCTAssertEqual(
+            try a.removeDevice(idB, passcode: secret("pa"), deviceKey: dkA, recovery: recovery, now: 2000), 1)
         XCTAssertGreaterThanOrEqual(a.file.format, Keybag.keySetsFormat, "a keybag older versions refuse")
         XCTAssertFalse(FileManager.default.fileExists(atPath: dir + "/" + b.relativePath))
         XCTAssertEqual(StoreDevices.list(storePath: dir).first { $0.id == idB }?.removedBeforeKeySet, 1)
@@ -61,11 +73,12 @@ final class DeviceKeybagTests: TempDirTestCase {
         let ringA = ClassKeyring(classD: try a.classDKeys(deviceKey: dkA), current: 1)
         ringA.install(try a.unlockAll(passcode: secret("pa"), deviceKey: dkA))
         let ringB = ClassKeyring(classD: try b.classDKeys(deviceKey: dkB), current: 0)
-        ringB.install(try b.unlockAll(passcode: secret("pb"), deviceKey: dkB))   // B's copy, as its thief kept it
+        ringB.install(try b.unlockAll(passcode: secret("pb"), deviceKey: dkB))  // B's copy, as its thief kept it
         for cls in ProtectionClass.allCases {
             let (wrap, _, set) = try XCTUnwrap(ringA.wrappingKey(for: cls))
             XCTAssertEqual(set, 1)
-            let h = try FileHeader.create(fileKey: SecureKey(random: 32), class: cls, cipher: .xchacha20poly1305, using: wrap, keySet: set)
+            let h = try FileHeader.create(
+                fileKey: SecureKey(random: 32), class: cls, cipher: .xchacha20poly1305, using: wrap, keySet: set)
             XCTAssertNoThrow(try h.unwrap(using: XCTUnwrap(ringA.unwrappingKey(for: cls, keySet: 1))), "\(cls)")
             XCTAssertNil(ringB.unwrappingKey(for: cls, keySet: 1), "B holds no key of set 1 (\(cls))")
             // Claiming set 0 does not make B's keys fit: the set is bound into the wrap.
@@ -73,30 +86,43 @@ final class DeviceKeybagTests: TempDirTestCase {
             claimed.keySet = 0
             let b0 = try XCTUnwrap(ringB.unwrappingKey(for: cls, keySet: 0))
             XCTAssertThrowsError(try claimed.unwrap(using: b0), "\(cls)")
-            XCTAssertThrowsError(try FileHeader.parse(claimed.encodeSlot() + [UInt8](repeating: 0, count: 160)).unwrap(using: b0))
+            XCTAssertThrowsError(
+                try FileHeader.parse(claimed.encodeSlot() + [UInt8](repeating: 0, count: 160)).unwrap(using: b0))
         }
         // Older files still open on A with set 0.
         let (w0, _, _) = try XCTUnwrap(ringB.wrappingKey(for: .complete))
-        let old = try FileHeader.create(fileKey: SecureKey(random: 32), class: .complete, cipher: .xchacha20poly1305, using: w0)
+        let old = try FileHeader.create(
+            fileKey: SecureKey(random: 32), class: .complete, cipher: .xchacha20poly1305, using: w0)
         XCTAssertNoThrow(try old.unwrap(using: XCTUnwrap(ringA.unwrappingKey(for: .complete, keySet: 0))))
         // The removed device's key now only tells it that it was removed.
-        XCTAssertThrowsError(try Keybag.load(storePath: dir, deviceKey: dkB)) { XCTAssertTrue("\($0)".contains("was removed"), "\($0)") }
+        XCTAssertThrowsError(try Keybag.load(storePath: dir, deviceKey: dkB)) {
+            XCTAssertTrue("\($0)".contains("was removed"), "\($0)")
+        }
         XCTAssertThrowsError(try a.removeDevice(idB, passcode: secret("pa"), deviceKey: dkA, recovery: recovery))
-        XCTAssertThrowsError(try a.removeDevice(try DeviceIdentity.id(deviceKey: dkA, storeID: storeID), passcode: secret("pa"), deviceKey: dkA, recovery: recovery))
+        XCTAssertThrowsError(
+            try a.removeDevice(
+                try DeviceIdentity.id(deviceKey: dkA, storeID: storeID), passcode: secret("pa"), deviceKey: dkA,
+                recovery: recovery))
     }
 
     func testTheRecoveryKeyCoversEveryKeySetAndOnlyItsHoldersWriteEscrow() throws {
         var (a, dkA, _, dkB, recovery) = try twoDevices()
         // A third device C joins before B is removed.
         let dkC = SecureKey(random: 32)
-        var c = try Keybag.addDevice(storePath: dir, recovery: recovery, passcode: secret("pc"), deviceKey: dkC, name: "c", strength: .interactive)
-        _ = try a.removeDevice(try DeviceIdentity.id(deviceKey: dkB, storeID: storeID), passcode: secret("pa"), deviceKey: dkA, recovery: recovery)
+        var c = try Keybag.addDevice(
+            storePath: dir, recovery: recovery, passcode: secret("pc"), deviceKey: dkC, name: "c",
+            strength: .interactive)
+        _ = try a.removeDevice(
+            try DeviceIdentity.id(deviceKey: dkB, storeID: storeID), passcode: secret("pa"), deviceKey: dkA,
+            recovery: recovery)
         let keysA = try a.openAll(passcode: secret("pa"), deviceKey: dkA)
         XCTAssertEqual(keysA.sets.count, 2)
         let escrowed = try a.escrowedKeys(recovery: recovery)
         XCTAssertEqual(escrowed.sets.count, 2)
         XCTAssertTrue(try escrowed.sameKeys(as: keysA))
-        XCTAssertThrowsError(try a.escrowedKeys(recovery: RecoveryKey.generate())) { XCTAssertEqual($0 as? KeybagError, .badRecoveryKey) }
+        XCTAssertThrowsError(try a.escrowedKeys(recovery: RecoveryKey.generate())) {
+            XCTAssertEqual($0 as? KeybagError, .badRecoveryKey)
+        }
         // C is behind: it may not remove anyone (its set 1 would be another set 1), and takes up
         // set 1 with `recover` from the keybag that holds it.
         XCTAssertEqual(c.currentKeySet, 0)
@@ -105,14 +131,22 @@ final class DeviceKeybagTests: TempDirTestCase {
             XCTAssertTrue("\($0)".contains("recover"), "\($0)")
         }
         // A keybag planted by someone who can write the store, claiming more sets, is passed over.
-        var planted = try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: dir + "/keybag"))) as! [String: Any]
+        var planted =
+            try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: dir + "/keybag")))
+            as! [String: Any]
         planted["keySet"] = 2
         planted["deviceID"] = String(repeating: "e", count: 32)
         var wrapped = planted["wrapped"] as! [String: String]
-        for slot in ["A.2", "B.2", "C.2", "D.2", "rA.2", "rB.2", "rC.2", "rD.2"] { wrapped[slot] = wrapped[slot.replacingOccurrences(of: ".2", with: ".1")] }
+        for slot in ["A.2", "B.2", "C.2", "D.2", "rA.2", "rB.2", "rC.2", "rD.2"] {
+            wrapped[slot] = wrapped[slot.replacingOccurrences(of: ".2", with: ".1")]
+        }
         planted["wrapped"] = wrapped
-        planted["classBPublics"] = ["1": (planted["classBPublics"] as! [String: String])["1"]!, "2": (planted["classBPublics"] as! [String: String])["1"]!]
-        try JSONSerialization.data(withJSONObject: planted).write(to: URL(fileURLWithPath: dir + "/devices/\(String(repeating: "e", count: 32)).keybag"))
+        planted["classBPublics"] = [
+            "1": (planted["classBPublics"] as! [String: String])["1"]!,
+            "2": (planted["classBPublics"] as! [String: String])["1"]!,
+        ]
+        try JSONSerialization.data(withJSONObject: planted).write(
+            to: URL(fileURLWithPath: dir + "/devices/\(String(repeating: "e", count: 32)).keybag"))
         let (source, keys) = try Keybag.escrowSource(storePath: dir, recovery: recovery)
         XCTAssertEqual(source.relativePath, "keybag", "the planted keybag's slots do not open under their names")
         XCTAssertTrue(try keys.sameKeys(as: keysA))
@@ -120,7 +154,9 @@ final class DeviceKeybagTests: TempDirTestCase {
         let keysC = try Keybag.load(storePath: dir, deviceKey: dkC).openAll(passcode: secret("pc2"), deviceKey: dkC)
         XCTAssertTrue(try keysC.sameKeys(as: keysA))
         let dkD = SecureKey(random: 32)
-        let d = try Keybag.addDevice(storePath: dir, recovery: recovery, passcode: secret("pd"), deviceKey: dkD, name: nil, strength: .interactive)
+        let d = try Keybag.addDevice(
+            storePath: dir, recovery: recovery, passcode: secret("pd"), deviceKey: dkD, name: nil,
+            strength: .interactive)
         XCTAssertEqual(d.currentKeySet, 1)
         // A slot moved to another slot's name does not open there.
         var swapped = a
@@ -132,8 +168,11 @@ final class DeviceKeybagTests: TempDirTestCase {
         var (a, dkA, _, dkB, recovery) = try twoDevices()
         let before = try Data(contentsOf: URL(fileURLWithPath: dir + "/keybag"))
         let idA = try DeviceIdentity.id(deviceKey: dkA, storeID: storeID)
-        _ = try a.removeDevice(try DeviceIdentity.id(deviceKey: dkB, storeID: storeID), passcode: secret("pa"), deviceKey: dkA, recovery: recovery)
-        XCTAssertTrue(FileManager.default.fileExists(atPath: dir + "/state/\(storeID).keysets"), "the removal recorded the floor")
+        _ = try a.removeDevice(
+            try DeviceIdentity.id(deviceKey: dkB, storeID: storeID), passcode: secret("pa"), deviceKey: dkA,
+            recovery: recovery)
+        XCTAssertTrue(
+            FileManager.default.fileExists(atPath: dir + "/state/\(storeID).keysets"), "the removal recorded the floor")
         let after = try Data(contentsOf: URL(fileURLWithPath: dir + "/keybag"))
         func write(_ edit: (inout [String: Any]) -> Void) throws {
             var json = try JSONSerialization.jsonObject(with: after) as! [String: Any]
@@ -146,7 +185,9 @@ final class DeviceKeybagTests: TempDirTestCase {
         // The MAC stripped from a keybag with key sets is refused.
         try write { $0["cipherMAC"] = nil }
         var stripped = try Keybag.load(storePath: dir, deviceKey: dkA)
-        XCTAssertThrowsError(try stripped.authenticate(deviceKey: dkA)) { XCTAssertTrue("\($0)".contains("removed offline"), "\($0)") }
+        XCTAssertThrowsError(try stripped.authenticate(deviceKey: dkA)) {
+            XCTAssertTrue("\($0)".contains("removed offline"), "\($0)")
+        }
         // A format-3 keybag claiming format 2 is refused.
         try write { $0["format"] = 2 }
         XCTAssertThrowsError(try Keybag.load(storePath: dir, deviceKey: dkA))
@@ -154,8 +195,12 @@ final class DeviceKeybagTests: TempDirTestCase {
         try before.write(to: URL(fileURLWithPath: dir + "/keybag"))
         let rolledBack = try Keybag.load(storePath: dir, deviceKey: dkA)
         XCTAssertEqual(rolledBack.currentKeySet, 0)
-        XCTAssertThrowsError(try KeySetFloor.check(rolledBack, deviceID: idA)) { XCTAssertTrue("\($0)".contains("rolled back"), "\($0)") }
-        XCTAssertNoThrow(try KeySetFloor.check(rolledBack, deviceID: String(repeating: "0", count: 32)), "each device has its own floor")
+        XCTAssertThrowsError(try KeySetFloor.check(rolledBack, deviceID: idA)) {
+            XCTAssertTrue("\($0)".contains("rolled back"), "\($0)")
+        }
+        XCTAssertNoThrow(
+            try KeySetFloor.check(rolledBack, deviceID: String(repeating: "0", count: 32)),
+            "each device has its own floor")
         // An unreadable record fails closed.
         try Data("{".utf8).write(to: URL(fileURLWithPath: dir + "/state/\(storeID).keysets"))
         XCTAssertThrowsError(try KeySetFloor.check(rolledBack, deviceID: String(repeating: "0", count: 32)))

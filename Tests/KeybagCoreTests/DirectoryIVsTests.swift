@@ -12,7 +12,8 @@ final class DirectoryIVsTests: XCTestCase {
         let copy = try XCTUnwrap(MetadataCopy(backing: ".sync-conflict-20261125-101010-HOSTB27.kbfs-dir"))
         XCTAssertEqual([copy.date, copy.time, copy.device], ["20261125", "101010", "HOSTB27"])
         for name in [
-            ".kbfs-dir", ".sync-conflict-20261125-101010-HOSTB27.kbfs-dirx", ".sync-conflict-2026112-101010-HOSTB27.kbfs-dir",
+            ".kbfs-dir", ".sync-conflict-20261125-101010-HOSTB27.kbfs-dirx",
+            ".sync-conflict-2026112-101010-HOSTB27.kbfs-dir",
             ".sync-conflict-20261125-101010-hostb27.kbfs-dir", "x.sync-conflict-20261125-101010-HOSTB27.kbfs-dir",
             ".sync-conflict-20261125-101010-HOSTB27-1.kbfs-dir",
         ] {
@@ -26,9 +27,12 @@ final class DirectoryIVsTests: XCTestCase {
         let a = try XCTUnwrap(MetadataCopy(backing: ".sync-conflict-20261125-101010-AAAAAAA.kbfs-dir"))
         let b = try XCTUnwrap(MetadataCopy(backing: ".sync-conflict-20261126-090000-BBBBBBB.kbfs-dir"))
         let c = try XCTUnwrap(MetadataCopy(backing: ".sync-conflict-20261127-090000-CCCCCCC.kbfs-dir"))
-        let ivs = DirectoryIVs(own: own, copies: [
-            .init(copy: b, iv: second), .init(copy: c, iv: own), .init(copy: a, iv: first), .init(copy: c, iv: first),
-        ])
+        let ivs = DirectoryIVs(
+            own: own,
+            copies: [
+                .init(copy: b, iv: second), .init(copy: c, iv: own), .init(copy: a, iv: first),
+                .init(copy: c, iv: first),
+            ])
         XCTAssertEqual(ivs.all, [own, first, second])
         XCTAssertEqual(ivs.other(date: "20261126", time: "090000", device: "BBBBBBB")?.index, 2)
         XCTAssertNil(ivs.other(date: "20261127", time: "090000", device: "CCCCCCC"), "same IV as the own: no names")
@@ -58,8 +62,10 @@ final class DirectoryIVsTests: XCTestCase {
 
     func testACopyArrivingOrGoingMakesTheMountReadTheFolderAgain() {
         for event in [StoreChange.Event.appeared, .vanished, .written] {
-            let r = StoreChange(name: ".sync-conflict-20261125-101010-AAAAAAA.kbfs-dir", event: event, isDirectory: false)
-                .response
+            let r = StoreChange(
+                name: ".sync-conflict-20261125-101010-AAAAAAA.kbfs-dir", event: event, isDirectory: false
+            )
+            .response
             XCTAssertTrue(r.directoryMeta && r.everyEntry, "\(event)")
         }
     }

@@ -1,5 +1,6 @@
-@testable import KeybagCore
 import XCTest
+
+@testable import KeybagCore
 
 /// A list of files standing for the daemon's inode table; at each page-cache pass it plays
 /// the kernel writing dirty pages back through the daemon (a write-key fetch per file).
@@ -17,21 +18,23 @@ final class ListedFiles: EvictionTarget {
     func fileKeyLives() -> [(id: UInt64, life: RWLocked<FileKeyLife>)] { files }
 
     func dropPageCache(_ ids: [UInt64], pass: Eviction.Pass, of kind: Eviction.Kind) {
-        let opened = Set(files.filter { ids.contains($0.id) }.compactMap { f -> UInt64? in
-            f.life.write { life -> UInt64? in
-                guard (try? life.open(keyring: keyring, cipher: .default)) != nil else { return nil }
-                _ = life.release(keyring: keyring)
-                return f.id
-            }
-        })
+        let opened = Set(
+            files.filter { ids.contains($0.id) }.compactMap { f -> UInt64? in
+                f.life.write { life -> UInt64? in
+                    guard (try? life.open(keyring: keyring, cipher: .default)) != nil else { return nil }
+                    _ = life.release(keyring: keyring)
+                    return f.id
+                }
+            })
         passes.append((pass, Set(ids), serving(.write, among: ids), opened))
     }
 
     /// The ids (of `among`, or all) whose key serves `use` now, loading it where allowed.
     func serving(_ use: FileKeyLife.Use, among ids: [UInt64]? = nil) -> Set<UInt64> {
-        Set(files.filter { ids?.contains($0.id) ?? true }.compactMap { f in
-            (try? f.life.write { try $0.key(for: use, keyring: keyring, cipher: .default) }) != nil ? f.id : nil
-        })
+        Set(
+            files.filter { ids?.contains($0.id) ?? true }.compactMap { f in
+                (try? f.life.write { try $0.key(for: use, keyring: keyring, cipher: .default) }) != nil ? f.id : nil
+            })
     }
 }
 
@@ -44,8 +47,10 @@ final class EvictionTests: KeyLifeTestCase {
     /// `bClosed` had one (closed while unlocked: its key stays), the class A file has one.
     func filesOfEveryClass(_ ring: ClassKeyring) throws -> ListedFiles {
         var lives: [UInt64: FileKeyLife] = [:]
-        for (id, cls) in [(a, ProtectionClass.complete), (bOpen, .completeUnlessOpen), (bClosed, .completeUnlessOpen),
-                          (c, .completeUntilFirstUserAuthentication), (d, .none)] {
+        for (id, cls) in [
+            (a, ProtectionClass.complete), (bOpen, .completeUnlessOpen), (bClosed, .completeUnlessOpen),
+            (c, .completeUntilFirstUserAuthentication), (d, .none),
+        ] {
             var life = try file(cls, ring)
             _ = try life.open(keyring: ring, cipher: cipher)
             if id == bClosed { XCTAssertEqual(life.release(keyring: ring).pagesMustGo, false) }
@@ -117,11 +122,13 @@ final class EvictionTests: KeyLifeTestCase {
         Eviction(.lock).finish(ring)
         XCTAssertEqual(refused("locked"), [.complete], "locked")
         Eviction(.returnToBeforeFirstUnlock).begin(ring)
-        XCTAssertEqual(refused("returning"), [.completeUnlessOpen, .completeUntilFirstUserAuthentication, .complete],
-                       "while returning")
+        XCTAssertEqual(
+            refused("returning"), [.completeUnlessOpen, .completeUntilFirstUserAuthentication, .complete],
+            "while returning")
         Eviction(.returnToBeforeFirstUnlock).finish(ring)
-        XCTAssertEqual(refused("before first unlock"), [.completeUnlessOpen, .completeUntilFirstUserAuthentication, .complete],
-                       "before first unlock")
+        XCTAssertEqual(
+            refused("before first unlock"), [.completeUnlessOpen, .completeUntilFirstUserAuthentication, .complete],
+            "before first unlock")
         ring.install(try freshUnlock())
         XCTAssertEqual(refused("unlocked again"), [])
     }

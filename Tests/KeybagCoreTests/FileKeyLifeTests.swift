@@ -1,5 +1,6 @@
-@testable import KeybagCore
 import XCTest
+
+@testable import KeybagCore
 
 /// The rules of a file key's life across unlock, the two steps of a lock, handles, class
 /// changes and creates that race a lock — without FUSE.
@@ -20,7 +21,8 @@ final class FileKeyLifeTests: KeyLifeTestCase {
         assertUnavailable(try a.key(for: .write, keyring: ring, cipher: cipher), "write when locked")
         assertUnavailable(try a.key(for: .read, keyring: ring, cipher: cipher), "read when locked")
         ring.install(try freshUnlock())
-        XCTAssertFalse(try a.key(for: .read, keyring: ring, cipher: cipher).isWiped, "reloaded from the header after unlock")
+        XCTAssertFalse(
+            try a.key(for: .read, keyring: ring, cipher: cipher).isWiped, "reloaded from the header after unlock")
     }
 
     func testAFileRewrittenUnderneathIsSupersededItsKeyWipedAndEveryUseRefused() throws {
@@ -33,7 +35,7 @@ final class FileKeyLifeTests: KeyLifeTestCase {
         XCTAssertNil(c.readyKey(for: .read, ring.access))
         for use in [FileKeyLife.Use.read, .write] {
             XCTAssertThrowsError(try c.key(for: use, keyring: ring, cipher: cipher)) { e in
-                guard case KeybagError.corrupt = e else { return XCTFail("\(e)") }   // EIO, not EACCES
+                guard case KeybagError.corrupt = e else { return XCTFail("\(e)") }  // EIO, not EACCES
             }
         }
         XCTAssertEqual(c.openCount, 1, "its handles stay counted")
@@ -45,7 +47,7 @@ final class FileKeyLifeTests: KeyLifeTestCase {
         let ring = try unlockedKeyring()
         var a = try file(.complete, ring)
         let old = try a.open(keyring: ring, cipher: cipher)
-        ring.evictForLock()            // this inode was not visited (the race of a create)
+        ring.evictForLock()  // this inode was not visited (the race of a create)
         XCTAssertNil(a.readyKey(for: .write, ring.access))
         ring.install(try freshUnlock())
         XCTAssertNil(a.readyKey(for: .read, ring.access), "a key from an earlier epoch is never used")
@@ -61,7 +63,7 @@ final class FileKeyLifeTests: KeyLifeTestCase {
         let h = try FileHeader.create(fileKey: raw, class: .complete, cipher: cipher, using: wrap)
         let key = try FileContentKey(key: raw, header: h)
         ring.evictForLock()
-        ring.install(try freshUnlock())   // even unlocked again: the create spanned a lock
+        ring.install(try freshUnlock())  // even unlocked again: the create spanned a lock
         var a = FileKeyLife()
         assertUnavailable(try a.adoptCreated(header: h, key: key, epoch: epoch, keyring: ring), "create across a lock")
         XCTAssertTrue(key.isWiped)
@@ -90,7 +92,9 @@ final class FileKeyLifeTests: KeyLifeTestCase {
         XCTAssertFalse(b.evict(), "a handle is open: pages and key stay")
         XCTAssertTrue(b.readyKey(for: .read, ring.access) === k)
         for target in [ProtectionClass.none, .completeUntilFirstUserAuthentication, .complete] {
-            assertUnavailable(try b.changeClass(to: target, keyring: ring, cipher: cipher) { _ in XCTFail("persisted") }, "B -> \(target) while locked")
+            assertUnavailable(
+                try b.changeClass(to: target, keyring: ring, cipher: cipher) { _ in XCTFail("persisted") },
+                "B -> \(target) while locked")
         }
         XCTAssertEqual(b.protectionClass, .completeUnlessOpen)
         let closed = b.release(keyring: ring)
@@ -112,7 +116,8 @@ final class FileKeyLifeTests: KeyLifeTestCase {
         try c.changeClass(to: .none, keyring: ring, cipher: cipher) { persisted.append($0) }
         XCTAssertEqual(c.protectionClass, ProtectionClass.none)
         ring.beginEviction()
-        assertUnavailable(try c.changeClass(to: .complete, keyring: ring, cipher: cipher) { _ in }, "to A while evicting")
+        assertUnavailable(
+            try c.changeClass(to: .complete, keyring: ring, cipher: cipher) { _ in }, "to A while evicting")
         ring.finishEviction()
         assertUnavailable(try c.changeClass(to: .complete, keyring: ring, cipher: cipher) { _ in }, "to A while locked")
         try c.changeClass(to: .completeUnlessOpen, keyring: ring, cipher: cipher) { persisted.append($0) }
@@ -120,7 +125,10 @@ final class FileKeyLifeTests: KeyLifeTestCase {
         XCTAssertEqual(persisted.map(\.generation), [2, 3])
         // A failed persist changes nothing.
         ring.install(try freshUnlock())
-        XCTAssertThrowsError(try c.changeClass(to: .complete, keyring: ring, cipher: cipher) { _ in throw KeybagError.system("pwrite", ENOSPC) })
+        XCTAssertThrowsError(
+            try c.changeClass(to: .complete, keyring: ring, cipher: cipher) { _ in
+                throw KeybagError.system("pwrite", ENOSPC)
+            })
         XCTAssertEqual(c.protectionClass, .completeUnlessOpen)
     }
 
@@ -159,7 +167,8 @@ final class FileKeyLifeTests: KeyLifeTestCase {
         XCTAssertEqual(ring.access.epoch, e0 + 1)
         XCTAssertTrue(ring.access.evicting)
         XCTAssertFalse(ring.access.canOpen(.complete)); XCTAssertFalse(ring.access.canCreate(.complete))
-        XCTAssertFalse(ring.access.canOpen(.completeUnlessOpen)); XCTAssertTrue(ring.access.canCreate(.completeUnlessOpen))
+        XCTAssertFalse(ring.access.canOpen(.completeUnlessOpen));
+        XCTAssertTrue(ring.access.canCreate(.completeUnlessOpen))
         XCTAssertNil(ring.unwrappingKey(for: .complete))
         XCTAssertNil(ring.wrappingKey(for: .complete))
         ring.finishEviction()

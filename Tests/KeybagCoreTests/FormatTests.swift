@@ -1,13 +1,16 @@
+import CSodium
 import Foundation
 import Glibc
-import CSodium
 import Synchronization
 import XCTest
+
 @testable import KeybagCore
 
 /// The content format and the file header on real temporary files, without FUSE.
 final class FormatTests: TempDirTestCase {
-    func newFile(_ name: String, cipher: ContentCipher, cls: ProtectionClass = .none) throws -> (Int32, FileContentKey, FileHeader, SecureKey) {
+    func newFile(_ name: String, cipher: ContentCipher, cls: ProtectionClass = .none) throws -> (
+        Int32, FileContentKey, FileHeader, SecureKey
+    ) {
         let fd = open(dir + "/" + name, O_RDWR | O_CREAT | O_TRUNC, 0o600)
         XCTAssertGreaterThanOrEqual(fd, 0)
         let classKey = SecureKey(random: 32)
@@ -23,39 +26,51 @@ final class FormatTests: TempDirTestCase {
             for size in [0, 1, 4095, 4096, 4097, 8192, 1_000_000, 12_345_678] {
                 XCTAssertEqual(l.plainSize(backingSize: l.backingSize(plainSize: size)), size, "\(cipher) \(size)")
             }
-            XCTAssertEqual(l.plainSize(backingSize: FileHeader.size + l.overhead), 0, "a fragment without payload is ignored")
+            XCTAssertEqual(
+                l.plainSize(backingSize: FileHeader.size + l.overhead), 0, "a fragment without payload is ignored")
         }
     }
 
     func testRandomIOMatchesModelForBothCiphers() throws {
         for cipher in ContentCipher.allCases where cipher.isAvailable {
-          for sealsEnd in [true, false] {
-            let (fd, sealedKey, _, _) = try newFile("model-\(cipher.name)-\(sealsEnd)", cipher: cipher)
-            defer { close(fd) }
-            // Files written before the end was sealed (header flags 0) must keep working.
-            let key = sealsEnd ? sealedKey : try FileContentKey(key: sealedKey.key, cipher: cipher, fileID: sealedKey.fileID, sealsEnd: false)
-            let c = EncryptedContent(layout: BlockLayout(cipher: cipher))
-            var model: [UInt8] = []
-            var seed: UInt64 = 0x1234_5678
-            func rnd(_ n: Int) -> Int { seed ^= seed << 13; seed ^= seed >> 7; seed ^= seed << 17; return Int(seed % UInt64(max(n, 1))) }
-            for _ in 0..<400 {
-                if rnd(4) == 0 {
-                    let n = rnd(model.count + 9000)
-                    try c.truncate(fd: fd, key: key, to: n)
-                    if n < model.count { model.removeSubrange(n...) } else { model += [UInt8](repeating: 0, count: n - model.count) }
-                } else {
-                    let off = rnd(model.count + 9000)
-                    let data = (0..<(1 + rnd(10000))).map { _ in UInt8(truncatingIfNeeded: rnd(256)) }
-                    try data.withUnsafeBytes { try c.write(fd: fd, key: key, offset: off, data: $0) }
-                    if off + data.count > model.count { model += [UInt8](repeating: 0, count: off + data.count - model.count) }
-                    model.replaceSubrange(off..<(off + data.count), with: data)
+            for sealsEnd in [true, false] {
+                let (fd, sealedKey, _, _) = try newFile("model-\(cipher.name)-\(sealsEnd)", cipher: cipher)
+                defer { close(fd) }
+                // Files written before the end was sealed (header flags 0) must keep working.
+                let key =
+                    sealsEnd
+                    ? sealedKey
+                    : try FileContentKey(key: sealedKey.key, cipher: cipher, fileID: sealedKey.fileID, sealsEnd: false)
+                let c = EncryptedContent(layout: BlockLayout(cipher: cipher))
+                var model: [UInt8] = []
+                var seed: UInt64 = 0x1234_5678
+                func rnd(_ n: Int) -> Int {
+                    seed ^= seed << 13; seed ^= seed >> 7; seed ^= seed << 17; return Int(seed % UInt64(max(n, 1)))
                 }
-                XCTAssertEqual(try c.plainSize(fd: fd), model.count)
+                for _ in 0..<400 {
+                    if rnd(4) == 0 {
+                        let n = rnd(model.count + 9000)
+                        try c.truncate(fd: fd, key: key, to: n)
+                        if n < model.count {
+                            model.removeSubrange(n...)
+                        } else {
+                            model += [UInt8](repeating: 0, count: n - model.count)
+                        }
+                    } else {
+                        let off = rnd(model.count + 9000)
+                        let data = (0..<(1 + rnd(10000))).map { _ in UInt8(truncatingIfNeeded: rnd(256)) }
+                        try data.withUnsafeBytes { try c.write(fd: fd, key: key, offset: off, data: $0) }
+                        if off + data.count > model.count {
+                            model += [UInt8](repeating: 0, count: off + data.count - model.count)
+                        }
+                        model.replaceSubrange(off..<(off + data.count), with: data)
+                    }
+                    XCTAssertEqual(try c.plainSize(fd: fd), model.count)
+                }
+                var out = [UInt8](repeating: 0, count: model.count + 100)
+                let n = try out.withUnsafeMutableBytes { try c.read(fd: fd, key: key, offset: 0, into: $0) }
+                XCTAssertEqual(Array(out[0..<n]), model, "\(cipher.name) sealsEnd \(sealsEnd)")
             }
-            var out = [UInt8](repeating: 0, count: model.count + 100)
-            let n = try out.withUnsafeMutableBytes { try c.read(fd: fd, key: key, offset: 0, into: $0) }
-            XCTAssertEqual(Array(out[0..<n]), model, "\(cipher.name) sealsEnd \(sealsEnd)")
-          }
         }
     }
 
@@ -68,7 +83,9 @@ final class FormatTests: TempDirTestCase {
             defer { close(fd) }
             let c = EncryptedContent(layout: BlockLayout(cipher: cipher))
             var seed: UInt64 = 0x5eed
-            func rnd(_ n: Int) -> Int { seed ^= seed << 13; seed ^= seed >> 7; seed ^= seed << 17; return Int(seed % UInt64(max(n, 1))) }
+            func rnd(_ n: Int) -> Int {
+                seed ^= seed << 13; seed ^= seed >> 7; seed ^= seed << 17; return Int(seed % UInt64(max(n, 1)))
+            }
             var model = (0..<(700 * 1024 + 123)).map { _ in UInt8(truncatingIfNeeded: rnd(256)) }
             try model.withUnsafeBytes { try c.write(fd: fd, key: key, offset: 0, data: $0) }
             // Block-sized appends (marked blocks inside the file) and a hole, then a tail.
@@ -87,7 +104,9 @@ final class FormatTests: TempDirTestCase {
                 let off = rnd(model.count + 200_000)
                 let data = (0..<(256 * 1024 + rnd(800 * 1024))).map { _ in UInt8(truncatingIfNeeded: rnd(256)) }
                 try data.withUnsafeBytes { try c.write(fd: fd, key: key, offset: off, data: $0) }
-                if off + data.count > model.count { model += [UInt8](repeating: 0, count: off + data.count - model.count) }
+                if off + data.count > model.count {
+                    model += [UInt8](repeating: 0, count: off + data.count - model.count)
+                }
                 model.replaceSubrange(off..<(off + data.count), with: data)
                 XCTAssertEqual(try c.plainSize(fd: fd), model.count)
             }
@@ -106,7 +125,9 @@ final class FormatTests: TempDirTestCase {
                 bad[FileHeader.size + block * c.layout.cipherBlockSize + 40] ^= 1
                 setBacking(fd, bad)
                 var out = [UInt8](repeating: 0, count: 1 << 20)
-                XCTAssertThrowsError(try out.withUnsafeMutableBytes { try c.read(fd: fd, key: key, offset: 0, into: $0) }, "\(cipher.name): damage in block \(block)")
+                XCTAssertThrowsError(
+                    try out.withUnsafeMutableBytes { try c.read(fd: fd, key: key, offset: 0, into: $0) },
+                    "\(cipher.name): damage in block \(block)")
             }
             setBacking(fd, full)
         }
@@ -115,7 +136,9 @@ final class FormatTests: TempDirTestCase {
     /// Reads the whole file, mapping errors to a label.
     func readAll(_ fd: Int32, _ key: FileContentKey, _ c: EncryptedContent) -> String {
         var out = [UInt8](repeating: 0, count: 100_000)
-        do { _ = try out.withUnsafeMutableBytes { try c.read(fd: fd, key: key, offset: 0, into: $0) }; return "ok" } catch KeybagError.corrupt { return "corrupt" } catch { return "\(error)" }
+        do {
+            _ = try out.withUnsafeMutableBytes { try c.read(fd: fd, key: key, offset: 0, into: $0) }; return "ok"
+        } catch KeybagError.corrupt { return "corrupt" } catch { return "\(error)" }
     }
 
     func testEveryTamperOfABlockIsAnError() throws {
@@ -140,8 +163,12 @@ final class FormatTests: TempDirTestCase {
         // Blocks swapped within the file.
         let cb = BlockLayout(cipher: cipher).cipherBlockSize
         var swapped = original
-        swapped.replaceSubrange((FileHeader.size)..<(FileHeader.size + cb), with: original[(FileHeader.size + cb)..<(FileHeader.size + 2 * cb)])
-        swapped.replaceSubrange((FileHeader.size + cb)..<(FileHeader.size + 2 * cb), with: original[(FileHeader.size)..<(FileHeader.size + cb)])
+        swapped.replaceSubrange(
+            (FileHeader.size)..<(FileHeader.size + cb),
+            with: original[(FileHeader.size + cb)..<(FileHeader.size + 2 * cb)])
+        swapped.replaceSubrange(
+            (FileHeader.size + cb)..<(FileHeader.size + 2 * cb),
+            with: original[(FileHeader.size)..<(FileHeader.size + cb)])
         _ = pwrite(fd, swapped, swapped.count, 0)
         XCTAssertEqual(readAll(fd, key, c), "corrupt")
         // A block from another file with the same key but another file id.
@@ -151,7 +178,8 @@ final class FormatTests: TempDirTestCase {
         // A truncated last block.
         XCTAssertEqual(ftruncate(fd, off_t(original.count - 5)), 0)
         var out = [UInt8](repeating: 0, count: 200)
-        XCTAssertThrowsError(try out.withUnsafeMutableBytes { try c.read(fd: fd, key: key, offset: 3 * 4096, into: $0) })
+        XCTAssertThrowsError(
+            try out.withUnsafeMutableBytes { try c.read(fd: fd, key: key, offset: 3 * 4096, into: $0) })
     }
 
     /// Backing bytes of a file.
@@ -197,12 +225,16 @@ final class FormatTests: TempDirTestCase {
             // The last block zeroed is damage, not a hole.
             setBacking(fd, full)
             var zeroed = full
-            zeroed.replaceSubrange((FileHeader.size + 5 * cb)..<full.count, with: [UInt8](repeating: 0, count: full.count - FileHeader.size - 5 * cb))
+            zeroed.replaceSubrange(
+                (FileHeader.size + 5 * cb)..<full.count,
+                with: [UInt8](repeating: 0, count: full.count - FileHeader.size - 5 * cb))
             setBacking(fd, zeroed)
             XCTAssertEqual(readAll(fd, key, c), "corrupt", "zeroed last block")
             // A hole inside the file still reads as zeros, and a write past the end keeps the gap sparse.
             setBacking(fd, full)
-            try [UInt8](repeating: 9, count: 10).withUnsafeBytes { try c.write(fd: fd, key: key, offset: 100_000, data: $0) }
+            try [UInt8](repeating: 9, count: 10).withUnsafeBytes {
+                try c.write(fd: fd, key: key, offset: 100_000, data: $0)
+            }
             var st = stat()
             fstat(fd, &st)
             XCTAssertLessThan(Int(st.st_blocks) * 512, 60_000, "the gap stays a hole")
@@ -240,7 +272,8 @@ final class FormatTests: TempDirTestCase {
         for cls in ProtectionClass.allCases {
             let raw = SecureKey(random: 32)
             let wrap: FileHeader.ClassKey = cls == .completeUnlessOpen ? .classBPublic(bPublic) : .symmetric(sym)
-            let unwrap: FileHeader.ClassKey = cls == .completeUnlessOpen ? .classBPrivate(bSecret, bPublic) : .symmetric(sym)
+            let unwrap: FileHeader.ClassKey =
+                cls == .completeUnlessOpen ? .classBPrivate(bSecret, bPublic) : .symmetric(sym)
             let h = try FileHeader.create(fileKey: raw, class: cls, cipher: .xchacha20poly1305, using: wrap)
             var bytes = h.encodeSlot() + [UInt8](repeating: 0, count: FileHeader.slotSize)
             let parsed = try FileHeader.parse(bytes)
@@ -248,7 +281,8 @@ final class FormatTests: TempDirTestCase {
             let got = try parsed.unwrap(using: unwrap)
             XCTAssertTrue(try raw.withBytes { a in try got.withBytes { b in Array(a) == Array(b) } })
             if cls == .completeUnlessOpen {
-                XCTAssertThrowsError(try parsed.unwrap(using: .classBPublic(bPublic)), "public key cannot unwrap") { e in
+                XCTAssertThrowsError(try parsed.unwrap(using: .classBPublic(bPublic)), "public key cannot unwrap") {
+                    e in
                     XCTAssertEqual(e as? KeybagError, .keyUnavailable)
                 }
             }
@@ -261,7 +295,9 @@ final class FormatTests: TempDirTestCase {
             }
             var forged = parsed
             forged.protectionClass = cls == .none ? .complete : .none
-            XCTAssertThrowsError(try FileHeader.parse(forged.encodeSlot() + [UInt8](repeating: 0, count: 160)).unwrap(using: .symmetric(sym)))
+            XCTAssertThrowsError(
+                try FileHeader.parse(forged.encodeSlot() + [UInt8](repeating: 0, count: 160)).unwrap(
+                    using: .symmetric(sym)))
         }
     }
 
@@ -269,7 +305,8 @@ final class FormatTests: TempDirTestCase {
         // The checksum is unkeyed: an editor can recompute it. Bytes 10 and 11 must still
         // count, through the key wrap's associated data or the parser.
         let sym = SecureKey(random: 32), raw = SecureKey(random: 32)
-        let h = try FileHeader.create(fileKey: raw, class: .completeUntilFirstUserAuthentication, cipher: .default, using: .symmetric(sym))
+        let h = try FileHeader.create(
+            fileKey: raw, class: .completeUntilFirstUserAuthentication, cipher: .default, using: .symmetric(sym))
         for (pos, value) in [(10, UInt8(0)), (10, 2), (11, 1), (150, 1)] {
             var slot = h.encodeSlot()
             slot[pos] = value
@@ -277,7 +314,8 @@ final class FormatTests: TempDirTestCase {
             crypto_generichash(&sum, 16, slot, UInt64(FileHeader.bodySize), nil, 0)
             slot.replaceSubrange(FileHeader.bodySize..<(FileHeader.bodySize + 16), with: sum)
             let edited = slot + [UInt8](repeating: 0, count: FileHeader.slotSize)
-            XCTAssertThrowsError(try FileHeader.parse(edited).unwrap(using: .symmetric(sym)), "byte \(pos) = \(value) accepted")
+            XCTAssertThrowsError(
+                try FileHeader.parse(edited).unwrap(using: .symmetric(sym)), "byte \(pos) = \(value) accepted")
         }
     }
 
@@ -331,7 +369,10 @@ final class FormatTests: TempDirTestCase {
         fk.wipe()
         var out = [UInt8](repeating: 0, count: 100)
         let plain = [UInt8](repeating: 1, count: 10)
-        XCTAssertThrowsError(try plain.withUnsafeBytes { p in try out.withUnsafeMutableBytes { try fk.seal(p, block: 0, last: true, into: $0) } })
+        XCTAssertThrowsError(
+            try plain.withUnsafeBytes { p in
+                try out.withUnsafeMutableBytes { try fk.seal(p, block: 0, last: true, into: $0) }
+            })
     }
 
     /// Nonces come from a per-thread stream (no getrandom per block): every sealed block of
@@ -340,7 +381,8 @@ final class FormatTests: TempDirTestCase {
     /// hands out the same bytes twice.
     func testBlockNoncesNeverRepeatAcrossSealsAndThreads() throws {
         for cipher in ContentCipher.allCases where cipher.isAvailable {
-            let key = try FileContentKey(key: SecureKey(random: 32), cipher: cipher, fileID: Sodium.randomArray(16), sealsEnd: true)
+            let key = try FileContentKey(
+                key: SecureKey(random: 32), cipher: cipher, fileID: Sodium.randomArray(16), sealsEnd: true)
             let ns = cipher.nonceSize
             let perThread = 30_000
             let nonces = Mutex<[[UInt8]]>([])
@@ -349,7 +391,9 @@ final class FormatTests: TempDirTestCase {
                 var mine: [[UInt8]] = []
                 var out = [UInt8](repeating: 0, count: 4096 + ns + 16)
                 for b in 0..<perThread {
-                    plain.withUnsafeBytes { p in out.withUnsafeMutableBytes { o in try! key.seal(p, block: UInt64(b), last: false, into: o) } }
+                    plain.withUnsafeBytes { p in
+                        out.withUnsafeMutableBytes { o in try! key.seal(p, block: UInt64(b), last: false, into: o) }
+                    }
                     mine.append(Array(out[0..<ns]))
                 }
                 nonces.withLock { $0 += mine }
@@ -366,7 +410,7 @@ final class FormatTests: TempDirTestCase {
                     let lows = run.map { $0[20..<24].reduce(UInt32(0)) { $0 << 8 | UInt32($1) } }.sorted()
                     XCTAssertEqual(lows.last! &- lows.first!, UInt32(run.count - 1), "consecutive suffixes")
                 }
-                continue   // the stream's own bits are checked through the other ciphers
+                continue  // the stream's own bits are checked through the other ciphers
             }
             // Each bit position is set in about half of the nonces (a stuck or zero stream fails).
             for bit in 0..<(ns * 8) {
@@ -376,8 +420,13 @@ final class FormatTests: TempDirTestCase {
             // Every block still opens.
             var out = [UInt8](repeating: 0, count: 4096 + ns + 16)
             var back = [UInt8](repeating: 0, count: 4096)
-            try plain.withUnsafeBytes { p in try out.withUnsafeMutableBytes { o in try key.seal(p, block: 9, last: false, into: o) } }
-            XCTAssertEqual(try out.withUnsafeBytes { o in try back.withUnsafeMutableBytes { try key.open(o, block: 9, last: false, into: $0) } }, 4096)
+            try plain.withUnsafeBytes { p in
+                try out.withUnsafeMutableBytes { o in try key.seal(p, block: 9, last: false, into: o) }
+            }
+            XCTAssertEqual(
+                try out.withUnsafeBytes { o in
+                    try back.withUnsafeMutableBytes { try key.open(o, block: 9, last: false, into: $0) }
+                }, 4096)
             XCTAssertEqual(back, plain)
         }
     }

@@ -1,5 +1,6 @@
-@testable import KeybagCore
 import XCTest
+
+@testable import KeybagCore
 
 /// Keyrings and file key lives as the daemon has them, without FUSE (a base class: no tests).
 class KeyLifeTestCase: XCTestCase {
@@ -17,9 +18,13 @@ class KeyLifeTestCase: XCTestCase {
     func freshUnlock() throws -> UnlockedClassKeys {
         if stored == nil { stored = (SecureKey(random: 32), SecureKey(random: 32), SecureKey(random: 32)) }
         let s = stored!
-        func copy(_ k: SecureKey) throws -> SecureKey { try k.withBytes { b in SecureKey(count: 32) { $0.copyMemory(from: b) } } }
+        func copy(_ k: SecureKey) throws -> SecureKey {
+            try k.withBytes { b in SecureKey(count: 32) { $0.copyMemory(from: b) } }
+        }
         let b = try copy(s.b)
-        return UnlockedClassKeys(classA: try copy(s.a), classBSecret: b, classBPublic: try ClassBAgreement.publicKey(of: b), classC: try copy(s.c))
+        return UnlockedClassKeys(
+            classA: try copy(s.a), classBSecret: b, classBPublic: try ClassBAgreement.publicKey(of: b),
+            classC: try copy(s.c))
     }
 
     /// A file of `cls` as the daemon knows it right after loading its header.
@@ -32,7 +37,9 @@ class KeyLifeTestCase: XCTestCase {
     }
 
     func assertUnavailable(_ body: @autoclosure () throws -> Any, _ msg: String, line: UInt = #line) {
-        XCTAssertThrowsError(try body(), msg, line: line) { XCTAssertEqual($0 as? KeybagError, .keyUnavailable, msg, line: line) }
+        XCTAssertThrowsError(try body(), msg, line: line) {
+            XCTAssertEqual($0 as? KeybagError, .keyUnavailable, msg, line: line)
+        }
     }
 }
 

@@ -1,19 +1,26 @@
 import Foundation
 import Glibc
 import XCTest
+
 @testable import KeybagCore
 
 /// Keybag, keyring, throttle, lock state machine and path helpers.
 final class KeybagTests: TempDirTestCase {
     func testUnlockWrongPasscodeWrongDeviceKeyAndPasswd() throws {
         let dk = SecureKey(random: 32)
-        var kb = try Keybag.create(storePath: dir, storeID: "00112233445566778899aabbccddeeff", passcode: secret("right"), deviceKey: dk, strength: .interactive)
+        var kb = try Keybag.create(
+            storePath: dir, storeID: "00112233445566778899aabbccddeeff", passcode: secret("right"), deviceKey: dk,
+            strength: .interactive)
         let keys = try kb.unlock(passcode: secret("right"), deviceKey: dk)
         XCTAssertEqual(keys.classBPublic, try ClassBAgreement.publicKey(of: keys.classBSecret))
-        XCTAssertThrowsError(try kb.unlock(passcode: secret("wrong"), deviceKey: dk)) { XCTAssertEqual($0 as? KeybagError, .badPasscode) }
+        XCTAssertThrowsError(try kb.unlock(passcode: secret("wrong"), deviceKey: dk)) {
+            XCTAssertEqual($0 as? KeybagError, .badPasscode)
+        }
         // The passcode alone does not derive the keys: a different device key fails too.
         XCTAssertThrowsError(try kb.unlock(passcode: secret("right"), deviceKey: SecureKey(random: 32)))
-        XCTAssertThrowsError(try kb.unwrapDeviceKeySlot("D", deviceKey: SecureKey(random: 32))) { XCTAssertEqual($0 as? KeybagError, .badDeviceKey) }
+        XCTAssertThrowsError(try kb.unwrapDeviceKeySlot("D", deviceKey: SecureKey(random: 32))) {
+            XCTAssertEqual($0 as? KeybagError, .badDeviceKey)
+        }
         XCTAssertNoThrow(try kb.unwrapDeviceKeySlot("D", deviceKey: dk))
         // passwd keeps the class keys, changes what unlocks them, and persists.
         try kb.changePasscode(old: secret("right"), new: secret("new one"), deviceKey: dk)
@@ -26,14 +33,17 @@ final class KeybagTests: TempDirTestCase {
 
     func testFailuresPersistAndEscalate() throws {
         let dk = SecureKey(random: 32)
-        var kb = try Keybag.create(storePath: dir, storeID: "ffeeddccbbaa99887766554433221100", passcode: secret("p"), deviceKey: dk, strength: .interactive)
+        var kb = try Keybag.create(
+            storePath: dir, storeID: "ffeeddccbbaa99887766554433221100", passcode: secret("p"), deviceKey: dk,
+            strength: .interactive)
         let now = 1_000_000.0
         for _ in 1...4 { try kb.recordFailure(now: now) }
         XCTAssertEqual(kb.retryAfter(now: now), 0)
         try kb.recordFailure(now: now)
         XCTAssertEqual(kb.retryAfter(now: now), 60)
         XCTAssertEqual(try Keybag.load(storePath: dir).retryAfter(now: now), 60, "persisted")
-        XCTAssertEqual([5, 6, 7, 8, 9, 12].map { UnlockThrottle.delay(afterFailures: $0) }, [60, 300, 900, 900, 3600, 3600])
+        XCTAssertEqual(
+            [5, 6, 7, 8, 9, 12].map { UnlockThrottle.delay(afterFailures: $0) }, [60, 300, 900, 900, 3600, 3600])
         try kb.recordSuccess()
         XCTAssertEqual(try Keybag.load(storePath: dir).file.failedAttempts, 0)
     }
@@ -42,12 +52,15 @@ final class KeybagTests: TempDirTestCase {
     /// daemon runs as root, and the store's temporary must never reach another file.
     func testSaveDoesNotWriteThroughAPlantedTemporary() throws {
         let dk = SecureKey(random: 32)
-        var kb = try Keybag.create(storePath: dir, storeID: "0123456789abcdef0123456789abcdef", passcode: secret("p"), deviceKey: dk, strength: .interactive)
+        var kb = try Keybag.create(
+            storePath: dir, storeID: "0123456789abcdef0123456789abcdef", passcode: secret("p"), deviceKey: dk,
+            strength: .interactive)
         let victim = dir + "/victim"
         try Data("precious\n".utf8).write(to: URL(fileURLWithPath: victim))
         XCTAssertEqual(symlink(victim, dir + "/keybag.tmp"), 0)
         try kb.recordFailure(now: 1_000_000)
-        XCTAssertEqual(try String(contentsOfFile: victim, encoding: .utf8), "precious\n", "the symlink's target is untouched")
+        XCTAssertEqual(
+            try String(contentsOfFile: victim, encoding: .utf8), "precious\n", "the symlink's target is untouched")
         XCTAssertEqual(try Keybag.load(storePath: dir).file.failedAttempts, 1, "the keybag itself was saved")
         var st = stat()
         XCTAssertEqual(lstat(dir + "/keybag", &st), 0)
@@ -71,7 +84,9 @@ final class KeybagTests: TempDirTestCase {
             XCTAssertFalse(ring.access.canOpen(c)); XCTAssertFalse(ring.access.canCreate(c))
         }
         let bs = SecureKey(random: 32)
-        let keys = UnlockedClassKeys(classA: SecureKey(random: 32), classBSecret: bs, classBPublic: try ClassBAgreement.publicKey(of: bs), classC: SecureKey(random: 32))
+        let keys = UnlockedClassKeys(
+            classA: SecureKey(random: 32), classBSecret: bs, classBPublic: try ClassBAgreement.publicKey(of: bs),
+            classC: SecureKey(random: 32))
         ring.install(keys)
         ProtectionClass.allCases.forEach { XCTAssertTrue(ring.access.canOpen($0)) }
         ring.evictForLock()
@@ -79,7 +94,8 @@ final class KeybagTests: TempDirTestCase {
         XCTAssertTrue(keys.classBSecret.isWiped, "class B private key zeroed")
         XCTAssertFalse(keys.classC.isWiped)
         XCTAssertFalse(ring.access.canOpen(.complete)); XCTAssertFalse(ring.access.canCreate(.complete))
-        XCTAssertFalse(ring.access.canOpen(.completeUnlessOpen)); XCTAssertTrue(ring.access.canCreate(.completeUnlessOpen))
+        XCTAssertFalse(ring.access.canOpen(.completeUnlessOpen));
+        XCTAssertTrue(ring.access.canCreate(.completeUnlessOpen))
         XCTAssertTrue(ring.access.canOpen(.completeUntilFirstUserAuthentication))
         ring.wipeAll()
         XCTAssertTrue(d.isWiped)
@@ -97,7 +113,8 @@ final class KeybagTests: TempDirTestCase {
         XCTAssertEqual(m.evicted(ticket: t1), [])
         XCTAssertEqual(m.state, .unlocked)
         guard case .startGrace(let t2) = m.requestLock(grace: 5) else { return XCTFail() }
-        XCTAssertEqual(m.requestLock(grace: 0), .evictNow(ticket: t2, sendWill: false), "grace 0 during locking finishes now")
+        XCTAssertEqual(
+            m.requestLock(grace: 0), .evictNow(ticket: t2, sendWill: false), "grace 0 during locking finishes now")
         XCTAssertEqual(m.evicted(ticket: t2), [.didBecomeUnavailable])
         XCTAssertEqual(m.state, .locked)
         XCTAssertEqual(m.requestLock(grace: 0), .nothing)
@@ -122,9 +139,9 @@ final class KeybagTests: TempDirTestCase {
         XCTAssertEqual(ControlPaths.systemdEscapePath("/.hidden"), "\\x2ehidden")
         XCTAssertEqual(ControlPaths.defaultSocket(forMountpoint: "/srv/vault"), "/run/keybagfs/srv-vault.sock")
         let info = """
-        36 35 98:0 / /mnt1 rw,noatime master:1 - ext3 /dev/root rw,errors=continue
-        40 35 0:50 / /srv/my\\040vault rw,nosuid - fuse.keybagfs /store rw,user_id=0
-        """
+            36 35 98:0 / /mnt1 rw,noatime master:1 - ext3 /dev/root rw,errors=continue
+            40 35 0:50 / /srv/my\\040vault rw,nosuid - fuse.keybagfs /store rw,user_id=0
+            """
         XCTAssertEqual(ControlPaths.keybagfsMounts(mountinfo: info), ["/srv/my vault"])
     }
 }
@@ -190,26 +207,36 @@ final class KeybagTrustTests: TempDirTestCase {
 
     func testEditedCounterDoesNotLiftALockout() throws {
         let dk = SecureKey(random: 32)
-        var kb = try Keybag.create(storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive)
+        var kb = try Keybag.create(
+            storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive)
         let now = Date().timeIntervalSince1970
         for _ in 1...5 { try kb.recordFailure(now: now) }
         var reloaded = try Keybag.load(storePath: dir)
         XCTAssertEqual(try reloaded.authenticate(deviceKey: dk, now: now), .authentic)
         XCTAssertEqual(reloaded.retryAfter(now: now), 60)
-        for edit in [{ (o: inout [String: Any]) in o["failedAttempts"] = 0; o["lockoutUntil"] = 0 },
-                     { (o: inout [String: Any]) in o["failedAttempts"] = 0; o["lockoutUntil"] = 0; o["counterMAC"] = nil }] {
+        for edit in [
+            { (o: inout [String: Any]) in
+                o["failedAttempts"] = 0; o["lockoutUntil"] = 0
+            },
+            { (o: inout [String: Any]) in
+                o["failedAttempts"] = 0; o["lockoutUntil"] = 0; o["counterMAC"] = nil
+            },
+        ] {
             try kb.save()
             try editJSON(edit)
             var edited = try Keybag.load(storePath: dir)
             XCTAssertEqual(edited.retryAfter(now: now), 0, "the edit itself reads as no lockout")
             XCTAssertEqual(try edited.authenticate(deviceKey: dk, now: now), .tampered)
-            XCTAssertGreaterThanOrEqual(edited.retryAfter(now: now), 3600, "an edited counter means the longest lockout")
+            XCTAssertGreaterThanOrEqual(
+                edited.retryAfter(now: now), 3600, "an edited counter means the longest lockout")
             XCTAssertGreaterThanOrEqual(try Keybag.load(storePath: dir).retryAfter(now: now), 3600, "and it is saved")
         }
         // Claiming the old format to drop the MAC: the device key no longer opens the store's
         // device slots under that format's tag, and the error says the format was edited.
         try kb.save()
-        try editJSON { o in o["format"] = 1; o["counterMAC"] = nil; o["failedAttempts"] = 0; o["lockoutUntil"] = 0 }
+        try editJSON { o in
+            o["format"] = 1; o["counterMAC"] = nil; o["failedAttempts"] = 0; o["lockoutUntil"] = 0
+        }
         XCTAssertThrowsError(try Keybag.load(storePath: dir).unwrapDeviceKeySlot("D", deviceKey: dk)) { e in
             guard case KeybagError.corrupt(let m) = e else { return XCTFail("\(e)") }
             XCTAssertTrue(m.contains("format was edited"), m)
@@ -218,7 +245,8 @@ final class KeybagTrustTests: TempDirTestCase {
 
     func testFormatOneKeybagIsUpgradedAtFirstAuthentication() throws {
         let dk = SecureKey(random: 32)
-        _ = try Keybag.create(storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive, format: 1)
+        _ = try Keybag.create(
+            storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive, format: 1)
         var kb = try Keybag.load(storePath: dir)
         XCTAssertEqual(kb.file.format, 1)
         let d1 = try kb.unwrapDeviceKeySlot("D", deviceKey: dk)
@@ -228,7 +256,8 @@ final class KeybagTrustTests: TempDirTestCase {
         XCTAssertNotNil(again.file.counterMAC)
         XCTAssertNotNil(again.file.settingsMAC)
         XCTAssertEqual(try again.authenticate(deviceKey: dk), .authentic)
-        XCTAssertEqual(try again.unwrapDeviceKeySlot("D", deviceKey: dk).withBytes { Array($0) }, try d1.withBytes { Array($0) })
+        XCTAssertEqual(
+            try again.unwrapDeviceKeySlot("D", deviceKey: dk).withBytes { Array($0) }, try d1.withBytes { Array($0) })
         XCTAssertNoThrow(try again.unlock(passcode: secret("p"), deviceKey: dk))
     }
 
@@ -240,7 +269,9 @@ final class KeybagTrustTests: TempDirTestCase {
         let dk = SecureKey(random: 32)
         for format in [2, Keybag.currentFormat] {
             try? FileManager.default.removeItem(atPath: dir + "/keybag")
-            _ = try Keybag.create(storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive, format: format)
+            _ = try Keybag.create(
+                storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive,
+                format: format)
             var kb = try Keybag.load(storePath: dir)
             XCTAssertEqual(try kb.authenticate(deviceKey: dk), format == 2 ? .upgraded : .authentic)
             XCTAssertEqual(try Keybag.load(storePath: dir).file.format, Keybag.settingsFormat, "from format \(format)")
@@ -259,15 +290,18 @@ final class KeybagTrustTests: TempDirTestCase {
                 try pristine.write(to: URL(fileURLWithPath: dir + "/keybag"))
                 try editJSON(edit)
                 let edited = try Data(contentsOf: URL(fileURLWithPath: dir + "/keybag"))
-                XCTAssertThrowsError(try {
-                    var e = try Keybag.load(storePath: dir)
-                    try e.unwrapDeviceKeySlot("D", deviceKey: dk).wipe()
-                    _ = try e.authenticate(deviceKey: dk)
-                }(), "\(name) (from format \(format))") { e in
+                XCTAssertThrowsError(
+                    try {
+                        var e = try Keybag.load(storePath: dir)
+                        try e.unwrapDeviceKeySlot("D", deviceKey: dk).wipe()
+                        _ = try e.authenticate(deviceKey: dk)
+                    }(), "\(name) (from format \(format))"
+                ) { e in
                     guard case KeybagError.corrupt(let m) = e else { return XCTFail("\(name): \(e)") }
                     XCTAssertTrue(m.contains("edited offline") || m.contains("settingsMAC"), "\(name): \(m)")
                 }
-                XCTAssertEqual(try Data(contentsOf: URL(fileURLWithPath: dir + "/keybag")), edited, "\(name): nothing was written")
+                XCTAssertEqual(
+                    try Data(contentsOf: URL(fileURLWithPath: dir + "/keybag")), edited, "\(name): nothing was written")
             }
             // The recovery counters stay outside (recovery without the device key writes them).
             try pristine.write(to: URL(fileURLWithPath: dir + "/keybag"))
@@ -280,11 +314,15 @@ final class KeybagTrustTests: TempDirTestCase {
 
     func testHostileFieldsAreClearErrorsNotTraps() throws {
         let dk = SecureKey(random: 32)
-        let kb = try Keybag.create(storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive)
-        let cases: [(String, Any)] = [("kdfMemLimit", UInt64(1) << 62), ("kdfMemLimit", 1), ("kdfOpsLimit", 0), ("kdfOpsLimit", 1 << 40),
-                                      ("storeID", "../../etc/passwd"), ("storeID", "0123456789ABCDEF0123456789ABCDEF"), ("failedAttempts", -1),
-                                      ("failedAttempts", 1 << 40), ("lockoutUntil", -5), ("kdfSalt", "c2hvcnQ="), ("classBPublic", ""), ("format", 7),
-                                      ("counterMAC", "bm90IGEgbWFj")]
+        let kb = try Keybag.create(
+            storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive)
+        let cases: [(String, Any)] = [
+            ("kdfMemLimit", UInt64(1) << 62), ("kdfMemLimit", 1), ("kdfOpsLimit", 0), ("kdfOpsLimit", 1 << 40),
+            ("storeID", "../../etc/passwd"), ("storeID", "0123456789ABCDEF0123456789ABCDEF"), ("failedAttempts", -1),
+            ("failedAttempts", 1 << 40), ("lockoutUntil", -5), ("kdfSalt", "c2hvcnQ="), ("classBPublic", ""),
+            ("format", 7),
+            ("counterMAC", "bm90IGEgbWFj"),
+        ]
         for (field, value) in cases {
             try kb.save()
             try editJSON { $0[field] = value }
@@ -295,19 +333,24 @@ final class KeybagTrustTests: TempDirTestCase {
         }
         try kb.save()
         try editJSON { $0["lockoutUntil"] = 1e300 }
-        XCTAssertLessThanOrEqual(try Keybag.load(storePath: dir).retryAfter(now: Date().timeIntervalSince1970), 3600, "a lockout is cut to the longest delay")
+        XCTAssertLessThanOrEqual(
+            try Keybag.load(storePath: dir).retryAfter(now: Date().timeIntervalSince1970), 3600,
+            "a lockout is cut to the longest delay")
     }
 
     /// A clock set back (the lockout now lies further ahead than the longest delay) is not
     /// tampering: the counter's MAC still verifies, and the wait is cut to the longest delay.
     func testAClockSetBackIsNotTampering() throws {
         let dk = SecureKey(random: 32)
-        var kb = try Keybag.create(storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive)
+        var kb = try Keybag.create(
+            storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive)
         let then = Date().timeIntervalSince1970
-        for _ in 1...5 { try kb.recordFailure(now: then) }   // lockout until then + 60
+        for _ in 1...5 { try kb.recordFailure(now: then) }  // lockout until then + 60
         let dayEarlier = then - 86_400
         var reloaded = try Keybag.load(storePath: dir, now: dayEarlier)
-        XCTAssertEqual(try reloaded.authenticate(deviceKey: dk, now: dayEarlier), .authentic, "the stored counter is the authentic one")
+        XCTAssertEqual(
+            try reloaded.authenticate(deviceKey: dk, now: dayEarlier), .authentic,
+            "the stored counter is the authentic one")
         XCTAssertEqual(reloaded.file.failedAttempts, 5, "not raised to the tampering penalty")
         XCTAssertEqual(reloaded.retryAfter(now: dayEarlier), 3600, "the wait is never longer than the longest delay")
     }

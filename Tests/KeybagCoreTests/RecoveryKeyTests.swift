@@ -2,6 +2,7 @@ import CSodium
 import Foundation
 import Glibc
 import XCTest
+
 @testable import KeybagCore
 
 /// The recovery key: its written form, recovery after a lost passcode or device key, the
@@ -10,7 +11,6 @@ final class RecoveryKeyTests: TempDirTestCase {
     let id = "5555aaaa5555aaaa5555aaaa5555aaaa"
 
     func text(_ k: RecoveryKey) throws -> String { try k.text().withBytes { String(decoding: $0, as: UTF8.self) } }
-
 
     func testTheWrittenFormRoundTripsAndCatchesTypos() throws {
         let random = RecoveryKey.generate()
@@ -34,7 +34,9 @@ final class RecoveryKeyTests: TempDirTestCase {
             typo.replaceSubrange(i...i, with: String(other))
             tried += 1
             XCTAssertThrowsError(try RecoveryKey.parse(secret(typo))) { e in
-                if case KeybagError.invalid(let m) = e, m.contains("mistyped") || m.contains("not a recovery key") { caught += 1 }
+                if case KeybagError.invalid(let m) = e, m.contains("mistyped") || m.contains("not a recovery key") {
+                    caught += 1
+                }
             }
         }
         XCTAssertEqual(tried, 55)
@@ -51,7 +53,9 @@ final class RecoveryKeyTests: TempDirTestCase {
     func testRecoverAfterForgettingThePasscode() throws {
         let dk = SecureKey(random: 32)
         let rk = RecoveryKey.generate()
-        var kb = try Keybag.create(storePath: dir, storeID: id, passcode: secret("forgotten"), deviceKey: dk, strength: .interactive, recovery: rk)
+        var kb = try Keybag.create(
+            storePath: dir, storeID: id, passcode: secret("forgotten"), deviceKey: dk, strength: .interactive,
+            recovery: rk)
         let before = try kb.unlock(passcode: secret("forgotten"), deviceKey: dk)
         for _ in 1...3 { try kb.recordFailure(now: 1_000) }
         var loaded = try Keybag.load(storePath: dir)
@@ -61,7 +65,9 @@ final class RecoveryKeyTests: TempDirTestCase {
         var after = try Keybag.load(storePath: dir)
         XCTAssertEqual(try after.authenticate(deviceKey: dk), .authentic, "the counter MAC was rewritten")
         XCTAssertEqual(after.file.failedAttempts, 0)
-        XCTAssertThrowsError(try after.unlock(passcode: secret("forgotten"), deviceKey: dk)) { XCTAssertEqual($0 as? KeybagError, .badPasscode) }
+        XCTAssertThrowsError(try after.unlock(passcode: secret("forgotten"), deviceKey: dk)) {
+            XCTAssertEqual($0 as? KeybagError, .badPasscode)
+        }
         let keys = try after.unlock(passcode: secret("new passcode"), deviceKey: dk)
         XCTAssertTrue(try same(keys.classA, before.classA), "the class keys are the same: no file changes")
         XCTAssertTrue(try same(keys.classBSecret, before.classBSecret))
@@ -74,30 +80,41 @@ final class RecoveryKeyTests: TempDirTestCase {
     func testRecoverAfterLosingTheDeviceKey() throws {
         let lost = SecureKey(random: 32)
         let rk = RecoveryKey.generate()
-        _ = try Keybag.create(storePath: dir, storeID: id, passcode: secret("p"), deviceKey: lost, strength: .interactive, recovery: rk)
+        _ = try Keybag.create(
+            storePath: dir, storeID: id, passcode: secret("p"), deviceKey: lost, strength: .interactive, recovery: rk)
         let kbBefore = try Keybag.load(storePath: dir)
-        let d = try kbBefore.unwrapDeviceKeySlot("D", deviceKey: lost), vol = try kbBefore.unwrapDeviceKeySlot("volume", deviceKey: lost)
+        let d = try kbBefore.unwrapDeviceKeySlot("D", deviceKey: lost),
+            vol = try kbBefore.unwrapDeviceKeySlot("volume", deviceKey: lost)
         let a = try kbBefore.unlock(passcode: secret("p"), deviceKey: lost).classA
         let fresh = SecureKey(random: 32)
         var kb = try Keybag.load(storePath: dir)
         try kb.recover(with: rk, newPasscode: secret("q"), deviceKey: fresh)
         var after = try Keybag.load(storePath: dir)
         XCTAssertEqual(try after.authenticate(deviceKey: fresh), .authentic)
-        XCTAssertTrue(try same(after.unwrapDeviceKeySlot("D", deviceKey: fresh), d), "class D files open with the new device key")
-        XCTAssertTrue(try same(after.unwrapDeviceKeySlot("volume", deviceKey: fresh), vol), "names decrypt with the new device key")
+        XCTAssertTrue(
+            try same(after.unwrapDeviceKeySlot("D", deviceKey: fresh), d), "class D files open with the new device key")
+        XCTAssertTrue(
+            try same(after.unwrapDeviceKeySlot("volume", deviceKey: fresh), vol),
+            "names decrypt with the new device key")
         XCTAssertTrue(try same(after.unlock(passcode: secret("q"), deviceKey: fresh).classA, a))
-        XCTAssertThrowsError(try after.unwrapDeviceKeySlot("D", deviceKey: lost)) { XCTAssertEqual($0 as? KeybagError, .badDeviceKey) }
+        XCTAssertThrowsError(try after.unwrapDeviceKeySlot("D", deviceKey: lost)) {
+            XCTAssertEqual($0 as? KeybagError, .badDeviceKey)
+        }
         XCTAssertThrowsError(try after.unlock(passcode: secret("q"), deviceKey: lost))
     }
 
     func testWrongRecoveryKeysAreThrottledAndCounted() throws {
         let dk = SecureKey(random: 32)
         let rk = RecoveryKey.generate()
-        _ = try Keybag.create(storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive, recovery: rk)
+        _ = try Keybag.create(
+            storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive, recovery: rk)
         let now = 2_000_000.0
         for i in 1...5 {
-            var kb = try Keybag.load(storePath: dir)   // device key lost: no counter key
-            XCTAssertThrowsError(try kb.recover(with: RecoveryKey.generate(), newPasscode: secret("x"), deviceKey: SecureKey(random: 32), now: now)) {
+            var kb = try Keybag.load(storePath: dir)  // device key lost: no counter key
+            XCTAssertThrowsError(
+                try kb.recover(
+                    with: RecoveryKey.generate(), newPasscode: secret("x"), deviceKey: SecureKey(random: 32), now: now)
+            ) {
                 XCTAssertEqual($0 as? KeybagError, .badRecoveryKey)
             }
             XCTAssertEqual(try Keybag.load(storePath: dir).file.recoveryFailedAttempts, i, "persisted")
@@ -118,15 +135,20 @@ final class RecoveryKeyTests: TempDirTestCase {
 
     func testRotationRetiresTheOldKeyAndGivesOneToStoresWithout() throws {
         let dk = SecureKey(random: 32)
-        var kb = try Keybag.create(storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive)
+        var kb = try Keybag.create(
+            storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive)
         XCTAssertFalse(kb.hasRecoveryKey)
         XCTAssertThrowsError(try kb.recover(with: RecoveryKey.generate(), newPasscode: secret("x"), deviceKey: dk))
-        XCTAssertThrowsError(try kb.rotateRecoveryKey(passcode: secret("wrong"), deviceKey: dk)) { XCTAssertEqual($0 as? KeybagError, .badPasscode) }
+        XCTAssertThrowsError(try kb.rotateRecoveryKey(passcode: secret("wrong"), deviceKey: dk)) {
+            XCTAssertEqual($0 as? KeybagError, .badPasscode)
+        }
         XCTAssertEqual(try Keybag.load(storePath: dir).file.failedAttempts, 1, "a wrong passcode counts")
         let first = try kb.rotateRecoveryKey(passcode: secret("p"), deviceKey: dk)
         let second = try kb.rotateRecoveryKey(passcode: secret("p"), deviceKey: dk)
         var reloaded = try Keybag.load(storePath: dir)
-        XCTAssertThrowsError(try reloaded.recover(with: first, newPasscode: secret("x"), deviceKey: dk)) { XCTAssertEqual($0 as? KeybagError, .badRecoveryKey) }
+        XCTAssertThrowsError(try reloaded.recover(with: first, newPasscode: secret("x"), deviceKey: dk)) {
+            XCTAssertEqual($0 as? KeybagError, .badRecoveryKey)
+        }
         reloaded = try Keybag.load(storePath: dir)
         try reloaded.recover(with: second, newPasscode: secret("x"), deviceKey: dk)
         XCTAssertNoThrow(try Keybag.load(storePath: dir).unlock(passcode: secret("x"), deviceKey: dk))
@@ -134,7 +156,9 @@ final class RecoveryKeyTests: TempDirTestCase {
 
     func testPartialOrDamagedEscrowIsAClearError() throws {
         let dk = SecureKey(random: 32)
-        _ = try Keybag.create(storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive, recovery: RecoveryKey.generate())
+        _ = try Keybag.create(
+            storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive,
+            recovery: RecoveryKey.generate())
         let path = dir + "/keybag"
         var o = try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: path))) as! [String: Any]
         var w = o["wrapped"] as! [String: Any]
@@ -152,12 +176,14 @@ final class RecoveryKeyTests: TempDirTestCase {
     func testPlantedEscrowIsRefusedAndTheKDFIsNeverWeakened() throws {
         let dk = SecureKey(random: 32)
         let real = RecoveryKey.generate()
-        _ = try Keybag.create(storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive, recovery: real)
+        _ = try Keybag.create(
+            storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive, recovery: real)
         let before = try Data(contentsOf: URL(fileURLWithPath: dir + "/keybag"))
         let planted = RecoveryKey.generate()
         var kb = try Keybag.load(storePath: dir)
         var f = kb.file
-        try Keybag.writeEscrow(&f, keys: ["A", "B", "C", "D", "volume"].map { ($0, SecureKey(random: 32)) }, recovery: planted)
+        try Keybag.writeEscrow(
+            &f, keys: ["A", "B", "C", "D", "volume"].map { ($0, SecureKey(random: 32)) }, recovery: planted)
         kb.file = f
         try kb.saveWithoutCounter()
         var forged = try Keybag.load(storePath: dir)

@@ -22,9 +22,11 @@ final class StoreChangeTests: XCTestCase {
         }
         XCTAssertEqual(SyncEngineFile(backing: ".syncthing.\(short).tmp")?.engine, "Syncthing")
         XCTAssertTrue(SyncEngineFile(backing: ".syncthing.x.tmp")!.description.contains("left alone"))
-        for n in [short, ".kbfs-dir", ".kbfs-tmp-abc", "kbl.abc", "kbl.abc.name",
-                  "\(short).sync-conflict-20261125-101010-HOSTB27",
-                  ".\(short).Ab12C", "report.txt"] {
+        for n in [
+            short, ".kbfs-dir", ".kbfs-tmp-abc", "kbl.abc", "kbl.abc.name",
+            "\(short).sync-conflict-20261125-101010-HOSTB27",
+            ".\(short).Ab12C", "report.txt",
+        ] {
             XCTAssertNil(SyncEngineFile(backing: n), n)
         }
     }

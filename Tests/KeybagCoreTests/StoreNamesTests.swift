@@ -1,7 +1,8 @@
 import Foundation
 import Glibc
-@testable import KeybagCore
 import XCTest
+
+@testable import KeybagCore
 
 /// `StoreNames`: every kind of backing entry the daemon and `fsck` turn into a name, in a
 /// real directory (long names need their side files).
@@ -43,7 +44,9 @@ final class StoreNamesTests: XCTestCase {
 
     func testShortAndLongNamesUnderTheirIV() throws {
         let long = String(repeating: "n", count: 220) + ".txt"
-        for (plain, iv, index) in [("report.txt", own, 0), ("made apart.txt", copyIV, 1), (long, own, 0), (long + "2", copyIV, 1)] {
+        for (plain, iv, index) in [
+            ("report.txt", own, 0), ("made apart.txt", copyIV, 1), (long, own, 0), (long + "2", copyIV, 1),
+        ] {
             let backing = try entry(plain, iv: iv)
             XCTAssertEqual(NameCipher.isLongName(backing), plain.count > 200)
             let got = try name(backing).get()
@@ -69,7 +72,9 @@ final class StoreNamesTests: XCTestCase {
         let long = try entry(plain, iv: own)
         let hash = long.dropFirst(NameCipher.longPrefix.count)
         let longCopy = "kbl.sync-conflict-20261125-101010-HOSTB27." + hash
-        XCTAssertEqual(try name(longCopy).get()?.name, String(repeating: "l", count: 200) + " (conflict 2026-11-25 101010 HOSTB27).md")
+        XCTAssertEqual(
+            try name(longCopy).get()?.name,
+            String(repeating: "l", count: 200) + " (conflict 2026-11-25 101010 HOSTB27).md")
         // A copy whose readable name would pass 255 bytes.
         let limit = try entry(String(repeating: "x", count: 240), iv: own)
         let tooLong = "kbl.sync-conflict-20261125-101010-HOSTB27." + limit.dropFirst(NameCipher.longPrefix.count)

@@ -1,6 +1,7 @@
 import Foundation
 import Glibc
 import XCTest
+
 @testable import KeybagCore
 
 /// A test case with a fresh temporary folder per test, removed afterwards.
@@ -10,7 +11,7 @@ class TempDirTestCase: XCTestCase {
     override func setUp() {
         var t = Array("/tmp/kbfs-unit.XXXXXX".utf8CString)
         dir = String(cString: mkdtemp(&t)!)
-        setenv("STATE_DIRECTORY", dir + "/state", 1)   // key-set floors (KeySetFloor) stay in the test's folder
+        setenv("STATE_DIRECTORY", dir + "/state", 1)  // key-set floors (KeySetFloor) stay in the test's folder
     }
 
     override func tearDown() { try? FileManager.default.removeItem(atPath: dir) }
@@ -26,4 +27,3 @@ class TempDirTestCase: XCTestCase {
         try a.withBytes { x in try b.withBytes { y in Array(x) == Array(y) } }
     }
 }
-

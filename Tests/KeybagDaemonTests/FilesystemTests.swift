@@ -1,8 +1,9 @@
 import Foundation
 import Glibc
+import XCTest
+
 @testable import KeybagCore
 @testable import KeybagDaemon
-import XCTest
 
 /// `Filesystem` on a store of its own, driven as the FUSE handlers drive it but without a
 /// mount: the kernel notifier has no session, so page drops go nowhere.
@@ -26,10 +27,12 @@ final class FilesystemTests: XCTestCase {
         classKeys = (SecureKey(random: 32), SecureKey(random: 32), SecureKey(random: 32))
         keyring = ClassKeyring(classD: SecureKey(random: 32))
         try unlock()
-        fs = try Filesystem(dataFD: fds[0], targetsFD: fds[1], xattrsFD: fds[2], names: NameCipher(volumeKey: SecureKey(random: 32)),
-                            keyring: keyring, cipher: .default, defaultClass: .completeUntilFirstUserAuthentication,
-                            kernel: KernelNotifier(negotiated: { MountNegotiation(directIOMappable: true, writeback: false) },
-                                                   observer: { [pageDrops] ids, pass in pageDrops.withLock { $0.append((ids, pass)) } }))
+        fs = try Filesystem(
+            dataFD: fds[0], targetsFD: fds[1], xattrsFD: fds[2], names: NameCipher(volumeKey: SecureKey(random: 32)),
+            keyring: keyring, cipher: .default, defaultClass: .completeUntilFirstUserAuthentication,
+            kernel: KernelNotifier(
+                negotiated: { MountNegotiation(directIOMappable: true, writeback: false) },
+                observer: { [pageDrops] ids, pass in pageDrops.withLock { $0.append((ids, pass)) } }))
         _ = try fs.meta(of: fs.table.root)
     }
 
@@ -37,15 +40,20 @@ final class FilesystemTests: XCTestCase {
 
     /// Installs the class keys, as an unlock does.
     func unlock() throws {
-        func copy(_ k: SecureKey) throws -> SecureKey { try k.withBytes { b in SecureKey(count: 32) { $0.copyMemory(from: b) } } }
+        func copy(_ k: SecureKey) throws -> SecureKey {
+            try k.withBytes { b in SecureKey(count: 32) { $0.copyMemory(from: b) } }
+        }
         let b = try copy(classKeys.b)
-        keyring.install(UnlockedClassKeys(classA: try copy(classKeys.a), classBSecret: b,
-                                          classBPublic: try ClassBAgreement.publicKey(of: b), classC: try copy(classKeys.c)))
+        keyring.install(
+            UnlockedClassKeys(
+                classA: try copy(classKeys.a), classBSecret: b,
+                classBPublic: try ClassBAgreement.publicKey(of: b), classC: try copy(classKeys.c)))
     }
 
     /// A new file of `cls` holding `text`, with its first handle.
     func file(_ name: String, _ cls: ProtectionClass, _ text: String) throws -> KeybagDaemon.OpenFile {
-        let (n, _, h) = try fs.create(parent: 1, name: name, mode: S_IFREG | 0o644, flags: O_RDWR | O_CREAT, caller: root)
+        let (n, _, h) = try fs.create(
+            parent: 1, name: name, mode: S_IFREG | 0o644, flags: O_RDWR | O_CREAT, caller: root)
         try fs.setProtection(of: n.id, to: cls)
         try Array(text.utf8).withUnsafeBytes { try fs.write(h, offset: 0, data: $0) }
         return h
@@ -56,7 +64,9 @@ final class FilesystemTests: XCTestCase {
         var buf = [UInt8](repeating: 0, count: 4096)
         var text = ""
         do {
-            try buf.withUnsafeMutableBytes { b in try fs.read(h, offset: 0, into: b, reply: { n in text = String(decoding: b[0..<n], as: UTF8.self) }) }
+            try buf.withUnsafeMutableBytes { b in
+                try fs.read(h, offset: 0, into: b, reply: { n in text = String(decoding: b[0..<n], as: UTF8.self) })
+            }
             return .success(text)
         } catch { return .failure(FSError(error)) }
     }
@@ -70,7 +80,9 @@ final class FilesystemTests: XCTestCase {
         XCTAssertEqual(errno(read(h)), EACCES)
         XCTAssertThrowsError(try fs.getattr(h.node.id, handle: h), "a cached write would ask for attributes first")
         XCTAssertEqual(fs.attributeSeconds(h.node.id, normal: 60), 0)
-        XCTAssertThrowsError(try fs.open(h.node.id, flags: O_RDONLY)) { XCTAssertEqual(($0 as? FSError)?.errno, EACCES) }
+        XCTAssertThrowsError(try fs.open(h.node.id, flags: O_RDONLY)) {
+            XCTAssertEqual(($0 as? FSError)?.errno, EACCES)
+        }
         try unlock()
         XCTAssertEqual(try read(h).get(), "quarterly numbers")
         XCTAssertEqual(fs.attributeSeconds(h.node.id, normal: 60), 60)
@@ -92,13 +104,18 @@ final class FilesystemTests: XCTestCase {
         let h = try file("download", .completeUnlessOpen, "partial")
         Eviction(.lock).run(keyring: keyring, target: fs)
         XCTAssertEqual(try read(h).get(), "partial", "a handle opened before the lock keeps its key")
-        XCTAssertFalse(pageDrops.withLock { $0 }.contains { $0.0.contains(h.node.id) }, "an open class B file keeps its pages")
+        XCTAssertFalse(
+            pageDrops.withLock { $0 }.contains { $0.0.contains(h.node.id) }, "an open class B file keeps its pages")
         fs.release(h)
-        XCTAssertNil(h.file.io.read { $0.readyKey(for: .write, keyring.access) }, "the last close while locked wipes the key")
-        fs.kernel.detach()   // returns once the queued page drop has run (no session here anyway)
-        XCTAssertTrue(pageDrops.withLock { $0 }.contains { $0.0 == [h.node.id] && $0.1.contains("last close") },
-                      "and its cached pages go")
-        XCTAssertThrowsError(try fs.open(h.node.id, flags: O_RDONLY)) { XCTAssertEqual(($0 as? FSError)?.errno, EACCES) }
+        XCTAssertNil(
+            h.file.io.read { $0.readyKey(for: .write, keyring.access) }, "the last close while locked wipes the key")
+        fs.kernel.detach()  // returns once the queued page drop has run (no session here anyway)
+        XCTAssertTrue(
+            pageDrops.withLock { $0 }.contains { $0.0 == [h.node.id] && $0.1.contains("last close") },
+            "and its cached pages go")
+        XCTAssertThrowsError(try fs.open(h.node.id, flags: O_RDONLY)) {
+            XCTAssertEqual(($0 as? FSError)?.errno, EACCES)
+        }
         let made = try file("made-while-locked", .completeUnlessOpen, "new")
         XCTAssertEqual(try read(made).get(), "new", "class B files are created while locked")
         fs.release(made)
@@ -142,8 +159,9 @@ final class FilesystemTests: XCTestCase {
         // The kernel's CREATE without O_EXCL lost the race to another create of the name:
         // it opens the file, and its O_TRUNC by a caller without CAP_FSETID clears set-user-ID.
         let caller = Filesystem.Caller(uid: 1000, gid: 1000, kernelSaysClearSetID: true)
-        let (_, _, again) = try fs.create(parent: 1, name: "tool", mode: S_IFREG | 0o644, flags: O_RDWR | O_CREAT | O_TRUNC,
-                                           caller: caller)
+        let (_, _, again) = try fs.create(
+            parent: 1, name: "tool", mode: S_IFREG | 0o644, flags: O_RDWR | O_CREAT | O_TRUNC,
+            caller: caller)
         XCTAssertEqual(try read(again).get(), "", "truncated")
         var st = stat()
         XCTAssertEqual(fstat(again.fd, &st), 0)

@@ -1,6 +1,7 @@
+import XCTest
+
 @testable import KeybagCore
 @testable import KeybagDaemon
-import XCTest
 
 /// The thresholds of a tight mount (`StoreSpace.Thresholds`) against the promise in
 /// docs/FORMAT.md, "The end of the space": a write(2) of up to min(4 MiB, size/16) bytes,
@@ -24,8 +25,9 @@ final class StoreSpaceTests: XCTestCase {
             let t = StoreSpace.Thresholds(size: size, dirty: 47 << 20, canLowerDirty: true)
             let promised = min(4 << 20, size / 16)
             XCTAssertGreaterThanOrEqual(t.refuseBelow, backing(promised + 2 * t.tightDirty), "store of \(size) bytes")
-            XCTAssertGreaterThanOrEqual(t.tightBelow, backing(47 << 20) + t.refuseBelow - t.tightDirty,
-                                        "turns tight while every loose dirty page still fits (\(size))")
+            XCTAssertGreaterThanOrEqual(
+                t.tightBelow, backing(47 << 20) + t.refuseBelow - t.tightDirty,
+                "turns tight while every loose dirty page still fits (\(size))")
             XCTAssertGreaterThan(t.looseAbove, t.tightBelow, "no flapping between the states (\(size))")
         }
     }

@@ -139,7 +139,8 @@ final class ChangesUnderneathTests: XCTestCase {
         XCTAssertTrue(waitUntil(5) { size(here.path("kept.txt")) == replaced.count }, "the replaced file's new size")
         XCTAssertTrue((try? readFile(here.path("kept.txt")).get()) == replaced, "the replaced file's new bytes")
         XCTAssertTrue(waitUntil(5) { statErrno(here.path("gone.txt")) == ENOENT }, "a deleted file disappears")
-        XCTAssertTrue(waitUntil(5) { (try? readFile(here.path(long)).get()) == bytes("long") }, "a new long name appears")
+        XCTAssertTrue(
+            waitUntil(5) { (try? readFile(here.path(long)).get()) == bytes("long") }, "a new long name appears")
         XCTAssertTrue(waitUntil(5) { statErrno(here.path("newdir")) == 0 }, "a new folder appears")
         XCTAssertEqual(listing(here.mnt), ["kept.txt", "new.txt", long, "newdir"])
         // The fd opened before still reads the version it opened (its backing inode lives on).
@@ -155,16 +156,19 @@ final class ChangesUnderneathTests: XCTestCase {
     /// another device brings into such a directory must still show within seconds, as it did
     /// before negative entries. (With the entry time of 30 s it stayed hidden for 30 s.)
     func testANameBroughtWhereTheWatcherIsBlindShowsWithinSeconds() throws {
-        let (here, there) = try twoDevices(environment: ["KEYBAGFS_TEST_FAILPOINTS": "watcher-cannot-mark-new-directories=on"]) { m in
-            XCTAssertEqual(mkdir(m.path("fresh"), 0o755), 0)   // made after the watcher started: not marked
+        let (here, there) = try twoDevices(environment: [
+            "KEYBAGFS_TEST_FAILPOINTS": "watcher-cannot-mark-new-directories=on"
+        ]) { m in
+            XCTAssertEqual(mkdir(m.path("fresh"), 0o755), 0)  // made after the watcher started: not marked
             XCTAssertEqual(writeFile(m.path("fresh/kept.txt"), bytes("kept")), 0)
         }
         XCTAssertEqual(statErrno(here.path("fresh/new.txt")), ENOENT, "looked up while absent")
         XCTAssertEqual(writeFile(there.path("fresh/new.txt"), bytes("new")), 0)
         sync()
         try push(from: there.store, to: here.store)
-        XCTAssertTrue(waitUntil(5) { (try? readFile(here.path("fresh/new.txt")).get()) == bytes("new") },
-                      "a name another device brings shows within seconds")
+        XCTAssertTrue(
+            waitUntil(5) { (try? readFile(here.path("fresh/new.txt")).get()) == bytes("new") },
+            "a name another device brings shows within seconds")
     }
 
     /// A change in a folder below the mount root, made underneath after the mount cached it.
@@ -209,7 +213,8 @@ final class ChangesUnderneathTests: XCTestCase {
         // A marked store with `--watch-store off` says so and is not watched (cache of 30 s).
         let (quiet, _) = try twoDevices(extra: ["--watch-store", "off"]) { _ in }
         XCTAssertTrue(daemonLog(quiet).contains("not watching the store"), daemonLog(quiet))
-        let bad = MountFixture.run(MountFixture.binDir + "/keybagfs", ["mount", quiet.store, quiet.mnt, "-o", "watch-store=maybe"])
+        let bad = MountFixture.run(
+            MountFixture.binDir + "/keybagfs", ["mount", quiet.store, quiet.mnt, "-o", "watch-store=maybe"])
         XCTAssertNotEqual(bad.code, 0)
         XCTAssertTrue(bad.stderr.contains("watch-store=maybe: auto, on or off"), bad.stderr + bad.stdout)
     }
@@ -286,11 +291,13 @@ final class ChangesUnderneathTests: XCTestCase {
         let rel = backingRel(there, "album")
         XCTAssertEqual(mkdir(here.store + "/" + rel, 0o755), 0)
         XCTAssertTrue(waitUntil(5) { statErrno(here.path("album")) == 0 }, "the folder appears")
-        XCTAssertThrowsError(try FileManager.default.contentsOfDirectory(atPath: here.path("album")),
-                             "a folder without its metadata yet is not listed as empty")
+        XCTAssertThrowsError(
+            try FileManager.default.contentsOfDirectory(atPath: here.path("album")),
+            "a folder without its metadata yet is not listed as empty")
         XCTAssertEqual(writeFile(here.path("album/b.jpg"), bytes("b")), EIO, "nor written into")
-        XCTAssertFalse(FileManager.default.fileExists(atPath: here.store + "/" + rel + "/.kbfs-dir"),
-                       "the daemon gives it no name IV of its own")
+        XCTAssertFalse(
+            FileManager.default.fileExists(atPath: here.store + "/" + rel + "/.kbfs-dir"),
+            "the daemon gives it no name IV of its own")
         try push(from: there.store, to: here.store)
         XCTAssertTrue(waitUntil(5) { listing(here.path("album")) == ["a.jpg"] }, "\(listing(here.path("album")))")
         XCTAssertTrue((try? readFile(here.path("album/a.jpg")).get()) == bytes("a photo"))
@@ -317,14 +324,16 @@ final class ChangesUnderneathTests: XCTestCase {
         XCTAssertEqual(writeFile(here.store + "/" + rel, Array(theirs)), 0)
         XCTAssertTrue(waitUntil(5) { (try? readFile(here.path("db.bin")).get()) == new }, "the new content and size")
         let viaOld = sysPread(fd, 100, 0)
-        XCTAssertTrue((try? viaOld.get()) == Array(new.prefix(100)) || errnoOf(viaOld) == EIO,
-                      "an fd opened before reads the new version or EIO: \(viaOld)")
+        XCTAssertTrue(
+            (try? viaOld.get()) == Array(new.prefix(100)) || errnoOf(viaOld) == EIO,
+            "an fd opened before reads the new version or EIO: \(viaOld)")
         // The engine copies a mode change.
         XCTAssertEqual(chmod(here.store + "/" + rel, 0o600), 0)
-        XCTAssertTrue(waitUntil(5) {
-            var st = stat()
-            return stat(here.path("db.bin"), &st) == 0 && st.st_mode & 0o777 == 0o600
-        }, "the new mode")
+        XCTAssertTrue(
+            waitUntil(5) {
+                var st = stat()
+                return stat(here.path("db.bin"), &st) == 0 && st.st_mode & 0o777 == 0o600
+            }, "the new mode")
     }
 
     func testTransfersNeverListedClassChangesShowAndFsckNamesSyncFiles() throws {
@@ -428,7 +437,7 @@ final class ChangesUnderneathTests: XCTestCase {
         XCTAssertEqual(writeFile(there.path("docs/photo.jpg"), bytes("jpeg")), 0)
         XCTAssertEqual(setXattr(there.path("docs/photo.jpg"), "complete"), 0)
         sync()
-        XCTAssertEqual(statErrno(here.path("docs/theirs.txt")), ENOENT)   // a negative entry the kernel may keep
+        XCTAssertEqual(statErrno(here.path("docs/theirs.txt")), ENOENT)  // a negative entry the kernel may keep
         XCTAssertEqual(listing(here.path("docs")), ["mine.txt", "same.txt"])
         let hereDocs = here.backing("docs"), thereDocs = there.backing("docs")
         XCTAssertEqual((hereDocs as NSString).lastPathComponent, (thereDocs as NSString).lastPathComponent)
@@ -451,9 +460,12 @@ final class ChangesUnderneathTests: XCTestCase {
         XCTAssertEqual(try getXattr(here.path("docs/photo.jpg")).get(), "complete")
         // A sync engine's copy of a file under the copy's IV shows, reads and goes like any.
         let theirsBacking = here.backing("docs/theirs.txt")
-        XCTAssertEqual(MountFixture.run("/bin/cp", [theirsBacking, theirsBacking + ".sync-conflict-20261126-080000-HOSTC27"]).code, 0)
+        XCTAssertEqual(
+            MountFixture.run("/bin/cp", [theirsBacking, theirsBacking + ".sync-conflict-20261126-080000-HOSTC27"]).code,
+            0)
         let fileCopy = "docs/theirs (conflict 2026-11-26 080000 HOSTC27).txt"
-        XCTAssertTrue(waitUntil(5) { (try? readFile(here.path(fileCopy)).get()) == theirs }, "\(listing(here.path("docs")))")
+        XCTAssertTrue(
+            waitUntil(5) { (try? readFile(here.path(fileCopy)).get()) == theirs }, "\(listing(here.path("docs")))")
         XCTAssertTrue(listing(here.path("docs")).contains((fileCopy as NSString).lastPathComponent))
         XCTAssertEqual(unlink(here.path(fileCopy)), 0)
         // The mount goes on working in the folder: new names, renames, removals.
@@ -467,14 +479,16 @@ final class ChangesUnderneathTests: XCTestCase {
 
         // The device whose metadata lost gets the winner's, and keeps its own as the copy.
         try syncthingCopy(hereDocs + "/.kbfs-dir", thereDocs + "/.kbfs-dir")
-        try syncthingCopy(hereDocs + "/.sync-conflict-" + stamp + ".kbfs-dir",
-                          thereDocs + "/.sync-conflict-" + stamp + ".kbfs-dir")
+        try syncthingCopy(
+            hereDocs + "/.sync-conflict-" + stamp + ".kbfs-dir",
+            thereDocs + "/.sync-conflict-" + stamp + ".kbfs-dir")
         for name in ["mine.txt", "same.txt"] {
             let b = (here.backing("docs/" + name) as NSString).lastPathComponent
             try syncthingCopy(hereDocs + "/" + b, thereDocs + "/" + b)
         }
         XCTAssertTrue(
-            waitUntil(5) { (try? readFile(there.path("docs/mine.txt")).get()) == mine }, "the winner's names show there")
+            waitUntil(5) { (try? readFile(there.path("docs/mine.txt")).get()) == mine }, "the winner's names show there"
+        )
         XCTAssertEqual(try readFile(there.path("docs/theirs.txt")).get(), theirs, "and its own still do")
         XCTAssertEqual(try readFile(there.path("docs/same.txt")).get(), bytes("made here"))
         XCTAssertEqual(try readFile(there.path("docs/sub/deep.txt")).get(), bytes("deep"))
@@ -503,14 +517,19 @@ final class ChangesUnderneathTests: XCTestCase {
         XCTAssertEqual(mkfifo(longBacking + ".name", 0o644), 0)
         let ls = MountFixture.run("/usr/bin/timeout", ["10", "/bin/ls", here.path("d")])
         XCTAssertEqual(ls.code, 0, "the listing returns: \(ls.stderr)")
-        XCTAssertEqual(ls.stdout.split(separator: "\n").map(String.init), ["kept.txt"], "the long name has no readable side file")
+        XCTAssertEqual(
+            ls.stdout.split(separator: "\n").map(String.init), ["kept.txt"], "the long name has no readable side file")
         XCTAssertEqual(try readFile(here.path("d/kept.txt")).get(), bytes("kept"))
         // A folder holding only its metadata and a copy of it is empty: rmdir works.
         let empty = here.backing("empty")
-        XCTAssertEqual(MountFixture.run("/bin/cp", [d + "/.kbfs-dir", empty + "/.sync-conflict-20261125-101010-HOSTB27.kbfs-dir"]).code, 0)
+        XCTAssertEqual(
+            MountFixture.run("/bin/cp", [d + "/.kbfs-dir", empty + "/.sync-conflict-20261125-101010-HOSTB27.kbfs-dir"])
+                .code, 0)
         XCTAssertEqual(rmdir(here.path("empty")), 0, String(cString: strerror(errno)))
         here.unmount()
-        let check = MountFixture.run("/usr/bin/timeout", ["20", MountFixture.binDir + "/keybagfs", "fsck", here.store, "--device-key", here.deviceKey, "--json"])
+        let check = MountFixture.run(
+            "/usr/bin/timeout",
+            ["20", MountFixture.binDir + "/keybagfs", "fsck", here.store, "--device-key", here.deviceKey, "--json"])
         XCTAssertNotEqual(check.code, 124, "fsck returns")
         XCTAssertTrue(check.stdout.contains("side-file"), check.stdout)
     }
@@ -523,7 +542,7 @@ final class ChangesUnderneathTests: XCTestCase {
             XCTAssertEqual(writeFile(m.path("d/secret.txt"), bytes("secret")), 0)
         }
         XCTAssertEqual(try readFile(here.path("d/secret.txt")).get(), bytes("secret"))
-        let held = open(here.path("d/secret.txt"), O_RDONLY)   // its node keeps the header it read
+        let held = open(here.path("d/secret.txt"), O_RDONLY)  // its node keeps the header it read
         defer { close(held) }
         XCTAssertEqual(try sysPread(held, 6, 0).get(), bytes("secret"))
         XCTAssertEqual(setXattr(there.path("d/secret.txt"), "complete"), 0)
@@ -561,22 +580,24 @@ final class ChangesUnderneathTests: XCTestCase {
             _ = FileManager.default.createFile(atPath: staged, contents: whole.prefix(cut))
             try syncthingCopy(staged, here.store + "/" + rel)
             var seen: [String] = []
-            XCTAssertTrue(waitUntil(5) {
-                switch readFile(here.path("doc.bin")) {
-                case .success(let b) where b == old: seen.append("old"); return false
-                case .success(let b) where b == new: seen.append("new"); return false
-                case .success(let b): seen.append("garbage of \(b.count) bytes"); return true
-                case .failure(let e): seen.append("errno \(e.rawValue)"); return e.rawValue == EIO
-                }
-            }, "cut at \(cut): \(seen.suffix(3))")
+            XCTAssertTrue(
+                waitUntil(5) {
+                    switch readFile(here.path("doc.bin")) {
+                    case .success(let b) where b == old: seen.append("old"); return false
+                    case .success(let b) where b == new: seen.append("new"); return false
+                    case .success(let b): seen.append("garbage of \(b.count) bytes"); return true
+                    case .failure(let e): seen.append("errno \(e.rawValue)"); return e.rawValue == EIO
+                    }
+                }, "cut at \(cut): \(seen.suffix(3))")
             XCTAssertFalse(seen.contains { $0.hasPrefix("garbage") }, "cut at \(cut): \(seen)")
             here.unmount()
             let check = here.fsck()
             XCTAssertEqual(check.code, 1, "cut at \(cut): \(check.out)")
             let problems = check.out["problems"] as? [[String: Any]] ?? []
             XCTAssertTrue(problems.contains { ($0["name"] as? String)?.hasSuffix("doc.bin") == true }, "\(check.out)")
-            XCTAssertTrue(problems.contains { ($0["detail"] as? String)?.contains("sync") == true },
-                          "fsck says a half-synced file may be the reason: \(check.out)")
+            XCTAssertTrue(
+                problems.contains { ($0["detail"] as? String)?.contains("sync") == true },
+                "fsck says a half-synced file may be the reason: \(check.out)")
             try syncthingCopy(there.store + "/" + rel, here.store + "/" + rel)
             try here.mount()
             here.unlock()

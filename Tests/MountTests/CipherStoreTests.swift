@@ -21,7 +21,8 @@ final class CipherStoreTests: XCTestCase {
         m.unlock()
         XCTAssertEqual(writeFile(m.path("f"), bytes("hello")), 0)
         XCTAssertEqual(try cipherOf(m, "f"), HardwareAES.isAvailable ? .xaes256gcm : .xchacha20poly1305)
-        XCTAssertEqual(keybagfs(["cipher", m.store]).stdout, (HardwareAES.isAvailable ? "xaes256gcm" : "xchacha20poly1305") + "\n")
+        XCTAssertEqual(
+            keybagfs(["cipher", m.store]).stdout, (HardwareAES.isAvailable ? "xaes256gcm" : "xchacha20poly1305") + "\n")
         XCTAssertEqual(m.status()["aesMemoryLocked"] as? Bool, true, "OpenSSL's memory is keybagfs' and locked")
     }
 
@@ -86,8 +87,11 @@ final class CipherStoreTests: XCTestCase {
         // What a keybagfs meets in a keybag from a newer one: a clear refusal, nothing changed.
         let path = m.store + "/keybag"
         let before = try String(contentsOfFile: path, encoding: .utf8)
-        try before.replacingOccurrences(of: "\"aes256gcm\"", with: "\"aes512ocb\"").write(toFile: path, atomically: true, encoding: .utf8)
-        let mounted = MountFixture.run(MountFixture.binDir + "/keybagfs", ["mount", m.store, m.mnt, "--socket", m.socket, "--device-key", m.deviceKey])
+        try before.replacingOccurrences(of: "\"aes256gcm\"", with: "\"aes512ocb\"").write(
+            toFile: path, atomically: true, encoding: .utf8)
+        let mounted = MountFixture.run(
+            MountFixture.binDir + "/keybagfs",
+            ["mount", m.store, m.mnt, "--socket", m.socket, "--device-key", m.deviceKey])
         XCTAssertNotEqual(mounted.code, 0)
         XCTAssertTrue(mounted.stderr.contains("unknown cipher aes512ocb"), mounted.stderr)
         XCTAssertFalse(m.isMounted)
@@ -106,9 +110,12 @@ final class CipherStoreTests: XCTestCase {
         let original = try String(contentsOfFile: path, encoding: .utf8)
         let name = ContentCipher.default.name
         XCTAssertTrue(original.contains("\"cipherMAC\""), original)
-        try original.replacingOccurrences(of: "\"\(name)\"", with: "\"aes256gcm\"").write(toFile: path, atomically: true, encoding: .utf8)
+        try original.replacingOccurrences(of: "\"\(name)\"", with: "\"aes256gcm\"").write(
+            toFile: path, atomically: true, encoding: .utf8)
         func mountOnce() -> ToolResult {
-            MountFixture.run(MountFixture.binDir + "/keybagfs", ["mount", m.store, m.mnt, "--socket", m.socket, "--device-key", m.deviceKey])
+            MountFixture.run(
+                MountFixture.binDir + "/keybagfs",
+                ["mount", m.store, m.mnt, "--socket", m.socket, "--device-key", m.deviceKey])
         }
         let refused = mountOnce()
         XCTAssertNotEqual(refused.code, 0)
@@ -121,7 +128,8 @@ final class CipherStoreTests: XCTestCase {
         // (Keybags really written before the MACs upgrade in place: KeybagTests.)
         let current = try String(contentsOfFile: path, encoding: .utf8)
         let newer = ["\"cipherMAC\"", "\"deviceID\"", "\"deviceName\""]
-        let withoutMAC = current.split(separator: "\n").filter { l in !newer.contains { l.contains($0) } }.joined(separator: "\n")
+        let withoutMAC = current.split(separator: "\n").filter { l in !newer.contains { l.contains($0) } }.joined(
+            separator: "\n")
         try withoutMAC.write(toFile: path, atomically: true, encoding: .utf8)
         let stripped = mountOnce()
         XCTAssertNotEqual(stripped.code, 0, "a stripped keybag mounted")

@@ -56,7 +56,9 @@ final class ClassMatrixTests: XCTestCase {
         XCTAssertEqual(try sysPwrite(nb, bytes("written while locked"), 0).get(), 20)
         XCTAssertEqual(try sysPread(nb, 100, 0).get(), bytes("written while locked"))
         close(nb)
-        XCTAssertEqual(sysOpen(m.path("completeUnlessOpen/created-while-locked"), O_RDONLY), -EACCES, "after close, reopen needs unlock")
+        XCTAssertEqual(
+            sysOpen(m.path("completeUnlessOpen/created-while-locked"), O_RDONLY), -EACCES,
+            "after close, reopen needs unlock")
 
         // completeUntilFirstUserAuthentication and none: everything works while locked.
         for c in ["completeUntilFirstUserAuthentication", "none"] {
@@ -84,7 +86,8 @@ final class ClassMatrixTests: XCTestCase {
         m.unlock()
         XCTAssertEqual(try sysPread(fds["complete"]!, 100, 0).get(), bytes("content of complete"))
         XCTAssertEqual(try readFile(m.path("complete/g")).get(), bytes("content of complete"))
-        XCTAssertEqual(try readFile(m.path("completeUnlessOpen/created-while-locked")).get(), bytes("written while locked"))
+        XCTAssertEqual(
+            try readFile(m.path("completeUnlessOpen/created-while-locked")).get(), bytes("written while locked"))
         XCTAssertEqual(try readFile(m.path("completeUnlessOpen/f")).get(), bytes("CONTENT of completeUnlessOpen"))
     }
 
@@ -99,12 +102,12 @@ final class ClassMatrixTests: XCTestCase {
         // A child process maps and reads the file, waits for the lock, then touches the
         // mapping again: it must die of SIGBUS rather than read plaintext.
         let script = """
-        import mmap, os, sys, time
-        f = open(sys.argv[1], 'rb'); mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-        assert mm[0:4] == b'AAAA'; print('mapped', flush=True)
-        while not os.path.exists(sys.argv[2]): time.sleep(0.02)
-        print('read', mm[4096:4100], flush=True)
-        """
+            import mmap, os, sys, time
+            f = open(sys.argv[1], 'rb'); mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+            assert mm[0:4] == b'AAAA'; print('mapped', flush=True)
+            while not os.path.exists(sys.argv[2]): time.sleep(0.02)
+            print('read', mm[4096:4100], flush=True)
+            """
         let p = Process()
         p.executableURL = URL(fileURLWithPath: "/usr/bin/env")
         p.arguments = ["python3", "-c", script, m.path("a/f"), m.root + "/locked"]
@@ -148,7 +151,9 @@ final class ClassMatrixTests: XCTestCase {
         m.unlock()
         m.lock(grace: 0)
         // Class C survives a lock once unlocked since start...
-        XCTAssertEqual(try readFile(m.path("completeUntilFirstUserAuthentication/f")).get(), bytes("content of completeUntilFirstUserAuthentication"))
+        XCTAssertEqual(
+            try readFile(m.path("completeUntilFirstUserAuthentication/f")).get(),
+            bytes("content of completeUntilFirstUserAuthentication"))
         // ...but not a restart.
         try m.restart()
         XCTAssertEqual(sysOpen(m.path("completeUntilFirstUserAuthentication/f"), O_RDONLY), -EACCES)

@@ -11,8 +11,11 @@ final class ClassPolicyMountTests: XCTestCase {
         let m = try MountFixture(mount: false)
         addTeardownBlock { m.close() }
         let policyFile = m.root + "/policy"
-        try "# app layout\nDocuments complete\nLibrary/Caches none\n**/tmp completeUnlessOpen\n".write(toFile: policyFile, atomically: true, encoding: .utf8)
-        try m.mount(extra: ["--policy", policyFile, "--policy-rule", "Library/Caches/Thumbs=completeUntilFirstUserAuthentication"])
+        try "# app layout\nDocuments complete\nLibrary/Caches none\n**/tmp completeUnlessOpen\n".write(
+            toFile: policyFile, atomically: true, encoding: .utf8)
+        try m.mount(extra: [
+            "--policy", policyFile, "--policy-rule", "Library/Caches/Thumbs=completeUntilFirstUserAuthentication",
+        ])
         m.unlock()
 
         XCTAssertEqual(mkdir(m.path("Documents"), 0o755), 0)
@@ -20,14 +23,18 @@ final class ClassPolicyMountTests: XCTestCase {
         XCTAssertEqual(writeFile(m.path("Documents/note"), bytes("secret")), 0)
         XCTAssertEqual(getXattr(m.path("Documents/note")), .success("complete"), "new files inherit the policy's class")
         XCTAssertEqual(mkdir(m.path("Documents/sub"), 0o755), 0)
-        XCTAssertEqual(getXattr(m.path("Documents/sub")), .failure(Errno(ENODATA)), "below a policy path, directories inherit as usual")
+        XCTAssertEqual(
+            getXattr(m.path("Documents/sub")), .failure(Errno(ENODATA)),
+            "below a policy path, directories inherit as usual")
 
         XCTAssertEqual(mkdir(m.path("Library"), 0o755), 0)
         XCTAssertEqual(getXattr(m.path("Library")), .failure(Errno(ENODATA)))
         XCTAssertEqual(mkdir(m.path("Library/Caches"), 0o755), 0)
         XCTAssertEqual(getXattr(m.path("Library/Caches")), .success("none"))
         XCTAssertEqual(mkdir(m.path("Library/Caches/Thumbs"), 0o755), 0)
-        XCTAssertEqual(getXattr(m.path("Library/Caches/Thumbs")), .success("completeUntilFirstUserAuthentication"), "the command-line rule comes last")
+        XCTAssertEqual(
+            getXattr(m.path("Library/Caches/Thumbs")), .success("completeUntilFirstUserAuthentication"),
+            "the command-line rule comes last")
 
         // Any depth, and through an ancestor with a long (side-file) name.
         let long = String(repeating: "L", count: 240)
@@ -49,7 +56,8 @@ final class ClassPolicyMountTests: XCTestCase {
         XCTAssertEqual(r.code, 0, r.stderr)
         let o = try XCTUnwrap(JSONSerialization.jsonObject(with: Data(r.stdout.utf8)) as? [String: Any], r.stdout)
         let rules = try XCTUnwrap(o["policy"] as? [[String: Any]], r.stdout)
-        XCTAssertEqual(rules.map { $0["pattern"] as? String }, ["Documents", "Library/Caches", "**/tmp", "Library/Caches/Thumbs"])
+        XCTAssertEqual(
+            rules.map { $0["pattern"] as? String }, ["Documents", "Library/Caches", "**/tmp", "Library/Caches/Thumbs"])
         XCTAssertEqual(rules.map { $0["directories"] as? Int }, [1, 1, 2, 1])
         XCTAssertEqual(o["offPolicyDirectoryCount"] as? Int, 1, r.stdout)
         XCTAssertEqual((o["offPolicyDirectories"] as? [[String: String]])?.first?["path"], m.path("Documents/sub/tmp"))
@@ -59,14 +67,20 @@ final class ClassPolicyMountTests: XCTestCase {
         XCTAssertEqual(rmdir(m.path("Library/Caches/Thumbs")), 0)
         XCTAssertEqual(symlink("../../weak", m.path("Library/Caches/Thumbs")), 0)
         let withLink = m.ctl(["report", m.mnt + "/", "--json"])
-        let lo = try XCTUnwrap(JSONSerialization.jsonObject(with: Data(withLink.stdout.utf8)) as? [String: Any], withLink.stdout + withLink.stderr)
+        let lo = try XCTUnwrap(
+            JSONSerialization.jsonObject(with: Data(withLink.stdout.utf8)) as? [String: Any],
+            withLink.stdout + withLink.stderr)
         let flagged = (lo["offPolicyDirectories"] as? [[String: String]]) ?? []
-        XCTAssertTrue(flagged.contains { $0["path"] == m.path("Library/Caches/Thumbs") && $0["class"] == "symlink" }, "\(flagged)")
+        XCTAssertTrue(
+            flagged.contains { $0["path"] == m.path("Library/Caches/Thumbs") && $0["class"] == "symlink" }, "\(flagged)"
+        )
         XCTAssertEqual(unlink(m.path("Library/Caches/Thumbs")), 0)
         XCTAssertEqual(unlink(m.path("Library/Caches/Thumbs2")), 0)
         XCTAssertEqual(mkdir(m.path("Library/Caches/Thumbs"), 0o755), 0)
         // From a subdirectory, paths are still taken from the mount root.
-        let dot = MountFixture.run("/bin/sh", ["-c", "cd '\(m.path("Library"))' && '\(MountFixture.binDir)/keybagctl' --socket '\(m.socket)' report ."])
+        let dot = MountFixture.run(
+            "/bin/sh",
+            ["-c", "cd '\(m.path("Library"))' && '\(MountFixture.binDir)/keybagctl' --socket '\(m.socket)' report ."])
         XCTAssertEqual(dot.code, 0, "report . (crashed before): " + dot.stderr)
         XCTAssertTrue(dot.stdout.contains("Library/Caches → none: 1 directories"), dot.stdout)
         let sub = m.ctl(["report", m.path("Library")])
@@ -75,10 +89,15 @@ final class ClassPolicyMountTests: XCTestCase {
         XCTAssertTrue(sub.stdout.contains("directories whose default is not the policy's: 0"), sub.stdout)
 
         // Another local user may ask status, not the policy.
-        let nobody = MountFixture.run("/usr/bin/setpriv", ["--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c", """
-            import socket, sys
-            s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); s.sendall(b'{"op":"policy"}\\n'); print(s.makefile().readline().strip())
-            """, m.socket])
+        let nobody = MountFixture.run(
+            "/usr/bin/setpriv",
+            [
+                "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c",
+                """
+                import socket, sys
+                s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); s.sendall(b'{"op":"policy"}\\n'); print(s.makefile().readline().strip())
+                """, m.socket,
+            ])
         XCTAssertTrue(nobody.stdout.contains("\"forbidden\""), nobody.stdout + nobody.stderr)
 
         // The policy is the mount's, not the store's: mounted without it, nothing applies.
@@ -96,11 +115,15 @@ final class ClassPolicyMountTests: XCTestCase {
         addTeardownBlock { m.close() }
         let policyFile = m.root + "/policy"
         try "Documents complete\nCaches nearly-none\n".write(toFile: policyFile, atomically: true, encoding: .utf8)
-        let r = MountFixture.run(MountFixture.binDir + "/keybagfs", ["mount", m.store, m.mnt, "--device-key", m.deviceKey, "--socket", m.socket, "--policy", policyFile])
+        let r = MountFixture.run(
+            MountFixture.binDir + "/keybagfs",
+            ["mount", m.store, m.mnt, "--device-key", m.deviceKey, "--socket", m.socket, "--policy", policyFile])
         XCTAssertEqual(r.code, 2, r.stderr)
         XCTAssertTrue(r.stderr.contains("line 2"), r.stderr)
         XCTAssertTrue(r.stderr.contains("nearly-none"), r.stderr)
-        let bad = MountFixture.run(MountFixture.binDir + "/keybagfs", ["mount", m.store, m.mnt, "--device-key", m.deviceKey, "--socket", m.socket, "--policy-rule", "../up=none"])
+        let bad = MountFixture.run(
+            MountFixture.binDir + "/keybagfs",
+            ["mount", m.store, m.mnt, "--device-key", m.deviceKey, "--socket", m.socket, "--policy-rule", "../up=none"])
         XCTAssertEqual(bad.code, 2, bad.stderr)
         XCTAssertFalse(m.isMounted, "nothing was mounted")
     }

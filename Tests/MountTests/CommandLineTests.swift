@@ -10,17 +10,26 @@ final class CommandLineTests: XCTestCase {
         let m = try MountFixture(mount: false)
         addTeardownBlock { m.close() }
         let bin = MountFixture.binDir
-        let r = MountFixture.run(bin + "/keybagfs", ["mount", m.store, m.mnt, "--device-key", m.deviceKey, "--grace", "0"])
+        let r = MountFixture.run(
+            bin + "/keybagfs", ["mount", m.store, m.mnt, "--device-key", m.deviceKey, "--grace", "0"])
         XCTAssertEqual(r.code, 0, r.stderr)
         XCTAssertTrue(m.isMounted, "mount returns only once the mount is usable")
-        let expectedSocket = "/run/keybagfs/" + m.mnt.dropFirst().replacingOccurrences(of: "/", with: "-").replacingOccurrences(of: ".", with: ".") + ".sock"
-        XCTAssertTrue(FileManager.default.fileExists(atPath: expectedSocket.replacingOccurrences(of: "kbfs-test", with: "kbfs\\x2dtest")), "default socket \(expectedSocket)")
+        let expectedSocket =
+            "/run/keybagfs/"
+            + m.mnt.dropFirst().replacingOccurrences(of: "/", with: "-").replacingOccurrences(of: ".", with: ".")
+            + ".sock"
+        XCTAssertTrue(
+            FileManager.default.fileExists(
+                atPath: expectedSocket.replacingOccurrences(of: "kbfs-test", with: "kbfs\\x2dtest")),
+            "default socket \(expectedSocket)")
         let byMount = MountFixture.run(bin + "/keybagctl", ["--mount", m.mnt, "status", "--json"])
         XCTAssertEqual(byMount.code, 0, byMount.stderr)
-        let pid = (try? JSONSerialization.jsonObject(with: Data(byMount.stdout.utf8)) as? [String: Any])?["pid"] as? Int ?? 0
+        let pid =
+            (try? JSONSerialization.jsonObject(with: Data(byMount.stdout.utf8)) as? [String: Any])?["pid"] as? Int ?? 0
         XCTAssertGreaterThan(pid, 0)
         // The only keybagfs mount is found without --socket or --mount.
-        let auto = MountFixture.runAlone(mount: m.mnt, bin + "/keybagctl", ["unlock", "--passcode-stdin"], stdin: m.passcode + "\n")
+        let auto = MountFixture.runAlone(
+            mount: m.mnt, bin + "/keybagctl", ["unlock", "--passcode-stdin"], stdin: m.passcode + "\n")
         XCTAssertEqual(auto.code, 0, auto.stderr)
         XCTAssertEqual(writeFile(m.path("f"), bytes("hello")), 0)
         XCTAssertEqual(try readFile(m.path("f")).get(), bytes("hello"))
@@ -32,7 +41,9 @@ final class CommandLineTests: XCTestCase {
         XCTAssertEqual(MountFixture.run("/bin/fusermount3", ["-u", m.mnt]).code, 0)
         _ = waitUntil(10) { kill(pid_t(pid), 0) != 0 }
         XCTAssertNotEqual(kill(pid_t(pid), 0), 0, "daemon exited after unmount")
-        XCTAssertFalse(FileManager.default.fileExists(atPath: expectedSocket.replacingOccurrences(of: "kbfs-test", with: "kbfs\\x2dtest")), "socket removed")
+        XCTAssertFalse(
+            FileManager.default.fileExists(
+                atPath: expectedSocket.replacingOccurrences(of: "kbfs-test", with: "kbfs\\x2dtest")), "socket removed")
         if kill(pid_t(pid), 0) == 0 { kill(pid_t(pid), SIGKILL) }
     }
 
@@ -49,11 +60,15 @@ final class CommandLineTests: XCTestCase {
         for i in 0..<100 {
             let d = m.root + "/other-mount-\(i)"
             XCTAssertEqual(mkdir(d, 0o755), 0)
-            guard Glibc.mount("kbfs-test-tmpfs", d, "tmpfs", 0, "size=64k") == 0 else { return XCTFail("mount tmpfs: \(errno)") }
+            guard Glibc.mount("kbfs-test-tmpfs", d, "tmpfs", 0, "size=64k") == 0 else {
+                return XCTFail("mount tmpfs: \(errno)")
+            }
             extra.append(d)
         }
         XCTAssertGreaterThan(ProcFile.read("/proc/self/mountinfo")?.utf8.count ?? 0, 8192)
-        let r = MountFixture.run(bin + "/keybagfs", ["mount", m.store, m.mnt, "--device-key", m.deviceKey, "--grace", "0", "--owner", "nobody"])
+        let r = MountFixture.run(
+            bin + "/keybagfs",
+            ["mount", m.store, m.mnt, "--device-key", m.deviceKey, "--grace", "0", "--owner", "nobody"])
         XCTAssertEqual(r.code, 0, r.stderr)
         let st = MountFixture.run(bin + "/keybagctl", ["--mount", m.mnt, "status", "--json"])
         let pid = (try? JSONSerialization.jsonObject(with: Data(st.stdout.utf8)) as? [String: Any])?["pid"] as? Int ?? 0
@@ -70,32 +85,47 @@ final class CommandLineTests: XCTestCase {
         XCTAssertEqual(o?["state"] as? String, "beforeFirstUnlock", report.stdout)
         // pam-unlock: the wrong password, then the right one.
         let pam = ["PAM_TYPE": "auth", "PAM_USER": "nobody"]
-        let wrong = MountFixture.runAlone(mount: m.mnt, bin + "/keybagctl", ["pam-unlock"], stdin: "not the passcode\u{0}", environment: pam)
+        let wrong = MountFixture.runAlone(
+            mount: m.mnt, bin + "/keybagctl", ["pam-unlock"], stdin: "not the passcode\u{0}", environment: pam)
         XCTAssertEqual(wrong.code, 0, "a wrong password never fails the login")
         XCTAssertTrue(wrong.stderr.contains("not unlocked"), wrong.stderr)
         XCTAssertFalse(wrong.stderr.contains("not the passcode"), "the password stays out of the log")
-        XCTAssertEqual(MountFixture.run(bin + "/keybagctl", ["--mount", m.mnt, "status", "--json"]).stdout.contains("\"beforeFirstUnlock\""), true)
-        let other = MountFixture.runAlone(mount: m.mnt, bin + "/keybagctl", ["pam-unlock"], stdin: m.passcode + "\n", environment: ["PAM_TYPE": "auth", "PAM_USER": "root"])
+        XCTAssertEqual(
+            MountFixture.run(bin + "/keybagctl", ["--mount", m.mnt, "status", "--json"]).stdout.contains(
+                "\"beforeFirstUnlock\""), true)
+        let other = MountFixture.runAlone(
+            mount: m.mnt, bin + "/keybagctl", ["pam-unlock"], stdin: m.passcode + "\n",
+            environment: ["PAM_TYPE": "auth", "PAM_USER": "root"])
         XCTAssertEqual(other.code, 0)
         XCTAssertTrue(other.stderr.contains("no keybagfs mount belongs to root"), other.stderr)
         // After a failure pam-unlock leaves the mount alone (a login password that differs
         // from the passcode costs one attempt, never a lockout).
-        let after = MountFixture.runAlone(mount: m.mnt, bin + "/keybagctl", ["pam-unlock"], stdin: m.passcode + "\u{0}", environment: pam)
+        let after = MountFixture.runAlone(
+            mount: m.mnt, bin + "/keybagctl", ["pam-unlock"], stdin: m.passcode + "\u{0}", environment: pam)
         XCTAssertEqual(after.code, 0)
         XCTAssertTrue(after.stderr.contains("1 failed attempt(s) since the last unlock; not tried"), after.stderr)
-        XCTAssertEqual(MountFixture.run(bin + "/keybagctl", ["--mount", m.mnt, "status", "--json"]).stdout.contains("\"failedAttempts\":1"), true)
+        XCTAssertEqual(
+            MountFixture.run(bin + "/keybagctl", ["--mount", m.mnt, "status", "--json"]).stdout.contains(
+                "\"failedAttempts\":1"), true)
         // A deliberate unlock resets the count; after a lock the login password unlocks again.
-        XCTAssertEqual(MountFixture.run(bin + "/keybagctl", ["--mount", m.mnt, "unlock", "--passcode-stdin"], stdin: m.passcode + "\n").code, 0)
+        XCTAssertEqual(
+            MountFixture.run(
+                bin + "/keybagctl", ["--mount", m.mnt, "unlock", "--passcode-stdin"], stdin: m.passcode + "\n"
+            ).code, 0)
         XCTAssertEqual(MountFixture.run(bin + "/keybagctl", ["--mount", m.mnt, "lock", "--grace", "0"]).code, 0)
-        let right = MountFixture.runAlone(mount: m.mnt, bin + "/keybagctl", ["pam-unlock"], stdin: m.passcode + "\u{0}", environment: pam)
+        let right = MountFixture.runAlone(
+            mount: m.mnt, bin + "/keybagctl", ["pam-unlock"], stdin: m.passcode + "\u{0}", environment: pam)
         XCTAssertEqual(right.code, 0, right.stderr)
         XCTAssertTrue(right.stderr.contains("unlocked \(m.mnt) for nobody"), right.stderr)
-        XCTAssertEqual(MountFixture.run(bin + "/keybagctl", ["--mount", m.mnt, "status", "--json"]).stdout.contains("\"unlocked\""), true)
+        XCTAssertEqual(
+            MountFixture.run(bin + "/keybagctl", ["--mount", m.mnt, "status", "--json"]).stdout.contains(
+                "\"unlocked\""), true)
         // A daemon that does not answer (stopped) delays a login by seconds, not forever.
         XCTAssertEqual(MountFixture.run(bin + "/keybagctl", ["--mount", m.mnt, "lock", "--grace", "0"]).code, 0)
         XCTAssertEqual(kill(pid_t(pid), SIGSTOP), 0)
         let t0 = Date()
-        let stuck = MountFixture.runAlone(mount: m.mnt, bin + "/keybagctl", ["pam-unlock"], stdin: m.passcode + "\u{0}", environment: pam)
+        let stuck = MountFixture.runAlone(
+            mount: m.mnt, bin + "/keybagctl", ["pam-unlock"], stdin: m.passcode + "\u{0}", environment: pam)
         let waited = Date().timeIntervalSince(t0)
         kill(pid_t(pid), SIGCONT)
         XCTAssertEqual(stuck.code, 0, stuck.stderr)
@@ -109,29 +139,34 @@ final class CommandLineTests: XCTestCase {
         let bin = MountFixture.binDir
         // init over an existing store refuses and changes nothing.
         let keybag = try Data(contentsOf: URL(fileURLWithPath: m.store + "/keybag"))
-        let again = MountFixture.run(bin + "/keybagfs", ["init", m.store, "--passcode-stdin", "--device-key", m.deviceKey], stdin: "x\n")
+        let again = MountFixture.run(
+            bin + "/keybagfs", ["init", m.store, "--passcode-stdin", "--device-key", m.deviceKey], stdin: "x\n")
         XCTAssertEqual(again.code, 1)
         XCTAssertEqual(try Data(contentsOf: URL(fileURLWithPath: m.store + "/keybag")), keybag)
         // A wrong device key is named as such.
         let otherKey = m.root + "/other.key"
         XCTAssertEqual(writeFile(otherKey, [UInt8](repeating: 1, count: 32), mode: 0o600), 0)
-        let wrong = MountFixture.run(bin + "/keybagfs", ["mount", m.store, m.mnt, "--device-key", otherKey, "--socket", m.socket])
+        let wrong = MountFixture.run(
+            bin + "/keybagfs", ["mount", m.store, m.mnt, "--device-key", otherKey, "--socket", m.socket])
         XCTAssertEqual(wrong.code, 1)
         XCTAssertTrue(wrong.stderr.contains("device key"), wrong.stderr)
         XCTAssertFalse(m.isMounted)
         // Not a store; a missing mount point; a bad class; a bad option.
         XCTAssertEqual(MountFixture.run(bin + "/keybagfs", ["mount", m.root, m.mnt, "--socket", m.socket]).code, 1)
         XCTAssertEqual(MountFixture.run(bin + "/keybagfs", ["mount", m.store, m.root + "/nope"]).code, 2)
-        XCTAssertEqual(MountFixture.run(bin + "/keybagfs", ["mount", m.store, m.mnt, "--default-class", "classZ"]).code, 2)
+        XCTAssertEqual(
+            MountFixture.run(bin + "/keybagfs", ["mount", m.store, m.mnt, "--default-class", "classZ"]).code, 2)
         for bad in [["--threads", "0"], ["--threads", "257"], ["-o", "threads=many"]] {
-            let r = MountFixture.run(bin + "/keybagfs", ["mount", m.store, m.mnt, "--device-key", m.deviceKey, "--socket", m.socket] + bad)
+            let r = MountFixture.run(
+                bin + "/keybagfs", ["mount", m.store, m.mnt, "--device-key", m.deviceKey, "--socket", m.socket] + bad)
             XCTAssertEqual(r.code, 2, "\(bad): \(r.stderr)")
             XCTAssertTrue(r.stderr.contains("threads"), r.stderr)
         }
         XCTAssertFalse(m.isMounted)
         // A corrupt keybag is reported, not crashed on.
         try Data("{ not json".utf8).write(to: URL(fileURLWithPath: m.store + "/keybag"))
-        let corrupt = MountFixture.run(bin + "/keybagfs", ["mount", m.store, m.mnt, "--device-key", m.deviceKey, "--socket", m.socket])
+        let corrupt = MountFixture.run(
+            bin + "/keybagfs", ["mount", m.store, m.mnt, "--device-key", m.deviceKey, "--socket", m.socket])
         XCTAssertEqual(corrupt.code, 1)
         XCTAssertTrue(corrupt.stderr.contains("keybag"), corrupt.stderr)
         try keybag.write(to: URL(fileURLWithPath: m.store + "/keybag"))
@@ -150,9 +185,13 @@ final class CommandLineTests: XCTestCase {
         let m = try MountFixture(mount: false)
         addTeardownBlock { m.close() }
         let store2 = m.root + "/store2"
-        let r = MountFixture.run(MountFixture.binDir + "/keybagfs", ["init", store2, "--passcode-stdin", "--kdf", "interactive"], stdin: "pw\n")
+        let r = MountFixture.run(
+            MountFixture.binDir + "/keybagfs", ["init", store2, "--passcode-stdin", "--kdf", "interactive"],
+            stdin: "pw\n")
         XCTAssertEqual(r.code, 0, r.stderr)
-        let kb = try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: store2 + "/keybag"))) as? [String: Any]
+        let kb =
+            try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: store2 + "/keybag")))
+            as? [String: Any]
         let id = try XCTUnwrap(kb?["storeID"] as? String)
         let keyPath = "/var/lib/keybagfs/\(id).key"
         addTeardownBlock { try? FileManager.default.removeItem(atPath: keyPath) }

@@ -29,7 +29,11 @@ final class ContentTests: XCTestCase {
                 case 6, 7:
                     let n = rng.int(0..<(model.count + 10000))
                     XCTAssertEqual(ftruncate(fd, off_t(n)), 0)
-                    if n < model.count { model.removeSubrange(n...) } else { model += [UInt8](repeating: 0, count: n - model.count) }
+                    if n < model.count {
+                        model.removeSubrange(n...)
+                    } else {
+                        model += [UInt8](repeating: 0, count: n - model.count)
+                    }
                 default:
                     let off = rng.int(0..<(model.count + 10))
                     let len = rng.int(0..<20000)
@@ -86,7 +90,8 @@ final class ContentTests: XCTestCase {
         // Truncate up then down across block boundaries.
         XCTAssertEqual(writeFile(m.path("t"), [UInt8](repeating: 7, count: 5000)), 0)
         XCTAssertEqual(truncate(m.path("t"), 9000), 0)
-        XCTAssertEqual(try readFile(m.path("t")).get(), [UInt8](repeating: 7, count: 5000) + [UInt8](repeating: 0, count: 4000))
+        XCTAssertEqual(
+            try readFile(m.path("t")).get(), [UInt8](repeating: 7, count: 5000) + [UInt8](repeating: 0, count: 4000))
         XCTAssertEqual(truncate(m.path("t"), 4097), 0)
         XCTAssertEqual(try readFile(m.path("t")).get(), [UInt8](repeating: 7, count: 4097))
         XCTAssertEqual(truncate(m.path("t"), 0), 0)
@@ -153,7 +158,8 @@ final class ContentTests: XCTestCase {
             let afterWrite = storeSize()
             XCTAssertEqual(fsync(fd), 0)
             let afterSync = storeSize()
-            XCTAssertGreaterThan(afterSync, empty + data.count, "writeback \(writeback): the store holds the data after fsync")
+            XCTAssertGreaterThan(
+                afterSync, empty + data.count, "writeback \(writeback): the store holds the data after fsync")
             if writeback {
                 XCTAssertEqual(afterWrite, empty, "with the write-back cache, write() alone leaves the store as it was")
             } else {
@@ -199,9 +205,13 @@ final class ContentTests: XCTestCase {
             var foreign: [Int] = []
             for start in stride(from: 0, to: b.count, by: 4096) {
                 let got = b[start..<min(start + 4096, b.count)]
-                if !got.elementsEqual(written[start..<(start + got.count)]) && got.contains(where: { $0 != 0 }) { foreign.append(start) }
+                if !got.elementsEqual(written[start..<(start + got.count)]) && got.contains(where: { $0 != 0 }) {
+                    foreign.append(start)
+                }
             }
-            XCTAssertEqual(foreign.count, 0, "blocks that are neither what was written nor a hole, first at \(foreign.first ?? -1)")
+            XCTAssertEqual(
+                foreign.count, 0, "blocks that are neither what was written nor a hole, first at \(foreign.first ?? -1)"
+            )
         }
         XCTAssertEqual(try readFile(m.path("kept")).get(), kept, "the file written before is intact")
         XCTAssertEqual(unlink(m.path("big")), 0)

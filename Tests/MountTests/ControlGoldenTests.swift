@@ -26,7 +26,8 @@ final class ControlGoldenTests: XCTestCase {
     /// `line` with its ISO 8601 `"time"` value replaced by `TIME`.
     func withoutTime(_ line: String) -> String {
         line.replacingOccurrences(
-            of: #""time":"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z""#, with: #""time":"TIME""#, options: .regularExpression)
+            of: #""time":"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z""#, with: #""time":"TIME""#,
+            options: .regularExpression)
     }
 
     func testTheControlSocketsBytesAreTheGoldenLines() throws {
@@ -64,8 +65,10 @@ final class ControlGoldenTests: XCTestCase {
         let shown = status.replacingOccurrences(
             of: #""(aesMemoryLocked|classADirectIO|posixACLs|writebackCache)":(true|false)"#, with: #""$1":B"#,
             options: .regularExpression
-        ).replacingOccurrences(of: #""deviceID":"[0-9a-f]{32}""#, with: #""deviceID":"DEV""#, options: .regularExpression)
-        let expected = golden.replacingOccurrences(of: "MNT", with: m.mnt).replacingOccurrences(of: "PID", with: "\(pid)")
+        ).replacingOccurrences(
+            of: #""deviceID":"[0-9a-f]{32}""#, with: #""deviceID":"DEV""#, options: .regularExpression)
+        let expected = golden.replacingOccurrences(of: "MNT", with: m.mnt).replacingOccurrences(
+            of: "PID", with: "\(pid)")
         XCTAssertEqual(shown, expected)
 
         // A subscriber sees the reply, then one line per event.
@@ -150,8 +153,14 @@ final class ControlGoldenTests: XCTestCase {
             (["status", "--json"], nil, #"{"op":"status"}"#, Self.statusLine),
             (["lock", "--grace", "1.5"], nil, #"{"grace":1.5,"op":"lock"}"#, #"{"ok":true,"state":"locked"}"#),
             (["lock"], nil, #"{"op":"lock"}"#, #"{"ok":true,"state":"locked"}"#),
-            (["unlock", "--passcode-stdin"], "p\"w/\\x\n", #"{"op":"unlock","passcode":"p\"w/\\x"}"#, #"{"ok":true,"state":"unlocked"}"#),
-            (["passwd", "--passcode-stdin"], "old\nnew\n", #"{"new":"new","old":"old","op":"passwd"}"#, #"{"ok":true}"#),
+            (
+                ["unlock", "--passcode-stdin"], "p\"w/\\x\n", #"{"op":"unlock","passcode":"p\"w/\\x"}"#,
+                #"{"ok":true,"state":"unlocked"}"#
+            ),
+            (
+                ["passwd", "--passcode-stdin"], "old\nnew\n", #"{"new":"new","old":"old","op":"passwd"}"#,
+                #"{"ok":true}"#
+            ),
         ]
         for (args, stdin, request, reply) in cases {
             let seen = Locked<String?>(nil)

@@ -1,7 +1,7 @@
 import Foundation
-import KeybagProtocol
 import Glibc
 import KeybagCore
+import KeybagProtocol
 import Synchronization
 import XCTest
 
@@ -12,49 +12,52 @@ final class ControlSocketTests: XCTestCase {
     /// on each unless it is empty), prints how many were accepted and refused, then holds
     /// them until its stdin closes.
     static let crowd = """
-    import os, resource, socket, sys
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    path, count, line = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    held, accepted, refused = [], 0, 0
-    for i in range(count):
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try: s.connect(path)
-        except OSError:
-            refused += 1
-            continue
-        s.settimeout(5)
-        if line:
-            # A refused client may find the connection closed before it even sends.
-            try:
-                s.sendall(line.encode() + b'\\n')
-                reply = s.recv(4096)
-            except OSError: reply = b''
-            if b'"ok":true' in reply: accepted += 1
-            else: refused += 1
-        held.append(s)
-    print('accepted %d refused %d' % (accepted, refused), flush=True)
-    sys.stdin.read()
-    """
+        import os, resource, socket, sys
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        path, count, line = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+        held, accepted, refused = [], 0, 0
+        for i in range(count):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try: s.connect(path)
+            except OSError:
+                refused += 1
+                continue
+            s.settimeout(5)
+            if line:
+                # A refused client may find the connection closed before it even sends.
+                try:
+                    s.sendall(line.encode() + b'\\n')
+                    reply = s.recv(4096)
+                except OSError: reply = b''
+                if b'"ok":true' in reply: accepted += 1
+                else: refused += 1
+            held.append(s)
+        print('accepted %d refused %d' % (accepted, refused), flush=True)
+        sys.stdin.read()
+        """
 
     /// A python program that connects and subscribes every 2 ms for 6 s, holding its last 50.
     static let churn = #"""
-    import socket, sys, time
-    end = time.time() + 6
-    held = []
-    while time.time() < end:
-        s = socket.socket(socket.AF_UNIX)
-        s.connect(sys.argv[1])
-        s.sendall(b'{"op":"subscribe"}\n')
-        held = (held + [s])[-50:]
-        time.sleep(0.002)
-    """#
+        import socket, sys, time
+        end = time.time() + 6
+        held = []
+        while time.time() < end:
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(sys.argv[1])
+            s.sendall(b'{"op":"subscribe"}\n')
+            held = (held + [s])[-50:]
+            time.sleep(0.002)
+        """#
 
     /// Starts the crowd as uid 65534; returns the process, its stdin and its first line.
     func startCrowd(_ m: MountFixture, count: Int, line: String) throws -> (Process, Pipe, String) {
         let p = Process()
         p.executableURL = URL(fileURLWithPath: "/usr/bin/setpriv")
-        p.arguments = ["--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c", Self.crowd, m.socket, String(count), line]
+        p.arguments = [
+            "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c", Self.crowd, m.socket,
+            String(count), line,
+        ]
         let out = Pipe(), inp = Pipe()
         p.standardOutput = out
         p.standardInput = inp
@@ -105,24 +108,24 @@ final class ControlSocketTests: XCTestCase {
     /// without ever reading the replies until the daemon stops reading too (its reply send
     /// waits on the full socket), prints "stuffed", and holds the connection until stdin closes.
     static let stuffer = """
-    import socket, sys, time
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.connect(sys.argv[1])
-    s.sendall(b'{"op":"subscribe"}\\n')
-    s.setblocking(False)
-    chunk = b'{"op":"status"}\\n' * 256
-    stuck_since = None
-    while True:
-        try:
-            s.send(chunk)
-            stuck_since = None
-        except BlockingIOError:
-            if stuck_since is None: stuck_since = time.monotonic()
-            elif time.monotonic() - stuck_since > 0.3: break
-            time.sleep(0.02)
-    print('stuffed', flush=True)
-    sys.stdin.read()
-    """
+        import socket, sys, time
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(sys.argv[1])
+        s.sendall(b'{"op":"subscribe"}\\n')
+        s.setblocking(False)
+        chunk = b'{"op":"status"}\\n' * 256
+        stuck_since = None
+        while True:
+            try:
+                s.send(chunk)
+                stuck_since = None
+            except BlockingIOError:
+                if stuck_since is None: stuck_since = time.monotonic()
+                elif time.monotonic() - stuck_since > 0.3: break
+                time.sleep(0.02)
+        print('stuffed', flush=True)
+        sys.stdin.read()
+        """
 
     /// Another user's subscriber that never reads keeps its reply send waiting on a full
     /// socket; the owner's lock must not wait for it (events go out without blocking, and a
@@ -139,7 +142,9 @@ final class ControlSocketTests: XCTestCase {
         XCTAssertTrue(ControlClient.readLine(watcher, buffer: &buf)?.contains("\"ok\":true") ?? false)
         let p = Process()
         p.executableURL = URL(fileURLWithPath: "/usr/bin/setpriv")
-        p.arguments = ["--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c", Self.stuffer, m.socket]
+        p.arguments = [
+            "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c", Self.stuffer, m.socket,
+        ]
         let out = Pipe(), inp = Pipe()
         p.standardOutput = out
         p.standardInput = inp
@@ -151,7 +156,9 @@ final class ControlSocketTests: XCTestCase {
         let lockTime = timed { lock = m.ctl(["lock", "--grace", "0"]) }
         XCTAssertEqual(lock?.code, 0, lock?.stderr ?? "")
         print("lock with a stuffed subscriber of another user: \(Int(lockTime * 1000)) ms")
-        XCTAssertLessThan(lockTime, 2.0, "the daemon's reply send to the stuffed subscriber gives up only after 5 s; the lock must not wait for it")
+        XCTAssertLessThan(
+            lockTime, 2.0,
+            "the daemon's reply send to the stuffed subscriber gives up only after 5 s; the lock must not wait for it")
         var events: [String] = []
         while events.count < 2, let line = ControlClient.readLine(watcher, buffer: &buf) { events.append(line) }
         XCTAssertTrue(events.first?.contains("protectedDataWillBecomeUnavailable") ?? false, "\(events)")
@@ -170,7 +177,7 @@ final class ControlSocketTests: XCTestCase {
         let fd = try ControlClient.connect(path: m.socket)
         defer { close(fd) }
         try ControlClient.sendLine(fd, #"{"op":"subscribe"}"#)
-        usleep(400_000)   // the daemon is inside the failpoint now
+        usleep(400_000)  // the daemon is inside the failpoint now
         XCTAssertEqual(m.ctl(["lock", "--grace", "0"]).code, 0)
         var buf: [UInt8] = []
         var tv = timeval(tv_sec: 5, tv_usec: 0)
@@ -179,7 +186,9 @@ final class ControlSocketTests: XCTestCase {
         XCTAssertTrue(reply.contains("\"ok\":true"), reply)
         if reply.contains("\"state\":\"unlocked\"") {
             let next = ControlClient.readLine(fd, buffer: &buf) ?? "(nothing within 5 s)"
-            XCTAssertTrue(next.contains("protectedDataWillBecomeUnavailable"), "the reply said unlocked, so the lock's events must follow: \(next)")
+            XCTAssertTrue(
+                next.contains("protectedDataWillBecomeUnavailable"),
+                "the reply said unlocked, so the lock's events must follow: \(next)")
         } else {
             XCTAssertTrue(reply.contains("\"state\":\"locked\""), reply)
         }
@@ -205,7 +214,9 @@ final class ControlSocketTests: XCTestCase {
         var lockReply = ""
         let lockTime = timed { lockReply = request(m, #"{"op":"lock","grace":0}"#) }
         XCTAssertTrue(lockReply.contains("\"ok\":true"), lockReply)
-        print("2,000 idle connections of another user, 100 of root: status worst \(Int(worst * 1000)) ms, lock \(Int(lockTime * 1000)) ms")
+        print(
+            "2,000 idle connections of another user, 100 of root: status worst \(Int(worst * 1000)) ms, lock \(Int(lockTime * 1000)) ms"
+        )
         XCTAssertLessThan(worst, 0.5)
         XCTAssertLessThan(lockTime, 0.5)
         m.unlock()
@@ -222,7 +233,7 @@ final class ControlSocketTests: XCTestCase {
         defer { mine.forEach { close($0) } }
         for _ in 0..<600 { if let fd = try? ControlClient.connect(path: m.socket) { mine.append(fd) } }
         XCTAssertEqual(mine.count, 600)
-        usleep(300_000)   // every connection accepted
+        usleep(300_000)  // every connection accepted
         var lockReply = ""
         let lockTime = timed { lockReply = request(m, #"{"op":"lock","grace":0}"#) }
         XCTAssertTrue(lockReply.contains("\"ok\":true"), "root's lock with 600 idle root connections: \(lockReply)")
@@ -252,8 +263,10 @@ final class ControlSocketTests: XCTestCase {
         // More owner subscribers keep arriving, each making room for itself.
         let churn = Process()
         churn.executableURL = URL(fileURLWithPath: "/usr/bin/setpriv")
-        churn.arguments = ["--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c",
-                           Self.churn, m.socket]
+        churn.arguments = [
+            "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c",
+            Self.churn, m.socket,
+        ]
         try churn.run()
         defer { churn.terminate(); churn.waitUntilExit() }
         usleep(500_000)
@@ -273,7 +286,9 @@ final class ControlSocketTests: XCTestCase {
         let socket = m.socket, passcode = m.passcode
         let started = Date()
         Thread.detachNewThread {
-            _ = MountFixture.run(MountFixture.binDir + "/keybagctl", ["--socket", socket, "unlock", "--passcode-stdin"], stdin: passcode + "\n")
+            _ = MountFixture.run(
+                MountFixture.binDir + "/keybagctl", ["--socket", socket, "unlock", "--passcode-stdin"],
+                stdin: passcode + "\n")
             unlockDone.store(true, ordering: .releasing)
             finished.signal()
         }
@@ -282,16 +297,20 @@ final class ControlSocketTests: XCTestCase {
         func rssMiB() -> Int {
             let s = ProcFile.read("/proc/\(pid)/status") ?? ""
             let line = s.split(separator: "\n").first { $0.hasPrefix("VmRSS:") } ?? ""
-            return (Int(line.split(separator: " ", omittingEmptySubsequences: true).dropFirst().first ?? "") ?? 0) / 1024
+            return (Int(line.split(separator: " ", omittingEmptySubsequences: true).dropFirst().first ?? "") ?? 0)
+                / 1024
         }
-        XCTAssertTrue(waitUntil(10) { rssMiB() > 120 || unlockDone.load(ordering: .acquiring) }, "the KDF never started")
+        XCTAssertTrue(
+            waitUntil(10) { rssMiB() > 120 || unlockDone.load(ordering: .acquiring) }, "the KDF never started")
         XCTAssertFalse(unlockDone.load(ordering: .acquiring), "the unlock ended before status could be asked during it")
         var replies: [String] = []
         let during = timed { replies.append(request(m, #"{"op":"status"}"#)) }
         let statusEnded = Date().timeIntervalSince(started)
         finished.wait()
         let unlockEnded = Date().timeIntervalSince(started)
-        print("status during a moderate-KDF unlock: \(Int(during * 1000)) ms, answered at \(Int(statusEnded * 1000)) ms, unlock done at \(Int(unlockEnded * 1000)) ms")
+        print(
+            "status during a moderate-KDF unlock: \(Int(during * 1000)) ms, answered at \(Int(statusEnded * 1000)) ms, unlock done at \(Int(unlockEnded * 1000)) ms"
+        )
         XCTAssertTrue(replies[0].contains("\"ok\":true"), replies[0])
         XCTAssertLessThan(statusEnded + 0.1, unlockEnded, "status waited for the unlock's KDF")
         XCTAssertEqual(m.state, "unlocked")

@@ -12,7 +12,9 @@ final class DeviceTests: XCTestCase {
 
     /// Copies `rel` (a file or folder inside the store) from one replica to the other, as a sync engine would.
     private func sync(_ rel: String, from a: MountFixture, to b: MountFixture) {
-        let r = MountFixture.run("/bin/sh", ["-c", "mkdir -p \"$(dirname \"$1\")\" && cp -a \"$0\" \"$1\"", a.store + "/" + rel, b.store + "/" + rel])
+        let r = MountFixture.run(
+            "/bin/sh",
+            ["-c", "mkdir -p \"$(dirname \"$1\")\" && cp -a \"$0\" \"$1\"", a.store + "/" + rel, b.store + "/" + rel])
         XCTAssertEqual(r.code, 0, r.stderr)
     }
 
@@ -27,7 +29,13 @@ final class DeviceTests: XCTestCase {
     private func firstDevice() throws -> (MountFixture, recoveryKey: String) {
         let a = try MountFixture(passcode: "device A passcode", mount: false)
         let rk = a.root + "/recovery.txt"
-        XCTAssertEqual(keybagfs(["recovery-key", "rotate", a.store, "--device-key", a.deviceKey, "--passcode-stdin", "--recovery-key-file", rk], stdin: a.passcode + "\n").code, 0)
+        XCTAssertEqual(
+            keybagfs(
+                [
+                    "recovery-key", "rotate", a.store, "--device-key", a.deviceKey, "--passcode-stdin",
+                    "--recovery-key-file", rk,
+                ], stdin: a.passcode + "\n"
+            ).code, 0)
         do { try a.mount() } catch { a.close(); throw error }
         a.unlock()
         return (a, rk)
@@ -44,15 +52,25 @@ final class DeviceTests: XCTestCase {
         // Host B gets a copy of the store (the sync engine) and joins with the recovery key.
         let b = try MountFixture(replicaOf: a, passcode: "device B passcode")
         defer { b.close() }
-        let add = keybagfs(["device", "add", b.store, "--device-key", b.deviceKey, "--recovery-key-file", rk, "--stdin", "--kdf", "interactive", "--name", "host-b"], stdin: b.passcode + "\n")
+        let add = keybagfs(
+            [
+                "device", "add", b.store, "--device-key", b.deviceKey, "--recovery-key-file", rk, "--stdin", "--kdf",
+                "interactive", "--name", "host-b",
+            ], stdin: b.passcode + "\n")
         XCTAssertEqual(add.code, 0, add.stderr)
-        let idB = keybagfs(["device", "id", b.store, "--device-key", b.deviceKey]).stdout.trimmingCharacters(in: .whitespacesAndNewlines)
-        let idA = keybagfs(["device", "id", a.store, "--device-key", a.deviceKey]).stdout.trimmingCharacters(in: .whitespacesAndNewlines)
+        let idB = keybagfs(["device", "id", b.store, "--device-key", b.deviceKey]).stdout.trimmingCharacters(
+            in: .whitespacesAndNewlines)
+        let idA = keybagfs(["device", "id", a.store, "--device-key", a.deviceKey]).stdout.trimmingCharacters(
+            in: .whitespacesAndNewlines)
         XCTAssertEqual(idB.count, 32)
         XCTAssertNotEqual(idA, idB)
         XCTAssertTrue(FileManager.default.fileExists(atPath: b.store + "/devices/\(idB).keybag"))
         XCTAssertFalse(add.stdout.contains(b.passcode) || add.stderr.contains(b.passcode))
-        let again = keybagfs(["device", "add", b.store, "--device-key", b.deviceKey, "--recovery-key-file", rk, "--stdin", "--kdf", "interactive"], stdin: "x\n")
+        let again = keybagfs(
+            [
+                "device", "add", b.store, "--device-key", b.deviceKey, "--recovery-key-file", rk, "--stdin", "--kdf",
+                "interactive",
+            ], stdin: "x\n")
         XCTAssertNotEqual(again.code, 0, "a device is added once")
         sync("devices/\(idB).keybag", from: b, to: a)
         let list = keybagfs(["device", "list", a.store, "--json"])
@@ -69,14 +87,20 @@ final class DeviceTests: XCTestCase {
         b.lock()
         XCTAssertEqual(errnoOf(readFile(b.path("old-a.txt"))), EACCES, "B's lock is B's")
         b.unmount()
-        let kbA = try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: a.store + "/keybag"))) as! [String: Any]
+        let kbA =
+            try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: a.store + "/keybag")))
+            as! [String: Any]
         XCTAssertEqual(kbA["failedAttempts"] as? Int, 0, "B's wrong passcode is not counted in A's keybag")
 
         // A removes B: a wrong passcode is refused and nothing changes; the right one starts key set 1.
-        let bad = keybagfs(["device", "remove", a.store, idB, "--device-key", a.deviceKey, "--recovery-key-file", rk, "--stdin"], stdin: "not it\n")
+        let bad = keybagfs(
+            ["device", "remove", a.store, idB, "--device-key", a.deviceKey, "--recovery-key-file", rk, "--stdin"],
+            stdin: "not it\n")
         XCTAssertNotEqual(bad.code, 0)
         XCTAssertTrue(FileManager.default.fileExists(atPath: a.store + "/devices/\(idB).keybag"))
-        let rm = keybagfs(["device", "remove", a.store, idB, "--device-key", a.deviceKey, "--recovery-key-file", rk, "--stdin"], stdin: a.passcode + "\n")
+        let rm = keybagfs(
+            ["device", "remove", a.store, idB, "--device-key", a.deviceKey, "--recovery-key-file", rk, "--stdin"],
+            stdin: a.passcode + "\n")
         XCTAssertEqual(rm.code, 0, rm.stderr)
         XCTAssertFalse(FileManager.default.fileExists(atPath: a.store + "/devices/\(idB).keybag"))
         XCTAssertTrue(keybagfs(["device", "list", a.store]).stdout.contains("\(idB)  removed"))
@@ -120,14 +144,24 @@ final class DeviceTests: XCTestCase {
         let b = try MountFixture(replicaOf: a, passcode: "device B passcode")
         defer { b.close() }
         let keyBefore = try Data(contentsOf: URL(fileURLWithPath: a.deviceKey))
-        let idA = keybagfs(["device", "id", a.store, "--device-key", a.deviceKey]).stdout.trimmingCharacters(in: .whitespacesAndNewlines)
-        let add = keybagfs(["device", "add", b.store, "--device-key", a.deviceKey, "--recovery-key-file", rk, "--stdin", "--kdf", "interactive"])
+        let idA = keybagfs(["device", "id", a.store, "--device-key", a.deviceKey]).stdout.trimmingCharacters(
+            in: .whitespacesAndNewlines)
+        let add = keybagfs([
+            "device", "add", b.store, "--device-key", a.deviceKey, "--recovery-key-file", rk, "--stdin", "--kdf",
+            "interactive",
+        ])
         XCTAssertNotEqual(add.code, 0, "device A's key made a second device")
-        XCTAssertTrue(add.stderr.contains("--device-key") && add.stderr.contains(idA), "names the way out and the owner: \(add.stderr)")
+        XCTAssertTrue(
+            add.stderr.contains("--device-key") && add.stderr.contains(idA),
+            "names the way out and the owner: \(add.stderr)")
         XCTAssertFalse(add.stderr.contains("passcode"), "refused before asking for a passcode: \(add.stderr)")
         XCTAssertEqual(try Data(contentsOf: URL(fileURLWithPath: a.deviceKey)), keyBefore)
         XCTAssertFalse(FileManager.default.fileExists(atPath: b.store + "/devices"), "nothing written to the replica")
-        let own = keybagfs(["device", "add", b.store, "--device-key", b.deviceKey, "--recovery-key-file", rk, "--stdin", "--kdf", "interactive"], stdin: b.passcode + "\n")
+        let own = keybagfs(
+            [
+                "device", "add", b.store, "--device-key", b.deviceKey, "--recovery-key-file", rk, "--stdin", "--kdf",
+                "interactive",
+            ], stdin: b.passcode + "\n")
         XCTAssertEqual(own.code, 0, "with its own key: \(own.stderr)")
     }
 
@@ -142,9 +176,15 @@ final class DeviceTests: XCTestCase {
         for name in ["host-b", "host-c"] {
             let m = try MountFixture(replicaOf: a, passcode: name + " passcode")
             replicas.append(m)
-            let add = keybagfs(["device", "add", m.store, "--device-key", m.deviceKey, "--recovery-key-file", rk, "--stdin", "--kdf", "interactive", "--name", name], stdin: m.passcode + "\n")
+            let add = keybagfs(
+                [
+                    "device", "add", m.store, "--device-key", m.deviceKey, "--recovery-key-file", rk, "--stdin",
+                    "--kdf", "interactive", "--name", name,
+                ], stdin: m.passcode + "\n")
             XCTAssertEqual(add.code, 0, add.stderr)
-            ids.append(keybagfs(["device", "id", m.store, "--device-key", m.deviceKey]).stdout.trimmingCharacters(in: .whitespacesAndNewlines))
+            ids.append(
+                keybagfs(["device", "id", m.store, "--device-key", m.deviceKey]).stdout.trimmingCharacters(
+                    in: .whitespacesAndNewlines))
             sync("devices/\(ids.last!).keybag", from: m, to: a)
         }
         let (b, c) = (replicas[0], replicas[1])
@@ -153,10 +193,13 @@ final class DeviceTests: XCTestCase {
         try c.mount()
         c.unlock()
         XCTAssertEqual(writeFile(c.path("while-b-was-there.txt"), bytes("C, before")), 0)
-        XCTAssertTrue(c.ctl(["status", "--json"]).stdout.contains("\"keySetBehind\":false"), c.ctl(["status", "--json"]).stdout)
+        XCTAssertTrue(
+            c.ctl(["status", "--json"]).stdout.contains("\"keySetBehind\":false"), c.ctl(["status", "--json"]).stdout)
 
         // A removes B; the record reaches C's replica as a sync engine brings it, while C is mounted.
-        let rm = keybagfs(["device", "remove", a.store, ids[0], "--device-key", a.deviceKey, "--recovery-key-file", rk, "--stdin"], stdin: a.passcode + "\n")
+        let rm = keybagfs(
+            ["device", "remove", a.store, ids[0], "--device-key", a.deviceKey, "--recovery-key-file", rk, "--stdin"],
+            stdin: a.passcode + "\n")
         XCTAssertEqual(rm.code, 0, rm.stderr)
         let record = a.store + "/devices/\(ids[0]).removed", tmp = c.store + "/devices/.syncthing.\(ids[0]).removed.tmp"
         XCTAssertEqual(MountFixture.run("/bin/cp", [record, tmp]).code, 0)
@@ -164,8 +207,11 @@ final class DeviceTests: XCTestCase {
         XCTAssertEqual(unlink(c.store + "/devices/\(ids[0]).keybag"), 0)
 
         // C takes no new file or class change that B could open, and says why; what exists still reads.
-        XCTAssertTrue(waitUntil(5) { c.ctl(["status", "--json"]).stdout.contains("\"keySetBehind\":true") }, c.ctl(["status", "--json"]).stdout)
-        XCTAssertNotEqual(writeFile(c.path("after.txt"), bytes("C, after")), 0, "a new file would be wrapped for the old key set")
+        XCTAssertTrue(
+            waitUntil(5) { c.ctl(["status", "--json"]).stdout.contains("\"keySetBehind\":true") },
+            c.ctl(["status", "--json"]).stdout)
+        XCTAssertNotEqual(
+            writeFile(c.path("after.txt"), bytes("C, after")), 0, "a new file would be wrapped for the old key set")
         XCTAssertNotEqual(setXattr(c.path("before.txt"), "complete"), 0, "so would a class change")
         XCTAssertEqual(try readFile(c.path("before.txt")).get(), bytes("before the removal"))
         XCTAssertEqual(try readFile(c.path("while-b-was-there.txt")).get(), bytes("C, before"))

@@ -13,7 +13,9 @@ final class DifferentialTests: XCTestCase {
     struct Outcome: Equatable, CustomStringConvertible {
         var err: Int32 = 0
         var data: [UInt8] = []
-        var description: String { err != 0 ? "errno \(err) (\(String(cString: strerror(err))))" : "ok \(data.count) bytes \(data.prefix(16))" }
+        var description: String {
+            err != 0 ? "errno \(err) (\(String(cString: strerror(err))))" : "ok \(data.count) bytes \(data.prefix(16))"
+        }
     }
 
     static let names = ["a", "b", "c", "déjà", String(repeating: "n", count: 220), ".dot"]
@@ -32,22 +34,28 @@ final class DifferentialTests: XCTestCase {
         func e(_ rc: Int32) -> Outcome { Outcome(err: rc == 0 ? 0 : errno) }
         switch r.int(0..<15) {
         case 0, 1:
-            return ("write \(p) @\(off) +\(data.count)", { root in
-                let fd = open(root + "/" + p, O_WRONLY | O_CREAT | O_CLOEXEC, 0o644)
-                if fd < 0 { return Outcome(err: errno) }
-                defer { close(fd) }
-                let n = pwrite(fd, data, data.count, off_t(off))
-                return n < 0 ? Outcome(err: errno) : Outcome(data: [UInt8(truncatingIfNeeded: n)])
-            })
+            return (
+                "write \(p) @\(off) +\(data.count)",
+                { root in
+                    let fd = open(root + "/" + p, O_WRONLY | O_CREAT | O_CLOEXEC, 0o644)
+                    if fd < 0 { return Outcome(err: errno) }
+                    defer { close(fd) }
+                    let n = pwrite(fd, data, data.count, off_t(off))
+                    return n < 0 ? Outcome(err: errno) : Outcome(data: [UInt8(truncatingIfNeeded: n)])
+                }
+            )
         case 2, 3:
-            return ("read \(p) @\(off) +\(len)", { root in
-                let fd = open(root + "/" + p, O_RDONLY | O_CLOEXEC)
-                if fd < 0 { return Outcome(err: errno) }
-                defer { close(fd) }
-                var buf = [UInt8](repeating: 0, count: len)
-                let n = pread(fd, &buf, len, off_t(off))
-                return n < 0 ? Outcome(err: errno) : Outcome(data: Array(buf[0..<n]))
-            })
+            return (
+                "read \(p) @\(off) +\(len)",
+                { root in
+                    let fd = open(root + "/" + p, O_RDONLY | O_CLOEXEC)
+                    if fd < 0 { return Outcome(err: errno) }
+                    defer { close(fd) }
+                    var buf = [UInt8](repeating: 0, count: len)
+                    let n = pread(fd, &buf, len, off_t(off))
+                    return n < 0 ? Outcome(err: errno) : Outcome(data: Array(buf[0..<n]))
+                }
+            )
         case 4: return ("truncate \(p) \(off)", { root in e(truncate(root + "/" + p, off_t(off))) })
         case 5: return ("rename \(p) \(q)", { root in e(rename(root + "/" + p, root + "/" + q)) })
         case 6: return ("link \(p) \(q)", { root in e(link(root + "/" + p, root + "/" + q)) })
@@ -57,32 +65,44 @@ final class DifferentialTests: XCTestCase {
         case 10: return ("chmod \(p) \(String(mode, radix: 8))", { root in e(chmod(root + "/" + p, mode)) })
         case 11:
             let v = Array(data.prefix(64))
-            return ("setxattr \(p)", { root in
-                e(setxattr(root + "/" + p, "user.t", v, v.count, 0))
-            })
+            return (
+                "setxattr \(p)",
+                { root in
+                    e(setxattr(root + "/" + p, "user.t", v, v.count, 0))
+                }
+            )
         case 12:
-            return ("getxattr \(p)", { root in
-                var buf = [UInt8](repeating: 0, count: 128)
-                let n = getxattr(root + "/" + p, "user.t", &buf, buf.count)
-                return n < 0 ? Outcome(err: errno) : Outcome(data: Array(buf[0..<n]))
-            })
+            return (
+                "getxattr \(p)",
+                { root in
+                    var buf = [UInt8](repeating: 0, count: 128)
+                    let n = getxattr(root + "/" + p, "user.t", &buf, buf.count)
+                    return n < 0 ? Outcome(err: errno) : Outcome(data: Array(buf[0..<n]))
+                }
+            )
         case 13:
             let fmode: Int32 = [0, 0x01, 0x03, 0x10, 0x11][r.int(0..<5)]
-            return ("fallocate \(p) mode \(fmode) @\(off) +\(len + 1)", { root in
-                let fd = open(root + "/" + p, O_RDWR | O_CLOEXEC)
-                if fd < 0 { return Outcome(err: errno) }
-                defer { close(fd) }
-                return e(kbfs_fallocate(fd, fmode, Int64(off), Int64(len + 1)))
-            })
+            return (
+                "fallocate \(p) mode \(fmode) @\(off) +\(len + 1)",
+                { root in
+                    let fd = open(root + "/" + p, O_RDWR | O_CLOEXEC)
+                    if fd < 0 { return Outcome(err: errno) }
+                    defer { close(fd) }
+                    return e(kbfs_fallocate(fd, fmode, Int64(off), Int64(len + 1)))
+                }
+            )
         default:
             let target = names[r.int(0..<names.count)]
-            return ("symlink \(target) \(p)", { root in
-                let rc = symlink(target, root + "/" + p)
-                if rc != 0 { return Outcome(err: errno) }
-                var buf = [CChar](repeating: 0, count: 512)
-                let n = readlink(root + "/" + p, &buf, buf.count)
-                return Outcome(data: buf[0..<max(n, 0)].map { UInt8(bitPattern: $0) })
-            })
+            return (
+                "symlink \(target) \(p)",
+                { root in
+                    let rc = symlink(target, root + "/" + p)
+                    if rc != 0 { return Outcome(err: errno) }
+                    var buf = [CChar](repeating: 0, count: 512)
+                    let n = readlink(root + "/" + p, &buf, buf.count)
+                    return Outcome(data: buf[0..<max(n, 0)].map { UInt8(bitPattern: $0) })
+                }
+            )
         }
     }
 
@@ -100,7 +120,10 @@ final class DifferentialTests: XCTestCase {
                 var line = "\(r) type \(type) mode \(String(st.st_mode & 0o7777, radix: 8))"
                 if type == S_IFREG {
                     line += " size \(st.st_size) nlink \(st.st_nlink)"
-                    if let d = FileManager.default.contents(atPath: root + "/" + r) { line += " sum \(d.reduce(into: UInt64(1469598103934665603)) { $0 = ($0 ^ UInt64($1)) &* 1099511628211 })" }
+                    if let d = FileManager.default.contents(atPath: root + "/" + r) {
+                        line +=
+                            " sum \(d.reduce(into: UInt64(1469598103934665603)) { $0 = ($0 ^ UInt64($1)) &* 1099511628211 })"
+                    }
                 }
                 out.append(line)
                 if type == S_IFDIR { walk(r) }
@@ -138,7 +161,9 @@ final class DifferentialTests: XCTestCase {
                 if step % 250 == 249 || step == opsPerSeed - 1 {
                     let sa = Self.snapshot(a), sb = Self.snapshot(b)
                     if sa != sb {
-                        let diff = zip(sa, sb).first { $0 != $1 }.map { "mount: \($0.0)\nplain: \($0.1)" } ?? "counts \(sa.count) vs \(sb.count)"
+                        let diff =
+                            zip(sa, sb).first { $0 != $1 }.map { "mount: \($0.0)\nplain: \($0.1)" }
+                            ?? "counts \(sa.count) vs \(sb.count)"
                         XCTFail("seed \(seed) step \(step): trees differ\n\(diff)")
                         diverged = true
                     }

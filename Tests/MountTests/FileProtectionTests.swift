@@ -30,7 +30,8 @@ final class FileProtectionTests: XCTestCase {
         let url = URL(fileURLWithPath: m.path("doc.txt"))
         try Data("first".utf8).write(to: url, protection: .complete)
         XCTAssertEqual(xattr(url.path), "complete")
-        XCTAssertEqual(try FileManager.default.protection(ofItemAtPath: url.path).rawValue, FileProtectionType.complete.rawValue)
+        XCTAssertEqual(
+            try FileManager.default.protection(ofItemAtPath: url.path).rawValue, FileProtectionType.complete.rawValue)
         // Replacing keeps the new class and leaves no temporary behind.
         try Data("second".utf8).writeProtected(to: url, options: [.atomic, .completeFileProtectionUnlessOpen])
         XCTAssertEqual(xattr(url.path), "completeUnlessOpen")
@@ -45,7 +46,8 @@ final class FileProtectionTests: XCTestCase {
         XCTAssertEqual(xattr(m.path("plain.txt")), "completeUntilFirstUserAuthentication")
         // Directories: the default for new files, through setProtectedAttributes.
         try FileManager.default.createDirectory(atPath: m.path("Documents"), withIntermediateDirectories: false)
-        try FileManager.default.setProtectedAttributes([.protectionKey: FileProtectionType.complete, .posixPermissions: 0o700], ofItemAtPath: m.path("Documents"))
+        try FileManager.default.setProtectedAttributes(
+            [.protectionKey: FileProtectionType.complete, .posixPermissions: 0o700], ofItemAtPath: m.path("Documents"))
         let attrs = try FileManager.default.protectedAttributesOfItem(atPath: m.path("Documents"))
         XCTAssertEqual((attrs[.protectionKey] as? FileProtectionType)?.rawValue, FileProtectionType.complete.rawValue)
         XCTAssertEqual((attrs[.posixPermissions] as? NSNumber)?.intValue, 0o700)
@@ -69,11 +71,15 @@ final class FileProtectionTests: XCTestCase {
             let c = e as? CocoaError
             XCTAssertEqual(c?.code, .fileWriteNoPermission, "\(e)")
             XCTAssertEqual(c?.isProtectedDataUnavailable, true, "\(e)")
-            XCTAssertTrue("\(c?.userInfo[NSLocalizedDescriptionKey] ?? "")".contains("protected data is not available"), "\(e)")
+            XCTAssertTrue(
+                "\(c?.userInfo[NSLocalizedDescriptionKey] ?? "")".contains("protected data is not available"), "\(e)")
         }
         // A new `complete` file while locked: the lock is the reason, not permissions
         // (the target does not exist yet, so the class is the one the create asked for).
-        XCTAssertThrowsError(try Data("new".utf8).writeProtected(to: URL(fileURLWithPath: m.path("locked-new.txt")), options: .completeFileProtection)) { e in
+        XCTAssertThrowsError(
+            try Data("new".utf8).writeProtected(
+                to: URL(fileURLWithPath: m.path("locked-new.txt")), options: .completeFileProtection)
+        ) { e in
             XCTAssertEqual((e as? CocoaError)?.isProtectedDataUnavailable, true, "\(e)")
         }
         XCTAssertEqual(try String(contentsOfFile: m.path("open.txt"), encoding: .utf8), "open")
@@ -99,7 +105,10 @@ final class FileProtectionTests: XCTestCase {
             for _ in 0..<500 { guard seen.count < count else { break }; try? await Task.sleep(nanoseconds: 10_000_000) }
         }
         // Wait until the subscription is live (the daemon counts subscribers).
-        for _ in 0..<500 { guard !m.ctl(["status", "--json"]).stdout.contains("\"subscribers\":1") else { break }; try? await Task.sleep(nanoseconds: 10_000_000) }
+        for _ in 0..<500 {
+            guard !m.ctl(["status", "--json"]).stdout.contains("\"subscribers\":1") else { break };
+            try? await Task.sleep(nanoseconds: 10_000_000)
+        }
         XCTAssertEqual(m.ctl(["lock", "--grace", "0"]).code, 0)
         await waitFor(2)
         m.unlock()
@@ -119,10 +128,14 @@ final class FileProtectionTests: XCTestCase {
         defer { center.removeObserver(token) }
         let poster = ProtectedData.postNotifications(for: URL(fileURLWithPath: m.mnt), socket: m.socket, center: center)
         defer { poster.cancel() }
-        for _ in 0..<500 { guard !m.ctl(["status", "--json"]).stdout.contains("\"subscribers\":2") else { break }; try? await Task.sleep(nanoseconds: 10_000_000) }
+        for _ in 0..<500 {
+            guard !m.ctl(["status", "--json"]).stdout.contains("\"subscribers\":2") else { break };
+            try? await Task.sleep(nanoseconds: 10_000_000)
+        }
         XCTAssertEqual(m.ctl(["lock", "--grace", "0"]).code, 0)
         for _ in 0..<500 { guard names.count < 2 else { break }; try? await Task.sleep(nanoseconds: 10_000_000) }
-        XCTAssertEqual(names.all, ["UIApplicationProtectedDataWillBecomeUnavailable", "KeybagfsProtectedDataDidBecomeUnavailable"])
+        XCTAssertEqual(
+            names.all, ["UIApplicationProtectedDataWillBecomeUnavailable", "KeybagfsProtectedDataDidBecomeUnavailable"])
     }
 
     /// The example app through one lock/unlock cycle, checked by its own output.
@@ -158,7 +171,9 @@ final class FileProtectionTests: XCTestCase {
         func send(_ s: String) { inp.fileHandleForWriting.write(Data((s + "\n").utf8)) }
         XCTAssertTrue(expect("opened notes (complete); merged 0"), "\(lines)")
         XCTAssertTrue(expect("ready"), "\(lines)")
-        for _ in 0..<500 { guard !m.ctl(["status", "--json"]).stdout.contains("\"subscribers\":1") else { break }; usleep(10_000) }
+        for _ in 0..<500 {
+            guard !m.ctl(["status", "--json"]).stdout.contains("\"subscribers\":1") else { break }; usleep(10_000)
+        }
         send("add before the lock")
         XCTAssertTrue(expect("added to notes"), "\(lines)")
         XCTAssertEqual(xattr(m.path("notes/notes.txt")), "complete")

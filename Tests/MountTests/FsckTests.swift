@@ -22,7 +22,8 @@ final class FsckTests: XCTestCase {
         addTeardownBlock { m.close() }
         m.unlock()
         XCTAssertEqual(mkdir(m.path("d"), 0o755), 0)
-        XCTAssertEqual(writeFile(m.path("d/" + String(repeating: "l", count: 200)), [UInt8](repeating: 1, count: 50_000)), 0)
+        XCTAssertEqual(
+            writeFile(m.path("d/" + String(repeating: "l", count: 200)), [UInt8](repeating: 1, count: 50_000)), 0)
         XCTAssertEqual(writeFile(m.path("empty"), []), 0)
         XCTAssertEqual(symlink("/some/target", m.path("link")), 0)
         let busy = MountFixture.run(MountFixture.binDir + "/keybagfs", ["fsck", m.store, "--device-key", m.deviceKey])
@@ -46,13 +47,19 @@ final class FsckTests: XCTestCase {
         let m = try MountFixture(mount: false)
         defer { m.close() }
         for i in 1...5 {
-            let r = MountFixture.run(MountFixture.binDir + "/keybagfs", ["fsck", m.store, "--device-key", m.deviceKey, "--passcode-stdin"], stdin: "guess \(i)\n")
+            let r = MountFixture.run(
+                MountFixture.binDir + "/keybagfs", ["fsck", m.store, "--device-key", m.deviceKey, "--passcode-stdin"],
+                stdin: "guess \(i)\n")
             XCTAssertNotEqual(r.code, 0, "guess \(i) opened the store")
             XCTAssertTrue(r.stderr.contains("wrong passcode"), "guess \(i): \(r.stderr)")
         }
-        let kb = try XCTUnwrap(JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: m.store + "/keybag"))) as? [String: Any])
+        let kb = try XCTUnwrap(
+            JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: m.store + "/keybag")))
+                as? [String: Any])
         XCTAssertEqual(kb["failedAttempts"] as? Int, 5, "each wrong guess counted")
-        let right = MountFixture.run(MountFixture.binDir + "/keybagfs", ["fsck", m.store, "--device-key", m.deviceKey, "--passcode-stdin"], stdin: m.passcode + "\n")
+        let right = MountFixture.run(
+            MountFixture.binDir + "/keybagfs", ["fsck", m.store, "--device-key", m.deviceKey, "--passcode-stdin"],
+            stdin: m.passcode + "\n")
         XCTAssertNotEqual(right.code, 0, "the throttle let fsck try a passcode")
         XCTAssertTrue(right.stderr.contains("try again in"), right.stderr)
         try m.mount()
@@ -65,14 +72,19 @@ final class FsckTests: XCTestCase {
         addTeardownBlock { m.close() }
         m.unlock()
         let data = (0..<30_000).map { UInt8(truncatingIfNeeded: $0 &* 13) }
-        for f in ["cut", "torn", "middle", "headerless", "badheader"] { XCTAssertEqual(writeFile(m.path(f), data), 0, f) }
+        for f in ["cut", "torn", "middle", "headerless", "badheader"] {
+            XCTAssertEqual(writeFile(m.path(f), data), 0, f)
+        }
         let whole = Array(data[0..<(7 * 4096)])
         XCTAssertEqual(writeFile(m.path("fragment"), whole), 0)
         XCTAssertEqual(writeFile(m.path("withxattr"), data), 0)
         XCTAssertEqual(setXattr(m.path("withxattr"), "v", "user.note"), 0)
         XCTAssertEqual(mkdir(m.path("d"), 0o755), 0)
         XCTAssertEqual(writeFile(m.path("d/" + String(repeating: "s", count: 220)), data), 0)
-        let b = ["cut", "torn", "fragment", "middle", "headerless", "badheader", "withxattr", "d/" + String(repeating: "s", count: 220)].map { m.backing($0) }
+        let b = [
+            "cut", "torn", "fragment", "middle", "headerless", "badheader", "withxattr",
+            "d/" + String(repeating: "s", count: 220),
+        ].map { m.backing($0) }
         m.unmount()
         let cb = 4096 + 40
         var bytesOf: [String: [UInt8]] = [:]
@@ -100,29 +112,42 @@ final class FsckTests: XCTestCase {
         // a long name's entry disappears: its side file is an orphan
         XCTAssertEqual(unlink(b[7]), 0)
         // a temporary of an interrupted atomic write
-        XCTAssertTrue(FileManager.default.createFile(atPath: m.store + "/data/.kbfs-tmp-leftover", contents: Data([1, 2, 3])))
-        let expected = ["block-damaged", "end-not-sealed", "header-damaged", "no-header", "side-file-orphan", "temporary", "torn-fragment", "torn-tail", "xattr-orphan"]
+        XCTAssertTrue(
+            FileManager.default.createFile(atPath: m.store + "/data/.kbfs-tmp-leftover", contents: Data([1, 2, 3])))
+        let expected = [
+            "block-damaged", "end-not-sealed", "header-damaged", "no-header", "side-file-orphan", "temporary",
+            "torn-fragment", "torn-tail", "xattr-orphan",
+        ]
 
         let check = m.fsck()
         XCTAssertEqual(check.code, 1)
         XCTAssertEqual(kinds(check.problems), expected)
-        XCTAssertTrue(check.problems.allSatisfy { ["repairable", "drops-data", "not-repairable"].contains($0.repair) }, "\(check.problems)")
-        XCTAssertEqual(check.problems.first { $0.kind == "xattr-orphan" }?.repair, "not-repairable", "kept while a header is unreadable")
+        XCTAssertTrue(
+            check.problems.allSatisfy { ["repairable", "drops-data", "not-repairable"].contains($0.repair) },
+            "\(check.problems)")
+        XCTAssertEqual(
+            check.problems.first { $0.kind == "xattr-orphan" }?.repair, "not-repairable",
+            "kept while a header is unreadable")
         XCTAssertEqual(check.problems.first { $0.kind == "torn-tail" }?.repair, "drops-data")
         XCTAssertEqual(check.problems.first { $0.kind == "header-damaged" }?.repair, "not-repairable")
         // Without the passcode the class C contents are not read: no block problems.
-        XCTAssertEqual(kinds(m.fsck(passcode: false).problems), ["header-damaged", "no-header", "side-file-orphan", "temporary", "torn-fragment", "xattr-orphan"])
+        XCTAssertEqual(
+            kinds(m.fsck(passcode: false).problems),
+            ["header-damaged", "no-header", "side-file-orphan", "temporary", "torn-fragment", "xattr-orphan"])
 
         // --repair: everything that loses nothing.
         let r1 = m.fsck(["--repair"])
         XCTAssertEqual(r1.code, 1)
         for (k, rep) in r1.problems {
-            let want = ["torn-tail", "block-damaged"].contains(k) ? "drops-data" : ["header-damaged", "xattr-orphan"].contains(k) ? "not-repairable" : "repaired"
+            let want =
+                ["torn-tail", "block-damaged"].contains(k)
+                ? "drops-data" : ["header-damaged", "xattr-orphan"].contains(k) ? "not-repairable" : "repaired"
             XCTAssertEqual(rep, want, k)
         }
         try m.mount()
         m.unlock()
-        XCTAssertEqual(try readFile(m.path("cut")).get(), Array(data[0..<(5 * 4096)]), "the cut file reads up to its cut")
+        XCTAssertEqual(
+            try readFile(m.path("cut")).get(), Array(data[0..<(5 * 4096)]), "the cut file reads up to its cut")
         XCTAssertEqual(try readFile(m.path("fragment")).get(), whole)
         XCTAssertEqual(try readFile(m.path("headerless")).get(), [])
         XCTAssertEqual(errnoOf(readFile(m.path("torn"))), EIO, "before --yes the torn tail stays")
@@ -141,6 +166,8 @@ final class FsckTests: XCTestCase {
         var want = data
         want.replaceSubrange((2 * 4096)..<(3 * 4096), with: [UInt8](repeating: 0, count: 4096))
         XCTAssertEqual(try readFile(m.path("middle")).get(), want, "the damaged block reads as zeros, the rest is kept")
-        XCTAssertEqual(try FileManager.default.contentsOfDirectory(atPath: m.mnt).sorted(), ["cut", "fragment", "headerless", "middle", "torn"])
+        XCTAssertEqual(
+            try FileManager.default.contentsOfDirectory(atPath: m.mnt).sorted(),
+            ["cut", "fragment", "headerless", "middle", "torn"])
     }
 }

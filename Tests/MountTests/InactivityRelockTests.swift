@@ -13,7 +13,10 @@ final class InactivityRelockTests: XCTestCase {
         let m = try MountFixture(mount: false)
         try m.mount(extra: ["--inactivity-relock", Self.hours])
         m.unlock()
-        for (dir, cls) in [("a", "complete"), ("b", "completeUnlessOpen"), ("c", "completeUntilFirstUserAuthentication"), ("d", "none")] {
+        for (dir, cls) in [
+            ("a", "complete"), ("b", "completeUnlessOpen"), ("c", "completeUntilFirstUserAuthentication"),
+            ("d", "none"),
+        ] {
             XCTAssertEqual(mkdir(m.path(dir), 0o755), 0)
             XCTAssertEqual(setXattr(m.path(dir), cls), 0)
             XCTAssertEqual(writeFile(m.path(dir + "/f"), bytes("data of " + cls)), 0)
@@ -41,10 +44,15 @@ final class InactivityRelockTests: XCTestCase {
         XCTAssertEqual(try readFile(m.path("c/f")).get(), bytes("data of completeUntilFirstUserAuthentication"))
         XCTAssertEqual(try sysPread(heldB, 64, 0).get(), bytes("data of completeUnlessOpen"))
 
-        XCTAssertTrue(waitUntil(10) { m.status()["state"] as? String == "beforeFirstUnlock" }, "back to beforeFirstUnlock")
+        XCTAssertTrue(
+            waitUntil(10) { m.status()["state"] as? String == "beforeFirstUnlock" }, "back to beforeFirstUnlock")
         watch.wait(for: 3)
-        XCTAssertEqual(Array(watch.events.suffix(3)), ["protectedDataWillBecomeUnavailable", "protectedDataDidBecomeUnavailable",
-                                                       "protectedDataDidReturnToBeforeFirstUnlock"])
+        XCTAssertEqual(
+            Array(watch.events.suffix(3)),
+            [
+                "protectedDataWillBecomeUnavailable", "protectedDataDidBecomeUnavailable",
+                "protectedDataDidReturnToBeforeFirstUnlock",
+            ])
         st = m.status()
         XCTAssertTrue(st["relockIn"] is NSNull, "\(st)")
         XCTAssertEqual(errnoOf(readFile(m.path("c/f"))), EACCES, "class C is gone")
@@ -53,13 +61,16 @@ final class InactivityRelockTests: XCTestCase {
         XCTAssertEqual(errnoOf(readFile(m.path("a/f"))), EACCES)
         XCTAssertEqual(try readFile(m.path("d/f")).get(), bytes("data of none"), "none stays readable")
         XCTAssertEqual(sysOpen(m.path("c/new"), O_CREAT | O_WRONLY), -EACCES, "no new class C file")
-        XCTAssertEqual(sysOpen(m.path("b/new"), O_CREAT | O_WRONLY), -EACCES, "no new class B file: its public key went too")
+        XCTAssertEqual(
+            sysOpen(m.path("b/new"), O_CREAT | O_WRONLY), -EACCES, "no new class B file: its public key went too")
 
         // The passcode brings everything back.
         m.unlock()
         XCTAssertEqual(try readFile(m.path("c/f")).get(), bytes("data of completeUntilFirstUserAuthentication"))
         XCTAssertEqual(try readFile(m.path("a/f")).get(), bytes("data of complete"))
-        XCTAssertEqual(try sysPread(heldC, 64, 0).get(), bytes("data of completeUntilFirstUserAuthentication"), "the old handle reads again")
+        XCTAssertEqual(
+            try sysPread(heldC, 64, 0).get(), bytes("data of completeUntilFirstUserAuthentication"),
+            "the old handle reads again")
     }
 
     // The kernel takes a full-page write through a cached handle into its page cache without
@@ -76,13 +87,16 @@ final class InactivityRelockTests: XCTestCase {
         }
         defer { held.values.forEach { close($0) } }
         m.lock()
-        XCTAssertTrue(waitUntil(10) { m.status()["state"] as? String == "beforeFirstUnlock" }, "back to beforeFirstUnlock")
+        XCTAssertTrue(
+            waitUntil(10) { m.status()["state"] as? String == "beforeFirstUnlock" }, "back to beforeFirstUnlock")
         for (dir, fd) in held.sorted(by: { $0.key < $1.key }) {
             for round in 0..<3 {
                 var st = stat()
                 XCTAssertEqual(stat(m.path(dir + "/f"), &st), 0, "metadata stays")
                 let w = sysPwrite(fd, [UInt8](repeating: 0x5a, count: 4096), 8192)
-                XCTAssertEqual(errnoOf(w), EACCES, "\(dir) round \(round): a full-page write through an old handle (returned \(w))")
+                XCTAssertEqual(
+                    errnoOf(w), EACCES, "\(dir) round \(round): a full-page write through an old handle (returned \(w))"
+                )
                 XCTAssertEqual(errnoOf(sysPread(fd, 4096, 8192)), EACCES, "\(dir) round \(round): read back")
             }
         }
@@ -99,7 +113,7 @@ final class InactivityRelockTests: XCTestCase {
         m.lock()
         usleep(900_000)
         m.unlock()
-        m.lock()   // a new lock starts a new clock
+        m.lock()  // a new lock starts a new clock
         usleep(1_200_000)
         XCTAssertEqual(m.status()["state"] as? String, "locked", "1.2 s into the second lock (2.1 s since the first)")
         XCTAssertEqual(try readFile(m.path("c/f")).get(), bytes("data of completeUntilFirstUserAuthentication"))
@@ -114,7 +128,8 @@ final class InactivityRelockTests: XCTestCase {
         let st = m.status()
         XCTAssertTrue(st["inactivityRelock"] is NSNull, "\(st)")
         XCTAssertTrue(st["relockIn"] is NSNull, "\(st)")
-        let bad = MountFixture.run(MountFixture.binDir + "/keybagfs", ["mount", m.store, m.root, "--inactivity-relock", "0"])
+        let bad = MountFixture.run(
+            MountFixture.binDir + "/keybagfs", ["mount", m.store, m.root, "--inactivity-relock", "0"])
         XCTAssertEqual(bad.code, 2, bad.stderr)
     }
 }

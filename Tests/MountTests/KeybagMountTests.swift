@@ -19,7 +19,9 @@ final class KeybagMountTests: XCTestCase {
         for i in 1...5 { XCTAssertEqual(m.ctl(["unlock", "--passcode-stdin"], stdin: "wrong \(i)\n").code, 1) }
         XCTAssertTrue(m.ctl(["unlock", "--passcode-stdin"], stdin: m.passcode + "\n").stderr.contains("throttled"))
         m.unmount()
-        try editKeybag(m) { o in o["failedAttempts"] = 0; o["lockoutUntil"] = 0 }
+        try editKeybag(m) { o in
+            o["failedAttempts"] = 0; o["lockoutUntil"] = 0
+        }
         try m.mount()
         let r = m.ctl(["unlock", "--passcode-stdin"], stdin: m.passcode + "\n")
         XCTAssertEqual(r.code, 1, "the edit lifted the lockout")
@@ -36,10 +38,13 @@ final class KeybagMountTests: XCTestCase {
         let mnt2 = m.root + "/mnt2"
         XCTAssertEqual(mkdir(mnt2, 0o755), 0)
         addTeardownBlock { _ = MountFixture.run("/bin/fusermount3", ["-u", mnt2]) }
-        let r = MountFixture.run(MountFixture.binDir + "/keybagfs", ["mount", m.store, mnt2, "--socket", m.root + "/ctl2.sock", "--device-key", m.deviceKey])
+        let r = MountFixture.run(
+            MountFixture.binDir + "/keybagfs",
+            ["mount", m.store, mnt2, "--socket", m.root + "/ctl2.sock", "--device-key", m.deviceKey])
         XCTAssertNotEqual(r.code, 0, "a second daemon mounted the store")
         XCTAssertTrue(r.stderr.contains("already mounted"), r.stderr)
-        XCTAssertTrue(r.stderr.contains("pid \(m.daemon?.processIdentifier ?? -1)"), "names the live holder: \(r.stderr)")
+        XCTAssertTrue(
+            r.stderr.contains("pid \(m.daemon?.processIdentifier ?? -1)"), "names the live holder: \(r.stderr)")
         XCTAssertEqual(try readFile(m.path("f")).get(), bytes("first"), "the first mount is undisturbed")
         XCTAssertEqual(m.state, "unlocked")
     }
@@ -66,11 +71,14 @@ final class KeybagMountTests: XCTestCase {
         holder.executableURL = URL(fileURLWithPath: "/usr/bin/python3")
         holder.arguments = ["-c", script, m.store]
         try holder.run()
-        addTeardownBlock { kill(holder.processIdentifier, SIGKILL); holder.waitUntilExit() }
+        addTeardownBlock {
+            kill(holder.processIdentifier, SIGKILL); holder.waitUntilExit()
+        }
         let deadline = Date().addingTimeInterval(5)
         var state = ""
         while Date() < deadline && state != "Z" {
-            state = (try? String(contentsOfFile: "/proc/\(holder.processIdentifier)/stat", encoding: .utf8))?
+            state =
+                (try? String(contentsOfFile: "/proc/\(holder.processIdentifier)/stat", encoding: .utf8))?
                 .split(separator: ")").last?.split(separator: " ").first.map(String.init) ?? ""
             usleep(10_000)
         }
@@ -110,11 +118,13 @@ final class KeybagMountTests: XCTestCase {
         XCTAssertEqual(mounted.code, 0, mounted.stderr)
         addTeardownBlock { _ = MountFixture.run("/bin/fusermount3", ["-u", mnt]) }
         let unlocked = MountFixture.run(
-            MountFixture.binDir + "/keybagctl", ["--socket", sock, "unlock", "--passcode-stdin"], stdin: m.passcode + "\n")
+            MountFixture.binDir + "/keybagctl", ["--socket", sock, "unlock", "--passcode-stdin"],
+            stdin: m.passcode + "\n")
         XCTAssertEqual(unlocked.code, 0, unlocked.stderr)
         XCTAssertEqual(writeFile(mnt + "/notes.txt", bytes("shared first")), 0)
         XCTAssertEqual(try readFile(mnt + "/notes.txt").get(), bytes("shared first"))
-        XCTAssertEqual(try FileManager.default.contentsOfDirectory(atPath: mnt), ["notes.txt"], "the marker is not in the mount")
+        XCTAssertEqual(
+            try FileManager.default.contentsOfDirectory(atPath: mnt), ["notes.txt"], "the marker is not in the mount")
         XCTAssertEqual(MountFixture.run("/bin/fusermount3", ["-u", mnt]).code, 0)
         usleep(300_000)
         let check = MountFixture.run(
@@ -128,7 +138,10 @@ final class KeybagMountTests: XCTestCase {
         XCTAssertEqual(writeFile(other + "/thesis.odt", bytes("existing data")), 0)
         let refused = MountFixture.run(
             MountFixture.binDir + "/keybagfs",
-            ["init", other, "--passcode-stdin", "--device-key", m.root + "/other.key", "--kdf", "interactive", "--no-recovery-key"],
+            [
+                "init", other, "--passcode-stdin", "--device-key", m.root + "/other.key", "--kdf", "interactive",
+                "--no-recovery-key",
+            ],
             stdin: m.passcode + "\n")
         XCTAssertNotEqual(refused.code, 0, "init over existing data")
         XCTAssertTrue(refused.stderr.contains("thesis.odt"), "names what is in the way: \(refused.stderr)")
@@ -147,7 +160,12 @@ final class KeybagMountTests: XCTestCase {
         let url = URL(fileURLWithPath: m.store + "/keybag")
         let pristine = try Data(contentsOf: url)
         let edits: [(String, (inout [String: Any]) -> Void)] = [
-            ("format", { let f = $0["format"] as! Int; $0["format"] = f == 2 ? 3 : f - 1 }),
+            (
+                "format",
+                {
+                    let f = $0["format"] as! Int; $0["format"] = f == 2 ? 3 : f - 1
+                }
+            ),
             ("kdfOpsLimit", { $0["kdfOpsLimit"] = ($0["kdfOpsLimit"] as! Int) + 1 }),
             ("kdfSalt", { $0["kdfSalt"] = Data(repeating: 1, count: 16).base64EncodedString() }),
             ("deviceName", { $0["deviceName"] = "someone else's" }),
@@ -156,7 +174,9 @@ final class KeybagMountTests: XCTestCase {
             try pristine.write(to: url)
             try editKeybag(m, edit)
             let edited = try Data(contentsOf: url)
-            let r = MountFixture.run(MountFixture.binDir + "/keybagfs", ["mount", m.store, m.mnt, "--socket", m.socket, "--device-key", m.deviceKey])
+            let r = MountFixture.run(
+                MountFixture.binDir + "/keybagfs",
+                ["mount", m.store, m.mnt, "--socket", m.socket, "--device-key", m.deviceKey])
             XCTAssertEqual(r.code, 1, "\(field) edited: mounted anyway (\(r.stderr))")
             XCTAssertTrue(r.stderr.contains("edited offline"), "\(field): \(r.stderr)")
             XCTAssertFalse(m.isMounted)
@@ -177,7 +197,9 @@ final class KeybagMountTests: XCTestCase {
         let m = try MountFixture(mount: false)
         addTeardownBlock { m.close() }
         for i in 1...10 {
-            let r = MountFixture.run(MountFixture.binDir + "/keybagfs", ["mount", m.store, m.mnt, "--socket", m.socket, "--device-key", m.deviceKey])
+            let r = MountFixture.run(
+                MountFixture.binDir + "/keybagfs",
+                ["mount", m.store, m.mnt, "--socket", m.socket, "--device-key", m.deviceKey])
             XCTAssertEqual(r.code, 0, "round \(i): \(r.stderr)")
             XCTAssertEqual(MountFixture.run("/bin/umount", [m.mnt]).code, 0, "round \(i)")
         }
@@ -186,10 +208,13 @@ final class KeybagMountTests: XCTestCase {
     func testHostileKDFLimitsAreAClearErrorNotACrash() throws {
         let m = try MountFixture(mount: false)
         addTeardownBlock { m.close() }
-        for (field, value) in [("kdfMemLimit", UInt64(1) << 62), ("kdfOpsLimit", UInt64(1) << 40)] as [(String, UInt64)] {
+        for (field, value) in [("kdfMemLimit", UInt64(1) << 62), ("kdfOpsLimit", UInt64(1) << 40)] as [(String, UInt64)]
+        {
             let original = try Data(contentsOf: URL(fileURLWithPath: m.store + "/keybag"))
             try editKeybag(m) { $0[field] = value }
-            let r = MountFixture.run(MountFixture.binDir + "/keybagfs", ["mount", m.store, m.mnt, "--socket", m.socket, "--device-key", m.deviceKey])
+            let r = MountFixture.run(
+                MountFixture.binDir + "/keybagfs",
+                ["mount", m.store, m.mnt, "--socket", m.socket, "--device-key", m.deviceKey])
             XCTAssertEqual(r.code, 1, "\(field): \(r.stderr)")
             XCTAssertTrue(r.stderr.contains(field), r.stderr)
             XCTAssertFalse(m.isMounted)

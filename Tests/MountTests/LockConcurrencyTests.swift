@@ -22,7 +22,9 @@ final class ModelFile: Sendable {
     /// The content of a version.
     static func content(_ v: UInt32) -> [UInt8] {
         var b = [UInt8](repeating: 0, count: size)
-        b.withUnsafeMutableBytes { p in for i in 0..<(size / 4) { p.storeBytes(of: v, toByteOffset: i * 4, as: UInt32.self) } }
+        b.withUnsafeMutableBytes { p in
+            for i in 0..<(size / 4) { p.storeBytes(of: v, toByteOffset: i * 4, as: UInt32.self) }
+        }
         return b
     }
 
@@ -36,14 +38,20 @@ final class ModelFile: Sendable {
         let s = state.withLock { $0 }
         guard bytes.count == Self.size else { return "\(path): read \(bytes.count) bytes" }
         for page in 0..<(Self.size / 4096) {
-            let words = bytes.withUnsafeBytes { p in (0..<1024).map { p.load(fromByteOffset: page * 4096 + $0 * 4, as: UInt32.self) } }
+            let words = bytes.withUnsafeBytes { p in
+                (0..<1024).map { p.load(fromByteOffset: page * 4096 + $0 * 4, as: UInt32.self) }
+            }
             let versions = Set(words)
             if versions.count > 1 {
-                if cls == "complete" && ModelFile.classADirectIO.load(ordering: .relaxed) { return "\(path): page \(page) mixes versions \(versions.sorted())" }
+                if cls == "complete" && ModelFile.classADirectIO.load(ordering: .relaxed) {
+                    return "\(path): page \(page) mixes versions \(versions.sorted())"
+                }
                 ModelFile.tornPages.add(1, ordering: .relaxed)
             }
             for w in versions {
-                if w < lo || w > s.started { return "\(path): page \(page) has version \(w), allowed \(lo)...\(s.started)" }
+                if w < lo || w > s.started {
+                    return "\(path): page \(page) has version \(w), allowed \(lo)...\(s.started)"
+                }
                 if s.refused.contains(w) { return "\(path): page \(page) shows refused write \(w)" }
             }
         }
@@ -81,7 +89,9 @@ final class ConcurrencyRun: Sendable {
     /// locked the whole time: class A content, and new opens of class B, must be refused then.
     func checkLocked(_ p0: Int, _ cls: String, _ what: String, newOpen: Bool) {
         guard p0 % 2 == 1, phase == p0 else { return }
-        if cls == "complete" || (cls == "completeUnlessOpen" && newOpen) { problem("\(what) of class \(cls) succeeded while locked") }
+        if cls == "complete" || (cls == "completeUnlessOpen" && newOpen) {
+            problem("\(what) of class \(cls) succeeded while locked")
+        }
     }
 
     /// An errno a class allows for content access: EACCES for A, and for B unless through a
@@ -127,7 +137,8 @@ final class LockConcurrencyTests: XCTestCase {
             for i in 0..<150 {
                 let fd = sysOpen(path, i % 2 == 0 ? O_RDONLY : O_RDWR)
                 guard fd >= 0 else { problems.withLock { $0.append("thread \(t): open errno \(-fd)") }; return }
-                if case .success(let b) = sysPread(fd, content.count, 0), b == content {} else {
+                if case .success(let b) = sysPread(fd, content.count, 0), b == content {
+                } else {
                     problems.withLock { $0.append("thread \(t): read \(i) differs") }
                 }
                 close(fd)
@@ -180,15 +191,24 @@ final class LockConcurrencyTests: XCTestCase {
 
         // Lock with grace 0, wait 50 ms, unlock, wait 50 ms.
         spawn(0) {
-            if Self.control(socket, #"{"op":"lock","grace":0}"#) { run.count("locks"); run.lockPhase.add(1, ordering: .releasing) } else { run.problem("lock refused") }
+            if Self.control(socket, #"{"op":"lock","grace":0}"#) {
+                run.count("locks"); run.lockPhase.add(1, ordering: .releasing)
+            } else {
+                run.problem("lock refused")
+            }
             usleep(50_000)
             if run.phase % 2 == 1 { run.lockPhase.add(1, ordering: .releasing) }
-            if Self.control(socket, #"{"op":"unlock","passcode":"\#(passcode)"}"#) { run.count("unlocks") } else { run.problem("unlock refused") }
+            if Self.control(socket, #"{"op":"unlock","passcode":"\#(passcode)"}"#) {
+                run.count("unlocks")
+            } else {
+                run.problem("unlock refused")
+            }
             usleep(50_000)
         }
         // Readers: held descriptors and fresh opens, every class.
         spawn(1) {
-            let f = Bool.random() ? snapshot.filter { $0.cls == "complete" }.randomElement()! : snapshot.randomElement()!
+            let f =
+                Bool.random() ? snapshot.filter { $0.cls == "complete" }.randomElement()! : snapshot.randomElement()!
             let lo = f.state.withLock { $0.committed }
             let useHeld = Bool.random()
             let p0 = run.phase
@@ -204,13 +224,16 @@ final class LockConcurrencyTests: XCTestCase {
                 run.checkLocked(p0, f.cls, "read", newOpen: !useHeld)
                 run.count("reads")
             case .failure(let e):
-                if !ConcurrencyRun.allowed(e.rawValue, f.cls, heldB: useHeld) { run.problem("read \(f.path) (held: \(useHeld)): errno \(e.rawValue)") }
+                if !ConcurrencyRun.allowed(e.rawValue, f.cls, heldB: useHeld) {
+                    run.problem("read \(f.path) (held: \(useHeld)): errno \(e.rawValue)")
+                }
                 run.count("refusedReads")
             }
         }
         // Writers: whole new versions through held descriptors and fresh opens.
         spawn(2) {
-            let f = Bool.random() ? snapshot.filter { $0.cls == "complete" }.randomElement()! : snapshot.randomElement()!
+            let f =
+                Bool.random() ? snapshot.filter { $0.cls == "complete" }.randomElement()! : snapshot.randomElement()!
             let useHeld = Bool.random()
             let p0 = run.phase
             let fd = useHeld ? heldFDs[f.path]! : sysOpen(f.path, O_WRONLY)
@@ -219,10 +242,16 @@ final class LockConcurrencyTests: XCTestCase {
                 return
             }
             defer { if !useHeld { close(fd) } }
-            let v = f.state.withLock { s -> UInt32 in s.started += 1; return s.started }
+            let v = f.state.withLock { s -> UInt32 in
+                s.started += 1; return s.started
+            }
             let r = sysPwrite(fd, ModelFile.content(v), 0)
             f.state.withLock { s in
-                if case .success(let n) = r, n == ModelFile.size { s.committed = max(s.committed, v) } else { s.refused.insert(v) }
+                if case .success(let n) = r, n == ModelFile.size {
+                    s.committed = max(s.committed, v)
+                } else {
+                    s.refused.insert(v)
+                }
             }
             switch r {
             case .success(let n):
@@ -230,7 +259,9 @@ final class LockConcurrencyTests: XCTestCase {
                 run.checkLocked(p0, f.cls, "write", newOpen: !useHeld)
                 run.count("writes")
             case .failure(let e):
-                if !ConcurrencyRun.allowed(e.rawValue, f.cls, heldB: useHeld) { run.problem("write \(f.path) (held: \(useHeld)): errno \(e.rawValue)") }
+                if !ConcurrencyRun.allowed(e.rawValue, f.cls, heldB: useHeld) {
+                    run.problem("write \(f.path) (held: \(useHeld)): errno \(e.rawValue)")
+                }
                 run.count("refusedWrites")
             }
         }
@@ -249,20 +280,33 @@ final class LockConcurrencyTests: XCTestCase {
             let payload = Array("created \(path)".utf8)
             switch sysPwrite(fd, payload, 0) {
             case .success: run.count("creates")
-            case .failure(let e): if !ConcurrencyRun.allowed(e.rawValue, c, heldB: true) { run.problem("write new \(path): errno \(e.rawValue)") }; return
+            case .failure(let e):
+                if !ConcurrencyRun.allowed(e.rawValue, c, heldB: true) {
+                    run.problem("write new \(path): errno \(e.rawValue)")
+                }; return
             }
             switch sysPread(fd, 200, 0) {
             case .success(let b):
                 if b != payload { run.problem("\(path) read back \(b.count) bytes that differ") }
                 run.checkLocked(p0, c, "create and read", newOpen: false)
-            case .failure(let e): if !ConcurrencyRun.allowed(e.rawValue, c, heldB: true) { run.problem("read new \(path): errno \(e.rawValue)") }
+            case .failure(let e):
+                if !ConcurrencyRun.allowed(e.rawValue, c, heldB: true) {
+                    run.problem("read new \(path): errno \(e.rawValue)")
+                }
             }
         }
         // Class changer: one file walks through the classes; reads of it follow its class.
         spawn(4) {
-            let target = ["none", "completeUntilFirstUserAuthentication", "completeUnlessOpen", "complete"].randomElement()!
+            let target = ["none", "completeUntilFirstUserAuthentication", "completeUnlessOpen", "complete"]
+                .randomElement()!
             let e = setXattr((mnt + "/changer"), target)
-            if e == 0 { run.count("classChanges") } else if e != EACCES { run.problem("setfattr changer \(target): errno \(e)") } else { run.count("refusedChanges") }
+            if e == 0 {
+                run.count("classChanges")
+            } else if e != EACCES {
+                run.problem("setfattr changer \(target): errno \(e)")
+            } else {
+                run.count("refusedChanges")
+            }
             switch readFile((mnt + "/changer")) {
             case .success(let b): if b != constant { run.problem("changer read \(b.count) bytes that differ") }
             case .failure(let e): if e.rawValue != EACCES { run.problem("read changer: errno \(e.rawValue)") }
@@ -272,14 +316,14 @@ final class LockConcurrencyTests: XCTestCase {
         // mapped by a child that must see the content or die of SIGBUS.
         let cFile = snapshot.first { $0.cls == "completeUntilFirstUserAuthentication" }!
         let mapScript = """
-        import mmap, os, sys
-        fd = os.open(sys.argv[1], os.O_RDONLY)
-        mm = mmap.mmap(fd, 65536, mmap.MAP_SHARED, mmap.PROT_READ)
-        print('mapped', flush=True)
-        for i in range(400):
-            if mm[(i % 16) * 4096:(i % 16) * 4096 + 4096] != b'Q' * 4096: os._exit(3)
-        os._exit(0)
-        """
+            import mmap, os, sys
+            fd = os.open(sys.argv[1], os.O_RDONLY)
+            mm = mmap.mmap(fd, 65536, mmap.MAP_SHARED, mmap.PROT_READ)
+            print('mapped', flush=True)
+            for i in range(400):
+                if mm[(i % 16) * 4096:(i % 16) * 4096 + 4096] != b'Q' * 4096: os._exit(3)
+            os._exit(0)
+            """
         spawn(5) {
             let fd = open(cFile.path, O_RDONLY | O_CLOEXEC)
             if fd >= 0 {
@@ -289,14 +333,23 @@ final class LockConcurrencyTests: XCTestCase {
                     if let v = cFile.violation(b, since: lo) { run.problem("mapped: " + v) }
                     munmap(p, ModelFile.size)
                     run.count("mappedReads")
-                } else { run.problem("mmap class C: errno \(errno)") }
+                } else {
+                    run.problem("mmap class C: errno \(errno)")
+                }
                 close(fd)
-            } else { run.problem("open class C for mmap: errno \(errno)") }
+            } else {
+                run.problem("open class C for mmap: errno \(errno)")
+            }
             let r = MountFixture.run("/usr/bin/env", ["python3", "-c", mapScript, (mnt + "/complete/mapped")])
-            if r.code == 0 { run.count("mappedAReads") }
-            else if r.code == SIGBUS + 128 || r.code == SIGBUS { run.count("mappedASIGBUS") }
-            else if !(r.code == 1 && r.stderr.contains("Permission denied")) { run.problem("class A mapper exited \(r.code): \(r.stderr.suffix(200))") }
-            else { run.count("mappedAOpenRefused") }
+            if r.code == 0 {
+                run.count("mappedAReads")
+            } else if r.code == SIGBUS + 128 || r.code == SIGBUS {
+                run.count("mappedASIGBUS")
+            } else if !(r.code == 1 && r.stderr.contains("Permission denied")) {
+                run.problem("class A mapper exited \(r.code): \(r.stderr.suffix(200))")
+            } else {
+                run.count("mappedAOpenRefused")
+            }
         }
 
         // Watchdog: every worker must make progress at least every 15 s.
@@ -309,18 +362,26 @@ final class LockConcurrencyTests: XCTestCase {
             let now = run.beats.withLock { $0 }
             for i in names.indices {
                 let b = now[i]
-                if b != last[i] { last[i] = b; lastProgress[i] = Date() }
-                else if Date().timeIntervalSince(lastProgress[i]) > 15 { stuck.append(names[i]) }
+                if b != last[i] {
+                    last[i] = b; lastProgress[i] = Date()
+                } else if Date().timeIntervalSince(lastProgress[i]) > 15 {
+                    stuck.append(names[i])
+                }
             }
             if let d = m.daemon, !d.isRunning { break }
         }
         run.stop.store(true, ordering: .relaxed)
         let finished = group.wait(timeout: .now() + 30) == .success
         XCTAssertTrue(stuck.isEmpty, "no progress for 15 s: \(stuck) (deadlock?)")
-        XCTAssertTrue(finished, "workers did not stop within 30 s: \(names.count - run.threadsDone.load(ordering: .relaxed)) left (deadlock?)")
+        XCTAssertTrue(
+            finished,
+            "workers did not stop within 30 s: \(names.count - run.threadsDone.load(ordering: .relaxed)) left (deadlock?)"
+        )
         XCTAssertTrue(m.daemon?.isRunning ?? false, "the daemon must not crash")
         let c = run.counters.withLock { $0 }
-        print("concurrency (\(seconds) s): \(c.sorted { $0.key < $1.key }.map { "\($0.key)=\($0.value)" }.joined(separator: " ")) tornCachedPages=\(ModelFile.tornPages.load(ordering: .relaxed))")
+        print(
+            "concurrency (\(seconds) s): \(c.sorted { $0.key < $1.key }.map { "\($0.key)=\($0.value)" }.joined(separator: " ")) tornCachedPages=\(ModelFile.tornPages.load(ordering: .relaxed))"
+        )
         XCTAssertEqual(run.problems.withLock { $0 }, [])
         XCTAssertGreaterThan(c["locks"] ?? 0, 5)
         XCTAssertGreaterThan(c["reads"] ?? 0, 100)

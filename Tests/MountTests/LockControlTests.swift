@@ -3,7 +3,7 @@ import Glibc
 import XCTest
 
 /// Lines printed by a long-running `keybagctl watch --json`, collected on a thread.
-final class WatchCollector: @unchecked Sendable {   // lines guarded by `lock`
+final class WatchCollector: @unchecked Sendable {  // lines guarded by `lock`
     let process = Process()
     private let lock = NSLock()
     private var lines: [String] = []
@@ -77,14 +77,21 @@ final class LockControlTests: XCTestCase {
         XCTAssertEqual(m.status()["protectedDataAvailable"] as? Bool, false)
         XCTAssertEqual(try readFile(m.path("a/f")).get(), bytes("secret"), "keys stay during the grace period")
         watch.wait(for: 3)
-        XCTAssertEqual(watch.events, ["protectedDataDidBecomeAvailable", "protectedDataWillBecomeUnavailable", "protectedDataDidBecomeUnavailable"])
+        XCTAssertEqual(
+            watch.events,
+            [
+                "protectedDataDidBecomeAvailable", "protectedDataWillBecomeUnavailable",
+                "protectedDataDidBecomeUnavailable",
+            ])
         XCTAssertEqual(m.state, "locked")
         XCTAssertEqual(errnoOf(readFile(m.path("a/f"))), EACCES)
         for line in watch.raw.dropFirst() {
             let o = try XCTUnwrap(JSONSerialization.jsonObject(with: Data(line.utf8)) as? [String: Any])
             XCTAssertNotNil(o["state"])
             let time = try XCTUnwrap(o["time"] as? String)
-            XCTAssertNotNil(ISO8601DateFormatter().date(from: time.replacingOccurrences(of: #"\.\d+"#, with: "", options: .regularExpression)), time)
+            XCTAssertNotNil(
+                ISO8601DateFormatter().date(
+                    from: time.replacingOccurrences(of: #"\.\d+"#, with: "", options: .regularExpression)), time)
         }
 
         // Unlock during `locking` cancels the lock. The events prove the unlock really came
@@ -100,8 +107,10 @@ final class LockControlTests: XCTestCase {
         XCTAssertEqual(m.state, "locking")
         m.unlock()
         watch.wait(for: before + 2)
-        XCTAssertEqual(Array(watch.events.dropFirst(before)), ["protectedDataWillBecomeUnavailable", "protectedDataDidBecomeAvailable"],
-                       "the unlock must land inside the grace period and cancel the lock")
+        XCTAssertEqual(
+            Array(watch.events.dropFirst(before)),
+            ["protectedDataWillBecomeUnavailable", "protectedDataDidBecomeAvailable"],
+            "the unlock must land inside the grace period and cancel the lock")
         XCTAssertLessThan(Date().timeIntervalSince(sent), grace, "the unlock took longer than the grace period")
         let deadline = sent.addingTimeInterval(grace + 0.5)
         while Date() < deadline { usleep(50_000) }
@@ -174,7 +183,11 @@ final class LockControlTests: XCTestCase {
         var addr = sockaddr_un()
         addr.sun_family = sa_family_t(AF_UNIX)
         withUnsafeMutableBytes(of: &addr.sun_path) { p in for (i, b) in m.socket.utf8.enumerated() { p[i] = b } }
-        let rc = withUnsafePointer(to: &addr) { connect(fd, UnsafeRawPointer($0).assumingMemoryBound(to: sockaddr.self), socklen_t(MemoryLayout<sockaddr_un>.size)) }
+        let rc = withUnsafePointer(to: &addr) {
+            connect(
+                fd, UnsafeRawPointer($0).assumingMemoryBound(to: sockaddr.self),
+                socklen_t(MemoryLayout<sockaddr_un>.size))
+        }
         guard rc == 0 else { return nil }
         var tv = timeval(tv_sec: 5, tv_usec: 0)
         setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, socklen_t(MemoryLayout<timeval>.size))
@@ -194,7 +207,9 @@ final class LockControlTests: XCTestCase {
         let m = try MountFixture()
         addTeardownBlock { m.close() }
         func errorCode(_ line: String?) -> String? {
-            guard let line, let o = try? JSONSerialization.jsonObject(with: Data(line.utf8)) as? [String: Any] else { return nil }
+            guard let line, let o = try? JSONSerialization.jsonObject(with: Data(line.utf8)) as? [String: Any] else {
+                return nil
+            }
             XCTAssertEqual(o["ok"] as? Bool, false)
             return o["error"] as? String
         }
@@ -211,7 +226,11 @@ final class LockControlTests: XCTestCase {
         var addr = sockaddr_un()
         addr.sun_family = sa_family_t(AF_UNIX)
         withUnsafeMutableBytes(of: &addr.sun_path) { p in for (i, b) in m.socket.utf8.enumerated() { p[i] = b } }
-        _ = withUnsafePointer(to: &addr) { connect(silent, UnsafeRawPointer($0).assumingMemoryBound(to: sockaddr.self), socklen_t(MemoryLayout<sockaddr_un>.size)) }
+        _ = withUnsafePointer(to: &addr) {
+            connect(
+                silent, UnsafeRawPointer($0).assumingMemoryBound(to: sockaddr.self),
+                socklen_t(MemoryLayout<sockaddr_un>.size))
+        }
         _ = send(silent, "{\"op\":", 6, Int32(MSG_NOSIGNAL))
         m.unlock()
         m.lock(grace: 0)
@@ -224,10 +243,14 @@ final class LockControlTests: XCTestCase {
     func testOnlyRootOrTheMountingUserMayLockAndUnlock() throws {
         let m = try MountFixture()
         addTeardownBlock { m.close() }
-        let asNobody = ["--reuid=65534", "--regid=65534", "--clear-groups", MountFixture.binDir + "/keybagctl", "--socket", m.socket]
+        let asNobody = [
+            "--reuid=65534", "--regid=65534", "--clear-groups", MountFixture.binDir + "/keybagctl", "--socket",
+            m.socket,
+        ]
         let status = MountFixture.run("/usr/bin/setpriv", asNobody + ["status", "--json"])
         XCTAssertEqual(status.code, 0, "anyone may ask status: \(status.stderr)")
-        let unlock = MountFixture.run("/usr/bin/setpriv", asNobody + ["unlock", "--passcode-stdin"], stdin: m.passcode + "\n")
+        let unlock = MountFixture.run(
+            "/usr/bin/setpriv", asNobody + ["unlock", "--passcode-stdin"], stdin: m.passcode + "\n")
         XCTAssertEqual(unlock.code, 1)
         XCTAssertTrue(unlock.stderr.contains("forbidden"), unlock.stderr)
         XCTAssertEqual(m.state, "beforeFirstUnlock")
@@ -240,9 +263,14 @@ final class LockControlTests: XCTestCase {
     func testCtlExitCodes() throws {
         let m = try MountFixture()
         addTeardownBlock { m.close() }
-        XCTAssertEqual(MountFixture.run(MountFixture.binDir + "/keybagctl", ["--socket", m.root + "/nothing.sock", "status"]).code, 3)
-        XCTAssertEqual(MountFixture.run(MountFixture.binDir + "/keybagctl", ["--socket", m.socket, "frobnicate"]).code, 2)
-        XCTAssertEqual(MountFixture.run(MountFixture.binDir + "/keybagctl", ["--socket", m.socket, "lock", "--grace", "-1"]).code, 2)
+        XCTAssertEqual(
+            MountFixture.run(MountFixture.binDir + "/keybagctl", ["--socket", m.root + "/nothing.sock", "status"]).code,
+            3)
+        XCTAssertEqual(
+            MountFixture.run(MountFixture.binDir + "/keybagctl", ["--socket", m.socket, "frobnicate"]).code, 2)
+        XCTAssertEqual(
+            MountFixture.run(MountFixture.binDir + "/keybagctl", ["--socket", m.socket, "lock", "--grace", "-1"]).code,
+            2)
         XCTAssertEqual(m.ctl(["status"]).code, 0)
         let help = MountFixture.run(MountFixture.binDir + "/keybagctl", ["--help"])
         XCTAssertEqual(help.code, 0)

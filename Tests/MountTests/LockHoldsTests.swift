@@ -1,10 +1,10 @@
 import CSodium
 import CTestSupport
 import Foundation
-import KeybagProtocol
-import Synchronization
 import Glibc
 import KeybagCore
+import KeybagProtocol
+import Synchronization
 import XCTest
 
 /// The lock as an attacker tries it: class changes, creates and writes racing a lock,
@@ -12,7 +12,9 @@ import XCTest
 /// memory after a lock.
 final class LockHoldsTests: XCTestCase {
     /// A mount with one directory per class given (its default class), unlocked.
-    func unlockedMount(_ dirs: [String: String] = [:], environment: [String: String] = [:], cipher: String? = nil) throws -> MountFixture {
+    func unlockedMount(_ dirs: [String: String] = [:], environment: [String: String] = [:], cipher: String? = nil)
+        throws -> MountFixture
+    {
         let m = try MountFixture(cipher: cipher, mount: false)
         addTeardownBlock { m.close() }
         try m.mount(environment: environment)
@@ -37,7 +39,7 @@ final class LockHoldsTests: XCTestCase {
     func testClassBDowngradeWhileLockedIsRefusedDespiteAnOpenHandle() throws {
         let m = try unlockedMount(["b": "completeUnlessOpen"])
         XCTAssertEqual(writeFile(m.path("b/f"), bytes("class B secret")), 0)
-        var held = sysOpen(m.path("b/f"), O_RDONLY)   // someone else's handle keeps the file key
+        var held = sysOpen(m.path("b/f"), O_RDONLY)  // someone else's handle keeps the file key
         XCTAssertGreaterThanOrEqual(held, 0)
         defer { if held >= 0 { close(held) } }
         m.lock(grace: 0)
@@ -55,7 +57,8 @@ final class LockHoldsTests: XCTestCase {
 
     // Item 4: a create that took the class A key before a lock must not keep it after.
     func testCreateRacingALockKeepsNoClassAKey() throws {
-        let m = try unlockedMount(["a": "complete"], environment: ["KEYBAGFS_TEST_FAILPOINTS": "create-before-key-joins-inode=sleep:600"])
+        let m = try unlockedMount(
+            ["a": "complete"], environment: ["KEYBAGFS_TEST_FAILPOINTS": "create-before-key-joins-inode=sleep:600"])
         let result = Locked<(fd: Int32, err: Int32)>((-1, 0))
         let done = DispatchSemaphore(value: 0)
         let path = m.path("a/racer")
@@ -65,15 +68,18 @@ final class LockHoldsTests: XCTestCase {
             result.withLock { $0 = (fd, fd < 0 ? e : 0) }
             done.signal()
         }
-        usleep(150_000)   // the create is now inside the daemon, holding the class key
+        usleep(150_000)  // the create is now inside the daemon, holding the class key
         m.lock(grace: 0)
         XCTAssertEqual(m.state, "locked")
         done.wait()
         let (fd, err) = result.withLock { $0 }
         if fd >= 0 {
             defer { close(fd) }
-            XCTAssertEqual(errnoOf(sysPwrite(fd, bytes("after the lock"), 0)), EACCES, "the creator's handle still writes class A after `locked`")
-            XCTAssertEqual(errnoOf(sysPread(fd, 10, 0)), EACCES, "the creator's handle still reads class A after `locked`")
+            XCTAssertEqual(
+                errnoOf(sysPwrite(fd, bytes("after the lock"), 0)), EACCES,
+                "the creator's handle still writes class A after `locked`")
+            XCTAssertEqual(
+                errnoOf(sysPread(fd, 10, 0)), EACCES, "the creator's handle still reads class A after `locked`")
         } else {
             XCTAssertEqual(err, EACCES, "a create that lost the race answers EACCES")
             var st = stat()
@@ -112,19 +118,25 @@ final class LockHoldsTests: XCTestCase {
         }
         stop.store(true, ordering: .relaxed)
         finished.wait()
-        print("refused-write race: \(writes.load(ordering: .relaxed)) writes, \(reads) reads, \(leaked) reads returned data")
+        print(
+            "refused-write race: \(writes.load(ordering: .relaxed)) writes, \(reads) reads, \(leaked) reads returned data"
+        )
         XCTAssertGreaterThan(writes.load(ordering: .relaxed), 100)
         XCTAssertEqual(writesAccepted.load(ordering: .relaxed), 0, "class A writes while locked")
         XCTAssertEqual(leaked, 0, "reads that returned data while locked")
         XCTAssertEqual(otherErrors, 0)
         m.unlock()
-        XCTAssertEqual(try sysPread(reader, original.count, 0).get(), original, "the store and what readers see agree after unlock")
+        XCTAssertEqual(
+            try sysPread(reader, original.count, 0).get(), original, "the store and what readers see agree after unlock"
+        )
     }
 
     // Write-back cache: bytes written (not synced) before a lock are sealed while the keys
     // exist, whatever the class; class A is refused through the same descriptor afterwards.
     func testUnsyncedWritesOfEveryClassSurviveALockAndARestart() throws {
-        let classes = ["d": "none", "c": "completeUntilFirstUserAuthentication", "b": "completeUnlessOpen", "a": "complete"]
+        let classes = [
+            "d": "none", "c": "completeUntilFirstUserAuthentication", "b": "completeUnlessOpen", "a": "complete",
+        ]
         let m = try unlockedMount(classes)
         var rng = SeededBytes(seed: 11)
         var written: [String: [UInt8]] = [:]
@@ -134,7 +146,8 @@ final class LockHoldsTests: XCTestCase {
             XCTAssertGreaterThanOrEqual(fd, 0)
             let data = rng.bytes(3 * 4096 + 17)
             XCTAssertEqual(try sysPwrite(fd, data, 0).get(), data.count)
-            XCTAssertEqual(try sysPwrite(fd, Array(data[100..<200]), 5000).get(), 100, "a second write inside the first")
+            XCTAssertEqual(
+                try sysPwrite(fd, Array(data[100..<200]), 5000).get(), 100, "a second write inside the first")
             var expect = data
             expect.replaceSubrange(5000..<5100, with: data[100..<200])
             written[dir] = expect
@@ -154,7 +167,9 @@ final class LockHoldsTests: XCTestCase {
         try m.restart()
         m.unlock()
         for dir in classes.keys.sorted() {
-            XCTAssertEqual(try readFile(m.path("\(dir)/f")).get(), written[dir], "class \(classes[dir]!) after a lock and a restart")
+            XCTAssertEqual(
+                try readFile(m.path("\(dir)/f")).get(), written[dir],
+                "class \(classes[dir]!) after a lock and a restart")
         }
     }
 
@@ -198,15 +213,19 @@ final class LockHoldsTests: XCTestCase {
     /// Opens `path` read-write (a cached handle unless the file is class A), writes one full
     /// page at 0 and syncs; after `lock`, a full-page write through it must be refused and
     /// never appear, and the file must read as before once unlocked.
-    func assertFullPageWriteRefusedAfterLock(_ m: MountFixture, _ path: String, makeComplete: Bool,
-                                             file: StaticString = #filePath, line: UInt = #line) {
+    func assertFullPageWriteRefusedAfterLock(
+        _ m: MountFixture, _ path: String, makeComplete: Bool,
+        file: StaticString = #filePath, line: UInt = #line
+    ) {
         let original = [UInt8](repeating: 0x41, count: 4 * 4096)
         XCTAssertEqual(writeFile(path, original), 0, file: file, line: line)
         let fd = sysOpen(path, O_RDWR)
         XCTAssertGreaterThanOrEqual(fd, 0, file: file, line: line)
         defer { close(fd) }
         XCTAssertEqual(try sysPread(fd, 4096, 0).get(), Array(original[0..<4096]), file: file, line: line)
-        if makeComplete { XCTAssertEqual(setXattr(path, "complete"), 0, "class change with the handle open", file: file, line: line) }
+        if makeComplete {
+            XCTAssertEqual(setXattr(path, "complete"), 0, "class change with the handle open", file: file, line: line)
+        }
         XCTAssertEqual(try getXattr(path).get(), "complete", file: file, line: line)
         m.lock(grace: 0)
         XCTAssertEqual(m.state, "locked", file: file, line: line)
@@ -215,7 +234,10 @@ final class LockHoldsTests: XCTestCase {
             var st = stat()
             XCTAssertEqual(stat(path, &st), 0, file: file, line: line)
             let w = sysPwrite(fd, [UInt8](repeating: 0x5a, count: 4096), 8192)
-            XCTAssertEqual(errnoOf(w), EACCES, "round \(round): a full-page write to a class A file through an old descriptor after the lock (returned \(w))", file: file, line: line)
+            XCTAssertEqual(
+                errnoOf(w), EACCES,
+                "round \(round): a full-page write to a class A file through an old descriptor after the lock (returned \(w))",
+                file: file, line: line)
             XCTAssertEqual(errnoOf(sysPread(fd, 4096, 8192)), EACCES, file: file, line: line)
         }
         m.unlock()
@@ -234,7 +256,8 @@ final class LockHoldsTests: XCTestCase {
     // handles use the page cache; a full-page write through one after the lock must be
     // refused all the same (seen accepted before: 4096 bytes, read back while locked).
     func testClassAOnAKernelWithoutDirectIOMmapRefusesWritesAfterALock() throws {
-        let m = try unlockedMount(["a": "complete"], environment: ["KEYBAGFS_TEST_FAILPOINTS": "kernel-without-direct-io-mmap=on"])
+        let m = try unlockedMount(
+            ["a": "complete"], environment: ["KEYBAGFS_TEST_FAILPOINTS": "kernel-without-direct-io-mmap=on"])
         XCTAssertEqual(m.status()["classADirectIO"] as? Bool, false, "the switch takes effect")
         XCTAssertEqual(m.status()["writebackCache"] as? Bool, true)
         assertFullPageWriteRefusedAfterLock(m, m.path("a/f"), makeComplete: false)
@@ -247,14 +270,14 @@ final class LockHoldsTests: XCTestCase {
             let name = "a/mapped\(round)"
             XCTAssertEqual(writeFile(m.path(name), [UInt8](repeating: 0x41, count: 4 * 4096)), 0)
             let script = """
-            import mmap, os, sys, time
-            fd = os.open(sys.argv[1], os.O_RDWR)
-            mm = mmap.mmap(fd, 4 * 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            mm[:] = b'B' * (4 * 4096)
-            print('dirty', flush=True)
-            while not os.path.exists(sys.argv[2]): time.sleep(0.01)
-            os._exit(0)
-            """
+                import mmap, os, sys, time
+                fd = os.open(sys.argv[1], os.O_RDWR)
+                mm = mmap.mmap(fd, 4 * 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                mm[:] = b'B' * (4 * 4096)
+                print('dirty', flush=True)
+                while not os.path.exists(sys.argv[2]): time.sleep(0.01)
+                os._exit(0)
+                """
             let p = Process()
             p.executableURL = URL(fileURLWithPath: "/usr/bin/env")
             p.arguments = ["python3", "-c", script, m.path(name), m.root + "/go\(round)"]
@@ -272,13 +295,16 @@ final class LockHoldsTests: XCTestCase {
             _ = FileManager.default.createFile(atPath: m.root + "/go\(round)", contents: nil)
             p.waitUntilExit()
             m.unlock()
-            XCTAssertEqual(try readFile(m.path(name)).get(), [UInt8](repeating: 0x42, count: 4 * 4096), "round \(round): bytes written through the mapping before the lock")
+            XCTAssertEqual(
+                try readFile(m.path(name)).get(), [UInt8](repeating: 0x42, count: 4 * 4096),
+                "round \(round): bytes written through the mapping before the lock")
         }
     }
 
     // Item 1: a class change leaves no older wrap behind, and a bad newest slot is EIO.
     func testClassChangeKilledBetweenSlotWritesNeverFallsBack() throws {
-        let m = try unlockedMount(["d": "none"], environment: ["KEYBAGFS_TEST_FAILPOINTS": "class-change-between-slots=stop"])
+        let m = try unlockedMount(
+            ["d": "none"], environment: ["KEYBAGFS_TEST_FAILPOINTS": "class-change-between-slots=stop"])
         let data = Array("was class D, is now complete".utf8)
         XCTAssertEqual(writeFile(m.path("d/f"), data), 0)
         let backing = m.backing("d/f")
@@ -316,7 +342,9 @@ final class LockHoldsTests: XCTestCase {
         XCTAssertEqual(sysOpen(m.path("d/f"), O_RDONLY), -EACCES)
         let after = Array(try Data(contentsOf: URL(fileURLWithPath: backing)).prefix(FileHeader.size))
         let old = staleSlot * FileHeader.slotSize
-        XCTAssertEqual(Array(after[old..<(old + FileHeader.slotSize)]), [UInt8](repeating: 0, count: FileHeader.slotSize), "the class D wrap is gone")
+        XCTAssertEqual(
+            Array(after[old..<(old + FileHeader.slotSize)]), [UInt8](repeating: 0, count: FileHeader.slotSize),
+            "the class D wrap is gone")
         m.unlock()
         XCTAssertEqual(try readFile(m.path("d/f")).get(), data)
 
@@ -327,7 +355,9 @@ final class LockHoldsTests: XCTestCase {
         XCTAssertEqual(final.current.protectionClass, ProtectionClass.none)
         XCTAssertNil(final.superseded)
         let other = (1 - final.current.slot) * FileHeader.slotSize
-        XCTAssertEqual(Array(done[other..<(other + FileHeader.slotSize)]), [UInt8](repeating: 0, count: FileHeader.slotSize), "the class A wrap is gone")
+        XCTAssertEqual(
+            Array(done[other..<(other + FileHeader.slotSize)]), [UInt8](repeating: 0, count: FileHeader.slotSize),
+            "the class A wrap is gone")
     }
 
     // Item 6: after a lock, the daemon's memory holds no class A plaintext, key or passcode.
@@ -368,7 +398,7 @@ final class LockHoldsTests: XCTestCase {
         for f in ["was-c-written", "was-c-read"] { XCTAssertEqual(setXattr(m.path(f), "complete"), 0) }
         XCTAssertEqual(try sysPread(fd, held.count, 0).get(), held)
         XCTAssertEqual(fsync(fd), 0)
-        sync()   // every block's nonce is in the store before the needles are computed
+        sync()  // every block's nonce is in the store before the needles are computed
         let files = ["a/read", "a/held", "was-c-written", "was-c-read"].map { m.backing($0) }
         let pid = try daemonPID(m)
         let needles = try KeyNeedles(store: m.store, passcode: m.passcode, deviceKey: m.deviceKey, files: files)
@@ -379,8 +409,9 @@ final class LockHoldsTests: XCTestCase {
         if cipher != "xchacha20poly1305" {
             // The key schedule of the last file read sits in an idle OpenSSL context until the lock.
             XCTAssertEqual(try readFile(m.path("a/read")).get(), read)
-            XCTAssertFalse(MemoryScan.find(pid: pid, pieces: needles.fileKeySchedules).isEmpty,
-                           "\(cipher): the scanner finds a round key or GHASH key while unlocked")
+            XCTAssertFalse(
+                MemoryScan.find(pid: pid, pieces: needles.fileKeySchedules).isEmpty,
+                "\(cipher): the scanner finds a round key or GHASH key while unlocked")
         }
         // Passcodes through every request that carries one: a wrong unlock, passwd, unlock.
         let wrong = "not the passcode 4242", second = "second passcode 4242"
@@ -390,26 +421,34 @@ final class LockHoldsTests: XCTestCase {
         m.lock(grace: 0)
         XCTAssertEqual(m.state, "locked")
         let scan = try MemoryScan(pid: pid, secrets: [read, held, changed, changedRead])
-        print("memory scan (\(cipher)): \(scan.bytesScanned) bytes in \(scan.regions) regions, \(needles.all.count) key pieces")
+        print(
+            "memory scan (\(cipher)): \(scan.bytesScanned) bytes in \(scan.regions) regions, \(needles.all.count) key pieces"
+        )
         // Mappings to the end of maps are considered (the scan once saw only
         // the first 4 KiB of /proc/PID/maps: 30 of 68 regions).
         let stackLine = MountFixture.run("/bin/grep", ["-F", "[stack]", "/proc/\(pid)/maps"]).stdout
         let stackStart = Int(stackLine.prefix { $0 != "-" }, radix: 16) ?? -1
-        XCTAssertTrue(MemoryScan.regions(pid).contains { $0.0 == stackStart }, "the main thread's stack, near the end of maps, is scanned: \(stackLine)")
+        XCTAssertTrue(
+            MemoryScan.regions(pid).contains { $0.0 == stackStart },
+            "the main thread's stack, near the end of maps, is scanned: \(stackLine)")
         XCTAssertGreaterThan(scan.bytesScanned, 1 << 20)
         XCTAssertEqual(scan.plaintextHits, [], "\(cipher): 32-byte pieces of class A plaintext (file offset, address)")
-        XCTAssertEqual(MemoryScan.find(pid: pid, pieces: needles.all), [], "\(cipher): pieces of class A keys after the lock")
+        XCTAssertEqual(
+            MemoryScan.find(pid: pid, pieces: needles.all), [], "\(cipher): pieces of class A keys after the lock")
         // A core dump (gcore) holds the memory and every thread's registers, vector ones included.
         let core = m.root + "/daemon.core"
         let dump = MountFixture.run("/usr/bin/gcore", ["-o", core, String(pid)], timeout: 120)
         XCTAssertEqual(dump.code, 0, "gcore: \(dump.stderr.suffix(300))")
-        XCTAssertEqual(MemoryScan.find(file: core + ".\(pid)", pieces: needles.all), [], "\(cipher): pieces of class A keys in a core dump after the lock")
+        XCTAssertEqual(
+            MemoryScan.find(file: core + ".\(pid)", pieces: needles.all), [],
+            "\(cipher): pieces of class A keys in a core dump after the lock")
         unlink(core + ".\(pid)")
         // Positive control: the same scanner finds the secrets in this process, which holds them.
         let control = try MemoryScan(pid: getpid(), secrets: [held])
         XCTAssertFalse(control.plaintextHits.isEmpty, "the scanner finds plaintext where it is")
         XCTAssertGreaterThan(control.count(of: Array(wrong.utf8)), 0, "the scanner finds a passcode where it is")
-        XCTAssertFalse(MemoryScan.find(pid: getpid(), pieces: needles.all).isEmpty, "the scanner finds key pieces where they are")
+        XCTAssertFalse(
+            MemoryScan.find(pid: getpid(), pieces: needles.all).isEmpty, "the scanner finds key pieces where they are")
         for p in [m.passcode, wrong, second] {
             XCTAssertEqual(scan.count(of: Array(p.utf8)), 0, "copies of \(p)")
             XCTAssertEqual(scan.count(of: p.utf8.flatMap { [$0, 0] }), 0, "UTF-16 copies of \(p)")
@@ -452,9 +491,12 @@ struct KeyNeedles {
             let h = try FileHeader.parse(Array(data.prefix(FileHeader.size)))
             let raw = try h.unwrap(using: .symmetric(keys.classA))
             defer { raw.wipe() }
-            var wrapSubkey = [UInt8](repeating: 0, count: 32)   // XChaCha20's subkey of the file key's wrap
+            var wrapSubkey = [UInt8](repeating: 0, count: 32)  // XChaCha20's subkey of the file key's wrap
             crypto_core_hchacha20(&wrapSubkey, Array(h.wrappedKey[0..<16]), classA, nil)
-            all += [("\(name) wrap subkey[0..<16]", Array(wrapSubkey[0..<16])), ("\(name) wrap subkey[16..<32]", Array(wrapSubkey[16..<32]))]
+            all += [
+                ("\(name) wrap subkey[0..<16]", Array(wrapSubkey[0..<16])),
+                ("\(name) wrap subkey[16..<32]", Array(wrapSubkey[16..<32])),
+            ]
             let k = try raw.withBytes { Array($0) }
             fileKeys += [("\(name) key[0..<16]", Array(k[0..<16])), ("\(name) key[16..<32]", Array(k[16..<32]))]
             all += fileKeys.suffix(2)
@@ -473,8 +515,13 @@ struct KeyNeedles {
                 all += [("\(name) L", l), ("\(name) K1", k1)]
                 for b in 0..<blocks {
                     let n = Array(data[layout.cipherOffset(ofBlock: b)..<(layout.cipherOffset(ofBlock: b) + 12)])
-                    let kx = Self.block(k, zip([0, 1, 0x58, 0] + n, k1).map { $0 ^ $1 }) + Self.block(k, zip([0, 2, 0x58, 0] + n, k1).map { $0 ^ $1 })
-                    all += [("\(name) block \(b) derived[0..<16]", Array(kx[0..<16])), ("\(name) block \(b) derived[16..<32]", Array(kx[16..<32]))]
+                    let kx =
+                        Self.block(k, zip([0, 1, 0x58, 0] + n, k1).map { $0 ^ $1 })
+                        + Self.block(k, zip([0, 2, 0x58, 0] + n, k1).map { $0 ^ $1 })
+                    all += [
+                        ("\(name) block \(b) derived[0..<16]", Array(kx[0..<16])),
+                        ("\(name) block \(b) derived[16..<32]", Array(kx[16..<32])),
+                    ]
                     all += Self.aesPieces(kx, "\(name) block \(b) derived")
                 }
             case .xchacha20poly1305:
@@ -482,7 +529,10 @@ struct KeyNeedles {
                     let n = Array(data[layout.cipherOffset(ofBlock: b)..<(layout.cipherOffset(ofBlock: b) + 16)])
                     var sub = [UInt8](repeating: 0, count: 32)
                     crypto_core_hchacha20(&sub, n, k, nil)
-                    all += [("\(name) block \(b) subkey[0..<16]", Array(sub[0..<16])), ("\(name) block \(b) subkey[16..<32]", Array(sub[16..<32]))]
+                    all += [
+                        ("\(name) block \(b) subkey[0..<16]", Array(sub[0..<16])),
+                        ("\(name) block \(b) subkey[16..<32]", Array(sub[16..<32])),
+                    ]
                 }
             }
         }
@@ -528,7 +578,7 @@ struct MemoryScan {
         memFD = open("/proc/\(pid)/mem", O_RDONLY | O_CLOEXEC)
         guard memFD >= 0 else { throw Errno(errno) }
         var pieces: [UInt64: [(Int, Int)]] = [:]
-        var filter = [UInt64](repeating: 0, count: 1 << 14)   // 2^20 bits keyed by a hash of the first 8 bytes
+        var filter = [UInt64](repeating: 0, count: 1 << 14)  // 2^20 bits keyed by a hash of the first 8 bytes
         for (si, s) in secrets.enumerated() {
             for off in stride(from: 0, through: s.count - 32, by: 32) {
                 let w = s.withUnsafeBytes { $0.loadUnaligned(fromByteOffset: off, as: UInt64.self) }
@@ -537,7 +587,7 @@ struct MemoryScan {
                 filter[h >> 6] |= 1 << UInt64(h & 63)
             }
         }
-        guard !secrets.isEmpty else { return }   // a scan for key pieces (`find`) only needs `memFD`
+        guard !secrets.isEmpty else { return }  // a scan for key pieces (`find`) only needs `memFD`
         var found: [String] = []
         (bytesScanned, regions) = forEachChunk(overlap: 31) { b, addr in
             guard b.count >= 32 else { return }
@@ -609,7 +659,9 @@ struct MemoryScan {
                 let w = b.loadUnaligned(fromByteOffset: j, as: UInt64.self)
                 let h = PieceIndex.bit(w)
                 guard filter[h >> 6] & (1 << UInt64(h & 63)) != 0, let cands = index.byWord[w] else { continue }
-                for (label, bytes) in cands where memcmp(b.baseAddress! + j, bytes, 16) == 0 { found.append("\(label) at \(place(j))") }
+                for (label, bytes) in cands where memcmp(b.baseAddress! + j, bytes, 16) == 0 {
+                    found.append("\(label) at \(place(j))")
+                }
             }
         }
         return found
@@ -620,7 +672,9 @@ struct MemoryScan {
         guard let scan = try? MemoryScan(pid: pid, secrets: []) else { return ["cannot read /proc/\(pid)/mem"] }
         let index = pieceIndex(pieces)
         var found: [String] = []
-        _ = scan.forEachChunk(overlap: 15) { b, addr in found += matches(b, index) { "0x" + String(addr + $0, radix: 16) } }
+        _ = scan.forEachChunk(overlap: 15) { b, addr in
+            found += matches(b, index) { "0x" + String(addr + $0, radix: 16) }
+        }
         return found
     }
 
@@ -656,7 +710,7 @@ struct MemoryScan {
             guard f[1].contains("w") || name.isEmpty || name.hasPrefix("[") else { return nil }
             let r = f[0].split(separator: "-")
             guard r.count == 2, let a = Int(r[0], radix: 16), let b = Int(r[1], radix: 16) else { return nil }
-            guard b - a <= 1 << 34 else { return nil }   // sanitizer shadow reservations, not data
+            guard b - a <= 1 << 34 else { return nil }  // sanitizer shadow reservations, not data
             return (a, b)
         }
     }

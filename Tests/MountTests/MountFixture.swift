@@ -1,7 +1,7 @@
 import CFuse
 import Foundation
-import KeybagProtocol
 import Glibc
+import KeybagProtocol
 import XCTest
 
 /// An errno value as an Error.
@@ -19,7 +19,8 @@ struct ToolResult {
 
 /// Runs a shell command as another user (no supplementary groups).
 func asUser(_ uid: Int, _ script: String) -> ToolResult {
-    MountFixture.run("/usr/bin/setpriv", ["--reuid=\(uid)", "--regid=\(uid)", "--clear-groups", "/bin/sh", "-c", script])
+    MountFixture.run(
+        "/usr/bin/setpriv", ["--reuid=\(uid)", "--regid=\(uid)", "--clear-groups", "/bin/sh", "-c", script])
 }
 
 /// A temporary store mounted by the real daemon binary in its own process. Tests act on
@@ -27,7 +28,8 @@ func asUser(_ uid: Int, _ script: String) -> ToolResult {
 final class MountFixture {
     /// Folder holding the built `keybagfs` and `keybagctl` (beside the test bundle).
     static let binDir: String = {
-        let exe = (try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/self/exe")) ?? CommandLine.arguments[0]
+        let exe =
+            (try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/self/exe")) ?? CommandLine.arguments[0]
         var dir = URL(fileURLWithPath: exe).deletingLastPathComponent()
         while dir.path != "/" && !FileManager.default.fileExists(atPath: dir.appendingPathComponent("keybagfs").path) {
             dir = dir.deletingLastPathComponent()
@@ -51,12 +53,20 @@ final class MountFixture {
     /// Creates a store (Argon2id interactive, for speed) and mounts it in the foreground.
     /// `cipher`: `init --cipher` (nil: the default of this machine).
     /// `initArgs`: more arguments of `keybagfs init` (`--tpm2 on --tpm2-device …`).
-    convenience init(passcode: String = "correct horse battery", grace: Double = 0, defaultClass: String? = nil, kdf: String = "interactive",
-         cipher: String? = nil, initArgs: [String] = [], mount: Bool = true) throws {
-        guard FileManager.default.fileExists(atPath: "/dev/fuse") else { throw NSError(domain: "/dev/fuse is missing: the mount tests need FUSE (they fail rather than skip)", code: 1) }
+    convenience init(
+        passcode: String = "correct horse battery", grace: Double = 0, defaultClass: String? = nil,
+        kdf: String = "interactive",
+        cipher: String? = nil, initArgs: [String] = [], mount: Bool = true
+    ) throws {
+        guard FileManager.default.fileExists(atPath: "/dev/fuse") else {
+            throw NSError(
+                domain: "/dev/fuse is missing: the mount tests need FUSE (they fail rather than skip)", code: 1)
+        }
         try self.init(root: try Self.makeRoot(), passcode: passcode, grace: grace, defaultClass: defaultClass)
-        let r = Self.run(Self.binDir + "/keybagfs", ["init", store, "--passcode-stdin", "--device-key", deviceKey, "--kdf", kdf]
-                         + (cipher.map { ["--cipher", $0] } ?? []) + initArgs, stdin: passcode + "\n")
+        let r = Self.run(
+            Self.binDir + "/keybagfs",
+            ["init", store, "--passcode-stdin", "--device-key", deviceKey, "--kdf", kdf]
+                + (cipher.map { ["--cipher", $0] } ?? []) + initArgs, stdin: passcode + "\n")
         guard r.code == 0 else { throw NSError(domain: "keybagfs init failed: \(r.stderr)", code: Int(r.code)) }
         if mount { try self.mount() }
     }
@@ -109,7 +119,9 @@ final class MountFixture {
         let e = FileManager.default.enumerator(atPath: data)!
         while let r = e.nextObject() as? String {
             var b = stat()
-            if lstat(data + "/" + r, &b) == 0 && b.st_ino == st.st_ino && b.st_dev != st.st_dev { return data + "/" + r }
+            if lstat(data + "/" + r, &b) == 0 && b.st_ino == st.st_ino && b.st_dev != st.st_dev {
+                return data + "/" + r
+            }
         }
         return "/nonexistent-backing-of-" + rel
     }
@@ -118,7 +130,10 @@ final class MountFixture {
     func mount(extra: [String] = [], launcher: [String] = [], environment: [String: String] = [:]) throws {
         let p = Process()
         if !environment.isEmpty { p.environment = ProcessInfo.processInfo.environment.merging(environment) { $1 } }
-        var args = ["mount", store, mnt, "--foreground", "--socket", socket, "--device-key", deviceKey, "--grace", String(grace)]
+        var args = [
+            "mount", store, mnt, "--foreground", "--socket", socket, "--device-key", deviceKey, "--grace",
+            String(grace),
+        ]
         if let defaultClass { args += ["--default-class", defaultClass] }
         if let first = launcher.first {
             p.executableURL = URL(fileURLWithPath: first)
@@ -127,7 +142,9 @@ final class MountFixture {
             p.executableURL = URL(fileURLWithPath: Self.binDir + "/keybagfs")
             p.arguments = args + extra
         }
-        let log = FileManager.default.createFile(atPath: root + "/daemon.log", contents: nil) ? Foundation.FileHandle(forWritingAtPath: root + "/daemon.log") : nil
+        let log =
+            FileManager.default.createFile(atPath: root + "/daemon.log", contents: nil)
+            ? Foundation.FileHandle(forWritingAtPath: root + "/daemon.log") : nil
         p.standardError = log
         p.standardOutput = log
         p.standardInput = Foundation.FileHandle.nullDevice
@@ -152,16 +169,23 @@ final class MountFixture {
         var o = "device-key=\(deviceKey),socket=\(socket),grace=\(grace)"
         if !options.isEmpty { o += "," + options }
         let path = Self.binDir + ":" + (ProcessInfo.processInfo.environment["PATH"] ?? "/usr/sbin:/usr/bin:/sbin:/bin")
-        let r = Self.run("/sbin/mount.fuse3", [store, mnt, "-t", "fuse.keybagfs", "-o", o], environment: ["PATH": path])
-        guard r.code == 0 else { throw NSError(domain: "mount.fuse3 -t fuse.keybagfs failed: \(r.stderr)", code: Int(r.code)) }
-        guard let pid = status()["pid"] as? Int else { throw NSError(domain: "no pid in the status of \(mnt)", code: 1) }
+        let r = Self.run(
+            "/sbin/mount.fuse3", [store, mnt, "-t", "fuse.keybagfs", "-o", o], environment: ["PATH": path])
+        guard r.code == 0 else {
+            throw NSError(domain: "mount.fuse3 -t fuse.keybagfs failed: \(r.stderr)", code: Int(r.code))
+        }
+        guard let pid = status()["pid"] as? Int else {
+            throw NSError(domain: "no pid in the status of \(mnt)", code: 1)
+        }
         detachedDaemon = pid_t(pid)
     }
 
     /// Whether `mnt` is a mount point now.
     var isMounted: Bool {
         let info = ProcFile.read("/proc/self/mountinfo") ?? ""
-        return info.split(separator: "\n").contains { $0.split(separator: " ").count > 4 && $0.split(separator: " ")[4] == Substring(mnt) }
+        return info.split(separator: "\n").contains {
+            $0.split(separator: " ").count > 4 && $0.split(separator: " ")[4] == Substring(mnt)
+        }
     }
 
     /// Unmounts and reaps the daemon (SIGKILL after 10 s).
@@ -198,12 +222,16 @@ final class MountFixture {
 
     /// `keybagfs fsck --json` of the store (with the passcode unless told not to): the exit
     /// code, the problems (kind, repair) sorted by kind, and the whole report.
-    func fsck(_ extra: [String] = [], passcode: Bool = true) -> (code: Int32, problems: [(kind: String, repair: String)], out: [String: Any]) {
+    func fsck(_ extra: [String] = [], passcode: Bool = true) -> (
+        code: Int32, problems: [(kind: String, repair: String)], out: [String: Any]
+    ) {
         var args = ["fsck", store, "--device-key", deviceKey, "--json"] + extra
         if passcode { args.append("--passcode-stdin") }
         let r = Self.run(Self.binDir + "/keybagfs", args, stdin: passcode ? self.passcode + "\n" : nil)
         let o = (try? JSONSerialization.jsonObject(with: Data(r.stdout.utf8))) as? [String: Any] ?? ["stderr": r.stderr]
-        let ps = (o["problems"] as? [[String: Any]] ?? []).map { ($0["kind"] as? String ?? "?", $0["repair"] as? String ?? "?") }
+        let ps = (o["problems"] as? [[String: Any]] ?? []).map {
+            ($0["kind"] as? String ?? "?", $0["repair"] as? String ?? "?")
+        }
         return (r.code, ps.sorted { $0.0 < $1.0 }, o)
     }
 
@@ -229,7 +257,8 @@ final class MountFixture {
     func status() -> [String: Any] {
         let r = ctl(["status", "--json"])
         guard r.code == 0, let d = r.stdout.data(using: .utf8),
-              let o = try? JSONSerialization.jsonObject(with: d) as? [String: Any] else { return [:] }
+            let o = try? JSONSerialization.jsonObject(with: d) as? [String: Any]
+        else { return [:] }
         return o
     }
 
@@ -240,15 +269,22 @@ final class MountFixture {
     /// mount: the others are detached in that namespace only, and the machine's mounts are
     /// not touched. Tests of discovery (`keybagctl` without `--mount`, `pam-unlock`) then
     /// pass whatever keybagfs mounts the user has up.
-    static func runAlone(mount: String, _ exe: String, _ args: [String], stdin: String? = nil, environment: [String: String] = [:]) -> ToolResult {
-        let detachOthers = #"keep="$1"; shift; awk -v keep="$keep" '$3 == "fuse.keybagfs" && $2 != keep {print $2}' /proc/self/mounts | "#
+    static func runAlone(
+        mount: String, _ exe: String, _ args: [String], stdin: String? = nil, environment: [String: String] = [:]
+    ) -> ToolResult {
+        let detachOthers =
+            #"keep="$1"; shift; awk -v keep="$keep" '$3 == "fuse.keybagfs" && $2 != keep {print $2}' /proc/self/mounts | "#
             + #"sort -r | while read -r m; do umount -l "$(printf '%b' "$m")" || exit 97; done; exec "$@""#
-        return run("/usr/bin/unshare", ["--mount", "--propagation", "private", "/bin/sh", "-c", detachOthers, "sh", mount, exe] + args,
-                   stdin: stdin, environment: environment)
+        return run(
+            "/usr/bin/unshare",
+            ["--mount", "--propagation", "private", "/bin/sh", "-c", detachOthers, "sh", mount, exe] + args,
+            stdin: stdin, environment: environment)
     }
 
     /// Runs a program, feeding `stdin`, and collects its output.
-    static func run(_ exe: String, _ args: [String], stdin: String? = nil, timeout: Double = 60, environment: [String: String] = [:]) -> ToolResult {
+    static func run(
+        _ exe: String, _ args: [String], stdin: String? = nil, timeout: Double = 60, environment: [String: String] = [:]
+    ) -> ToolResult {
         let p = Process()
         p.executableURL = URL(fileURLWithPath: exe)
         p.arguments = args
@@ -265,7 +301,9 @@ final class MountFixture {
         let o = out.fileHandleForReading.readDataToEndOfFile()
         let e = err.fileHandleForReading.readDataToEndOfFile()
         p.waitUntilExit()
-        return ToolResult(code: p.terminationStatus, stdout: String(decoding: o, as: UTF8.self), stderr: String(decoding: e, as: UTF8.self))
+        return ToolResult(
+            code: p.terminationStatus, stdout: String(decoding: o, as: UTF8.self),
+            stderr: String(decoding: e, as: UTF8.self))
     }
 }
 
@@ -276,22 +314,28 @@ extension XCTestCase {
     /// unlocked; torn down with the test.
     /// `rootReserve`: ext4 as mkfs makes it (5 % kept for root). `mountCommandOptions`: mounted
     /// by `mount -t fuse.keybagfs` with these options instead of `keybagfs mount`.
-    func mountedSmallStore(_ size: String, ext4: Bool = false, btrfsWithoutACLs: Bool = false, rootReserve: Bool = false,
-                           environment: [String: String] = [:], mountOptions: [String] = [],
-                           mountCommandOptions: String? = nil) throws -> MountFixture {
+    func mountedSmallStore(
+        _ size: String, ext4: Bool = false, btrfsWithoutACLs: Bool = false, rootReserve: Bool = false,
+        environment: [String: String] = [:], mountOptions: [String] = [],
+        mountCommandOptions: String? = nil
+    ) throws -> MountFixture {
         let m = try MountFixture(mount: false)
         XCTAssertEqual(MountFixture.run("/bin/cp", ["-a", m.store, m.root + "/store.orig"]).code, 0)
         if ext4 || btrfsWithoutACLs {
             let image = m.root + "/store.img"
             XCTAssertEqual(MountFixture.run("/usr/bin/truncate", ["-s", size, image]).code, 0)
-            let made = ext4 ? MountFixture.run("/sbin/mkfs.ext4", ["-q", "-F"] + (rootReserve ? [] : ["-m", "0"]) + [image])
-                            : MountFixture.run("/sbin/mkfs.btrfs", ["-q", "-f", image])
+            let made =
+                ext4
+                ? MountFixture.run("/sbin/mkfs.ext4", ["-q", "-F"] + (rootReserve ? [] : ["-m", "0"]) + [image])
+                : MountFixture.run("/sbin/mkfs.btrfs", ["-q", "-f", image])
             XCTAssertEqual(made.code, 0, "mkfs: \(made.stderr)")
-            XCTAssertEqual(MountFixture.run("/bin/mount", ["-o", ext4 ? "loop" : "loop,noacl", image, m.store]).code, 0,
-                           "an image on a loop device (needs root)")
+            XCTAssertEqual(
+                MountFixture.run("/bin/mount", ["-o", ext4 ? "loop" : "loop,noacl", image, m.store]).code, 0,
+                "an image on a loop device (needs root)")
         } else {
-            XCTAssertEqual(MountFixture.run("/bin/mount", ["-t", "tmpfs", "-o", "size=" + size, "tmpfs", m.store]).code, 0,
-                           "a small store (needs root)")
+            XCTAssertEqual(
+                MountFixture.run("/bin/mount", ["-t", "tmpfs", "-o", "size=" + size, "tmpfs", m.store]).code, 0,
+                "a small store (needs root)")
         }
         addTeardownBlock {
             m.unmount()

@@ -5,7 +5,7 @@ import XCTest
 /// Encrypted names, long names, symlink targets; the store reveals no name.
 final class NameTests: XCTestCase {
     static let long255 = String(repeating: "L", count: 250) + ".long"
-    static let utf8Long = String(repeating: "é", count: 127) + "x"   // 255 bytes
+    static let utf8Long = String(repeating: "é", count: 127) + "x"  // 255 bytes
     static let names = ["plain.txt", ".hidden", "Ünïcödé 名前.md", long255, utf8Long, "kbl.x", ".kbfs-dir", "a b;c'd\"e"]
 
     func testStoreRevealsNoKnownNameAndNamesRoundTrip() throws {
@@ -22,12 +22,15 @@ final class NameTests: XCTestCase {
         XCTAssertEqual(writeFile(m.path(String(repeating: "z", count: 256)), bytes("x")), ENAMETOOLONG)
         let listed = Set(try FileManager.default.contentsOfDirectory(atPath: m.path("SecretFolderName")))
         XCTAssertEqual(listed, Set(Self.names))
-        for n in Self.names { XCTAssertEqual(try readFile(m.path("SecretFolderName/" + n)).get(), bytes("content of \(n)"), n) }
+        for n in Self.names {
+            XCTAssertEqual(try readFile(m.path("SecretFolderName/" + n)).get(), bytes("content of \(n)"), n)
+        }
         // Same plaintext name in two directories: different stored names.
         XCTAssertEqual(mkdir(m.path("other"), 0o755), 0)
         XCTAssertEqual(writeFile(m.path("other/plain.txt"), bytes("x")), 0)
-        XCTAssertNotEqual((m.backing("other/plain.txt") as NSString).lastPathComponent,
-                          (m.backing("SecretFolderName/plain.txt") as NSString).lastPathComponent)
+        XCTAssertNotEqual(
+            (m.backing("other/plain.txt") as NSString).lastPathComponent,
+            (m.backing("SecretFolderName/plain.txt") as NSString).lastPathComponent)
         m.unmount()
         var leaks: [String] = []
         let e = FileManager.default.enumerator(atPath: m.store)!
@@ -37,25 +40,33 @@ final class NameTests: XCTestCase {
                 if rel.contains(probe) { leaks.append(rel) }
             }
             if let d = FileManager.default.contents(atPath: m.store + "/" + rel),
-               d.range(of: Data("SecretFolderName".utf8)) != nil || d.range(of: Data("content of".utf8)) != nil { leaks.append(rel + " (contents)") }
+                d.range(of: Data("SecretFolderName".utf8)) != nil || d.range(of: Data("content of".utf8)) != nil
+            {
+                leaks.append(rel + " (contents)")
+            }
         }
         XCTAssertEqual(leaks, [])
         // Every backing name fits NAME_MAX.
         let e2 = FileManager.default.enumerator(atPath: m.store)!
-        while let rel = e2.nextObject() as? String { XCTAssertLessThanOrEqual((rel as NSString).lastPathComponent.utf8.count, 255) }
+        while let rel = e2.nextObject() as? String {
+            XCTAssertLessThanOrEqual((rel as NSString).lastPathComponent.utf8.count, 255)
+        }
     }
 
     func testNamesThatAreNotUTF8AreRefusedNotMangled() throws {
         let m = try MountFixture()
         addTeardownBlock { m.close() }
         m.unlock()
-        var raw = Array((m.mnt + "/caf").utf8) + [0xE9, 0]   // Latin-1 "café"
+        var raw = Array((m.mnt + "/caf").utf8) + [0xE9, 0]  // Latin-1 "café"
         let fd = raw.withUnsafeMutableBufferPointer { b in
-            b.baseAddress!.withMemoryRebound(to: CChar.self, capacity: b.count) { open($0, O_WRONLY | O_CREAT | O_CLOEXEC, 0o644) }
+            b.baseAddress!.withMemoryRebound(to: CChar.self, capacity: b.count) {
+                open($0, O_WRONLY | O_CREAT | O_CLOEXEC, 0o644)
+            }
         }
         XCTAssertEqual(fd, -1)
         XCTAssertEqual(errno, EILSEQ)
-        XCTAssertEqual(try FileManager.default.contentsOfDirectory(atPath: m.mnt), [], "nothing created under another name")
+        XCTAssertEqual(
+            try FileManager.default.contentsOfDirectory(atPath: m.mnt), [], "nothing created under another name")
     }
 
     func testLongNamesInEveryOperation() throws {
@@ -75,7 +86,8 @@ final class NameTests: XCTestCase {
         XCTAssertEqual(try readFile(m.path(a)).get(), bytes("A"))
         XCTAssertEqual(symlink(c + "/" + b, m.path("s" + String(a.dropFirst()))), 0, "symlink long")
         XCTAssertEqual(try readFile(m.path("s" + String(a.dropFirst()))).get(), bytes("A"))
-        XCTAssertEqual(Set(try FileManager.default.contentsOfDirectory(atPath: m.mnt)), Set([c, a, "s" + String(a.dropFirst())]))
+        XCTAssertEqual(
+            Set(try FileManager.default.contentsOfDirectory(atPath: m.mnt)), Set([c, a, "s" + String(a.dropFirst())]))
         XCTAssertEqual(rename(m.path(c + "/" + b), m.path(c + "/short")), 0, "rename long → short")
         XCTAssertEqual(Set(try FileManager.default.contentsOfDirectory(atPath: m.path(c))), ["short"])
         XCTAssertEqual(unlink(m.path(c + "/short")), 0)
@@ -95,7 +107,7 @@ final class NameTests: XCTestCase {
         let m = try MountFixture()
         addTeardownBlock { m.close() }
         let short = "../target/file.txt"
-        let long = String(repeating: "d/", count: 2047) + "x"   // 4095 bytes
+        let long = String(repeating: "d/", count: 2047) + "x"  // 4095 bytes
         XCTAssertEqual(long.utf8.count, 4095)
         XCTAssertEqual(symlink(short, m.path("short")), 0)
         XCTAssertEqual(symlink(long, m.path("long")), 0)
@@ -111,7 +123,7 @@ final class NameTests: XCTestCase {
         XCTAssertEqual(st.st_mode & S_IFMT, S_IFLNK)
         XCTAssertEqual(rename(m.path("long"), m.path("long2")), 0)
         XCTAssertEqual(target(m.path("long2")), long)
-        try m.restart()   // targets are metadata: readable before the first unlock
+        try m.restart()  // targets are metadata: readable before the first unlock
         XCTAssertEqual(target(m.path("long2")), long)
         XCTAssertEqual(target(m.path("short")), short)
         m.unmount()
@@ -119,7 +131,10 @@ final class NameTests: XCTestCase {
         for rel in all {
             var b = [CChar](repeating: 0, count: 8192)
             let n = readlink(m.store + "/" + rel, &b, b.count)
-            if n > 0 { XCTAssertFalse(String(decoding: b[0..<n].map { UInt8(bitPattern: $0) }, as: UTF8.self).contains("target/file")) }
+            if n > 0 {
+                XCTAssertFalse(
+                    String(decoding: b[0..<n].map { UInt8(bitPattern: $0) }, as: UTF8.self).contains("target/file"))
+            }
         }
         try m.mount()
         XCTAssertEqual(unlink(m.path("long2")), 0)
@@ -175,8 +190,9 @@ final class NameTests: XCTestCase {
         XCTAssertEqual(try readFile(m.path("docs/report.txt")).get(), ours)
         XCTAssertEqual(try readFile(m.path("docs/" + shown)).get(), theirs)
         var st = stat()
-        XCTAssertEqual(stat(m.path("docs/report (conflict 2026-11-25  101010 HOSTB27).txt"), &st), -1,
-                       "only the exact readable name finds the copy")
+        XCTAssertEqual(
+            stat(m.path("docs/report (conflict 2026-11-25  101010 HOSTB27).txt"), &st), -1,
+            "only the exact readable name finds the copy")
         m.unmount()
         let check = m.fsck()
         XCTAssertEqual(check.code, 0, "\(check.out)")
@@ -194,9 +210,13 @@ final class NameTests: XCTestCase {
         // that would show under the same name.
         XCTAssertEqual(writeFile(m.path("docs/" + shown), ours), 0)
         let docs = (backing as NSString).deletingLastPathComponent
-        XCTAssertFalse(try FileManager.default.contentsOfDirectory(atPath: docs).contains { $0.contains(".sync-conflict-") })
-        try FileManager.default.copyItem(atPath: m.backing("docs/report.txt"), toPath: backing + ".sync-conflict-20261125-101010-HOSTB27")
-        XCTAssertEqual(try FileManager.default.contentsOfDirectory(atPath: m.path("docs")).sorted(), [shown, "report.txt"].sorted())
+        XCTAssertFalse(
+            try FileManager.default.contentsOfDirectory(atPath: docs).contains { $0.contains(".sync-conflict-") })
+        try FileManager.default.copyItem(
+            atPath: m.backing("docs/report.txt"), toPath: backing + ".sync-conflict-20261125-101010-HOSTB27")
+        XCTAssertEqual(
+            try FileManager.default.contentsOfDirectory(atPath: m.path("docs")).sorted(),
+            [shown, "report.txt"].sorted())
         XCTAssertEqual(try readFile(m.path("docs/" + shown)).get(), ours)
     }
 
@@ -204,7 +224,7 @@ final class NameTests: XCTestCase {
         let m = try MountFixture()
         addTeardownBlock { m.close() }
         m.unlock()
-        let long = String(repeating: "quarterly report ", count: 11) + "final.txt"   // 196 bytes: a hashed name
+        let long = String(repeating: "quarterly report ", count: 11) + "final.txt"  // 196 bytes: a hashed name
         let theirs = bytes("the other device's version"), ours = bytes("this device's version, a little longer")
         XCTAssertEqual(writeFile(m.path(long), theirs), 0)
         let fd = open(m.path(long), O_RDONLY)

@@ -1,8 +1,8 @@
 import CSystem
 import CTestSupport
 import Foundation
-import KeybagProtocol
 import Glibc
+import KeybagProtocol
 import XCTest
 
 /// POSIX behaviour a program relies on: modes at creation, symlink times, several users.
@@ -38,7 +38,8 @@ final class PosixTests: XCTestCase {
     /// Super-block options of the mount at `path` from /proc/self/mountinfo.
     func superOptions(_ path: String) -> String {
         let info = ProcFile.read("/proc/self/mountinfo") ?? ""
-        for line in info.split(separator: "\n") where line.split(separator: " ").count > 4 && line.split(separator: " ")[4] == path {
+        for line in info.split(separator: "\n")
+        where line.split(separator: " ").count > 4 && line.split(separator: " ")[4] == path {
             return String(line.split(separator: " ").last ?? "")
         }
         return ""
@@ -66,7 +67,10 @@ final class PosixTests: XCTestCase {
             ("mkdir", { mkdir($0, 0o755) }),
             ("symlink", { symlink("source", $0) }),
             ("link", { link(m.path("source"), $0) }),
-            ("rename", { p in writeFile(m.path("dir/moving"), bytes("moved")) == 0 ? rename(m.path("dir/moving"), p) : -1 }),
+            (
+                "rename",
+                { p in writeFile(m.path("dir/moving"), bytes("moved")) == 0 ? rename(m.path("dir/moving"), p) : -1 }
+            ),
             ("mknod", { mknod($0, S_IFREG | 0o644, 0) }),
             ("O_TMPFILE + linkat", tmpfile),
         ]
@@ -76,7 +80,8 @@ final class PosixTests: XCTestCase {
             for _ in 0..<2 { XCTAssertEqual(lstat(path, &st), -1); XCTAssertEqual(errno, ENOENT, how) }
             XCTAssertEqual(make(path), 0, "\(how): errno \(errno)")
             XCTAssertEqual(lstat(path, &st), 0, "\(how): the new name shows at once: errno \(errno)")
-            XCTAssertTrue(((try? FileManager.default.contentsOfDirectory(atPath: m.path("dir"))) ?? []).contains(name), how)
+            XCTAssertTrue(
+                ((try? FileManager.default.contentsOfDirectory(atPath: m.path("dir"))) ?? []).contains(name), how)
             XCTAssertEqual(how == "mkdir" ? rmdir(path) : unlink(path), 0, how)
             XCTAssertEqual(lstat(path, &st), -1, "\(how): and goes when removed")
         }
@@ -312,14 +317,14 @@ final class PosixTests: XCTestCase {
         lk.l_type = Int16(F_WRLCK); lk.l_whence = Int16(SEEK_SET); lk.l_start = 0; lk.l_len = 100
         XCTAssertEqual(fcntl(a, F_SETLK, &lk), 0)
         let tryLock = """
-        import fcntl, os, sys
-        fd = os.open(sys.argv[1], os.O_RDWR)
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, int(sys.argv[3]), int(sys.argv[2]))
-            print('got')
-        except OSError as e:
-            print('busy')
-        """
+            import fcntl, os, sys
+            fd = os.open(sys.argv[1], os.O_RDWR)
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, int(sys.argv[3]), int(sys.argv[2]))
+                print('got')
+            except OSError as e:
+                print('busy')
+            """
         func otherProcessLocks(_ start: Int, _ len: Int) -> String {
             MountFixture.run("/usr/bin/env", ["python3", "-c", tryLock, m.path("f"), String(start), String(len)]).stdout
                 .trimmingCharacters(in: .whitespacesAndNewlines)
@@ -380,7 +385,9 @@ final class PosixTests: XCTestCase {
         XCTAssertEqual(m.status()["posixACLs"] as? Bool, true)
         func sh(_ script: String) -> ToolResult { MountFixture.run("/bin/sh", ["-c", script]) }
         func acl(_ rel: String) -> String { sh("getfacl --omit-header --numeric \(m.path(rel))").stdout }
-        func mode(_ rel: String) -> mode_t { var st = stat(); return stat(m.path(rel), &st) == 0 ? st.st_mode & 0o7777 : 0o7777 }
+        func mode(_ rel: String) -> mode_t {
+            var st = stat(); return stat(m.path(rel), &st) == 0 ? st.st_mode & 0o7777 : 0o7777
+        }
         XCTAssertEqual(mkdir(m.path("d"), 0o755), 0)
         XCTAssertEqual(chmod(m.path("d"), 0o755), 0)
         XCTAssertEqual(writeFile(m.path("d/f"), bytes("shared")), 0)
@@ -445,7 +452,9 @@ final class PosixTests: XCTestCase {
         m.unmount()
         try m.mount(extra: ["-o", "allow_other,noacl"])
         XCTAssertEqual(m.status()["posixACLs"] as? Bool, false)
-        XCTAssertFalse(MountFixture.run("/usr/bin/getfacl", ["--omit-header", m.path("f")]).stdout.contains("65534"), "noacl: the stored ACL is not in force")
+        XCTAssertFalse(
+            MountFixture.run("/usr/bin/getfacl", ["--omit-header", m.path("f")]).stdout.contains("65534"),
+            "noacl: the stored ACL is not in force")
     }
 
     /// Capabilities a process has in a user namespace of its own count there only: an access
@@ -461,7 +470,9 @@ final class PosixTests: XCTestCase {
         XCTAssertEqual(chown(m.path("shared"), 0, 4321), 0)
         XCTAssertEqual(chmod(m.path("shared"), 0o2777), 0)
         let file = m.path("shared/f")
-        let made = asUser(65534, "python3 -c 'import os; os.umask(0); os.close(os.open(\"\(file)\", os.O_CREAT | os.O_WRONLY, 0o2644))'")
+        let made = asUser(
+            65534,
+            "python3 -c 'import os; os.umask(0); os.close(os.open(\"\(file)\", os.O_CREAT | os.O_WRONLY, 0o2644))'")
         XCTAssertEqual(made.code, 0, made.stderr)
         var st = stat()
         XCTAssertEqual(stat(file, &st), 0)
@@ -483,7 +494,8 @@ final class PosixTests: XCTestCase {
         m.unlock()
         XCTAssertEqual(mkdir(m.path("open"), 0o777), 0)
         XCTAssertEqual(chmod(m.path("open"), 0o777), 0)
-        let script = "import os; os.umask(0); os.close(os.open('\(m.path("open/tool"))', os.O_CREAT | os.O_WRONLY, 0o4755)); "
+        let script =
+            "import os; os.umask(0); os.close(os.open('\(m.path("open/tool"))', os.O_CREAT | os.O_WRONLY, 0o4755)); "
             + "os.mknod('\(m.path("open/fifo"))', 0o4644 | 0o010000)"
         let made = asUser(65534, "python3 -c \"\(script)\"")
         XCTAssertEqual(made.code, 0, made.stderr)

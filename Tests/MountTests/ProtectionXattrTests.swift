@@ -21,11 +21,12 @@ final class ProtectionXattrTests: XCTestCase {
         let before = backingMTime()
         XCTAssertEqual(setXattr(m.path("f"), "complete"), 0)
         let fd = open(m.path("f"), O_RDONLY)
-        XCTAssertEqual(fsync(fd), 0)   // the kernel writes its times back
+        XCTAssertEqual(fsync(fd), 0)  // the kernel writes its times back
         close(fd)
         let after = backingMTime()
-        XCTAssertTrue((after.tv_sec, after.tv_nsec) > (before.tv_sec, before.tv_nsec),
-                      "stored time \(after) not after \(before)")
+        XCTAssertTrue(
+            (after.tv_sec, after.tv_nsec) > (before.tv_sec, before.tv_nsec),
+            "stored time \(after) not after \(before)")
         XCTAssertEqual(try readFile(m.path("f")).get(), bytes("content"))
         // A later write moves it on as usual.
         XCTAssertEqual(writeFile(m.path("f"), bytes("more")), 0)
@@ -57,7 +58,9 @@ final class ProtectionXattrTests: XCTestCase {
         XCTAssertEqual(removexattr(m.path("a/b"), "user.protection"), 0)
         XCTAssertEqual(writeFile(m.path("a/b/c/h"), bytes("x")), 0)
         XCTAssertEqual(try getXattr(m.path("a/b/c/h")).get(), "complete")
-        XCTAssertFalse(try FileManager.default.contentsOfDirectory(atPath: m.path("a")).contains { $0.hasPrefix(".kbfs") }, "metadata file is hidden")
+        XCTAssertFalse(
+            try FileManager.default.contentsOfDirectory(atPath: m.path("a")).contains { $0.hasPrefix(".kbfs") },
+            "metadata file is hidden")
         XCTAssertEqual(rmdir(m.path("a/b/c")) == 0 ? 0 : errno, ENOTEMPTY)
 
         // Bad values: EINVAL and nothing changes.
@@ -65,7 +68,8 @@ final class ProtectionXattrTests: XCTestCase {
             XCTAssertEqual(setXattr(m.path("top"), bad), EINVAL, "value \(bad)")
         }
         XCTAssertEqual(try getXattr(m.path("top")).get(), "none")
-        XCTAssertEqual(removexattr(m.path("top"), "user.protection") == 0 ? 0 : errno, EPERM, "a file always has a class")
+        XCTAssertEqual(
+            removexattr(m.path("top"), "user.protection") == 0 ? 0 : errno, EPERM, "a file always has a class")
 
         // Size probing and ERANGE, and listing.
         XCTAssertEqual(getxattr(m.path("top"), "user.protection", nil, 0), 4)
@@ -75,7 +79,8 @@ final class ProtectionXattrTests: XCTestCase {
         var list = [CChar](repeating: 0, count: 256)
         let n = listxattr(m.path("top"), &list, 256)
         XCTAssertEqual(n, 16)
-        XCTAssertEqual(String(decoding: list.prefix(15).map { UInt8(bitPattern: $0) }, as: UTF8.self), "user.protection")
+        XCTAssertEqual(
+            String(decoding: list.prefix(15).map { UInt8(bitPattern: $0) }, as: UTF8.self), "user.protection")
 
         // A directory with a stored default can still be removed when empty.
         XCTAssertEqual(mkdir(m.path("d"), 0o755), 0)
@@ -94,7 +99,10 @@ final class ProtectionXattrTests: XCTestCase {
         let backing = m.backing("f")
         before = Array(try Data(contentsOf: URL(fileURLWithPath: backing)))
         // Walk through all classes: content unchanged, only the header changes.
-        for c in ["complete", "completeUnlessOpen", "none", "completeUntilFirstUserAuthentication", "NSFileProtectionCompleteUnlessOpen"] {
+        for c in [
+            "complete", "completeUnlessOpen", "none", "completeUntilFirstUserAuthentication",
+            "NSFileProtectionCompleteUnlessOpen",
+        ] {
             XCTAssertEqual(setXattr(m.path("f"), c), 0, c)
             XCTAssertEqual(try readFile(m.path("f")).get(), data)
         }
@@ -149,7 +157,9 @@ final class UserXattrTests: XCTestCase {
             XCTAssertEqual(errno, ERANGE)
             var list = [CChar](repeating: 0, count: 1024)
             let n = listxattr(p, &list, list.count)
-            let names = String(decoding: list[0..<max(n, 0)].map { UInt8(bitPattern: $0) }, as: UTF8.self).split(separator: "\0").map(String.init)
+            let names = String(decoding: list[0..<max(n, 0)].map { UInt8(bitPattern: $0) }, as: UTF8.self).split(
+                separator: "\0"
+            ).map(String.init)
             XCTAssertTrue(Set(names).isSuperset(of: ["user.comment", "user.empty"]), "\(names)")
             XCTAssertEqual(listxattr(p, nil, 0), n)
             XCTAssertEqual(removexattr(p, "user.empty"), 0)
@@ -166,7 +176,8 @@ final class UserXattrTests: XCTestCase {
         let big = String(repeating: "v", count: 60_000)
         XCTAssertEqual(setXattr(m.path("g"), big, "user.big"), 0)
         try m.restart()
-        XCTAssertEqual(try getXattr(m.path("g"), "user.comment").get(), "replaced", "metadata: readable before the first unlock")
+        XCTAssertEqual(
+            try getXattr(m.path("g"), "user.comment").get(), "replaced", "metadata: readable before the first unlock")
         XCTAssertEqual(try getXattr(m.path("g"), "user.big").get(), big)
         XCTAssertEqual(try getXattr(m.path("d"), "user.comment").get(), "replaced")
         m.unmount()
@@ -185,7 +196,10 @@ final class UserXattrTests: XCTestCase {
         let m = try MountFixture()
         addTeardownBlock { m.close() }
         m.unlock()
-        let stored = { (try? FileManager.default.contentsOfDirectory(atPath: m.store + "/xattrs"))?.filter { !$0.hasPrefix(".") }.count ?? -1 }
+        let stored = {
+            (try? FileManager.default.contentsOfDirectory(atPath: m.store + "/xattrs"))?.filter { !$0.hasPrefix(".") }
+                .count ?? -1
+        }
         XCTAssertEqual(stored(), 0)
         for name in ["unlinked", "linked", "replaced", "mover", "open"] {
             XCTAssertEqual(writeFile(m.path(name), bytes(name)), 0)

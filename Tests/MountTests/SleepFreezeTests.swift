@@ -16,9 +16,13 @@ final class SleepFreezeTests: XCTestCase {
         /// Creates a fresh cgroup; throws (the test fails) when neither freezer exists.
         static func make() throws -> Freezer {
             let name = "kbfs-test-\(getpid())"
-            if FileManager.default.fileExists(atPath: "/sys/fs/cgroup/freezer/freezer.state") || FileManager.default.fileExists(atPath: "/sys/fs/cgroup/freezer/tasks") {
+            if FileManager.default.fileExists(atPath: "/sys/fs/cgroup/freezer/freezer.state")
+                || FileManager.default.fileExists(atPath: "/sys/fs/cgroup/freezer/tasks")
+            {
                 let d = "/sys/fs/cgroup/freezer/" + name
-                guard mkdir(d, 0o755) == 0 || errno == EEXIST else { throw NSError(domain: "mkdir \(d): \(errno)", code: 1) }
+                guard mkdir(d, 0o755) == 0 || errno == EEXIST else {
+                    throw NSError(domain: "mkdir \(d): \(errno)", code: 1)
+                }
                 return Freezer(dir: d, v2: false)
             }
             let mounts = ProcFile.read("/proc/self/mountinfo") ?? ""
@@ -27,13 +31,17 @@ final class SleepFreezeTests: XCTestCase {
                 guard mkdir(d, 0o755) == 0 || errno == EEXIST else { continue }
                 return Freezer(dir: d, v2: true)
             }
-            throw NSError(domain: "no cgroup freezer (v1 /sys/fs/cgroup/freezer or a cgroup2 mount): this test cannot run", code: 1)
+            throw NSError(
+                domain: "no cgroup freezer (v1 /sys/fs/cgroup/freezer or a cgroup2 mount): this test cannot run",
+                code: 1)
         }
 
         /// Moves a process into the cgroup.
         func add(_ pid: pid_t) -> Bool { write(v2 ? "cgroup.procs" : "tasks", "\(pid)") }
         /// Asks the kernel to freeze (or thaw) the cgroup.
-        func freeze(_ on: Bool) -> Bool { v2 ? write("cgroup.freeze", on ? "1" : "0") : write("freezer.state", on ? "FROZEN" : "THAWED") }
+        func freeze(_ on: Bool) -> Bool {
+            v2 ? write("cgroup.freeze", on ? "1" : "0") : write("freezer.state", on ? "FROZEN" : "THAWED")
+        }
         /// Whether every task in the cgroup is frozen.
         var frozen: Bool {
             if v2 { return (ProcFile.read(dir + "/cgroup.events") ?? "").contains("frozen 1") }
@@ -53,26 +61,29 @@ final class SleepFreezeTests: XCTestCase {
     /// A reader: opens its file once and preads it in a loop, and also reopens it each
     /// round; prints "eacces" to its log once a read or open was refused.
     static let readerScript = """
-    import os, sys, errno
-    path, log = sys.argv[1], sys.argv[2]
-    fd = os.open(path, os.O_RDONLY)
-    seen = False
-    while True:
-        for attempt in (lambda: os.pread(fd, 65536, 0), lambda: os.close(os.open(path, os.O_RDONLY))):
-            try:
-                attempt()
-            except OSError as e:
-                if e.errno == errno.EACCES and not seen:
-                    seen = True
-                    open(log, "a").write("eacces\\n")
-    """
+        import os, sys, errno
+        path, log = sys.argv[1], sys.argv[2]
+        fd = os.open(path, os.O_RDONLY)
+        seen = False
+        while True:
+            for attempt in (lambda: os.pread(fd, 65536, 0), lambda: os.close(os.open(path, os.O_RDONLY))):
+                try:
+                    attempt()
+                except OSError as e:
+                    if e.errno == errno.EACCES and not seen:
+                        seen = True
+                        open(log, "a").write("eacces\\n")
+        """
 
     func testReadersFreezeRightAfterLocked() throws {
         let freezer = try Freezer.make()
         addTeardownBlock { freezer.remove() }
         let m = try MountFixture(mount: false)
         addTeardownBlock { m.close() }
-        try m.mount(environment: ProcessInfo.processInfo.environment["KEYBAGFS_TEST_FAILPOINTS"].map { ["KEYBAGFS_TEST_FAILPOINTS": $0] } ?? [:])
+        try m.mount(
+            environment: ProcessInfo.processInfo.environment["KEYBAGFS_TEST_FAILPOINTS"].map {
+                ["KEYBAGFS_TEST_FAILPOINTS": $0]
+            } ?? [:])
         m.unlock()
         var files: [String] = []
         for (dir, cls) in [("a", "complete"), ("b", "completeUnlessOpen")] {
@@ -100,7 +111,7 @@ final class SleepFreezeTests: XCTestCase {
             readers.append(p)
             XCTAssertTrue(freezer.add(p.processIdentifier), "move reader \(p.processIdentifier) into \(freezer.dir)")
         }
-        usleep(500_000)   // the readers are in full swing
+        usleep(500_000)  // the readers are in full swing
         XCTAssertTrue(readers.allSatisfy(\.isRunning), "every reader runs while unlocked")
 
         m.lock(grace: 0)
@@ -114,7 +125,9 @@ final class SleepFreezeTests: XCTestCase {
         // Frozen tasks are not inside a FUSE request.
         for r in readers {
             let wchan = ProcFile.read("/proc/\(r.processIdentifier)/wchan") ?? ""
-            XCTAssertFalse(wchan.contains("fuse") || wchan.contains("request_wait"), "reader \(r.processIdentifier) waits in \(wchan)")
+            XCTAssertFalse(
+                wchan.contains("fuse") || wchan.contains("request_wait"),
+                "reader \(r.processIdentifier) waits in \(wchan)")
         }
         XCTAssertTrue(freezer.freeze(false))
         XCTAssertTrue(waitUntil(5) { !freezer.frozen })

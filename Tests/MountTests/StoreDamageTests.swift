@@ -8,7 +8,9 @@ import XCTest
 final class StoreDamageTests: XCTestCase {
     /// Bytes of one full ciphertext block in this store (from the keybag's cipher).
     func cipherBlockSize(_ m: MountFixture) throws -> Int {
-        let o = try XCTUnwrap(JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: m.store + "/keybag"))) as? [String: Any])
+        let o = try XCTUnwrap(
+            JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: m.store + "/keybag")))
+                as? [String: Any])
         return (o["cipher"] as? String) == "aes256gcm" ? 4096 + 28 : 4096 + 40
     }
 
@@ -38,7 +40,10 @@ final class StoreDamageTests: XCTestCase {
             ("cut after 1 block", Array(full[0..<(320 + cb)])),
             ("a zero block appended", full + [UInt8](repeating: 0, count: cb)),
             ("the last block appended again", full + Array(full[(320 + 5 * cb)...])),
-            ("the last block zeroed", Array(full[0..<(320 + 5 * cb)]) + [UInt8](repeating: 0, count: full.count - 320 - 5 * cb)),
+            (
+                "the last block zeroed",
+                Array(full[0..<(320 + 5 * cb)]) + [UInt8](repeating: 0, count: full.count - 320 - 5 * cb)
+            ),
         ]
         for (what, bytes) in cases {
             setBackingBytes(b, bytes)

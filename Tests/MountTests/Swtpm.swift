@@ -22,7 +22,7 @@ final class Swtpm {
         state = root + "/" + name
         try FileManager.default.createDirectory(atPath: state, withIntermediateDirectories: true)
         for _ in 0..<20 {
-            let p = 10_000 + Int.random(in: 0..<2_200) * 10   // below the ephemeral range (32768+), where clients bind
+            let p = 10_000 + Int.random(in: 0..<2_200) * 10  // below the ephemeral range (32768+), where clients bind
             guard !Self.listening(p), !Self.listening(p + 1) else { continue }
             let proc = Process()
             proc.executableURL = URL(fileURLWithPath: "/usr/bin/swtpm")
@@ -43,7 +43,9 @@ final class Swtpm {
             proc.terminate()
             proc.waitUntilExit()
         }
-        guard process != nil else { throw NSError(domain: "swtpm did not start (is Debian's swtpm installed?)", code: 1) }
+        guard process != nil else {
+            throw NSError(domain: "swtpm did not start (is Debian's swtpm installed?)", code: 1)
+        }
         try setLockout(maxTries: maxTries, recoveryTime: recoveryTime)
     }
 
@@ -70,7 +72,9 @@ final class Swtpm {
         a.sin_port = in_port_t(UInt16(port).bigEndian)
         a.sin_addr.s_addr = inet_addr("127.0.0.1")
         return withUnsafePointer(to: &a) {
-            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { connect(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) == 0 }
+            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) {
+                connect(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) == 0
+            }
         }
     }
 
@@ -83,7 +87,8 @@ final class Swtpm {
     /// Clears the lockout counter, then sets the dictionary-attack limits.
     func setLockout(maxTries: Int, recoveryTime: Int) throws {
         let clear = tool("tpm2_dictionarylockout", ["-c"])
-        let set = tool("tpm2_dictionarylockout", ["-s", "-n", "\(maxTries)", "-t", "\(recoveryTime)", "-l", "\(recoveryTime)"])
+        let set = tool(
+            "tpm2_dictionarylockout", ["-s", "-n", "\(maxTries)", "-t", "\(recoveryTime)", "-l", "\(recoveryTime)"])
         guard clear.code == 0, set.code == 0 else {
             throw NSError(domain: "tpm2_dictionarylockout: \(clear.stderr) \(set.stderr)", code: 1)
         }
@@ -97,7 +102,8 @@ final class Swtpm {
         guard let i = lines.firstIndex(where: { $0.hasPrefix(name + ":") }) else { return nil }
         // Either "NAME: 0x3" on one line or "NAME:\n  raw: 0x3".
         let tail = lines[i].dropFirst(name.count + 1).trimmingCharacters(in: .whitespaces)
-        let text = tail.isEmpty && i + 1 < lines.count
+        let text =
+            tail.isEmpty && i + 1 < lines.count
             ? lines[i + 1].replacingOccurrences(of: "raw:", with: "").trimmingCharacters(in: .whitespaces) : tail
         return text.hasPrefix("0x") ? Int(text.dropFirst(2), radix: 16) : Int(text)
     }

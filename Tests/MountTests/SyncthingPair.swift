@@ -26,7 +26,8 @@ final class SyncthingPair {
     /// Generates both identities and configurations (not started). `folders`: the two store paths.
     init(root: String, folders: [String]) throws {
         guard FileManager.default.isExecutableFile(atPath: "/usr/bin/syncthing") else {
-            throw NSError(domain: "syncthing is missing: run scripts/install-deps.sh (the test fails rather than skips)", code: 1)
+            throw NSError(
+                domain: "syncthing is missing: run scripts/install-deps.sh (the test fails rather than skips)", code: 1)
         }
         netns = "kbfs-sync-\(getpid())-\(UInt32.random(in: 0...UInt32.max))"
         peers = folders.enumerated().map { i, f in
@@ -35,7 +36,11 @@ final class SyncthingPair {
         try check(MountFixture.run("/usr/bin/ip", ["netns", "add", netns]), "ip netns add")
         try check(MountFixture.run("/usr/bin/ip", ["-n", netns, "link", "set", "lo", "up"]), "ip link set lo up")
         for i in peers.indices {
-            try check(MountFixture.run("/usr/bin/syncthing", ["generate", "--home=\(peers[i].home)", "--no-default-folder", "--skip-port-probing"]), "syncthing generate")
+            try check(
+                MountFixture.run(
+                    "/usr/bin/syncthing",
+                    ["generate", "--home=\(peers[i].home)", "--no-default-folder", "--skip-port-probing"]),
+                "syncthing generate")
             let r = MountFixture.run("/usr/bin/syncthing", ["--home=\(peers[i].home)", "--device-id"])
             try check(r, "syncthing --device-id")
             peers[i].id = r.stdout.trimmingCharacters(in: .whitespacesAndNewlines)
@@ -65,7 +70,10 @@ final class SyncthingPair {
         }
         try set("listenAddress", "tcp://127.0.0.1:\(me.port)")
         try set("globalAnnounceServer", "")
-        for off in ["globalAnnounceEnabled", "localAnnounceEnabled", "relaysEnabled", "natEnabled", "startBrowser", "crashReportingEnabled", "restartOnWakeup"] {
+        for off in [
+            "globalAnnounceEnabled", "localAnnounceEnabled", "relaysEnabled", "natEnabled", "startBrowser",
+            "crashReportingEnabled", "restartOnWakeup",
+        ] {
             try set(off, "false")
         }
         try set("urAccepted", "-1")
@@ -101,13 +109,16 @@ final class SyncthingPair {
     func start(_ i: Int) throws {
         let p = Process()
         p.executableURL = URL(fileURLWithPath: "/usr/bin/ip")
-        p.arguments = ["netns", "exec", netns, "/usr/bin/syncthing", "serve", "--home=\(peers[i].home)", "--no-browser", "--no-restart", "--no-upgrade"]
+        p.arguments = [
+            "netns", "exec", netns, "/usr/bin/syncthing", "serve", "--home=\(peers[i].home)", "--no-browser",
+            "--no-restart", "--no-upgrade",
+        ]
         var env = ProcessInfo.processInfo.environment
         env["STNORESTART"] = "1"
         env["STNOUPGRADE"] = "1"
         env["HOME"] = peers[i].home
         p.environment = env
-        FileManager.default.createFile(atPath: peers[i].home + "/serve.log", contents: nil)
+        _ = FileManager.default.createFile(atPath: peers[i].home + "/serve.log", contents: nil)
         let log = Foundation.FileHandle(forWritingAtPath: peers[i].home + "/serve.log")
         p.standardOutput = log
         p.standardError = log
@@ -134,7 +145,8 @@ final class SyncthingPair {
     /// The processes inside the namespace whose command line names `home` (all of them for nil).
     private func processes(of home: String?) -> [pid_t] {
         let r = MountFixture.run("/usr/bin/ip", ["netns", "pids", netns])
-        return r.stdout.split(separator: "\n").compactMap { pid_t($0.trimmingCharacters(in: .whitespaces)) }.filter { pid in
+        return r.stdout.split(separator: "\n").compactMap { pid_t($0.trimmingCharacters(in: .whitespaces)) }.filter {
+            pid in
             guard let home else { return true }
             let cmd = (try? Data(contentsOf: URL(fileURLWithPath: "/proc/\(pid)/cmdline"))) ?? Data()
             return String(decoding: cmd, as: UTF8.self).contains(home)
@@ -142,7 +154,9 @@ final class SyncthingPair {
     }
 
     /// Every TCP/UDP socket inside the namespace, as `ss` lists them (for the no-route check).
-    func sockets() -> String { MountFixture.run("/usr/bin/ip", ["netns", "exec", netns, "/usr/bin/ss", "-tuan"]).stdout }
+    func sockets() -> String {
+        MountFixture.run("/usr/bin/ip", ["netns", "exec", netns, "/usr/bin/ss", "-tuan"]).stdout
+    }
 
     /// The last lines of both peers' logs (for failure messages).
     func logs(lines: Int = 25) -> String {

@@ -35,14 +35,21 @@ final class SyncthingTests: XCTestCase {
     private func diagnosis(_ mounts: [MountFixture], _ sync: SyncthingPair) -> String {
         var out = sync.logs(lines: 15)
         for m in mounts {
-            out += "\n--- store \(m.store):\n" + MountFixture.run("/usr/bin/find", [m.store + "/data", "-printf", "%P %s %y %i %TT\\n"]).stdout
+            out +=
+                "\n--- store \(m.store):\n"
+                + MountFixture.run("/usr/bin/find", [m.store + "/data", "-printf", "%P %s %y %i %TT\\n"]).stdout
             // Each backing file's class byte (from the slot in use): what the engine delivered.
             for rel in (FileManager.default.enumerator(atPath: m.store + "/data")?.allObjects as? [String]) ?? [] {
-                guard let d = FileManager.default.contents(atPath: m.store + "/data/" + rel), d.count >= 320 else { continue }
+                guard let d = FileManager.default.contents(atPath: m.store + "/data/" + rel), d.count >= 320 else {
+                    continue
+                }
                 let b = [UInt8](d)
                 out += "class of \(rel): \(b[0] == 0x4b ? b[8] : b[168])\n"
             }
-            out += "mount: " + tree(m.mnt).map { "\($0.key)=\((try? getXattr(m.mnt + "/" + $0.key).get()) ?? "-")" }.joined(separator: " ") + "\n"
+            out +=
+                "mount: "
+                + tree(m.mnt).map { "\($0.key)=\((try? getXattr(m.mnt + "/" + $0.key).get()) ?? "-")" }.joined(
+                    separator: " ") + "\n"
             let log = (try? String(contentsOfFile: m.root + "/daemon.log", encoding: .utf8)) ?? ""
             out += "--- daemon \(m.root):\n" + log.split(separator: "\n").suffix(15).joined(separator: "\n")
         }
@@ -65,7 +72,7 @@ final class SyncthingTests: XCTestCase {
         while Date() < end {
             let i = n % 2, m = mounts[i], dir = m.path("mix-\(i)")
             n += 1
-            switch (files[i].isEmpty ? 0 : rng.int(0..<6)) {
+            switch files[i].isEmpty ? 0 : rng.int(0..<6) {
             case 0, 1:
                 let name = "f\(n).bin"
                 XCTAssertEqual(writeFile(dir + "/" + name, rng.bytes(rng.int(0..<150_000))), 0)
@@ -97,19 +104,37 @@ final class SyncthingTests: XCTestCase {
         let b = try MountFixture(replicaOf: a, passcode: "host B passcode", copy: false)
         defer { b.close() }
         let rk = a.root + "/recovery.txt"
-        XCTAssertEqual(keybagfs(["recovery-key", "rotate", a.store, "--device-key", a.deviceKey, "--passcode-stdin", "--recovery-key-file", rk], stdin: a.passcode + "\n").code, 0)
+        XCTAssertEqual(
+            keybagfs(
+                [
+                    "recovery-key", "rotate", a.store, "--device-key", a.deviceKey, "--passcode-stdin",
+                    "--recovery-key-file", rk,
+                ], stdin: a.passcode + "\n"
+            ).code, 0)
         let sync = try SyncthingPair(root: a.root, folders: [a.store, b.store])
         defer { sync.close() }
-        XCTAssertEqual(sync.routes().trimmingCharacters(in: .whitespacesAndNewlines), "", "the namespace has no route out")
+        XCTAssertEqual(
+            sync.routes().trimmingCharacters(in: .whitespacesAndNewlines), "", "the namespace has no route out")
         try sync.start(0)
         try sync.start(1)
 
         // Host B receives the store, then joins as a device of its own.
-        XCTAssertTrue(waitUntil(90) { FileManager.default.fileExists(atPath: b.store + "/keybag") && FileManager.default.fileExists(atPath: b.store + "/data") }, "the store reached host B")
-        let add = keybagfs(["device", "add", b.store, "--device-key", b.deviceKey, "--recovery-key-file", rk, "--stdin", "--kdf", "interactive", "--name", "host-b"], stdin: b.passcode + "\n")
+        XCTAssertTrue(
+            waitUntil(90) {
+                FileManager.default.fileExists(atPath: b.store + "/keybag")
+                    && FileManager.default.fileExists(atPath: b.store + "/data")
+            }, "the store reached host B")
+        let add = keybagfs(
+            [
+                "device", "add", b.store, "--device-key", b.deviceKey, "--recovery-key-file", rk, "--stdin", "--kdf",
+                "interactive", "--name", "host-b",
+            ], stdin: b.passcode + "\n")
         XCTAssertEqual(add.code, 0, add.stderr)
-        let idB = keybagfs(["device", "id", b.store, "--device-key", b.deviceKey]).stdout.trimmingCharacters(in: .whitespacesAndNewlines)
-        XCTAssertTrue(waitUntil(60) { FileManager.default.fileExists(atPath: a.store + "/devices/\(idB).keybag") }, "B's keybag reached host A")
+        let idB = keybagfs(["device", "id", b.store, "--device-key", b.deviceKey]).stdout.trimmingCharacters(
+            in: .whitespacesAndNewlines)
+        XCTAssertTrue(
+            waitUntil(60) { FileManager.default.fileExists(atPath: a.store + "/devices/\(idB).keybag") },
+            "B's keybag reached host A")
         try a.mount()
         a.unlock()
         try b.mount()
@@ -122,12 +147,20 @@ final class SyncthingTests: XCTestCase {
         XCTAssertEqual(writeFile(a.path("docs/report.txt"), report), 0)
         XCTAssertEqual(writeFile(a.path("secret.txt"), secret), 0)
         XCTAssertEqual(setXattr(a.path("secret.txt"), "complete"), 0)
-        XCTAssertTrue(waitUntil(60) { (try? readFile(b.path("docs/report.txt")).get()) == report }, "report.txt on B: \(diagnosis([a, b], sync))")
-        XCTAssertTrue(waitUntil(60) { (try? getXattr(b.path("secret.txt")).get()) == "complete" && (try? readFile(b.path("secret.txt")).get()) == secret }, "secret.txt on B, class A")
+        XCTAssertTrue(
+            waitUntil(60) { (try? readFile(b.path("docs/report.txt")).get()) == report },
+            "report.txt on B: \(diagnosis([a, b], sync))")
+        XCTAssertTrue(
+            waitUntil(60) {
+                (try? getXattr(b.path("secret.txt")).get()) == "complete"
+                    && (try? readFile(b.path("secret.txt")).get()) == secret
+            }, "secret.txt on B, class A")
 
         // Change the class on A; the class shows on B.
         XCTAssertEqual(setXattr(a.path("docs/report.txt"), "completeUnlessOpen"), 0)
-        XCTAssertTrue(waitUntil(60) { (try? getXattr(b.path("docs/report.txt")).get()) == "completeUnlessOpen" }, "class change on B: \(diagnosis([a, b], sync))")
+        XCTAssertTrue(
+            waitUntil(60) { (try? getXattr(b.path("docs/report.txt")).get()) == "completeUnlessOpen" },
+            "class change on B: \(diagnosis([a, b], sync))")
         XCTAssertEqual(try readFile(b.path("docs/report.txt")).get(), report)
 
         // Lock A: B still reads its complete files, A does not.
@@ -140,7 +173,9 @@ final class SyncthingTests: XCTestCase {
         let mail = bytes("arrived while host A was locked")
         XCTAssertEqual(writeFile(a.path("inbox/mail.eml"), mail), 0)
         b.lock()
-        XCTAssertTrue(waitUntil(60) { FileManager.default.fileExists(atPath: b.path("inbox/mail.eml")) }, "mail.eml on B: \(diagnosis([a, b], sync))")
+        XCTAssertTrue(
+            waitUntil(60) { FileManager.default.fileExists(atPath: b.path("inbox/mail.eml")) },
+            "mail.eml on B: \(diagnosis([a, b], sync))")
         XCTAssertEqual(errnoOf(readFile(b.path("inbox/mail.eml"))), EACCES, "B is locked")
         b.unlock()
         XCTAssertEqual(try readFile(b.path("inbox/mail.eml")).get(), mail)
@@ -162,18 +197,27 @@ final class SyncthingTests: XCTestCase {
         }
         try sync.start(1)
         for m in [a, b] {
-            XCTAssertTrue(waitUntil(90) { versions(m.path("docs"), "report") == [fromA, fromB] }, "both versions on \(m.root): \((try? FileManager.default.contentsOfDirectory(atPath: m.path("docs"))) ?? [])")
-            XCTAssertTrue(waitUntil(90) {
-                (try? readFile(m.path("shared/from-a.txt")).get()) == noteA && (try? readFile(m.path("shared/from-b.txt")).get()) == noteB
-                    && versions(m.path("shared"), "note") == [noteA, noteB]
-            }, "both folders' names on \(m.root): \((try? FileManager.default.contentsOfDirectory(atPath: m.path("shared"))) ?? []) \(diagnosis([a, b], sync))")
+            XCTAssertTrue(
+                waitUntil(90) { versions(m.path("docs"), "report") == [fromA, fromB] },
+                "both versions on \(m.root): \((try? FileManager.default.contentsOfDirectory(atPath: m.path("docs"))) ?? [])"
+            )
+            XCTAssertTrue(
+                waitUntil(90) {
+                    (try? readFile(m.path("shared/from-a.txt")).get()) == noteA
+                        && (try? readFile(m.path("shared/from-b.txt")).get()) == noteB
+                        && versions(m.path("shared"), "note") == [noteA, noteB]
+                },
+                "both folders' names on \(m.root): \((try? FileManager.default.contentsOfDirectory(atPath: m.path("shared"))) ?? []) \(diagnosis([a, b], sync))"
+            )
         }
         // The conflict copy's id is the short id of the device whose change won (the version
         // still under the file's name), as docs/DEVICES.md says: Syncthing names the copy after the
         // change it lost to, so on that device's own mount the copy carries its own id.
         let winner = (try? readFile(a.path("docs/report.txt")).get()) == fromB ? 1 : 0
         for m in [a, b] {
-            let copies = ((try? FileManager.default.contentsOfDirectory(atPath: m.path("docs"))) ?? []).filter { $0.hasPrefix("report (conflict ") }
+            let copies = ((try? FileManager.default.contentsOfDirectory(atPath: m.path("docs"))) ?? []).filter {
+                $0.hasPrefix("report (conflict ")
+            }
             XCTAssertEqual(copies.count, 1, "one conflict copy on \(m.root): \(copies)")
             XCTAssertTrue(
                 copies.first?.hasSuffix(" \(sync.peers[winner].id.prefix(7))).txt") == true,
@@ -181,7 +225,8 @@ final class SyncthingTests: XCTestCase {
         }
         XCTAssertEqual(
             Set((try? FileManager.default.contentsOfDirectory(atPath: a.path("shared"))) ?? ["a"]),
-            Set((try? FileManager.default.contentsOfDirectory(atPath: b.path("shared"))) ?? ["b"]), "the same names on both")
+            Set((try? FileManager.default.contentsOfDirectory(atPath: b.path("shared"))) ?? ["b"]),
+            "the same names on both")
         let sharedBacking = (try? FileManager.default.contentsOfDirectory(atPath: a.backing("shared"))) ?? []
         XCTAssertTrue(
             sharedBacking.contains { MetadataCopyName.matches($0) },
@@ -194,7 +239,10 @@ final class SyncthingTests: XCTestCase {
             last = (tree(a.mnt), tree(b.mnt))
             return last.0 == last.1 && !last.0.values.contains { !$0.hasPrefix("file") && $0 != "dir" }
         }
-        XCTAssertTrue(converged, "trees differ: \(last.0.filter { last.1[$0.key] != $0.value }) vs \(last.1.filter { last.0[$0.key] != $0.value })")
+        XCTAssertTrue(
+            converged,
+            "trees differ: \(last.0.filter { last.1[$0.key] != $0.value }) vs \(last.1.filter { last.0[$0.key] != $0.value })"
+        )
         // fsck is clean on both (the mounts stop for it; Syncthing keeps running).
         a.unmount()
         b.unmount()
@@ -207,15 +255,20 @@ final class SyncthingTests: XCTestCase {
         // daemon (as a thief's would) keeps the keybag it read at start.
         try b.mount()
         b.unlock()
-        let rm = keybagfs(["device", "remove", a.store, idB, "--device-key", a.deviceKey, "--recovery-key-file", rk, "--stdin"], stdin: a.passcode + "\n")
+        let rm = keybagfs(
+            ["device", "remove", a.store, idB, "--device-key", a.deviceKey, "--recovery-key-file", rk, "--stdin"],
+            stdin: a.passcode + "\n")
         XCTAssertEqual(rm.code, 0, rm.stderr)
         try a.mount()
         a.unlock()
         let after = bytes("written on A after B was removed")
         XCTAssertEqual(writeFile(a.path("docs/after.txt"), after), 0)
-        XCTAssertTrue(waitUntil(60) { FileManager.default.fileExists(atPath: b.path("docs/after.txt")) }, "after.txt reached B")
-        XCTAssertEqual(errnoOf(readFile(b.path("docs/after.txt"))), EACCES, "B cannot open a file written after its removal")
-        XCTAssertEqual(try readFile(b.path("secret.txt")).get(), secret, "what B could read before stays readable to it")
+        XCTAssertTrue(
+            waitUntil(60) { FileManager.default.fileExists(atPath: b.path("docs/after.txt")) }, "after.txt reached B")
+        XCTAssertEqual(
+            errnoOf(readFile(b.path("docs/after.txt"))), EACCES, "B cannot open a file written after its removal")
+        XCTAssertEqual(
+            try readFile(b.path("secret.txt")).get(), secret, "what B could read before stays readable to it")
         XCTAssertEqual(try readFile(a.path("docs/after.txt")).get(), after)
         // B's own daemon, started again with the removal synced, refuses to mount.
         b.unmount()
@@ -227,6 +280,7 @@ final class SyncthingTests: XCTestCase {
 /// Syncthing's name for its copy of a folder's `.kbfs-dir`: `.sync-conflict-YYYYMMDD-HHMMSS-DEVICE.kbfs-dir`.
 enum MetadataCopyName {
     static func matches(_ name: String) -> Bool {
-        name.range(of: #"^\.sync-conflict-[0-9]{8}-[0-9]{6}-[A-Z2-7]{7}\.kbfs-dir$"#, options: .regularExpression) != nil
+        name.range(of: #"^\.sync-conflict-[0-9]{8}-[0-9]{6}-[A-Z2-7]{7}\.kbfs-dir$"#, options: .regularExpression)
+            != nil
     }
 }

@@ -10,22 +10,30 @@ import XCTest
 /// in the daemon's memory after a lock. What the TPM says is read with tpm2-tools.
 final class TPMTests: XCTestCase {
     private func keybagfs(_ args: [String], stdin: String? = nil, state: String? = nil) -> ToolResult {
-        MountFixture.run(MountFixture.binDir + "/keybagfs", args, stdin: stdin, environment: state.map { ["STATE_DIRECTORY": $0] } ?? [:])
+        MountFixture.run(
+            MountFixture.binDir + "/keybagfs", args, stdin: stdin,
+            environment: state.map { ["STATE_DIRECTORY": $0] } ?? [:])
     }
 
     /// This device's TPM enrollment file: `STATE/DEVICEID.tpm2` (the fixtures' STATE is
     /// /tmp/kbfs-test-state unless a test gives a machine its own).
     private func enrollment(_ m: MountFixture, state: String = "/tmp/kbfs-test-state") -> String {
-        let id = keybagfs(["device", "id", m.store, "--device-key", m.deviceKey]).stdout.trimmingCharacters(in: .whitespacesAndNewlines)
+        let id = keybagfs(["device", "id", m.store, "--device-key", m.deviceKey]).stdout.trimmingCharacters(
+            in: .whitespacesAndNewlines)
         return state + "/" + id + ".tpm2"
     }
 
     /// A store whose passcode is bound to `tpm`, with its recovery key in `root/recovery.txt`; not mounted.
     private func storeOnTPM(_ tpm: Swtpm, root: String? = nil) throws -> MountFixture {
-        let m = try MountFixture(initArgs: ["--tpm2", "on", "--tpm2-device", tpm.tcti, "--no-recovery-key"], mount: false)
+        let m = try MountFixture(
+            initArgs: ["--tpm2", "on", "--tpm2-device", tpm.tcti, "--no-recovery-key"], mount: false)
         let rk = m.root + "/recovery.txt"
-        let r = keybagfs(["recovery-key", "rotate", m.store, "--device-key", m.deviceKey, "--passcode-stdin", "--recovery-key-file", rk],
-                         stdin: m.passcode + "\n")
+        let r = keybagfs(
+            [
+                "recovery-key", "rotate", m.store, "--device-key", m.deviceKey, "--passcode-stdin",
+                "--recovery-key-file", rk,
+            ],
+            stdin: m.passcode + "\n")
         XCTAssertEqual(r.code, 0, "recovery-key rotate with the TPM: \(r.stderr)")
         return m
     }
@@ -35,11 +43,16 @@ final class TPMTests: XCTestCase {
 
     func testEveryWrongPasscodeCountsInTheTPMWhichThenThrottlesAcrossRestartsAndRollbacks() throws {
         let tpm = try Swtpm(root: try MountFixture.makeRoot(), maxTries: 3, recoveryTime: 600)
-        addTeardownBlock { tpm.stop(); try? FileManager.default.removeItem(atPath: (tpm.state as NSString).deletingLastPathComponent) }
+        addTeardownBlock {
+            tpm.stop(); try? FileManager.default.removeItem(atPath: (tpm.state as NSString).deletingLastPathComponent)
+        }
         let m = try storeOnTPM(tpm)
         addTeardownBlock { m.close() }
-        XCTAssertTrue(FileManager.default.fileExists(atPath: enrollment(m)), "the enrollment lies in the device's state folder")
-        XCTAssertFalse(try String(contentsOfFile: m.store + "/keybag", encoding: .utf8).contains("publicBlob"), "and not in the store")
+        XCTAssertTrue(
+            FileManager.default.fileExists(atPath: enrollment(m)), "the enrollment lies in the device's state folder")
+        XCTAssertFalse(
+            try String(contentsOfFile: m.store + "/keybag", encoding: .utf8).contains("publicBlob"),
+            "and not in the store")
         try m.mount()
         XCTAssertEqual(tpmStatus(m)["inUse"] as? Bool, true)
         XCTAssertEqual(tpmStatus(m)["maxTries"] as? Int, 3)
@@ -67,7 +80,9 @@ final class TPMTests: XCTestCase {
         func rightIsThrottled(_ when: String) {
             let r = m.ctl(["unlock", "--passcode-stdin"], stdin: m.passcode + "\n")
             XCTAssertEqual(r.code, 1, "\(when): unlocked in TPM lockout")
-            XCTAssertTrue(r.stderr.contains("throttled") && r.stderr.contains("TPM") && r.stderr.contains("600"), "\(when): \(r.stderr)")
+            XCTAssertTrue(
+                r.stderr.contains("throttled") && r.stderr.contains("TPM") && r.stderr.contains("600"),
+                "\(when): \(r.stderr)")
             XCTAssertNotEqual(m.state, "unlocked", when)
         }
         rightIsThrottled("in lockout")
@@ -84,7 +99,8 @@ final class TPMTests: XCTestCase {
         XCTAssertEqual(rolled.code, 1, "an older keybag mounted: \(rolled.stderr)")
         XCTAssertTrue(rolled.stderr.contains("older than the one this device last wrote"), rolled.stderr)
         XCTAssertFalse(m.isMounted)
-        XCTAssertEqual(try Data(contentsOf: URL(fileURLWithPath: m.store + "/keybag")), beforeFailures, "nothing written")
+        XCTAssertEqual(
+            try Data(contentsOf: URL(fileURLWithPath: m.store + "/keybag")), beforeFailures, "nothing written")
         try current.write(to: URL(fileURLWithPath: m.store + "/keybag"))
         try m.mount()
         rightIsThrottled("with the newest keybag back")
@@ -98,7 +114,9 @@ final class TPMTests: XCTestCase {
     func testTheStoreAndDeviceKeyOnAnotherMachineOpenNothingUntilRecoverEnrollsItsTPM() throws {
         let base = try MountFixture.makeRoot()
         let tpmA = try Swtpm(root: base, name: "tpm-a"), tpmB = try Swtpm(root: base, name: "tpm-b")
-        addTeardownBlock { tpmA.stop(); tpmB.stop(); try? FileManager.default.removeItem(atPath: base) }
+        addTeardownBlock {
+            tpmA.stop(); tpmB.stop(); try? FileManager.default.removeItem(atPath: base)
+        }
         let a = try storeOnTPM(tpmA)
         addTeardownBlock { a.close() }
         try a.mount()
@@ -113,7 +131,11 @@ final class TPMTests: XCTestCase {
         let stateB = b.root + "/state"
         XCTAssertEqual(MountFixture.run("/bin/cp", [a.deviceKey, b.deviceKey]).code, 0)
         func mountB() -> ToolResult {
-            keybagfs(["mount", b.store, b.mnt, "--socket", b.socket, "--device-key", b.deviceKey, "--tpm2-device", tpmB.tcti], state: stateB)
+            keybagfs(
+                [
+                    "mount", b.store, b.mnt, "--socket", b.socket, "--device-key", b.deviceKey, "--tpm2-device",
+                    tpmB.tcti,
+                ], state: stateB)
         }
         let bare = mountB()
         XCTAssertEqual(bare.code, 1, "mounted without any enrollment")
@@ -123,21 +145,33 @@ final class TPMTests: XCTestCase {
         let keybagBefore = try Data(contentsOf: URL(fileURLWithPath: b.store + "/keybag"))
         let other = mountB()
         XCTAssertEqual(other.code, 1, "mounted on another TPM")
-        XCTAssertTrue(other.stderr.contains("keybagfs recover") && other.stderr.contains("cleared or replaced"), other.stderr)
+        XCTAssertTrue(
+            other.stderr.contains("keybagfs recover") && other.stderr.contains("cleared or replaced"), other.stderr)
         XCTAssertEqual(other.stderr.split(separator: "\n").count, 1, "one line: \(other.stderr)")
         XCTAssertFalse(b.isMounted)
-        XCTAssertEqual(try Data(contentsOf: URL(fileURLWithPath: b.store + "/keybag")), keybagBefore, "the store was not written")
+        XCTAssertEqual(
+            try Data(contentsOf: URL(fileURLWithPath: b.store + "/keybag")), keybagBefore, "the store was not written")
         // The offline tools that take the passcode refuse too (fsck with the right passcode).
-        let fsck = keybagfs(["fsck", b.store, "--device-key", b.deviceKey, "--passcode-stdin", "--tpm2-device", tpmB.tcti], stdin: b.passcode + "\n", state: stateB)
+        let fsck = keybagfs(
+            ["fsck", b.store, "--device-key", b.deviceKey, "--passcode-stdin", "--tpm2-device", tpmB.tcti],
+            stdin: b.passcode + "\n", state: stateB)
         XCTAssertNotEqual(fsck.code, 0, "fsck opened the class keys without TPM A")
         // The recovery key enrolls TPM B.
         let rk = a.root + "/recovery.txt"
         let newPasscode = "passcode on machine B"
-        let rec = keybagfs(["recover", b.store, "--device-key", b.deviceKey, "--recovery-key-file", rk, "--stdin", "--tpm2-device", tpmB.tcti],
-                           stdin: newPasscode + "\n", state: stateB)
+        let rec = keybagfs(
+            [
+                "recover", b.store, "--device-key", b.deviceKey, "--recovery-key-file", rk, "--stdin", "--tpm2-device",
+                tpmB.tcti,
+            ],
+            stdin: newPasscode + "\n", state: stateB)
         XCTAssertEqual(rec.code, 0, rec.stderr)
-        XCTAssertTrue(try String(contentsOfFile: enrollment(b, state: stateB), encoding: .utf8).contains("\(tpmB.port)"), "enrolled on TPM B")
-        XCTAssertTrue(try String(contentsOfFile: enrollment(a), encoding: .utf8).contains("\(tpmA.port)"), "machine A's own is untouched")
+        XCTAssertTrue(
+            try String(contentsOfFile: enrollment(b, state: stateB), encoding: .utf8).contains("\(tpmB.port)"),
+            "enrolled on TPM B")
+        XCTAssertTrue(
+            try String(contentsOfFile: enrollment(a), encoding: .utf8).contains("\(tpmA.port)"),
+            "machine A's own is untouched")
         try b.mount(environment: ["STATE_DIRECTORY": stateB])
         XCTAssertEqual(b.ctl(["unlock", "--passcode-stdin"], stdin: newPasscode + "\n").code, 0)
         XCTAssertEqual(try readFile(b.path("c.txt")).get(), bytes("class C, bound to TPM A"))
@@ -147,18 +181,23 @@ final class TPMTests: XCTestCase {
         b.unmount()
         let before = tpmB.tool("tpm2_getcap", ["handles-nv-index"]).stdout.lowercased()
         XCTAssertTrue(before.contains("0x1c9"), "TPM B holds this device's counter: \(before)")
-        let rm = keybagfs(["tpm2", "remove", b.store, "--device-key", b.deviceKey, "--passcode-stdin"], stdin: newPasscode + "\n", state: stateB)
+        let rm = keybagfs(
+            ["tpm2", "remove", b.store, "--device-key", b.deviceKey, "--passcode-stdin"], stdin: newPasscode + "\n",
+            state: stateB)
         XCTAssertEqual(rm.code, 0, rm.stderr)
         XCTAssertFalse(FileManager.default.fileExists(atPath: enrollment(b, state: stateB)))
-        XCTAssertFalse(tpmB.tool("tpm2_getcap", ["handles-nv-index"]).stdout.lowercased().contains("0x1c9"), "the NV counter is released")
+        XCTAssertFalse(
+            tpmB.tool("tpm2_getcap", ["handles-nv-index"]).stdout.lowercased().contains("0x1c9"),
+            "the NV counter is released")
         try b.mount(environment: ["STATE_DIRECTORY": stateB])
         XCTAssertEqual(tpmStatus(b)["inUse"] as? Bool, false)
         XCTAssertEqual(b.ctl(["unlock", "--passcode-stdin"], stdin: newPasscode + "\n").code, 0)
         XCTAssertEqual(try readFile(b.path("a.txt")).get(), bytes("class A, bound to TPM A"))
         b.unmount()
         // `tpm2 enroll` binds it again.
-        let en = keybagfs(["tpm2", "enroll", b.store, "--device-key", b.deviceKey, "--tpm2-device", tpmB.tcti, "--passcode-stdin"],
-                          stdin: newPasscode + "\n", state: stateB)
+        let en = keybagfs(
+            ["tpm2", "enroll", b.store, "--device-key", b.deviceKey, "--tpm2-device", tpmB.tcti, "--passcode-stdin"],
+            stdin: newPasscode + "\n", state: stateB)
         XCTAssertEqual(en.code, 0, en.stderr)
         try b.mount(environment: ["STATE_DIRECTORY": stateB])
         XCTAssertEqual(tpmStatus(b)["inUse"] as? Bool, true)
@@ -167,7 +206,10 @@ final class TPMTests: XCTestCase {
         let third = "third passcode, on TPM B"
         let pw = b.ctl(["passwd", "--passcode-stdin"], stdin: newPasscode + "\n" + third + "\n")
         XCTAssertEqual(pw.code, 0, pw.stderr)
-        let objects = ((try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: enrollment(b, state: stateB))))) as? [String: Any])?["objects"] as? [String: Any]
+        let objects =
+            ((try JSONSerialization.jsonObject(
+                with: Data(contentsOf: URL(fileURLWithPath: enrollment(b, state: stateB))))) as? [String: Any])?[
+                "objects"] as? [String: Any]
         XCTAssertEqual(objects?.count, 1, "one sealed object after passwd: \(objects?.keys.sorted() ?? [])")
         b.lock()
         XCTAssertEqual(b.ctl(["unlock", "--passcode-stdin"], stdin: newPasscode + "\n").code, 1, "the old passcode")
@@ -182,18 +224,25 @@ final class TPMTests: XCTestCase {
     /// authorization value.
     func testWithoutTheTPMTheRightPasscodeOpensNoClassKeyAndTheTPMsSecretsLeaveNoTrace() throws {
         let tpm = try Swtpm(root: try MountFixture.makeRoot(), maxTries: 32)
-        addTeardownBlock { tpm.stop(); try? FileManager.default.removeItem(atPath: (tpm.state as NSString).deletingLastPathComponent) }
+        addTeardownBlock {
+            tpm.stop(); try? FileManager.default.removeItem(atPath: (tpm.state as NSString).deletingLastPathComponent)
+        }
         let m = try storeOnTPM(tpm)
         addTeardownBlock { m.close() }
-        let kb = try XCTUnwrap(JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: m.store + "/keybag"))) as? [String: Any])
+        let kb = try XCTUnwrap(
+            JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: m.store + "/keybag")))
+                as? [String: Any])
         let storeID = try XCTUnwrap(kb["storeID"] as? String)
         let salt = [UInt8](try XCTUnwrap(Data(base64Encoded: try XCTUnwrap(kb["kdfSalt"] as? String))))
-        let wrappedA = [UInt8](try XCTUnwrap(Data(base64Encoded: try XCTUnwrap((kb["wrapped"] as? [String: String])?["A"]))))
+        let wrappedA = [UInt8](
+            try XCTUnwrap(Data(base64Encoded: try XCTUnwrap((kb["wrapped"] as? [String: String])?["A"]))))
         let dk = [UInt8](try Data(contentsOf: URL(fileURLWithPath: m.deviceKey)))
         var stretched = [UInt8](repeating: 0, count: 32)
-        XCTAssertEqual(crypto_pwhash(&stretched, 32, m.passcode, UInt64(m.passcode.utf8.count), salt,
-                                     try XCTUnwrap(kb["kdfOpsLimit"] as? UInt64), Int(try XCTUnwrap(kb["kdfMemLimit"] as? UInt64)),
-                                     crypto_pwhash_ALG_ARGON2ID13), 0)
+        XCTAssertEqual(
+            crypto_pwhash(
+                &stretched, 32, m.passcode, UInt64(m.passcode.utf8.count), salt,
+                try XCTUnwrap(kb["kdfOpsLimit"] as? UInt64), Int(try XCTUnwrap(kb["kdfMemLimit"] as? UInt64)),
+                crypto_pwhash_ALG_ARGON2ID13), 0)
         func blake(key: [UInt8], _ parts: [[UInt8]]) -> [UInt8] {
             var out = [UInt8](repeating: 0, count: 32)
             let msg = parts.flatMap { $0 }
@@ -205,31 +254,47 @@ final class TPMTests: XCTestCase {
             var n: UInt64 = 0
             let ad = Array("keybagfs-keybag-v1|\(storeID)|A".utf8)
             return crypto_aead_xchacha20poly1305_ietf_decrypt(
-                &out, &n, nil, Array(wrappedA[24...]), UInt64(wrappedA.count - 24), ad, UInt64(ad.count), wrappedA, kek) == 0
+                &out, &n, nil, Array(wrappedA[24...]), UInt64(wrappedA.count - 24), ad, UInt64(ad.count), wrappedA, kek)
+                == 0
         }
         let id = Array(storeID.utf8)
-        XCTAssertFalse(opensA(blake(key: dk, [Array("keybagfs-passcode-kek-v1".utf8), id, stretched])), "the passcode key without the TPM")
-        XCTAssertFalse(opensA(blake(key: dk, [Array("keybagfs-passcode-kek-tpm-v1".utf8), id, stretched, [UInt8](repeating: 0, count: 32)])),
-                       "with a guessed secret")
+        XCTAssertFalse(
+            opensA(blake(key: dk, [Array("keybagfs-passcode-kek-v1".utf8), id, stretched])),
+            "the passcode key without the TPM")
+        XCTAssertFalse(
+            opensA(
+                blake(
+                    key: dk,
+                    [Array("keybagfs-passcode-kek-tpm-v1".utf8), id, stretched, [UInt8](repeating: 0, count: 32)])),
+            "with a guessed secret")
         // With the TPM: the authorization from the Argon2id output releases the secret.
         let auth = blake(key: stretched, [Array("keybagfs-tpm-auth-v1".utf8), id])
-        let enrolled = try XCTUnwrap(JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: enrollment(m)))) as? [String: Any])
-        let object = try XCTUnwrap((enrolled["objects"] as? [String: [String: Any]])?[try XCTUnwrap(kb["kdfSalt"] as? String)])
+        let enrolled = try XCTUnwrap(
+            JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: enrollment(m)))) as? [String: Any])
+        let object = try XCTUnwrap(
+            (enrolled["objects"] as? [String: [String: Any]])?[try XCTUnwrap(kb["kdfSalt"] as? String)])
         let pub = [UInt8](try XCTUnwrap(Data(base64Encoded: try XCTUnwrap(object["publicBlob"] as? String))))
         let priv = [UInt8](try XCTUnwrap(Data(base64Encoded: try XCTUnwrap(object["privateBlob"] as? String))))
         let bound = try XCTUnwrap(object["bound"] as? UInt64), epoch = try XCTUnwrap(enrolled["epochIndex"] as? UInt32)
         let nvAuth = blake(key: dk, [Array("keybagfs-tpm-nv-v1".utf8), id])
         var handle: OpaquePointer?
         var err = [CChar](repeating: 0, count: 256)
-        XCTAssertEqual(kbfs_tpm_open(tpm.tcti, &handle, &err, err.count), 0, String(decoding: err.prefix { $0 != 0 }.map { UInt8(bitPattern: $0) }, as: UTF8.self))
+        XCTAssertEqual(
+            kbfs_tpm_open(tpm.tcti, &handle, &err, err.count), 0,
+            String(decoding: err.prefix { $0 != 0 }.map { UInt8(bitPattern: $0) }, as: UTF8.self))
         var secret = [UInt8](repeating: 0, count: 64)
         var secretLen = secret.count
-        XCTAssertEqual(kbfs_tpm_unseal_epoch(handle, pub, pub.count, priv, priv.count, auth, auth.count, epoch, nvAuth, nvAuth.count, bound,
-                                             &secret, &secretLen, &err, err.count), 0, String(decoding: err.prefix { $0 != 0 }.map { UInt8(bitPattern: $0) }, as: UTF8.self))
+        XCTAssertEqual(
+            kbfs_tpm_unseal_epoch(
+                handle, pub, pub.count, priv, priv.count, auth, auth.count, epoch, nvAuth, nvAuth.count, bound,
+                &secret, &secretLen, &err, err.count), 0,
+            String(decoding: err.prefix { $0 != 0 }.map { UInt8(bitPattern: $0) }, as: UTF8.self))
         kbfs_tpm_close(handle)
         secret = Array(secret[..<secretLen])
         XCTAssertEqual(secret.count, 32)
-        XCTAssertTrue(opensA(blake(key: dk, [Array("keybagfs-passcode-kek-tpm-v1".utf8), id, stretched, secret])), "the FORMAT.md derivation with the TPM's secret")
+        XCTAssertTrue(
+            opensA(blake(key: dk, [Array("keybagfs-passcode-kek-tpm-v1".utf8), id, stretched, secret])),
+            "the FORMAT.md derivation with the TPM's secret")
 
         // The daemon: unlock, a wrong passcode, passwd, unlock again, lock; then neither the
         // secret, the authorization value, nor the Argon2id output is in its memory.
@@ -241,7 +306,9 @@ final class TPMTests: XCTestCase {
         m.unlock()
         m.lock()
         XCTAssertEqual(m.state, "locked")
-        let pieces: [(String, [UInt8])] = [("TPM secret", secret), ("TPM authorization", auth), ("Argon2id output", stretched)].flatMap { label, v in
+        let pieces: [(String, [UInt8])] = [
+            ("TPM secret", secret), ("TPM authorization", auth), ("Argon2id output", stretched),
+        ].flatMap { label, v in
             [("\(label) [0..<16]", Array(v[0..<16])), ("\(label) [16..<32]", Array(v[16..<32]))]
         }
         XCTAssertFalse(MemoryScan.find(pid: getpid(), pieces: pieces).isEmpty, "the scanner finds them where they are")
@@ -254,7 +321,9 @@ final class TPMTests: XCTestCase {
     /// counter has passed, and the TPM refuses it (without counting a failure).
     func testAnOldPasscodeStaysDeadAfterPasswdEvenWithForgedKeybagMACs() throws {
         let tpm = try Swtpm(root: try MountFixture.makeRoot(), maxTries: 32)
-        addTeardownBlock { tpm.stop(); try? FileManager.default.removeItem(atPath: (tpm.state as NSString).deletingLastPathComponent) }
+        addTeardownBlock {
+            tpm.stop(); try? FileManager.default.removeItem(atPath: (tpm.state as NSString).deletingLastPathComponent)
+        }
         let m = try storeOnTPM(tpm)
         addTeardownBlock { m.close() }
         try m.mount()
@@ -272,7 +341,7 @@ final class TPMTests: XCTestCase {
         kb["settingsMAC"] = try settingsMAC(kb, deviceKey: [UInt8](Data(contentsOf: URL(fileURLWithPath: m.deviceKey))))
         try JSONSerialization.data(withJSONObject: kb).write(to: keybagURL)
         try oldEnrollment.write(to: enrollmentURL)
-        try m.mount()   // the forged generation passes the rollback check
+        try m.mount()  // the forged generation passes the rollback check
         let before = tpm.lockoutCounter
         let r = m.ctl(["unlock", "--passcode-stdin"], stdin: m.passcode + "\n")
         XCTAssertEqual(r.code, 1, "the old passcode unlocked a rolled-back keybag")
@@ -292,8 +361,14 @@ final class TPMTests: XCTestCase {
             if let value { msg.append(1); put(Array(value.utf8)) } else { msg.append(0) }
         }
         func text(_ k: String) -> String? { kb[k].map { "\($0)" } }
-        for k in ["format", "storeID", "kdfOpsLimit", "kdfMemLimit", "kdfSalt", "classBPublic", "keySet"] { field(k, text(k)) }
-        field("classBPublics", (kb["classBPublics"] as? [String: String]).map { $0.sorted { $0.key < $1.key }.map { "\($0.key)=\($0.value)" }.joined(separator: ",") })
+        for k in ["format", "storeID", "kdfOpsLimit", "kdfMemLimit", "kdfSalt", "classBPublic", "keySet"] {
+            field(k, text(k))
+        }
+        field(
+            "classBPublics",
+            (kb["classBPublics"] as? [String: String]).map {
+                $0.sorted { $0.key < $1.key }.map { "\($0.key)=\($0.value)" }.joined(separator: ",")
+            })
         field("deviceID", text("deviceID"))
         field("deviceName", text("deviceName"))
         if kb["tpm2"] != nil || kb["generation"] != nil {

@@ -18,8 +18,12 @@ final class TreeToolsTests: XCTestCase {
         return try XCTUnwrap(JSONSerialization.jsonObject(with: Data(r.stdout.utf8)) as? [String: Any], r.stdout)
     }
 
-    func files(_ o: [String: Any], _ cls: String) -> Int { ((o["classes"] as? [String: Any])?[cls] as? [String: Any])?["files"] as? Int ?? 0 }
-    func bytes(_ o: [String: Any], _ cls: String) -> Int { ((o["classes"] as? [String: Any])?[cls] as? [String: Any])?["bytes"] as? Int ?? 0 }
+    func files(_ o: [String: Any], _ cls: String) -> Int {
+        ((o["classes"] as? [String: Any])?[cls] as? [String: Any])?["files"] as? Int ?? 0
+    }
+    func bytes(_ o: [String: Any], _ cls: String) -> Int {
+        ((o["classes"] as? [String: Any])?[cls] as? [String: Any])?["bytes"] as? Int ?? 0
+    }
 
     func testProtectRecursivelyAndReport() throws {
         let m = try MountFixture()
@@ -29,7 +33,9 @@ final class TreeToolsTests: XCTestCase {
         XCTAssertEqual(mkdir(m.path("t"), 0o755), 0)
         for d in 0..<20 {
             XCTAssertEqual(mkdir(m.path("t/d\(d)"), 0o755), 0)
-            for f in 0..<50 { try Data(repeating: 0x61, count: 100).write(to: URL(fileURLWithPath: m.path("t/d\(d)/f\(f)"))) }
+            for f in 0..<50 {
+                try Data(repeating: 0x61, count: 100).write(to: URL(fileURLWithPath: m.path("t/d\(d)/f\(f)")))
+            }
         }
         // A symlink out of the mount, to a folder with a file: never followed.
         let outside = m.root + "/outside"
@@ -42,7 +48,8 @@ final class TreeToolsTests: XCTestCase {
         XCTAssertTrue(p.stdout.contains("set complete on 100 files and 2 directories"), p.stdout)
         XCTAssertEqual(xattr(m.path("t/d1/f49")), "complete")
         XCTAssertEqual(xattr(m.path("t/d2/f0")), "completeUntilFirstUserAuthentication")
-        XCTAssertEqual(m.ctl(["protect", "NSFileProtectionNone", m.path("t/d2/f0")]).code, 0, "Apple constants are accepted")
+        XCTAssertEqual(
+            m.ctl(["protect", "NSFileProtectionNone", m.path("t/d2/f0")]).code, 0, "Apple constants are accepted")
         let all = m.ctl(["protect", "-R", "completeUnlessOpen", m.path("t/escape")])
         XCTAssertEqual(all.code, 1, "a symlink takes no class: \(all.stdout)")
         XCTAssertNil(xattr(outside + "/victim"), "nothing outside the mount was touched")
@@ -61,7 +68,8 @@ final class TreeToolsTests: XCTestCase {
         // Directories without a default of their own are counted under what they inherit.
         let dirs = o["directories"] as? [String: Int] ?? [:]
         XCTAssertNil(dirs["unknown"], "\(dirs)")
-        XCTAssertEqual(dirs["completeUntilFirstUserAuthentication"], 19, "t and d2…d19 inherit the mount's default: \(dirs)")
+        XCTAssertEqual(
+            dirs["completeUntilFirstUserAuthentication"], 19, "t and d2…d19 inherit the mount's default: \(dirs)")
         XCTAssertEqual(dirs["complete"], 2)
         XCTAssertEqual(o["directoriesInheriting"] as? Int, 19)
 

@@ -26,10 +26,13 @@ final class XfstestsRegressionTests: XCTestCase {
         XCTAssertEqual(mkdir(m.path("d"), 0o755), 0)
         // RENAME_WHITEOUT of a long name to another long name: the whiteout keeps the old name.
         XCTAssertEqual(writeFile(m.path("d/" + long), bytes("one")), 0)
-        XCTAssertEqual(kbfs_renameat2(AT_FDCWD, m.path("d/" + long), AT_FDCWD, m.path("d/" + long + "2"), kbfs_RENAME_WHITEOUT), 0, "errno \(errno)")
+        XCTAssertEqual(
+            kbfs_renameat2(AT_FDCWD, m.path("d/" + long), AT_FDCWD, m.path("d/" + long + "2"), kbfs_RENAME_WHITEOUT), 0,
+            "errno \(errno)")
         XCTAssertTrue(isWhiteout(m.path("d/" + long)), "a whiteout under the old name")
         XCTAssertEqual(try readFile(m.path("d/" + long + "2")).get(), bytes("one"))
-        XCTAssertTrue(try FileManager.default.contentsOfDirectory(atPath: m.path("d")).sorted() == [long, long + "2"].sorted())
+        XCTAssertTrue(
+            try FileManager.default.contentsOfDirectory(atPath: m.path("d")).sorted() == [long, long + "2"].sorted())
         // RENAME_WHITEOUT over a file with a user xattr: that file's xattr set goes with it.
         XCTAssertEqual(writeFile(m.path("d/target"), bytes("old")), 0)
         XCTAssertEqual(setXattr(m.path("d/target"), "kept?", "user.note"), 0)
@@ -42,18 +45,26 @@ final class XfstestsRegressionTests: XCTestCase {
         XCTAssertEqual(mkdir(m.path("d/e1"), 0o755), 0)
         XCTAssertEqual(writeFile(m.path("d/e1/inside"), bytes("in")), 0)
         XCTAssertEqual(mkdir(m.path("d/e2"), 0o755), 0)
-        XCTAssertEqual(kbfs_renameat2(AT_FDCWD, m.path("d/e1"), AT_FDCWD, m.path("d/e2"), kbfs_RENAME_WHITEOUT), 0, "errno \(errno)")
+        XCTAssertEqual(
+            kbfs_renameat2(AT_FDCWD, m.path("d/e1"), AT_FDCWD, m.path("d/e2"), kbfs_RENAME_WHITEOUT), 0,
+            "errno \(errno)")
         XCTAssertEqual(try readFile(m.path("d/e2/inside")).get(), bytes("in"))
         XCTAssertTrue(isWhiteout(m.path("d/e1")))
         // RENAME_EXCHANGE and RENAME_NOREPLACE on long names, and plain rename over a file
         // with an xattr set.
         XCTAssertEqual(writeFile(m.path("d/" + long + "x"), bytes("x")), 0)
         XCTAssertEqual(writeFile(m.path("d/" + long + "y"), bytes("y")), 0)
-        XCTAssertEqual(kbfs_renameat2(AT_FDCWD, m.path("d/" + long + "x"), AT_FDCWD, m.path("d/" + long + "y"), kbfs_RENAME_EXCHANGE), 0)
+        XCTAssertEqual(
+            kbfs_renameat2(
+                AT_FDCWD, m.path("d/" + long + "x"), AT_FDCWD, m.path("d/" + long + "y"), kbfs_RENAME_EXCHANGE), 0)
         XCTAssertEqual(try readFile(m.path("d/" + long + "x")).get(), bytes("y"))
-        XCTAssertEqual(kbfs_renameat2(AT_FDCWD, m.path("d/" + long + "x"), AT_FDCWD, m.path("d/" + long + "y"), kbfs_RENAME_NOREPLACE), -1)
+        XCTAssertEqual(
+            kbfs_renameat2(
+                AT_FDCWD, m.path("d/" + long + "x"), AT_FDCWD, m.path("d/" + long + "y"), kbfs_RENAME_NOREPLACE), -1)
         XCTAssertEqual(errno, EEXIST)
-        XCTAssertEqual(kbfs_renameat2(AT_FDCWD, m.path("d/" + long + "x"), AT_FDCWD, m.path("d/" + long + "z"), kbfs_RENAME_NOREPLACE), 0)
+        XCTAssertEqual(
+            kbfs_renameat2(
+                AT_FDCWD, m.path("d/" + long + "x"), AT_FDCWD, m.path("d/" + long + "z"), kbfs_RENAME_NOREPLACE), 0)
         XCTAssertEqual(setXattr(m.path("d/" + long + "y"), "v", "user.note"), 0)
         XCTAssertEqual(rename(m.path("d/" + long + "z"), m.path("d/" + long + "y")), 0)
         XCTAssertEqual(try readFile(m.path("d/" + long + "y")).get(), bytes("y"))
@@ -121,7 +132,7 @@ final class XfstestsRegressionTests: XCTestCase {
             XCTAssertEqual(n, target.utf8.count, name)
             XCTAssertEqual(String(decoding: buf[0..<max(n, 0)], as: UTF8.self), target, name)
         }
-        try m.restart()   // sizes from the store, not from what the daemon remembers
+        try m.restart()  // sizes from the store, not from what the daemon remembers
         var st = stat()
         XCTAssertEqual(lstat(m.path("s"), &st), 0)
         XCTAssertEqual(Int(st.st_size), short.utf8.count)
@@ -131,7 +142,10 @@ final class XfstestsRegressionTests: XCTestCase {
     func names(_ dir: OpaquePointer) -> [String] {
         var out: [String] = []
         while let e = readdir(dir) {
-            out.append(withUnsafePointer(to: &e.pointee.d_name) { $0.withMemoryRebound(to: CChar.self, capacity: 256) { String(cString: $0) } })
+            out.append(
+                withUnsafePointer(to: &e.pointee.d_name) {
+                    $0.withMemoryRebound(to: CChar.self, capacity: 256) { String(cString: $0) }
+                })
         }
         return out
     }
@@ -228,7 +242,8 @@ final class XfstestsRegressionTests: XCTestCase {
             let m = try mountedSmallStore(
                 "256m", ext4: true, rootReserve: true, mountOptions: c.options.isEmpty ? [] : ["-o", c.options],
                 mountCommandOptions: c.mountCommand ? c.options : nil)
-            try writeIntoAFullStore(m, "\(c.mountCommand ? "mount -t fuse.keybagfs" : "keybagfs mount") -o \(c.options)")
+            try writeIntoAFullStore(
+                m, "\(c.mountCommand ? "mount -t fuse.keybagfs" : "keybagfs mount") -o \(c.options)")
             m.unmount()
         }
     }
@@ -269,7 +284,9 @@ final class XfstestsRegressionTests: XCTestCase {
         XCTAssertEqual(unlink(m.path("fill")), 0)
         let after = sysOpen(m.path("after"), O_WRONLY | O_CREAT | O_EXCL)
         XCTAssertGreaterThanOrEqual(after, 0)
-        for i in 0..<8 { XCTAssertEqual(try sysPwrite(after, chunk, i << 20).get(), chunk.count, "space freed: write \(i)") }
+        for i in 0..<8 {
+            XCTAssertEqual(try sysPwrite(after, chunk, i << 20).get(), chunk.count, "space freed: write \(i)")
+        }
         XCTAssertEqual(fsync(after), 0, "errno \(errno)")
         close(after)
         XCTAssertEqual(try readFile(m.path("after")).get().count, 8 << 20)
@@ -284,7 +301,8 @@ final class XfstestsRegressionTests: XCTestCase {
         m.unlock()
         XCTAssertEqual(chmod(m.mnt, 0o777), 0)
         let f = m.path("355.test")
-        let write = "setpriv --reuid=65534 --regid=65534 --clear-groups dd if=/dev/zero of=\(f) bs=4k count=1 oflag=direct conv=notrunc status=none"
+        let write =
+            "setpriv --reuid=65534 --regid=65534 --clear-groups dd if=/dev/zero of=\(f) bs=4k count=1 oflag=direct conv=notrunc status=none"
         let script = """
             echo "this is a test" >> \(f); chmod 644 \(f); chown 65534:65534 \(f)
             chmod ug+s \(f); stat -c %A \(f); \(write); stat -c %A \(f)
@@ -294,8 +312,12 @@ final class XfstestsRegressionTests: XCTestCase {
             """
         let r = MountFixture.run("/bin/sh", ["-c", script])
         XCTAssertEqual(r.code, 0, r.stderr)
-        XCTAssertEqual(r.stdout.split(separator: "\n"), ["-rwSr-Sr--", "-rw-r-Sr--", "-rwsr-Sr--", "-rwxr-Sr--",
-                                                         "-rwSr-sr--", "-rw-r-xr--", "-rwsr-sr--", "-rwxr-xr--"])
+        XCTAssertEqual(
+            r.stdout.split(separator: "\n"),
+            [
+                "-rwSr-Sr--", "-rw-r-Sr--", "-rwsr-Sr--", "-rwxr-Sr--",
+                "-rwSr-sr--", "-rw-r-xr--", "-rwsr-sr--", "-rwxr-xr--",
+            ])
     }
 
     /// generic/103: statfs counts in plaintext, so a file of all that df calls available, but
@@ -308,7 +330,8 @@ final class XfstestsRegressionTests: XCTestCase {
         let fd = sysOpen(m.path("spc"), O_RDWR | O_CREAT | O_EXCL)
         XCTAssertGreaterThanOrEqual(fd, 0)
         defer { close(fd) }
-        XCTAssertEqual(kbfs_fallocate(fd, 0, 0, Int64(available - (512 << 10))), 0, "errno \(errno), \(available) bytes available")
+        XCTAssertEqual(
+            kbfs_fallocate(fd, 0, 0, Int64(available - (512 << 10))), 0, "errno \(errno), \(available) bytes available")
         var st = stat()
         XCTAssertEqual(fstat(fd, &st), 0)
         XCTAssertEqual(Int(st.st_size), available - (512 << 10))
@@ -340,7 +363,9 @@ final class XfstestsRegressionTests: XCTestCase {
         let n = fgetxattr(fd, "user.protection", &value, value.count)
         XCTAssertEqual(n > 0 ? String(decoding: value[0..<n], as: UTF8.self) : "errno \(errno)", "complete")
         // Named by linkat: the same inode, content and class under the new name.
-        XCTAssertEqual(linkat(AT_FDCWD, "/proc/self/fd/\(fd)", AT_FDCWD, m.path("docs/named"), AT_SYMLINK_FOLLOW), 0, "errno \(errno)")
+        XCTAssertEqual(
+            linkat(AT_FDCWD, "/proc/self/fd/\(fd)", AT_FDCWD, m.path("docs/named"), AT_SYMLINK_FOLLOW), 0,
+            "errno \(errno)")
         var named = stat()
         XCTAssertEqual(stat(m.path("docs/named"), &named), 0)
         XCTAssertEqual(named.st_ino, st.st_ino)
@@ -392,7 +417,9 @@ final class XfstestsRegressionTests: XCTestCase {
     func testSuidAndDevOptionsReachTheMount() throws {
         func flags(_ m: MountFixture) -> [Substring] {
             let info = ProcFile.read("/proc/self/mountinfo") ?? ""
-            let line = info.split(separator: "\n").first { $0.split(separator: " ").count > 5 && $0.split(separator: " ")[4] == Substring(m.mnt) }
+            let line = info.split(separator: "\n").first {
+                $0.split(separator: " ").count > 5 && $0.split(separator: " ")[4] == Substring(m.mnt)
+            }
             return line.map { $0.split(separator: " ")[5].split(separator: ",") } ?? []
         }
         let plain = try MountFixture()
@@ -419,7 +446,8 @@ final class XfstestsRegressionTests: XCTestCase {
     /// pages are cached where the kernel cannot map direct-I/O handles (before Linux 6.6),
     /// which the failpoint makes this mount believe.
     func testALockOnAFullStoreDoesNotWaitForSpace() throws {
-        let m = try mountedSmallStore("64m", environment: ["KEYBAGFS_TEST_FAILPOINTS": "kernel-without-direct-io-mmap=on"])
+        let m = try mountedSmallStore(
+            "64m", environment: ["KEYBAGFS_TEST_FAILPOINTS": "kernel-without-direct-io-mmap=on"])
         XCTAssertEqual(mkdir(m.path("a"), 0o755), 0)
         XCTAssertEqual(setXattr(m.path("a"), "complete"), 0)
         let chunk = [UInt8](repeating: 0x42, count: 1 << 20)
@@ -478,7 +506,7 @@ final class XfstestsRegressionTests: XCTestCase {
     /// unlink of the new file drops its own xattr set, not the old file's, and fsck finds no
     /// orphan.
     func testUnlinkDropsTheRightXattrSetWhenAnInodeNumberIsReused() throws {
-        let m = try mountedSmallStore("64m", ext4: true)   // ext4 hands a freed inode number out again at once
+        let m = try mountedSmallStore("64m", ext4: true)  // ext4 hands a freed inode number out again at once
         XCTAssertEqual(mkdir(m.path("d"), 0o755), 0)
         XCTAssertEqual(writeFile(m.path("d/old"), bytes("old")), 0)
         XCTAssertEqual(setXattr(m.path("d/old"), "old note", "user.note"), 0)
@@ -494,7 +522,9 @@ final class XfstestsRegressionTests: XCTestCase {
             var n = stat()
             if stat(m.path(name), &n) == 0 && n.st_ino == st.st_ino { reused = name }
         }
-        guard let reused else { close(pin); return XCTFail("ext4 gave no new file the freed inode number \(st.st_ino)") }
+        guard let reused else {
+            close(pin); return XCTFail("ext4 gave no new file the freed inode number \(st.st_ino)")
+        }
         XCTAssertEqual(setXattr(m.path(reused), "new note", "user.note"), 0)
         XCTAssertEqual(unlink(m.path(reused)), 0)
         close(pin)

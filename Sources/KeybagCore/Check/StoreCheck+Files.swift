@@ -12,9 +12,11 @@ extension StoreCheck {
     /// Gives a headerless file a header of `cls` (a fresh key; it holds no data).
     func writeFreshHeader(_ fd: Int32, _ cls: ProtectionClass) throws {
         let set = keyring.currentKeySet
-        guard !keyring.refusesNewWraps else { throw KeybagError.keyUnavailable }   // a removed device would open it
+        guard !keyring.refusesNewWraps else { throw KeybagError.keyUnavailable }  // a removed device would open it
         let wrap: FileHeader.ClassKey
-        if cls == .completeUnlessOpen { wrap = .classBPublic(classBPublic) } else {
+        if cls == .completeUnlessOpen {
+            wrap = .classBPublic(classBPublic)
+        } else {
             guard let k = classKey(cls, keySet: set) else { throw KeybagError.keyUnavailable }
             wrap = k
         }
@@ -72,8 +74,8 @@ extension StoreCheck {
         guard header.cipher.sharesLayout(with: keybag.cipher) else {
             return note(
                 "header-cipher", path, name,
-                "the header names \(header.cipher.name), whose blocks have another layout than the store's " +
-                    "\(keybag.cipher.name)",
+                "the header names \(header.cipher.name), whose blocks have another layout than the store's "
+                    + "\(keybag.cipher.name)",
                 "not-repairable")
         }
         let layout = content.layout
@@ -108,8 +110,8 @@ extension StoreCheck {
             let lost = n - 1 - lastGood
             fix(
                 "torn-tail", path, name,
-                "the last \(lost) block(s) do not authenticate (a write cut off before fsync" + Self.halfSynced +
-                    "); repair cuts the file after block \(lastGood)",
+                "the last \(lost) block(s) do not authenticate (a write cut off before fsync" + Self.halfSynced
+                    + "); repair cuts the file after block \(lastGood)",
                 losesData: true
             ) {
                 try content.cut(fd: fd, afterBlocks: lastGood + 1)
@@ -120,8 +122,8 @@ extension StoreCheck {
         } else if checks[n - 1] == .wrongEnd {
             fix(
                 "end-not-sealed", path, name,
-                "the file ends at block \(n - 1) but that block is not sealed as the end (a cut, or a truncate " +
-                    "cut off" + Self.halfSynced + ")"
+                "the file ends at block \(n - 1) but that block is not sealed as the end (a cut, or a truncate "
+                    + "cut off" + Self.halfSynced + ")"
             ) {
                 try content.resealEndMark(fd: fd, key: key, block: n - 1, from: false, to: true)
             }

@@ -76,8 +76,8 @@ public final class StoreCheck {
         if try keybag.counterIsAuthentic(deviceKey: deviceKey) == false {
             note(
                 "keybag-counter", "keybag", nil,
-                "the failed-attempt counter does not authenticate (edited offline); the daemon answers with the " +
-                    "longest lockout",
+                "the failed-attempt counter does not authenticate (edited offline); the daemon answers with the "
+                    + "longest lockout",
                 "not-repairable")
         }
     }
@@ -191,8 +191,8 @@ public final class StoreCheck {
         if NameCipher.isLongName(e) && !present.contains(e + NameCipher.longSuffix) && Self.isWhiteout(dirFD: fd, e) {
             fix(
                 "whiteout-without-name", path, nil,
-                "a whiteout (left by a rename of keybagfs before 2026-11) without its side file: it has no name " +
-                    "and hides nothing"
+                "a whiteout (left by a rename of keybagfs before 2026-11) without its side file: it has no name "
+                    + "and hides nothing"
             ) {
                 try unlinkOrThrow(fd, e)
             }
@@ -257,7 +257,8 @@ public final class StoreCheck {
         case .success(let found):
             return found?.name
         case .failure(.sideFileMissing):
-            note("side-file-missing", path, nil, "a long name without its side file: the name is lost", "not-repairable")
+            note(
+                "side-file-missing", path, nil, "a long name without its side file: the name is lost", "not-repairable")
         case .failure(.sideFileMismatch):
             note("side-file-mismatch", path, nil, "the side file holds another name", "not-repairable")
         case .failure(.doesNotDecrypt):
@@ -304,8 +305,9 @@ public final class StoreCheck {
             } else if let c = ConflictCopy(backing: e), referenced.contains(c.original) {
                 // The other device's version of an xattr set (or target) both changed apart:
                 // kept, as nothing may lose what either device wrote.
-                note("sync-conflict-copy", path, nil, "a sync engine's conflict copy of \(c.original) (left alone)",
-                     Self.leftAlone)
+                note(
+                    "sync-conflict-copy", path, nil, "a sync engine's conflict copy of \(c.original) (left alone)",
+                    Self.leftAlone)
             } else if unreadableHeaders > 0 && kind == "xattr-orphan" {
                 note(kind, path, nil, what + " (kept: some headers are unreadable, it may be theirs)", "not-repairable")
             } else {

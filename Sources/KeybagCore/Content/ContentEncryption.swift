@@ -128,8 +128,9 @@ public final class FileContentKey: Sendable {
             let k1 = SecureKey(zeroed: 16)
             let rc = try key.withBytes { k in
                 try k1.withBytes { s in
-                    kbfs_xaes_subkey(k.baseAddress!.assumingMemoryBound(to: UInt8.self),
-                                     UnsafeMutablePointer(mutating: s.baseAddress!.assumingMemoryBound(to: UInt8.self)))
+                    kbfs_xaes_subkey(
+                        k.baseAddress!.assumingMemoryBound(to: UInt8.self),
+                        UnsafeMutablePointer(mutating: s.baseAddress!.assumingMemoryBound(to: UInt8.self)))
                 }
             }
             guard rc == 0 else { k1.wipe(); throw KeybagError.corrupt("the AES library failed to derive a subkey") }

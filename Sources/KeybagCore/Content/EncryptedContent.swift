@@ -1,8 +1,8 @@
 import CCrypto
 import CSodium
 import CSystem
-import Glibc
 import Dispatch
+import Glibc
 import Synchronization
 
 /// Reads and writes plaintext ranges of one encrypted backing file: offset math, the
@@ -95,14 +95,15 @@ public struct EncryptedContent: Sendable {
         for b in blocks {
             let bLen = BlockLayout.length(ofBlock: b, inFileOf: span.size)
             let rel = (b - span.first) * layout.cipherBlockSize
-            guard rel + bLen + layout.overhead <= span.got else { return (written, false) }   // truncated underneath us
+            guard rel + bLen + layout.overhead <= span.got else { return (written, false) }  // truncated underneath us
             let sealed = UnsafeRawBufferPointer(rebasing: cbuf[rel..<(rel + bLen + layout.overhead)])
             let part = span.range.part(ofBlock: b)
             let at = part.atInRange
             if part.coversAll(ofLength: bLen) {
                 // The whole block is wanted: decrypt straight into the reply.
-                let n = try key.open(sealed, block: UInt64(b), last: b == fileLast, markedRun: &markedRun,
-                                     into: UnsafeMutableRawBufferPointer(rebasing: out[at..<(at + bLen)]))
+                let n = try key.open(
+                    sealed, block: UInt64(b), last: b == fileLast, markedRun: &markedRun,
+                    into: UnsafeMutableRawBufferPointer(rebasing: out[at..<(at + bLen)]))
                 written += n
                 if n < bLen { return (written, false) }
                 continue
@@ -122,7 +123,7 @@ public struct EncryptedContent: Sendable {
     /// new data when adjacent, else before it (so a crash in between leaves a cut end that
     /// `fsck` re-seals, never a block of the wrong length).
     public func write(fd: Int32, key: FileContentKey, offset: Int, data: UnsafeRawBufferPointer) throws {
-        defer { kbfs_scrub_stack() }   // cipher locals left below this frame
+        defer { kbfs_scrub_stack() }  // cipher locals left below this frame
         guard data.count > 0 else { return }
         let size = try plainSize(fd: fd)
         let range = PlainRange(offset: offset, end: offset + data.count)
@@ -151,7 +152,8 @@ public struct EncryptedContent: Sendable {
     private func reserve(fd: Int32, blocks: ClosedRange<Int>, newSize: Int) throws {
         let sealed = layout.cipherRange(of: blocks, inFileOf: newSize)
         guard !sealed.isEmpty else { return }
-        if kbfs_reserve(fd, Int64(sealed.lowerBound), Int64(sealed.count)) != 0 && (errno == ENOSPC || errno == EDQUOT) {
+        if kbfs_reserve(fd, Int64(sealed.lowerBound), Int64(sealed.count)) != 0 && (errno == ENOSPC || errno == EDQUOT)
+        {
             throw KeybagError.system("fallocate", errno)
         }
     }
@@ -187,7 +189,7 @@ public struct EncryptedContent: Sendable {
                 defer { lengths.deallocate() }
                 let shared = SplitWrite(out: out, plain: plain, results: lengths)
                 DispatchQueue.concurrentPerform(iterations: 2) { i in
-                defer { kbfs_scrub_stack() }
+                    defer { kbfs_scrub_stack() }
                     let r = Result {
                         if i == 0 {
                             return try sealBlocks(
@@ -264,7 +266,7 @@ public struct EncryptedContent: Sendable {
     /// its re-sealed copy replaces it (cut after it first, then rewrite it in place); growing
     /// writes a sealed last block, so the end is never a hole.
     public func truncate(fd: Int32, key: FileContentKey, to newSize: Int) throws {
-        defer { kbfs_scrub_stack() }   // cipher locals left below this frame
+        defer { kbfs_scrub_stack() }  // cipher locals left below this frame
         let size = try plainSize(fd: fd)
         if newSize < size {
             let oldLast = BlockLayout.lastBlock(ofSize: size), newLast = BlockLayout.lastBlock(ofSize: newSize)
@@ -311,7 +313,7 @@ public struct EncryptedContent: Sendable {
     /// size): whole blocks inside the file become backing holes (all zero bytes read as
     /// zeros), the partial blocks at the edges and a sealed last block are re-sealed with zeros.
     public func zeroRange(fd: Int32, key: FileContentKey, offset: Int, length: Int, punch: (Int, Int) -> Bool) throws {
-        defer { kbfs_scrub_stack() }   // cipher locals left below this frame
+        defer { kbfs_scrub_stack() }  // cipher locals left below this frame
         let size = try plainSize(fd: fd)
         let end = min(offset + length, size)
         guard offset < end else { return }
@@ -321,7 +323,8 @@ public struct EncryptedContent: Sendable {
             let part = range.part(ofBlock: b)
             let bLen = BlockLayout.length(ofBlock: b, inFileOf: size)
             if part.coversAll(ofLength: bLen) && !(key.sealsEnd && b == fileLast)
-                && punch(layout.cipherOffset(ofBlock: b), bLen + layout.overhead) {
+                && punch(layout.cipherOffset(ofBlock: b), bLen + layout.overhead)
+            {
                 continue
             }
             let zeros = [UInt8](repeating: 0, count: part.count)
@@ -333,7 +336,7 @@ public struct EncryptedContent: Sendable {
 
     /// How every block of the file checks (`fsck`).
     public func blockChecks(fd: Int32, key: FileContentKey) throws -> [FileContentKey.BlockCheck] {
-        defer { kbfs_scrub_stack() }   // cipher locals left below this frame
+        defer { kbfs_scrub_stack() }  // cipher locals left below this frame
         let size = try plainSize(fd: fd)
         let last = BlockLayout.lastBlock(ofSize: size)
         guard last >= 0 else { return [] }
@@ -354,7 +357,7 @@ public struct EncryptedContent: Sendable {
     /// Re-seals block `block` (authentic under end mark `from`) with end mark `to`, same
     /// length: the repair of an end mark an interrupted write or truncate left wrong.
     public func resealEndMark(fd: Int32, key: FileContentKey, block: Int, from: Bool, to: Bool) throws {
-        defer { kbfs_scrub_stack() }   // cipher locals left below this frame
+        defer { kbfs_scrub_stack() }  // cipher locals left below this frame
         let size = try plainSize(fd: fd)
         let len = BlockLayout.length(ofBlock: block, inFileOf: size)
         try ScratchBuffers.shared.withBlock(len + layout.overhead) { sealed, plain in

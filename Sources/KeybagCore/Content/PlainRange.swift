@@ -63,8 +63,8 @@ extension BlockLayout {
     /// (the last of them may be partial).
     public func cipherRange(of blocks: ClosedRange<Int>, inFileOf size: Int) -> Range<Int> {
         let last = blocks.upperBound
-        return cipherOffset(ofBlock: blocks.lowerBound)
-            ..< cipherOffset(ofBlock: last) + Self.length(ofBlock: last, inFileOf: size) + overhead
+        return cipherOffset(ofBlock: blocks.lowerBound)..<cipherOffset(ofBlock: last)
+            + Self.length(ofBlock: last, inFileOf: size) + overhead
     }
 
     /// The backing bytes of `blocks` as whole blocks.

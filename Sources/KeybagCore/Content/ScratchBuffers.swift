@@ -1,5 +1,5 @@
-import Glibc
 import CSodium
+import Glibc
 
 /// Reusable aligned buffers for the data path, so a request does not allocate (and, for
 /// large sizes, map and fault in) fresh memory. Buffers up to `pooledSize` are pooled.
@@ -20,7 +20,7 @@ public final class ScratchBuffers: Sendable {
         let block = BlockLayout.plainBlockSize
         return try with(split + block) { b in
             let plain = UnsafeMutableRawBufferPointer(rebasing: b[split..<(split + block)])
-            defer { sodium_memzero(plain.baseAddress!, block) }   // partial-block plaintext never outlives the request
+            defer { sodium_memzero(plain.baseAddress!, block) }  // partial-block plaintext never outlives the request
             return try body(UnsafeMutableRawBufferPointer(rebasing: b[0..<count]), plain)
         }
     }

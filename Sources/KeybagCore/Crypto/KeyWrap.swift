@@ -9,7 +9,7 @@ public enum KeyWrap {
 
     /// Encrypts `secret` under `kek`, binding `ad`.
     public static func wrap(_ secret: SecureKey, with kek: SecureKey, ad: [UInt8]) throws -> [UInt8] {
-        defer { kbfs_scrub_stack() }   // libsodium's XChaCha20 subkey of `kek` stays below this frame
+        defer { kbfs_scrub_stack() }  // libsodium's XChaCha20 subkey of `kek` stays below this frame
         var out = [UInt8](repeating: 0, count: secret.count + overhead)
         try secret.withBytes { s in
             try kek.withBytes { k in
@@ -78,8 +78,9 @@ public enum ClassBAgreement {
         try ephSecret.withBytes { s in
             _ = crypto_scalarmult_base(&ephPublic, s.baseAddress!.assumingMemoryBound(to: UInt8.self))
         }
-        let key = try derive(secret: ephSecret, peerPublic: classPublicKey, ephPublic: ephPublic,
-                             classPublic: classPublicKey, fileID: fileID)
+        let key = try derive(
+            secret: ephSecret, peerPublic: classPublicKey, ephPublic: ephPublic,
+            classPublic: classPublicKey, fileID: fileID)
         return (key, ephPublic)
     }
 
@@ -107,8 +108,9 @@ public enum ClassBAgreement {
         defer { shared.wipe() }
         let rc: Int32 = try secret.withBytes { s in
             try shared.withBytes { sh in
-                crypto_scalarmult(UnsafeMutablePointer(mutating: sh.baseAddress!.assumingMemoryBound(to: UInt8.self)),
-                                  s.baseAddress!.assumingMemoryBound(to: UInt8.self), peerPublic)
+                crypto_scalarmult(
+                    UnsafeMutablePointer(mutating: sh.baseAddress!.assumingMemoryBound(to: UInt8.self)),
+                    s.baseAddress!.assumingMemoryBound(to: UInt8.self), peerPublic)
             }
         }
         guard rc == 0 else { throw KeybagError.corrupt("class B key agreement failed") }

@@ -25,9 +25,10 @@ final class NonceStream {
     /// The pthread key holding each thread's stream (released when the thread exits).
     private static let threadKey: pthread_key_t = {
         var key = pthread_key_t()
-        precondition(pthread_key_create(&key) { p in
-            if let p { Unmanaged<NonceStream>.fromOpaque(p).release() }
-        } == 0, "pthread_key_create failed")
+        precondition(
+            pthread_key_create(&key) { p in
+                if let p { Unmanaged<NonceStream>.fromOpaque(p).release() }
+            } == 0, "pthread_key_create failed")
         pthread_atfork(nil, nil) { NonceStream.forkGeneration.add(1, ordering: .relaxed) }
         return key
     }()

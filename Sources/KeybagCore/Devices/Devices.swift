@@ -133,7 +133,7 @@ extension Keybag {
         if let e = StoreDevices.entries(storePath).first(where: { $0.hasSuffix(".keybag") }) {
             return try load(storePath: storePath, relativePath: StoreDevices.dirName + "/" + e, now: now)
         }
-        return try load(storePath: storePath, relativePath: fileName, now: now)   // the "no keybag" error
+        return try load(storePath: storePath, relativePath: fileName, now: now)  // the "no keybag" error
     }
 
     /// The keybag of the device holding `deviceKey`: its own `devices/ID.keybag`, else the
@@ -146,8 +146,8 @@ extension Keybag {
         if let r = StoreDevices.removal(storePath: storePath, id: id) {
             let when = Date(timeIntervalSince1970: r.removedAt)
             throw KeybagError.invalid(
-                "this device (\(id)) was removed from the store on \(when); it can open only files written before " +
-                    "that. Add it again with `keybagfs device add` and a new device key")
+                "this device (\(id)) was removed from the store on \(when); it can open only files written before "
+                    + "that. Add it again with `keybagfs device add` and a new device key")
         }
         let own = StoreDevices.keybagPath(id)
         if FileManager.default.fileExists(atPath: storePath + "/" + own) {
@@ -160,7 +160,7 @@ extension Keybag {
         var first = try load(storePath: storePath, relativePath: fileName, now: now)
         if let other = first.file.deviceID, other != id { throw KeybagError.badDeviceKey }
         if first.file.deviceID == nil {
-            first.file.deviceID = id   // saved by `authenticate` at the next mount
+            first.file.deviceID = id  // saved by `authenticate` at the next mount
             first.pendingDeviceID = true
         }
         return first
@@ -218,8 +218,8 @@ extension Keybag {
         }
         guard try deviceOwning(key: deviceKey, storePath: storePath) == nil else {
             throw KeybagError.invalid(
-                "this device key is already a device of the store (\(id)); `keybagfs recover` gives it key sets " +
-                    "made since it was added")
+                "this device key is already a device of the store (\(id)); `keybagfs recover` gives it key sets "
+                    + "made since it was added")
         }
         let (source, keys) = try escrowSource(storePath: storePath, recovery: recovery)
         defer { keys.wipe() }
@@ -305,8 +305,8 @@ extension Keybag {
         let newest = try newestKeySet(recovery: recovery)
         guard newest <= currentKeySet else {
             throw KeybagError.invalid(
-                "another device made key set \(newest) and this device holds \(currentKeySet): take it up with " +
-                    "`keybagfs recover` first")
+                "another device made key set \(newest) and this device holds \(currentKeySet): take it up with "
+                    + "`keybagfs recover` first")
         }
         let set = try startKeySet(passcode: passcode, deviceKey: deviceKey, recovery: recovery, now: now)
         let record = try JSONEncoder().encode(DeviceRemoval(deviceID: removedID, removedAt: now, keySet: set))

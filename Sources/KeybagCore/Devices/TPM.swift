@@ -27,8 +27,9 @@ public enum TPMError: Error, Equatable, CustomStringConvertible {
         case .unreachable(let m): return "cannot reach the TPM: \(m)"
         case .nvMissing: return "the TPM has no keybag counter for this device (cleared or replaced?)"
         case .stale:
-            return "the TPM no longer releases this keybag's secret: it belongs to a passcode since replaced (the keybag " +
-                "was put back from an older copy)"
+            return
+                "the TPM no longer releases this keybag's secret: it belongs to a passcode since replaced (the keybag "
+                + "was put back from an older copy)"
         case .failed(let m): return "TPM: \(m)"
         }
     }
@@ -93,7 +94,8 @@ final class TPMConnection {
         guard let h else { throw TPMError.failed("no context") }
         handle = h
         if let pinned, try primaryName() != pinned {
-            throw TPMError.notThisTPM("the TPM at \(tcti) is not the one this device enrolled (its storage key differs)")
+            throw TPMError.notThisTPM(
+                "the TPM at \(tcti) is not the one this device enrolled (its storage key differs)")
         }
     }
 
@@ -110,7 +112,8 @@ final class TPMConnection {
     func seal(_ secret: SecureKey, auth: SecureKey, epoch: UInt32, nvAuth: SecureKey, bound: UInt64) throws
         -> (public: [UInt8], private: [UInt8])
     {
-        var pub = [UInt8](repeating: 0, count: Int(KBFS_TPM_PUB_MAX)), priv = [UInt8](repeating: 0, count: Int(KBFS_TPM_PRIV_MAX))
+        var pub = [UInt8](repeating: 0, count: Int(KBFS_TPM_PUB_MAX)),
+            priv = [UInt8](repeating: 0, count: Int(KBFS_TPM_PRIV_MAX))
         var pubLen = pub.count, privLen = priv.count
         try secret.withBytes { s in
             try auth.withBytes { a in
@@ -139,7 +142,8 @@ final class TPMConnection {
                     try nvAuth.withBytes { v in
                         try Self.call {
                             kbfs_tpm_unseal_epoch(
-                                handle, pub, pub.count, priv, priv.count, a.baseAddress!.assumingMemoryBound(to: UInt8.self),
+                                handle, pub, pub.count, priv, priv.count,
+                                a.baseAddress!.assumingMemoryBound(to: UInt8.self),
                                 a.count, epoch, v.baseAddress!.assumingMemoryBound(to: UInt8.self), v.count, bound,
                                 out.baseAddress!.assumingMemoryBound(to: UInt8.self), &n, $0, $1)
                         }
@@ -159,7 +163,9 @@ final class TPMConnection {
         var err = [CChar](repeating: 0, count: 256)
         let rc = err.withUnsafeMutableBufferPointer { body($0.baseAddress!, $0.count) }
         guard rc == Int32(KBFS_TPM_OK) else {
-            throw TPMError(code: rc, message: String(decoding: err.prefix { $0 != 0 }.map { UInt8(bitPattern: $0) }, as: UTF8.self))
+            throw TPMError(
+                code: rc, message: String(decoding: err.prefix { $0 != 0 }.map { UInt8(bitPattern: $0) }, as: UTF8.self)
+            )
         }
     }
 
@@ -177,7 +183,8 @@ final class TPMConnection {
         var index: UInt32 = 0
         try auth.withBytes { a in
             try Self.call {
-                kbfs_tpm_nv_define_counter(handle, a.baseAddress!.assumingMemoryBound(to: UInt8.self), a.count, &index, $0, $1)
+                kbfs_tpm_nv_define_counter(
+                    handle, a.baseAddress!.assumingMemoryBound(to: UInt8.self), a.count, &index, $0, $1)
             }
         }
         return index
@@ -188,7 +195,8 @@ final class TPMConnection {
         var v: UInt64 = 0
         try auth.withBytes { a in
             try Self.call {
-                kbfs_tpm_nv_read_counter(handle, index, a.baseAddress!.assumingMemoryBound(to: UInt8.self), a.count, &v, $0, $1)
+                kbfs_tpm_nv_read_counter(
+                    handle, index, a.baseAddress!.assumingMemoryBound(to: UInt8.self), a.count, &v, $0, $1)
             }
         }
         return v
@@ -198,7 +206,8 @@ final class TPMConnection {
     func incrementCounter(_ index: UInt32, auth: SecureKey) throws {
         try auth.withBytes { a in
             try Self.call {
-                kbfs_tpm_nv_increment(handle, index, a.baseAddress!.assumingMemoryBound(to: UInt8.self), a.count, $0, $1)
+                kbfs_tpm_nv_increment(
+                    handle, index, a.baseAddress!.assumingMemoryBound(to: UInt8.self), a.count, $0, $1)
             }
         }
     }

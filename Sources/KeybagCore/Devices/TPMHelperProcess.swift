@@ -99,7 +99,10 @@ public struct TPMHelperProcess: Sendable {
             close(fromChild[0])
             if rc == 0 { var status: Int32 = 0; while waitpid(pid, &status, 0) < 0 && errno == EINTR {} }
         }
-        guard rc == 0 else { close(toChild[1]); throw TPMError.failed("cannot start \(executable) tpm2 helper: \(String(cString: strerror(rc)))") }
+        guard rc == 0 else {
+            close(toChild[1]);
+            throw TPMError.failed("cannot start \(executable) tpm2 helper: \(String(cString: strerror(rc)))")
+        }
         let sent: Bool
         do {
             defer { close(toChild[1]) }
@@ -108,7 +111,8 @@ public struct TPMHelperProcess: Sendable {
         } catch { sent = false }
         let fd = fromChild[0]
         guard let code = try? Self.readInt32(fd) else {
-            throw TPMError.failed(sent ? "the TPM helper ended without an answer" : "the TPM helper did not take the request")
+            throw TPMError.failed(
+                sent ? "the TPM helper ended without an answer" : "the TPM helper did not take the request")
         }
         let message = String(decoding: try Self.readBlob(fd), as: UTF8.self)
         guard code == 0 else { throw TPMError(code: code, message: message) }
@@ -140,7 +144,8 @@ public struct TPMHelperProcess: Sendable {
             switch op {
             case opUnseal:
                 let secret = try tpm.unseal(
-                    public: try a.withBytes { Array($0) }, private: b, auth: auth, epoch: epoch, nvAuth: nvAuth, bound: bound)
+                    public: try a.withBytes { Array($0) }, private: b, auth: auth, epoch: epoch, nvAuth: nvAuth,
+                    bound: bound)
                 defer { secret.wipe() }
                 try writeAll(1, [0, 0, 0, 0] + length(0))
                 try writeSecret(1, secret)

@@ -125,7 +125,9 @@ public final class TPMSealer: PasscodeSealer {
 
     /// The NV counter's authorization: BLAKE2b keyed by the device key.
     static func nvAuth(deviceKey: SecureKey, storeID: String) throws -> SecureKey {
-        try deviceKey.withBytes { KeyWrap.keyedHash(key: $0, parts: [Array("keybagfs-tpm-nv-v1".utf8), Array(storeID.utf8)]) }
+        try deviceKey.withBytes {
+            KeyWrap.keyedHash(key: $0, parts: [Array("keybagfs-tpm-nv-v1".utf8), Array(storeID.utf8)])
+        }
     }
 
     /// The TCTI in use.
@@ -140,7 +142,8 @@ public final class TPMSealer: PasscodeSealer {
         let path = TPMEnrollment.path(deviceID: try DeviceIdentity.id(deviceKey: deviceKey, storeID: storeID))
         guard var e = try TPMEnrollment.load(from: path) else { return nil }
         if let tcti { e.tcti = tcti }
-        return TPMSealer(path: path, enrollment: e, nvAuth: try nvAuth(deviceKey: deviceKey, storeID: storeID), helper: helper)
+        return TPMSealer(
+            path: path, enrollment: e, nvAuth: try nvAuth(deviceKey: deviceKey, storeID: storeID), helper: helper)
     }
 
     /// A new enrollment on the TPM at `tcti` (reached now, to fail early). Nothing is
@@ -151,7 +154,8 @@ public final class TPMSealer: PasscodeSealer {
         _ = try TPMConnection(tcti: tcti)
         let path = TPMEnrollment.path(deviceID: try DeviceIdentity.id(deviceKey: deviceKey, storeID: storeID))
         let sealer = TPMSealer(
-            path: path, enrollment: TPMEnrollment(tcti: tcti), nvAuth: try nvAuth(deviceKey: deviceKey, storeID: storeID))
+            path: path, enrollment: TPMEnrollment(tcti: tcti),
+            nvAuth: try nvAuth(deviceKey: deviceKey, storeID: storeID))
         sealer.replaced.withLock { $0 = (try? TPMEnrollment.load(from: path)).flatMap { $0 } }
         return sealer
     }
@@ -167,21 +171,26 @@ public final class TPMSealer: PasscodeSealer {
     public func secret(salt: String, auth: SecureKey, making: Bool) throws -> SecureKey {
         defer { lastState.withLock { $0 = nil } }
         return try enrollment.withLock { e in
-            if let o = e.objects[salt], let pub = Data(base64Encoded: o.publicBlob), let priv = Data(base64Encoded: o.privateBlob) {
+            if let o = e.objects[salt], let pub = Data(base64Encoded: o.publicBlob),
+                let priv = Data(base64Encoded: o.privateBlob)
+            {
                 let t = try target(e, bound: o.bound)
                 guard let helper else {
                     return try TPMConnection(tcti: e.tcti, pinned: e.pin).unseal(
-                        public: [UInt8](pub), private: [UInt8](priv), auth: auth, epoch: t.epoch, nvAuth: nvAuth, bound: o.bound)
+                        public: [UInt8](pub), private: [UInt8](priv), auth: auth, epoch: t.epoch, nvAuth: nvAuth,
+                        bound: o.bound)
                 }
-                do { return try helper.unseal(t, public: [UInt8](pub), private: [UInt8](priv), auth: auth) } catch TPMError.lockout {
+                do {
+                    return try helper.unseal(t, public: [UInt8](pub), private: [UInt8](priv), auth: auth)
+                } catch TPMError.lockout {
                     let wait = (try? TPMConnection(tcti: e.tcti).lockoutState().recoveryTime) ?? 1
                     throw TPMError.lockout(retryAfter: Double(max(1, wait)))
                 }
             }
             guard making else {
                 throw KeybagError.invalid(
-                    "this device's TPM enrollment \(path) holds no secret for its keybag (one of the two was replaced); " +
-                        "run `keybagfs recover` with the recovery key")
+                    "this device's TPM enrollment \(path) holds no secret for its keybag (one of the two was replaced); "
+                        + "run `keybagfs recover` with the recovery key")
             }
             // A new secret for a new salt: bound to the epoch after the current one, which
             // `keepOnly` steps to once the keybag is saved (the older objects then die).
@@ -189,14 +198,18 @@ public final class TPMSealer: PasscodeSealer {
             do {
                 let tpm = try TPMConnection(tcti: e.tcti, pinned: e.pin)
                 var next = e
-                if next.primaryName == nil { next.primaryName = try tpm.primaryName().map { String(format: "%02x", $0) }.joined() }
+                if next.primaryName == nil {
+                    next.primaryName = try tpm.primaryName().map { String(format: "%02x", $0) }.joined()
+                }
                 if next.nvIndex == nil { next.nvIndex = try tpm.defineCounter(auth: nvAuth) }
                 if next.epochIndex == nil { next.epochIndex = try tpm.defineCounter(auth: nvAuth) }
                 let bound = try Self.counterCall { try tpm.readCounter(next.epochIndex!, auth: nvAuth) } + 1
-                let (pub, priv) = try helper.map { try $0.seal(try target(next, bound: bound), secret: secret, auth: auth) }
+                let (pub, priv) =
+                    try helper.map { try $0.seal(try target(next, bound: bound), secret: secret, auth: auth) }
                     ?? tpm.seal(secret, auth: auth, epoch: next.epochIndex!, nvAuth: nvAuth, bound: bound)
                 next.objects[salt] = .init(
-                    publicBlob: Data(pub).base64EncodedString(), privateBlob: Data(priv).base64EncodedString(), bound: bound)
+                    publicBlob: Data(pub).base64EncodedString(), privateBlob: Data(priv).base64EncodedString(),
+                    bound: bound)
                 try next.save(to: path)
                 e = next
             } catch { secret.wipe(); throw error }
@@ -215,11 +228,14 @@ public final class TPMSealer: PasscodeSealer {
             try step(e, to: e.objects[salt]?.bound)
             // A replaced enrollment's counters on this TPM (they answer to this device's NV
             // authorization, so they are ours, not another store's at the same index): released.
-            if let old = replaced.withLock({ r -> TPMEnrollment? in defer { r = nil }; return r }),
+            if let old = replaced.withLock({ r -> TPMEnrollment? in
+                defer { r = nil }; return r
+            }),
                 let tpm = try? TPMConnection(tcti: e.tcti)
             {
                 for index in [old.nvIndex, old.epochIndex].compactMap({ $0 })
-                where index != e.nvIndex && index != e.epochIndex && (try? tpm.readCounter(index, auth: nvAuth)) != nil {
+                where index != e.nvIndex && index != e.epochIndex && (try? tpm.readCounter(index, auth: nvAuth)) != nil
+                {
                     try? tpm.undefineCounter(index)
                 }
             }
@@ -261,8 +277,8 @@ public final class TPMSealer: PasscodeSealer {
     private static func counterCall<R>(_ body: () throws -> R) throws -> R {
         do { return try body() } catch TPMError.badAuth {
             throw TPMError.failed(
-                "the TPM refused this device's authorization for its keybag counter: the enrollment names an index " +
-                    "that is not this device's (edited?)")
+                "the TPM refused this device's authorization for its keybag counter: the enrollment names an index "
+                    + "that is not this device's (edited?)")
         }
     }
 
@@ -295,14 +311,17 @@ extension Keybag {
     public mutating func attachTPM(tcti: String?, deviceKey: SecureKey, helper: TPMHelperProcess? = nil) throws {
         guard file.tpm2 == true else { return }
         let path = TPMEnrollment.path(deviceID: try DeviceIdentity.id(deviceKey: deviceKey, storeID: file.storeID))
-        guard let sealer = try TPMSealer.load(tcti: tcti, deviceKey: deviceKey, storeID: file.storeID, helper: helper) else {
+        guard let sealer = try TPMSealer.load(tcti: tcti, deviceKey: deviceKey, storeID: file.storeID, helper: helper)
+        else {
             throw KeybagError.invalid(
-                "this device's passcode is bound to a TPM, but its enrollment \(path) is missing: run `keybagfs " +
-                    "recover \(storePath)` with the recovery key, which enrolls this machine's TPM")
+                "this device's passcode is bound to a TPM, but its enrollment \(path) is missing: run `keybagfs "
+                    + "recover \(storePath)` with the recovery key, which enrolls this machine's TPM")
         }
         self.sealer = sealer
         try checkGeneration()
-        do { try sealer.settle(salt: file.kdfSalt) } catch let e as TPMError { throw KeybagError.invalid(Keybag.tpmTrouble(e)) }
+        do { try sealer.settle(salt: file.kdfSalt) } catch let e as TPMError {
+            throw KeybagError.invalid(Keybag.tpmTrouble(e))
+        }
     }
 }
 

@@ -22,7 +22,8 @@ public enum KeySetFloor {
     static func floors(at path: String) throws -> [String: Int] {
         guard FileManager.default.fileExists(atPath: path) else { return [:] }
         guard let d = FileManager.default.contents(atPath: path),
-              let all = try? JSONDecoder().decode([String: Int].self, from: d) else {
+            let all = try? JSONDecoder().decode([String: Int].self, from: d)
+        else {
             throw KeybagError.corrupt(
                 "the key-set record \(path) is unreadable; remove it only if no keybag was rolled back")
         }
@@ -34,9 +35,9 @@ public enum KeySetFloor {
         let floor = try floors(at: path(storeID: kb.file.storeID))[deviceID] ?? 0
         guard kb.currentKeySet >= floor else {
             throw KeybagError.corrupt(
-                "this device's keybag has key set \(kb.currentKeySet) but the device held key set \(floor) before: " +
-                    "the keybag was rolled back to an older copy (removed devices could open new files); " +
-                    "restore the newer keybag, or take the keys up again with `keybagfs recover`")
+                "this device's keybag has key set \(kb.currentKeySet) but the device held key set \(floor) before: "
+                    + "the keybag was rolled back to an older copy (removed devices could open new files); "
+                    + "restore the newer keybag, or take the keys up again with `keybagfs recover`")
         }
     }
 

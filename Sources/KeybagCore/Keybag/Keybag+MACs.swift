@@ -20,7 +20,9 @@ extension Keybag {
     static func settingsMessage(_ f: KeybagFile) -> [UInt8] {
         var msg = Array("keybagfs-settings-v1|".utf8)
         func field(_ name: String, _ value: String?) {
-            func put(_ bytes: [UInt8]) { withUnsafeBytes(of: UInt32(bytes.count).littleEndian) { msg += $0 }; msg += bytes }
+            func put(_ bytes: [UInt8]) {
+                withUnsafeBytes(of: UInt32(bytes.count).littleEndian) { msg += $0 }; msg += bytes
+            }
             put(Array(name.utf8))
             if let value { msg.append(1); put(Array(value.utf8)) } else { msg.append(0) }
         }
@@ -31,10 +33,13 @@ extension Keybag {
         field("kdfSalt", f.kdfSalt)
         field("classBPublic", f.classBPublic)
         field("keySet", f.keySet.map { String($0) })
-        field("classBPublics", f.classBPublics.map { $0.sorted { $0.key < $1.key }.map { "\($0.key)=\($0.value)" }.joined(separator: ",") })
+        field(
+            "classBPublics",
+            f.classBPublics.map { $0.sorted { $0.key < $1.key }.map { "\($0.key)=\($0.value)" }.joined(separator: ",") }
+        )
         field("deviceID", f.deviceID)
         field("deviceName", f.deviceName)
-        if f.tpm2 != nil || f.generation != nil {   // keybags without a TPM keep their message
+        if f.tpm2 != nil || f.generation != nil {  // keybags without a TPM keep their message
             field("tpm2", f.tpm2.map { $0 ? "1" : "0" })
             field("generation", f.generation.map { String($0) })
         }
@@ -58,8 +63,9 @@ extension Keybag {
     public static func counterKey(_ deviceKey: SecureKey) throws -> SecureKey {
         try deviceKey.withBytes { dk in
             SecureKey(count: 32) { out in
-                _ = crypto_kdf_derive_from_key(out.baseAddress!.assumingMemoryBound(to: UInt8.self), 32, 2, "kbfscnt1",
-                                               dk.baseAddress!.assumingMemoryBound(to: UInt8.self))
+                _ = crypto_kdf_derive_from_key(
+                    out.baseAddress!.assumingMemoryBound(to: UInt8.self), 32, 2, "kbfscnt1",
+                    dk.baseAddress!.assumingMemoryBound(to: UInt8.self))
             }
         }
     }
@@ -103,8 +109,9 @@ extension Keybag {
     public static func deviceWrapKey(_ deviceKey: SecureKey) throws -> SecureKey {
         try deviceKey.withBytes { dk in
             SecureKey(count: 32) { out in
-                _ = crypto_kdf_derive_from_key(out.baseAddress!.assumingMemoryBound(to: UInt8.self), 32, 1, "kbfsdev1",
-                                               dk.baseAddress!.assumingMemoryBound(to: UInt8.self))
+                _ = crypto_kdf_derive_from_key(
+                    out.baseAddress!.assumingMemoryBound(to: UInt8.self), 32, 1, "kbfsdev1",
+                    dk.baseAddress!.assumingMemoryBound(to: UInt8.self))
             }
         }
     }

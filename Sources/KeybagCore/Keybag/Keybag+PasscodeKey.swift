@@ -39,8 +39,8 @@ extension Keybag {
         }
         guard let sealer else {
             throw KeybagError.invalid(
-                "this device's passcode is bound to its TPM, and its TPM enrollment (STATE/DEVICEID.tpm2) was not given " +
-                    "to this command; run `keybagfs recover` with the recovery key")
+                "this device's passcode is bound to its TPM, and its TPM enrollment (STATE/DEVICEID.tpm2) was not given "
+                    + "to this command; run `keybagfs recover` with the recovery key")
         }
         let auth = try stretched.withBytes { st in
             KeyWrap.keyedHash(key: st, parts: [Array("keybagfs-tpm-auth-v1".utf8), Array(file.storeID.utf8)])
@@ -60,7 +60,9 @@ extension Keybag {
                 try secret.withBytes { sec in
                     KeyWrap.keyedHash(
                         key: dk,
-                        parts: [Array("keybagfs-passcode-kek-tpm-v1".utf8), Array(file.storeID.utf8), Array(st), Array(sec)])
+                        parts: [
+                            Array("keybagfs-passcode-kek-tpm-v1".utf8), Array(file.storeID.utf8), Array(st), Array(sec),
+                        ])
                 }
             }
         }
@@ -70,11 +72,12 @@ extension Keybag {
     public static func tpmTrouble(_ e: TPMError) -> String {
         switch e {
         case .notThisTPM, .nvMissing:
-            return "this device's TPM does not hold its sealed secret (the TPM was cleared or replaced, or the store " +
-                "and device key were copied from another machine): run `keybagfs recover STORE` with the recovery " +
-                "key, which enrolls this TPM; nothing was changed"
+            return "this device's TPM does not hold its sealed secret (the TPM was cleared or replaced, or the store "
+                + "and device key were copied from another machine): run `keybagfs recover STORE` with the recovery "
+                + "key, which enrolls this TPM; nothing was changed"
         case .stale:
-            return "\(e); nothing was changed. Put back the newest keybag, or run `keybagfs recover` with the recovery key"
+            return
+                "\(e); nothing was changed. Put back the newest keybag, or run `keybagfs recover` with the recovery key"
         default: return "\(e)"
         }
     }

@@ -24,8 +24,8 @@ extension Keybag {
             {
                 k.wipe()
                 throw KeybagError.corrupt(
-                    "keybag field format was edited offline (it says \(file.format); the keybag was written as format " +
-                        "\(Keybag.settingsFormat)); nothing was changed")
+                    "keybag field format was edited offline (it says \(file.format); the keybag was written as format "
+                        + "\(Keybag.settingsFormat)); nothing was changed")
             }
             throw KeybagError.badDeviceKey
         }
@@ -135,20 +135,22 @@ extension Keybag {
     public func checkGeneration() throws {
         guard file.tpm2 == true, let sealer else { return }
         let counted: UInt64?
-        do { counted = try sealer.generation() } catch let e as TPMError { throw KeybagError.invalid(Keybag.tpmTrouble(e)) }
+        do { counted = try sealer.generation() } catch let e as TPMError {
+            throw KeybagError.invalid(Keybag.tpmTrouble(e))
+        }
         guard let counted else {
             // Every completed enrollment has its counter: one without names no counter to check
             // (an edited enrollment), so nothing would stop an older keybag.
             throw KeybagError.corrupt(
-                "this device's TPM enrollment names no keybag counter (it was edited); nothing was changed. Run " +
-                    "`keybagfs recover` with the recovery key")
+                "this device's TPM enrollment names no keybag counter (it was edited); nothing was changed. Run "
+                    + "`keybagfs recover` with the recovery key")
         }
         let mine = file.generation ?? 0
         guard mine >= counted else {
             throw KeybagError.corrupt(
-                "keybag \(relativePath) is older than the one this device last wrote (generation \(mine), the TPM's " +
-                    "counter is at \(counted)): it was put back from an older copy; nothing was changed. Put back the " +
-                    "newest keybag, or run `keybagfs recover` with the recovery key")
+                "keybag \(relativePath) is older than the one this device last wrote (generation \(mine), the TPM's "
+                    + "counter is at \(counted)): it was put back from an older copy; nothing was changed. Put back the "
+                    + "newest keybag, or run `keybagfs recover` with the recovery key")
         }
     }
 

@@ -194,15 +194,15 @@ public struct Keybag: Sendable {
         }
         if file.format >= Keybag.settingsFormat, try !Keybag.settingsAreAuthentic(file, key: key) {
             throw KeybagError.corrupt(
-                "keybag \(relativePath) was edited offline: its settings MAC does not match (a setting such as the " +
-                    "format, the KDF cost or salt, the key set or the device was changed); nothing was changed. Put " +
-                    "back the keybag from a backup, or run `keybagfs recover` with the recovery key")
+                "keybag \(relativePath) was edited offline: its settings MAC does not match (a setting such as the "
+                    + "format, the KDF cost or salt, the key set or the device was changed); nothing was changed. Put "
+                    + "back the keybag from a backup, or run `keybagfs recover` with the recovery key")
         }
         switch try Keybag.cipherIsAuthentic(file, key: key) {
         case false?:
             throw KeybagError.corrupt(
-                "keybag field cipher (\(file.cipher.prefix(40))) was edited offline: its MAC does not match; set it " +
-                    "again with `keybagfs cipher`"
+                "keybag field cipher (\(file.cipher.prefix(40))) was edited offline: its MAC does not match; set it "
+                    + "again with `keybagfs cipher`"
             )
         case nil:
             // Every keybag written since devices and key sets has the MAC: one without it is stripped.
@@ -210,7 +210,7 @@ public struct Keybag: Sendable {
             else {
                 throw KeybagError.corrupt("keybag field cipherMAC was removed offline (the keybag was edited)")
             }
-            file.cipherMAC = try Keybag.cipherMAC(file, key: key)   // keybags written before the MAC
+            file.cipherMAC = try Keybag.cipherMAC(file, key: key)  // keybags written before the MAC
             if file.format >= Keybag.settingsFormat { try saveWithoutCounter() }
         case true?:
             if pendingDeviceID && file.format >= Keybag.settingsFormat { try saveWithoutCounter() }
@@ -219,14 +219,15 @@ public struct Keybag: Sendable {
         let expected = [UInt8](Data(base64Encoded: try Keybag.counterMAC(file, key: key)) ?? Data())
         var check = CounterCheck.tampered
         if let stored = file.counterMAC.flatMap({ Data(base64Encoded: $0) }).map([UInt8].init),
-           stored.count == expected.count, sodium_memcmp(stored, expected, expected.count) == 0 {
+            stored.count == expected.count, sodium_memcmp(stored, expected, expected.count) == 0
+        {
             check = .authentic
         } else {
             file.failedAttempts = max(file.failedAttempts, 9)
             file.lockoutUntil = now + UnlockThrottle.delay(afterFailures: file.failedAttempts)
         }
         if file.format < Keybag.settingsFormat {
-            try upgradeToSettingsFormat(deviceKey: deviceKey)   // saves the counter as checked above
+            try upgradeToSettingsFormat(deviceKey: deviceKey)  // saves the counter as checked above
             return check == .authentic ? .upgraded : .tampered
         }
         if check == .tampered { try save() }
@@ -243,8 +244,10 @@ public struct Keybag: Sendable {
         for slot in ["volume"] + (0...currentKeySet).map({ Keybag.slot("D", $0) }) {
             let k = try unwrapDeviceKeySlot(slot, deviceKey: deviceKey)
             defer { k.wipe() }
-            next.wrapped[slot] = Data(try KeyWrap.wrap(k, with: dwk, ad: Keybag.ad(file.storeID, slot, format: next.format)))
-                .base64EncodedString()
+            next.wrapped[slot] = Data(
+                try KeyWrap.wrap(k, with: dwk, ad: Keybag.ad(file.storeID, slot, format: next.format))
+            )
+            .base64EncodedString()
         }
         file = next
         try save()

@@ -38,7 +38,6 @@ public enum PasscodeInput {
         }
     }
 
-
     /// Prompts on the terminal with echo off.
     public static func prompt(_ text: String) throws -> SecureKey {
         let tty = open("/dev/tty", O_RDWR | O_CLOEXEC)

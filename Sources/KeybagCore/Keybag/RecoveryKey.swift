@@ -183,10 +183,11 @@ extension Keybag {
                 throw KeybagError.corrupt(
                     "the recovery slots do not match this keybag (damaged or replaced); nothing was changed")
             }
-            sets.append(UnlockedClassKeys(
-                classA: taken.removeValue(forKey: Keybag.slot("A", n))!,
-                classBSecret: taken.removeValue(forKey: Keybag.slot("B", n))!, classBPublic: pk,
-                classC: taken.removeValue(forKey: Keybag.slot("C", n))!, keySet: UInt8(n)))
+            sets.append(
+                UnlockedClassKeys(
+                    classA: taken.removeValue(forKey: Keybag.slot("A", n))!,
+                    classBSecret: taken.removeValue(forKey: Keybag.slot("B", n))!, classBPublic: pk,
+                    classC: taken.removeValue(forKey: Keybag.slot("C", n))!, keySet: UInt8(n)))
             classD.append(taken.removeValue(forKey: Keybag.slot("D", n))!)
         }
         return StoreKeys(sets: sets, classD: classD, volume: taken.removeValue(forKey: "volume")!)
@@ -208,8 +209,8 @@ extension Keybag {
         for n in 1...max(1, currentKeySet) where n <= min(currentKeySet, source.currentKeySet) {
             guard file.classBPublics?[String(n)] == source.file.classBPublics?[String(n)] else {
                 throw KeybagError.corrupt(
-                    "key set \(n) of this device differs from the one in \(source.relativePath): two devices made " +
-                        "different sets of one number; nothing was changed")
+                    "key set \(n) of this device differs from the one in \(source.relativePath): two devices made "
+                        + "different sets of one number; nothing was changed")
             }
         }
         do { return try source.escrowedKeys(recovery: recovery) } catch KeybagError.badRecoveryKey {
@@ -243,8 +244,10 @@ extension Keybag {
     /// A wrong key is counted and throttled like a passcode. The escrow slots are read from
     /// `escrowFrom` when given (the keybag with the newest key set: a device that missed a
     /// removal takes up the new set this way).
-    public mutating func recover(with recovery: RecoveryKey, newPasscode: SecureKey, deviceKey: SecureKey,
-                                 escrowFrom: Keybag? = nil, now: Double = Date().timeIntervalSince1970) throws {
+    public mutating func recover(
+        with recovery: RecoveryKey, newPasscode: SecureKey, deviceKey: SecureKey,
+        escrowFrom: Keybag? = nil, now: Double = Date().timeIntervalSince1970
+    ) throws {
         guard hasRecoveryKey else {
             throw KeybagError.invalid(
                 "this store has no recovery key (it was made before recovery keys, or with --no-recovery-key)")
@@ -266,7 +269,7 @@ extension Keybag {
         next.kdfOpsLimit = max(next.kdfOpsLimit, KDFStrength.interactive.opsLimit)
         next.kdfMemLimit = max(next.kdfMemLimit, KDFStrength.interactive.memLimit)
         next.format = max(next.format, Keybag.currentFormat)
-        next.tpm2 = sealer != nil ? true : nil   // re-enrolled on this machine's TPM, or off it
+        next.tpm2 = sealer != nil ? true : nil  // re-enrolled on this machine's TPM, or off it
         next.generation = nil
         try Keybag.wrapAll(keys, into: &next, passcode: newPasscode, deviceKey: deviceKey, sealer: sealer)
         // Every set escrowed under the recovery key itself from now on (sealed slots too).

@@ -74,8 +74,8 @@ public struct ClassPolicy: Sendable, Equatable {
             throw ParseError(
                 line: 0,
                 reason:
-                    "unknown class \"\(className)\" (none, completeUntilFirstUserAuthentication, completeUnlessOpen, " +
-                        "complete)"
+                    "unknown class \"\(className)\" (none, completeUntilFirstUserAuthentication, completeUnlessOpen, "
+                    + "complete)"
             )
         }
         var names = pattern.split(separator: "/", omittingEmptySubsequences: true).map(String.init)
@@ -119,8 +119,11 @@ public struct ClassPolicy: Sendable, Equatable {
     /// The last rule matching (see `protectionClass(tail:fromRoot:)`).
     public func rule(tail: [String], fromRoot: Bool) -> Rule? {
         rules.last { r in
-            if r.anyDepth { guard tail.count >= r.components.count else { return false } }
-            else { guard fromRoot, tail.count == r.components.count else { return false } }
+            if r.anyDepth {
+                guard tail.count >= r.components.count else { return false }
+            } else {
+                guard fromRoot, tail.count == r.components.count else { return false }
+            }
             return zip(r.components, tail.suffix(r.components.count)).allSatisfy { Self.matches($0, $1) }
         }
     }

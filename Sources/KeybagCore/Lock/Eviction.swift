@@ -34,7 +34,8 @@ public struct Eviction: Sendable {
     public func run(keyring: ClassKeyring, target: some EvictionTarget) {
         begin(keyring)
         let lives = target.fileKeyLives()
-        target.dropPageCache(lives.compactMap { f in f.life.read { mustWriteBack($0) } ? f.id : nil },
+        target.dropPageCache(
+            lives.compactMap { f in f.life.read { mustWriteBack($0) } ? f.id : nil },
             pass: .writeBack, of: kind)
         finish(keyring)
         let evicted = target.fileKeyLives().compactMap { f in f.life.write { evictKey(&$0) } ? f.id : nil }

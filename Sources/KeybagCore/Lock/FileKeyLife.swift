@@ -168,8 +168,10 @@ public struct FileKeyLife: Sendable {
     /// Changes the class by rewrapping the key: the current class must open now and the
     /// target must have a wrapping key. `persist` makes the new header durable (and erases
     /// the old slot) before it takes effect here.
-    public mutating func changeClass(to cls: ProtectionClass, keyring: ClassKeyring, cipher: ContentCipher,
-                                     persist: (FileHeader) throws -> Void) throws {
+    public mutating func changeClass(
+        to cls: ProtectionClass, keyring: ClassKeyring, cipher: ContentCipher,
+        persist: (FileHeader) throws -> Void
+    ) throws {
         guard let h = header else { throw KeybagError.corrupt("file header not loaded") }
         guard h.protectionClass != cls else { return }
         guard keyring.access.canOpen(h.protectionClass) else { throw KeybagError.keyUnavailable }

@@ -25,7 +25,7 @@ public struct LockStateMachine: Sendable {
         case .unlocked:
             return []
         case .locking:
-            ticket &+= 1   // cancels the pending eviction
+            ticket &+= 1  // cancels the pending eviction
             state = .unlocked
             return [.didBecomeAvailable]
         case .beforeFirstUnlock, .locked:

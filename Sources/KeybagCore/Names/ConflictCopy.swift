@@ -26,7 +26,8 @@ public struct ConflictCopy: Equatable, Sendable {
     public init?(backing: String) {
         // Encrypted short names have no dot: one byte scan rules out every ordinary entry.
         guard backing.utf8.contains(UInt8(ascii: ".")),
-              let r = backing.range(of: Self.marker, options: .backwards) else { return nil }
+            let r = backing.range(of: Self.marker, options: .backwards)
+        else { return nil }
         if backing[..<r.lowerBound] == Self.longStem {
             self.init(longCopy: backing[r.upperBound...])
             return
@@ -34,7 +35,8 @@ public struct ConflictCopy: Equatable, Sendable {
         let original = String(backing[..<r.lowerBound])
         let parts = backing[r.upperBound...].split(separator: "-", omittingEmptySubsequences: false)
         guard !original.isEmpty, original.utf8.allSatisfy(Self.isBase64URL), parts.count == 3,
-              Self.isStamp(parts[0], 8), Self.isStamp(parts[1], 6), Self.isDevice(parts[2]) else { return nil }
+            Self.isStamp(parts[0], 8), Self.isStamp(parts[1], 6), Self.isDevice(parts[2])
+        else { return nil }
         self.init(original: original, date: String(parts[0]), time: String(parts[1]), device: String(parts[2]))
     }
 
@@ -47,11 +49,13 @@ public struct ConflictCopy: Equatable, Sendable {
     private init?(longCopy rest: Substring) {
         let parts = rest.split(separator: "-", maxSplits: 2, omittingEmptySubsequences: false)
         guard parts.count == 3, Self.isStamp(parts[0], 8), Self.isStamp(parts[1], 6),
-              let dot = parts[2].firstIndex(of: ".") else { return nil }
+            let dot = parts[2].firstIndex(of: ".")
+        else { return nil }
         let device = parts[2][..<dot], hash = parts[2][parts[2].index(after: dot)...]
         guard Self.isDevice(device), !hash.isEmpty, hash.utf8.allSatisfy(Self.isBase64URL) else { return nil }
-        self.init(original: NameCipher.longPrefix + hash, date: String(parts[0]), time: String(parts[1]),
-                  device: String(device))
+        self.init(
+            original: NameCipher.longPrefix + hash, date: String(parts[0]), time: String(parts[1]),
+            device: String(device))
     }
 
     /// What Syncthing keeps of a long name `kbl.H` before the marker (`.H` is its extension).
@@ -77,14 +81,15 @@ public struct ConflictCopy: Equatable, Sendable {
     /// The plaintext name of the file and the copy's date, time and device, from a readable
     /// name; nil when `name` is not one (it may still be a file really named so).
     public static func parse(readable name: String) -> (plain: String, date: String, time: String, device: String)? {
-        guard name.utf8.contains(UInt8(ascii: ")")) else { return nil }   // every lookup asks: most names end here
+        guard name.utf8.contains(UInt8(ascii: ")")) else { return nil }  // every lookup asks: most names end here
         let (stem, ext) = split(name)
         guard stem.hasSuffix(")"), let open = stem.range(of: " (conflict ", options: .backwards) else { return nil }
         let inner = stem[open.upperBound..<stem.index(before: stem.endIndex)].split(separator: " ")
         guard inner.count == 3, inner[0].count == 10 else { return nil }
         let day = inner[0].split(separator: "-", omittingEmptySubsequences: false)
         guard day.count == 3, isStamp(day[0], 4), isStamp(day[1], 2), isStamp(day[2], 2),
-              isStamp(inner[1], 6), isDevice(inner[2]) else { return nil }
+            isStamp(inner[1], 6), isDevice(inner[2])
+        else { return nil }
         let plain = String(stem[..<open.lowerBound]) + ext
         guard !plain.isEmpty else { return nil }
         return (plain, String(day[0] + day[1] + day[2]), String(inner[1]), String(inner[2]))

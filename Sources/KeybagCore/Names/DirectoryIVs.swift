@@ -15,11 +15,13 @@ public struct MetadataCopy: Sendable, Equatable {
     public init?(backing: String) {
         let prefix = ConflictCopy.marker, suffix = DirectoryMeta.fileName
         guard backing.hasPrefix(prefix), backing.hasSuffix(suffix),
-              backing.utf8.count == prefix.utf8.count + 8 + 1 + 6 + 1 + 7 + suffix.utf8.count else { return nil }
+            backing.utf8.count == prefix.utf8.count + 8 + 1 + 6 + 1 + 7 + suffix.utf8.count
+        else { return nil }
         let parts = backing.dropFirst(prefix.count).dropLast(suffix.count)
             .split(separator: "-", omittingEmptySubsequences: false)
         guard parts.count == 3, ConflictCopy.isStamp(parts[0], 8), ConflictCopy.isStamp(parts[1], 6),
-              ConflictCopy.isDevice(parts[2]) else { return nil }
+            ConflictCopy.isDevice(parts[2])
+        else { return nil }
         self.backing = backing
         (date, time, device) = (String(parts[0]), String(parts[1]), String(parts[2]))
     }

@@ -44,7 +44,9 @@ public struct StoreNames: Sendable {
     /// The plaintext name of `backing`, an entry of the directory `dirFD`, and the index in
     /// `ivs` of the first IV it decrypts under (a directory's own IV first, then its metadata
     /// copies'); nil for an entry that carries no name.
-    public func plaintextName(dirFD: Int32, backing: String, ivs: [[UInt8]]) -> Result<(name: String, index: Int)?, Problem> {
+    public func plaintextName(dirFD: Int32, backing: String, ivs: [[UInt8]]) -> Result<
+        (name: String, index: Int)?, Problem
+    > {
         guard Self.carriesName(backing) else { return .success(nil) }
         // A conflict copy shows its original's name, read as the original's (a long one from
         // the original's side file, which the copy shares).
@@ -85,6 +87,7 @@ public struct StoreNames: Sendable {
     /// The file in the store's `targets/` folder that holds a long symlink target stored as
     /// `stored` in the link; nil for a target stored in the link itself.
     public static func longTargetID(_ stored: String) -> String? {
-        stored.hasPrefix(NameCipher.longTargetPrefix) ? String(stored.dropFirst(NameCipher.longTargetPrefix.count)) : nil
+        stored.hasPrefix(NameCipher.longTargetPrefix)
+            ? String(stored.dropFirst(NameCipher.longTargetPrefix.count)) : nil
     }
 }

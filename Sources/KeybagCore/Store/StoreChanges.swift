@@ -52,8 +52,10 @@ public struct SyncEngineFile: Sendable, Equatable {
         let u = Array(name.utf8)
         guard u.count > 8, u[0] == UInt8(ascii: "."), u[u.count - 7] == UInt8(ascii: ".") else { return false }
         let stem = String(decoding: u[1..<(u.count - 7)], as: UTF8.self)
-        let suffixOK = u[(u.count - 6)...].allSatisfy { (0x30...0x39).contains($0) || (0x41...0x5a).contains($0)
-            || (0x61...0x7a).contains($0) }
+        let suffixOK = u[(u.count - 6)...].allSatisfy {
+            (0x30...0x39).contains($0) || (0x41...0x5a).contains($0)
+                || (0x61...0x7a).contains($0)
+        }
         return suffixOK && (BackingKind.isBase64URL(stem) || NameCipher.isLongName(stem) || NameCipher.isSideFile(stem))
     }
 
@@ -61,13 +63,13 @@ public struct SyncEngineFile: Sendable, Equatable {
     public var description: String {
         switch role {
         case .temporary:
-            return "\(engine)'s temporary file of a transfer in progress or abandoned (left alone: the engine may " +
-                "still be writing it, and removes it itself)"
+            return "\(engine)'s temporary file of a transfer in progress or abandoned (left alone: the engine may "
+                + "still be writing it, and removes it itself)"
         case .folderFile:
             return "\(engine)'s own file at the root of the synced folder (not an entry of the mount)"
         case .metadataConflict:
-            return "\(engine)'s copy of the directory's metadata, made when the folder was created on two devices " +
-                "apart (left alone: names made under the copy's IV show in the mount too)"
+            return "\(engine)'s copy of the directory's metadata, made when the folder was created on two devices "
+                + "apart (left alone: names made under the copy's IV show in the mount too)"
         }
     }
 }
@@ -103,10 +105,11 @@ public enum BackingKind: Sendable, Equatable {
 
     /// Whether `s` is non-empty unpadded base64url, the alphabet of stored short names.
     static func isBase64URL(_ s: String) -> Bool {
-        !s.isEmpty && s.utf8.allSatisfy { c in
-            (0x30...0x39).contains(c) || (0x41...0x5a).contains(c) || (0x61...0x7a).contains(c)
-                || c == UInt8(ascii: "-") || c == UInt8(ascii: "_")
-        }
+        !s.isEmpty
+            && s.utf8.allSatisfy { c in
+                (0x30...0x39).contains(c) || (0x41...0x5a).contains(c) || (0x61...0x7a).contains(c)
+                    || c == UInt8(ascii: "-") || c == UInt8(ascii: "_")
+            }
     }
 }
 
@@ -151,9 +154,11 @@ public struct StoreChange: Sendable, Equatable {
         public var isNothing: Bool { self == .nothing }
 
         /// A response; every field defaults to nothing.
-        public init(entry: String? = nil, attributes: String? = nil, rewritten: String? = nil,
-                    directoryMeta: Bool = false, everyEntry: Bool = false, newDirectory: Bool = false,
-                    classesMayChange: Bool = false) {
+        public init(
+            entry: String? = nil, attributes: String? = nil, rewritten: String? = nil,
+            directoryMeta: Bool = false, everyEntry: Bool = false, newDirectory: Bool = false,
+            classesMayChange: Bool = false
+        ) {
             self.entry = entry
             self.attributes = attributes
             self.rewritten = rewritten

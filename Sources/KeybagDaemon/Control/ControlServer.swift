@@ -64,7 +64,9 @@ final class Connection: Sendable {
     func drain() -> Bool {
         while true {
             let done = writeLock.withLockIfAvailable { closed -> Bool in
-                let lines = pending.withLock { q in defer { q.removeAll() }; return q }
+                let lines = pending.withLock { q in
+                    defer { q.removeAll() }; return q
+                }
                 for l in lines where !write(l, blocking: false, closed: closed) {
                     dropped.store(true, ordering: .releasing)
                     if !closed { shutdown(fd, Int32(SHUT_RDWR)) }
@@ -295,8 +297,9 @@ final class ControlServer: Sendable {
                 // Root and the owner are never refused: their connection idle the longest makes room.
                 guard peer.privileged, privileged.makeRoom(for: peer.uid) else {
                     let refused = Connection(fd: fd)
+                    // sendEvent never waits.
                     _ = refused.sendEvent(
-                        ControlProtocol.encode(ControlRefusal(.busy, "too many control connections for uid \(uid)")))  // never waits
+                        ControlProtocol.encode(ControlRefusal(.busy, "too many control connections for uid \(uid)")))
                     refused.close()
                     continue
                 }
@@ -320,7 +323,7 @@ final class ControlServer: Sendable {
     /// `registered`: the connection's id among the privileged ones.
     private func serve(_ c: Connection, _ peer: Peer, registered: UInt64?) {
         defer {
-            if let registered { privileged.remove(registered) }   // before the descriptor closes
+            if let registered { privileged.remove(registered) }  // before the descriptor closes
             controller.events.remove(c)
             c.close()
         }

@@ -134,7 +134,8 @@ final class Controller: Sendable {
 
     /// The `policy` reply: the mount's directory rules in order (the last match wins).
     func policy() -> PolicyReply {
-        PolicyReply(rules: fs.classes.policy.rules.map { .init(pattern: $0.pattern, protectionClass: $0.protectionClass.name) })
+        PolicyReply(
+            rules: fs.classes.policy.rules.map { .init(pattern: $0.pattern, protectionClass: $0.protectionClass.name) })
     }
 
     /// Outcome of a passcode check.
@@ -210,7 +211,7 @@ final class Controller: Sendable {
                 for k in keys { k.wipe() }
                 do {
                     var next = keybag.withLock { $0 }
-                    try next.changePasscode(old: old, new: new, deviceKey: deviceKey)   // two KDFs, off the lock
+                    try next.changePasscode(old: old, new: new, deviceKey: deviceKey)  // two KDFs, off the lock
                     keybag.withLock { $0 = next }
                     return .success(DoneReply())
                 } catch {

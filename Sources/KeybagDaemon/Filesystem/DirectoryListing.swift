@@ -46,8 +46,10 @@ extension Filesystem {
         // and the mount root's own at the root, as the root of any filesystem lists it.
         var up = stat()
         let upIno = n.id != 1 && fstatat(dfd, "..", &up, 0) == 0 ? UInt64(up.st_ino) : n.backingIno
-        var entries = [DirHandle.Entry(name: ".", backing: ".", ino: n.backingIno, type: UInt8(DT_DIR)),
-                       DirHandle.Entry(name: "..", backing: "..", ino: upIno, type: UInt8(DT_DIR))]
+        var entries = [
+            DirHandle.Entry(name: ".", backing: ".", ino: n.backingIno, type: UInt8(DT_DIR)),
+            DirHandle.Entry(name: "..", backing: "..", ino: upIno, type: UInt8(DT_DIR)),
+        ]
         var copies: [DirHandle.Entry] = []
         let raw = try backingEntries(dirFD: dfd)
         // The folder made on two devices apart: names under its metadata copies' IVs too.

@@ -57,8 +57,8 @@ extension Filesystem {
         let read = DirectoryIVs.readCopies(dirFD: dirFD, among: listed, cipher: names)
         if read.leftOut {
             MountDaemon.log(
-                "a folder holds more than \(DirectoryIVs.maxCopies) copies of its metadata: the names under the " +
-                    "others' IVs do not show")
+                "a folder holds more than \(DirectoryIVs.maxCopies) copies of its metadata: the names under the "
+                    + "others' IVs do not show")
         }
         for name in read.unreadable {
             MountDaemon.log("skipping a copy of directory metadata that does not read (\(name))")
@@ -132,9 +132,9 @@ extension Filesystem {
             close(cur)
             cur = up
             guard let iv = try readMeta(dirFD: up)?.iv,
-                  let entry = try childEntry(of: up, dev: st.st_dev, ino: st.st_ino),
-                  let found = try plaintextName(
-                      dirFD: up, backing: entry, ivs: DirectoryIVs(own: iv, copies: metadataCopies(dirFD: up)))
+                let entry = try childEntry(of: up, dev: st.st_dev, ino: st.st_ino),
+                let found = try plaintextName(
+                    dirFD: up, backing: entry, ivs: DirectoryIVs(own: iv, copies: metadataCopies(dirFD: up)))
             else { throw FSError(EIO) }
             names.insert(found.name, at: 0)
         }

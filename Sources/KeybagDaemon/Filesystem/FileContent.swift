@@ -1,7 +1,7 @@
 import CFuse
-import Dispatch
 import CSodium
 import CSystem
+import Dispatch
 import Glibc
 import KeybagCore
 import KeybagProtocol
@@ -27,8 +27,8 @@ extension Filesystem {
                 }
             } else {
                 MountDaemon.log(
-                    "could not erase the superseded header slot of inode \(node.backingIno): " +
-                        "\(String(cString: strerror(errno)))"
+                    "could not erase the superseded header slot of inode \(node.backingIno): "
+                        + "\(String(cString: strerror(errno)))"
                 )
             }
         }
@@ -238,13 +238,13 @@ extension Filesystem {
     ) throws -> (Node, stat, OpenFile) {
         let state: FileState
         do {
-            guard let s = n.file else { throw FSError(EIO) }   // another writer put something else there
+            guard let s = n.file else { throw FSError(EIO) }  // another writer put something else there
             try s.io.write { s in
                 try s.adoptCreated(header: file.header, key: file.key, epoch: epoch, keyring: keyring)
             }
             state = s
         } catch {
-            table.forget(n.id, count: 1)   // the kernel never learns of this node
+            table.forget(n.id, count: 1)  // the kernel never learns of this node
             throw error
         }
         openFiles.add(1, ordering: .relaxed)
@@ -281,7 +281,8 @@ extension Filesystem {
     /// directory's class (a fresh file key; there is no data to lose). Needs that class's
     /// wrapping key now; otherwise the file stays as it is (EIO) until it can.
     func giveHeaderToEmptyFile(_ n: Node, parent p: Node) {
-        guard let file = n.file, let cls = try? inheritedClass(p), let (wrapKey, _, keySet) = keyring.wrappingKey(for: cls)
+        guard let file = n.file, let cls = try? inheritedClass(p),
+            let (wrapKey, _, keySet) = keyring.wrappingKey(for: cls)
         else { return }
         file.io.write { st in
             guard st.header == nil else { return }
@@ -401,28 +402,31 @@ extension Filesystem {
         if mode & punchHole != 0 && (mode & keepSize == 0 || mode & zeroRange != 0) { throw FSError(EOPNOTSUPP) }
         guard h.writable else { throw FSError(EBADF) }
         let layout = content.layout
-        try retryingWhileSpaceReturns { try withContentKey(h.node, .write) { key in
-            let size = try content.plainSize(fd: h.fd)
-            let end = offset + length
-            if mode & (punchHole | zeroRange) != 0 {
-                try content.zeroRange(fd: h.fd, key: key, offset: offset, length: length) { off, len in
-                    kbfs_fallocate(h.fd, punchHole | keepSize, Int64(off), Int64(len)) == 0
+        try retryingWhileSpaceReturns {
+            try withContentKey(h.node, .write) { key in
+                let size = try content.plainSize(fd: h.fd)
+                let end = offset + length
+                if mode & (punchHole | zeroRange) != 0 {
+                    try content.zeroRange(fd: h.fd, key: key, offset: offset, length: length) { off, len in
+                        kbfs_fallocate(h.fd, punchHole | keepSize, Int64(off), Int64(len)) == 0
+                    }
+                }
+                if mode & keepSize == 0 && end > size {
+                    try content.truncate(fd: h.fd, key: key, to: end)
+                }
+                if mode & (punchHole | zeroRange) == 0 {
+                    // Reserve backing space for the range (best effort where the backing fs cannot).
+                    let whole = layout.cipherRange(ofWhole: PlainRange(offset: offset, end: end).blocks)
+                    let b0 = whole.lowerBound, b1 = whole.upperBound
+                    let bsize = layout.backingSize(plainSize: max(size, mode & keepSize == 0 ? end : size))
+                    let upTo = mode & keepSize == 0 ? min(b1, bsize) : b1
+                    if upTo > b0 && kbfs_fallocate(h.fd, keepSize, Int64(b0), Int64(upTo - b0)) != 0 && errno == ENOSPC
+                    {
+                        throw FSError(ENOSPC)
+                    }
                 }
             }
-            if mode & keepSize == 0 && end > size {
-                try content.truncate(fd: h.fd, key: key, to: end)
-            }
-            if mode & (punchHole | zeroRange) == 0 {
-                // Reserve backing space for the range (best effort where the backing fs cannot).
-                let whole = layout.cipherRange(ofWhole: PlainRange(offset: offset, end: end).blocks)
-                let b0 = whole.lowerBound, b1 = whole.upperBound
-                let bsize = layout.backingSize(plainSize: max(size, mode & keepSize == 0 ? end : size))
-                let upTo = mode & keepSize == 0 ? min(b1, bsize) : b1
-                if upTo > b0 && kbfs_fallocate(h.fd, keepSize, Int64(b0), Int64(upTo - b0)) != 0 && errno == ENOSPC {
-                    throw FSError(ENOSPC)
-                }
-            }
-        } }
+        }
         clearSetIDAfterModification(h, by: caller)
     }
 

@@ -1,7 +1,7 @@
 import CFuse
-import Dispatch
 import CSodium
 import CSystem
+import Dispatch
 import Glibc
 import KeybagCore
 import KeybagProtocol
@@ -191,7 +191,8 @@ final class Filesystem: Sendable {
     /// opened before a lock keep working.
     func handlesRefused(_ n: Node) -> Bool {
         let access = keyring.access
-        guard Eviction.mayRefuseHandles(access), let file = n.file, let cls = file.io.read({ $0.protectionClass }) else {
+        guard Eviction.mayRefuseHandles(access), let file = n.file, let cls = file.io.read({ $0.protectionClass })
+        else {
             return false
         }
         return Eviction.refusesHandles(of: cls, access)
@@ -221,9 +222,13 @@ final class Filesystem: Sendable {
             return
         }
         let bits: mode_t
-        if caller.uid == st.st_uid { bits = (st.st_mode >> 6) & 0o7 }
-        else if caller.gid == st.st_gid || groups.contains(st.st_gid) { bits = (st.st_mode >> 3) & 0o7 }
-        else { bits = st.st_mode & 0o7 }
+        if caller.uid == st.st_uid {
+            bits = (st.st_mode >> 6) & 0o7
+        } else if caller.gid == st.st_gid || groups.contains(st.st_gid) {
+            bits = (st.st_mode >> 3) & 0o7
+        } else {
+            bits = st.st_mode & 0o7
+        }
         if want & ~bits != 0 { throw FSError(EACCES) }
     }
 
@@ -232,16 +237,19 @@ final class Filesystem: Sendable {
     /// A regular file with an open handle (the kernel names it only for a truncate; tar's
     /// fchown, fchmod and futimens after writing come without) is changed through that
     /// handle's descriptor, else through an `O_PATH` descriptor opened for the call.
-    func setattr(_ id: UInt64, handle: OpenFile?, mode: mode_t?, uid: uid_t?, gid: gid_t?, size: Int?,
-                 atime: timespec?, mtime: timespec?, truncatedBy: Caller? = nil) throws -> stat {
+    func setattr(
+        _ id: UInt64, handle: OpenFile?, mode: mode_t?, uid: uid_t?, gid: gid_t?, size: Int?,
+        atime: timespec?, mtime: timespec?, truncatedBy: Caller? = nil
+    ) throws -> stat {
         let n = try node(id)
         if let size {
             guard n.isRegular else { throw FSError(n.isDirectory ? EISDIR : EINVAL) }
             try truncate(n, handle: handle, to: size)
         }
         let mtime = n.isRegular ? storedModificationTime(n, requested: mtime) : mtime
-        let change = AttributeChange(mode: mode, uid: uid, gid: gid, atime: atime, mtime: mtime,
-                                     truncatedBy: size != nil && n.isRegular ? truncatedBy : nil)
+        let change = AttributeChange(
+            mode: mode, uid: uid, gid: gid, atime: atime, mtime: mtime,
+            truncatedBy: size != nil && n.isRegular ? truncatedBy : nil)
         if let handle { return try change.apply(open: handle.fd, self) }
         if n.isRegular, let st = try n.withOpenFD({ try change.apply(open: $0, self) }) { return st }
         return try n.withPathFD { try change.apply(path: $0, type: n.type, self) }
@@ -309,7 +317,7 @@ final class Filesystem: Sendable {
             }
             if var t = times {
                 if type == S_IFLNK {
-                    try check(utimensat(pfd, "", &t, kbfs_AT_EMPTY_PATH))   // the link itself
+                    try check(utimensat(pfd, "", &t, kbfs_AT_EMPTY_PATH))  // the link itself
                 } else {
                     try check(utimensat(AT_FDCWD, path, &t, 0))
                 }
@@ -344,7 +352,9 @@ final class Filesystem: Sendable {
 
 /// The lock's view of the filesystem: every regular file's key life, and the kernel's page cache.
 extension Filesystem: EvictionTarget {
-    func fileKeyLives() -> [(id: UInt64, life: RWLocked<FileKeyLife>)] { table.regularFiles().map { ($0.node.id, $0.file.io) } }
+    func fileKeyLives() -> [(id: UInt64, life: RWLocked<FileKeyLife>)] {
+        table.regularFiles().map { ($0.node.id, $0.file.io) }
+    }
 
     func dropPageCache(_ ids: [UInt64], pass: Eviction.Pass, of kind: Eviction.Kind) {
         kernel.dropPageCache(ids, pass: "\(kind.rawValue) (\(pass.rawValue))")

@@ -61,7 +61,7 @@ extension Filesystem {
         _ dir: Node, readable name: String, iv: [UInt8], copies: [DirectoryIVs.Other]
     ) throws -> BackingEntry? {
         guard let c = ConflictCopy.parse(readable: name),
-              !exists(dir, NameCipher.backingEntry(for: try names.encrypt(Array(name.utf8), dirIV: iv)).name)
+            !exists(dir, NameCipher.backingEntry(for: try names.encrypt(Array(name.utf8), dirIV: iv)).name)
         else { return nil }
         let ivs = DirectoryIVs(own: iv, copies: copies)
         // A sync engine's copy of a file, made under any of the directory's IVs.
@@ -74,11 +74,12 @@ extension Filesystem {
             }
         }
         guard let (index, other) = ivs.other(date: c.date, time: c.time, device: c.device),
-              other.copy.readableName(of: c.plain).utf8.elementsEqual(name.utf8) else { return nil }
+            other.copy.readableName(of: c.plain).utf8.elementsEqual(name.utf8)
+        else { return nil }
         let candidate = try entry(c.plain, iv: other.iv)
         // Shown so only while an entry under an IV before it holds the plaintext name.
         guard exists(dir, candidate.name),
-              try ivs.all[0..<index].contains(where: { exists(dir, try entry(c.plain, iv: $0).name) })
+            try ivs.all[0..<index].contains(where: { exists(dir, try entry(c.plain, iv: $0).name) })
         else { return nil }
         return candidate
     }

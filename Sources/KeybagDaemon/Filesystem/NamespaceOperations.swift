@@ -17,7 +17,8 @@ extension Filesystem {
             || !Failpoint.chownRefused.isOn && fchownat(dirFD, backing, caller.uid, group, AT_SYMLINK_NOFOLLOW) == 0
         var st = stat()
         if owned && mode & (S_ISUID | S_ISGID) != 0 && mode & S_IFMT != S_IFLNK && mode & S_IFMT != S_IFDIR,
-           fstatat(dirFD, backing, &st, AT_SYMLINK_NOFOLLOW) == 0 {
+            fstatat(dirFD, backing, &st, AT_SYMLINK_NOFOLLOW) == 0
+        {
             fchmodat(dirFD, backing, st.st_mode & 0o1777 | mode & (S_ISUID | S_ISGID), AT_SYMLINK_NOFOLLOW)
         }
     }
@@ -193,7 +194,7 @@ extension Filesystem {
             throw FSError(e)
         }
         if let replacedXattrs { dropXattrs(replacedXattrs) }
-        classes.changed()   // a moved directory may inherit differently
+        classes.changed()  // a moved directory may inherit differently
         let same = p.id == np.id && src.name == dst.name
         if !exchange && flags & kbfs_RENAME_WHITEOUT == 0 && !same { removeSideFile(p, src) }
     }
@@ -204,7 +205,8 @@ extension Filesystem {
         guard hasStoredXattrs else { return nil }
         var a = stat(), b = stat()
         guard fstatat(np.fd, to, &b, AT_SYMLINK_NOFOLLOW) == 0, fstatat(p.fd, from, &a, AT_SYMLINK_NOFOLLOW) == 0,
-              a.st_ino != b.st_ino || a.st_dev != b.st_dev else { return nil }
+            a.st_ino != b.st_ino || a.st_dev != b.st_dev
+        else { return nil }
         return xattrIDOfLastLink(dirFD: np.fd, name: to, st: b)
     }
 
@@ -239,7 +241,9 @@ extension Filesystem {
         for r in entries { unlinkat(dfd, r.name, 0) }
         guard replace() == 0 else {
             let e = errno
-            if let saved { _ = try? AtomicStoreFile.createIfAbsent(dirFD: dfd, DirectoryMeta.fileName, try saved.encode(names)) }
+            if let saved {
+                _ = try? AtomicStoreFile.createIfAbsent(dirFD: dfd, DirectoryMeta.fileName, try saved.encode(names))
+            }
             return e
         }
         dropXattrs(ofDirectory: saved)

@@ -184,11 +184,13 @@ final class NodeTable: Sendable {
         mountFD = mfd
         var probe = [UInt8](repeating: 0, count: Int(kbfs_HANDLE_BUFFER))
         let len = kbfs_handle_of(rootFD, &probe, Int32(probe.count))
-        handlesWork = mfd >= 0 && len > 0 && probe.withUnsafeBufferPointer { p in
-            let f = kbfs_open_handle(mfd, p.baseAddress, kbfs_O_PATH | O_CLOEXEC)
-            if f >= 0 { close(f) }
-            return f >= 0
-        }
+        handlesWork =
+            mfd >= 0 && len > 0
+            && probe.withUnsafeBufferPointer { p in
+                let f = kbfs_open_handle(mfd, p.baseAddress, kbfs_O_PATH | O_CLOEXEC)
+                if f >= 0 { close(f) }
+                return f >= 0
+            }
         tables.withLock { t in
             t.byID[1] = (root, 1)
             t.byBacking[BackingID(dev: root.backingDev, ino: root.backingIno)] = 1
@@ -247,7 +249,8 @@ final class NodeTable: Sendable {
             // A node kept by descriptor whose object is gone (a directory removed underneath,
             // whose inode number the backing filesystem gave to a new one) is not reused.
             if let id = t.byBacking[key], let entry = t.byID[id], entry.node.handle == handle, entry.node.type == type,
-               handle != nil || entry.node.stillLinked {
+                handle != nil || entry.node.stillLinked
+            {
                 t.byID[id] = (entry.node, entry.lookups + 1)
                 if nodeFD >= 0 && nodeFD != entry.node.fd { close(nodeFD) }
                 return entry.node

@@ -37,7 +37,7 @@ extension Filesystem {
                 let n = try check(getxattr(path, name, &value, value.count))
                 return Array(value[0..<n])
             }
-        } catch where FSError(error).errno == EOPNOTSUPP {
+        } catch  where FSError(error).errno == EOPNOTSUPP {
             throw FSError(ENODATA)
         }
     }
@@ -51,7 +51,8 @@ extension Filesystem {
             try check(setxattr(path, name, value, value.count, flags))
             var st = stat()
             if name == "system.posix_acl_access", fstat(fd, &st) == 0, st.st_mode & S_ISGID != 0,
-               !caller.isInGroup(st.st_gid), !caller.mayKeepSetID {
+                !caller.isInGroup(st.st_gid), !caller.mayKeepSetID
+            {
                 _ = chmod(path, st.st_mode & 0o7777 & ~S_ISGID)
             }
         }

@@ -1,7 +1,7 @@
 import CFuse
-import Dispatch
 import CSodium
 import CSystem
+import Dispatch
 import Glibc
 import KeybagCore
 import KeybagProtocol
@@ -33,15 +33,17 @@ extension Filesystem {
             if let kernelSaysClearSetID { return !kernelSaysClearSetID }
             guard pid > 0 else { return uid == 0 }
             guard sharesDaemonUserNamespace,
-                  let caps = statusField("CapEff:").flatMap({ UInt64($0, radix: 16) }) else { return false }
-            return caps & (1 << 4) != 0   // CAP_FSETID
+                let caps = statusField("CapEff:").flatMap({ UInt64($0, radix: 16) })
+            else { return false }
+            return caps & (1 << 4) != 0  // CAP_FSETID
         }
 
         /// Whether the calling process is in the daemon's user namespace (false if unknown).
         private var sharesDaemonUserNamespace: Bool {
             var theirs = stat(), ours = stat()
             guard fstatat(AT_FDCWD, "/proc/\(pid)/ns/user", &theirs, 0) == 0,
-                  fstatat(AT_FDCWD, "/proc/self/ns/user", &ours, 0) == 0 else { return false }
+                fstatat(AT_FDCWD, "/proc/self/ns/user", &ours, 0) == 0
+            else { return false }
             return theirs.st_ino == ours.st_ino && theirs.st_dev == ours.st_dev
         }
 

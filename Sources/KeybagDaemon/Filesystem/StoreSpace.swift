@@ -120,12 +120,12 @@ final class StoreSpace: Sendable {
     private func measure() -> (available: Int, thresholds: Thresholds)? {
         var s = statvfs()
         guard fstatvfs(storeFD, &s) == 0 else { return nil }
-        func bytes(_ blocks: fsblkcnt_t) -> Int {   // saturating: some filesystems report "unlimited"
+        func bytes(_ blocks: fsblkcnt_t) -> Int {  // saturating: some filesystems report "unlimited"
             let (b, over) = UInt64(blocks).multipliedReportingOverflow(by: UInt64(s.f_frsize))
             return over || b > UInt64(Int.max) ? Int.max : Int(b)
         }
         let folder = bdi.withLock { $0 }
-        let loose = folder.flatMap { Self.readNumber($0 + "/max_bytes") }   // absent before Linux 6.2
+        let loose = folder.flatMap { Self.readNumber($0 + "/max_bytes") }  // absent before Linux 6.2
         let dirty = saved.withLock { $0?.bytes } ?? loose ?? (64 << 20)
         let t = Thresholds(size: bytes(s.f_blocks), dirty: dirty, canLowerDirty: loose != nil && geteuid() == 0)
         return (bytes(s.f_bavail), t)
@@ -135,7 +135,8 @@ final class StoreSpace: Sendable {
     private func turnTight() -> Bool {
         guard !tight.exchange(true, ordering: .relaxed) else { return false }
         if let folder = bdi.withLock({ $0 }), let t = measure()?.thresholds, t.tightDirty > 0,
-           let ratio = Self.readText(folder + "/max_ratio_fine"), let bytes = Self.readNumber(folder + "/max_bytes") {
+            let ratio = Self.readText(folder + "/max_ratio_fine"), let bytes = Self.readNumber(folder + "/max_bytes")
+        {
             saved.withLock { if $0 == nil { $0 = (ratio, bytes) } }
             Self.writeText(folder + "/max_bytes", "\(t.tightDirty)")
         }
@@ -145,7 +146,9 @@ final class StoreSpace: Sendable {
     /// Turns loose and gives the kernel its dirty limit back.
     private func turnLoose() {
         guard tight.exchange(false, ordering: .relaxed) else { return }
-        let before = saved.withLock { s -> (ratio: String, bytes: Int)? in defer { s = nil }; return s }
+        let before = saved.withLock { s -> (ratio: String, bytes: Int)? in
+            defer { s = nil }; return s
+        }
         if let folder = bdi.withLock({ $0 }), let before { Self.writeText(folder + "/max_ratio_fine", before.ratio) }
     }
 
@@ -163,7 +166,7 @@ final class StoreSpace: Sendable {
     /// releases they wait for; the others fail at once. `body` must leave nothing half done
     /// when it throws.
     func retryingWhileSpaceReturns<R>(_ body: () throws -> R) throws -> R {
-        do { return try body() } catch where [ENOSPC, EDQUOT].contains(FSError(error).errno) {
+        do { return try body() } catch  where [ENOSPC, EDQUOT].contains(FSError(error).errno) {
             return try waitingForSpace(body)
         }
     }
@@ -191,7 +194,7 @@ final class StoreSpace: Sendable {
             }
             if held == 0 && settling > 0 { usleep(20_000) }
             kbfs_syncfs(storeFD)
-            do { return try body() } catch where [ENOSPC, EDQUOT].contains(FSError(error).errno) {
+            do { return try body() } catch  where [ENOSPC, EDQUOT].contains(FSError(error).errno) {
                 held = bytesHeldByDeletedOpenFiles()
                 settling = held == 0 ? settling + 1 : 0
                 if settling > Self.settleTries || DispatchTime.now().uptimeNanoseconds >= deadline || !mayWait() {

@@ -1,7 +1,7 @@
 import CFuse
-import Dispatch
 import CSodium
 import CSystem
+import Dispatch
 import Glibc
 import KeybagCore
 import KeybagProtocol

@@ -65,8 +65,11 @@ final class XattrStorage: Sendable {
     /// one was stored before. Called inside `update`.
     func save(_ id: String, _ set: XattrSet, existed: Bool) throws {
         if set.values.isEmpty {
-            if unlinkat(dirFD, id, 0) == 0 { count.subtract(1, ordering: .relaxed) }
-            else if errno != ENOENT { throw FSError(errno) }
+            if unlinkat(dirFD, id, 0) == 0 {
+                count.subtract(1, ordering: .relaxed)
+            } else if errno != ENOENT {
+                throw FSError(errno)
+            }
             return
         }
         let encoded = set.encode()

@@ -203,9 +203,11 @@ enum FuseBridge {
 
     /// Replies an xattr value or list: its size when probed with 0, ERANGE when too small.
     static func replyXattr(_ req: fuse_req_t?, _ value: [UInt8], size: Int) {
-        if size == 0 { fuse_reply_xattr(req, value.count) }
-        else if size < value.count { fuse_reply_err(req, ERANGE) }
-        else {
+        if size == 0 {
+            fuse_reply_xattr(req, value.count)
+        } else if size < value.count {
+            fuse_reply_err(req, ERANGE)
+        } else {
             value.withUnsafeBufferPointer { b in
                 _ = fuse_reply_buf(req, UnsafeRawPointer(b.baseAddress)?.assumingMemoryBound(to: CChar.self), b.count)
             }
@@ -215,8 +217,10 @@ enum FuseBridge {
     /// Replies a readdir / readdirplus page from the snapshot taken at opendir. With
     /// `plus`, each entry is looked up (counting a kernel lookup, undone when the entry does
     /// not fit); entries that vanished since opendir are skipped.
-    static func replyDirectory(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ size: Int, _ off: off_t,
-                               _ fi: UnsafeMutablePointer<fuse_file_info>?, plus: Bool) {
+    static func replyDirectory(
+        _ req: fuse_req_t?, _ ino: fuse_ino_t, _ size: Int, _ off: off_t,
+        _ fi: UnsafeMutablePointer<fuse_file_info>?, plus: Bool
+    ) {
         guard let d = directory(fi) else { return err(req, EBADF) }
         let fs = fs(req)
         let parent = fs.table.node(ino)
@@ -240,17 +244,18 @@ enum FuseBridge {
                 guard let parent, let (n, st) = try? fs.lookupBacking(parent, e.backing) else { continue }
                 entry = self.entry(req, n, st)
             }
-            let need = plus
+            let need =
+                plus
                 ? fuse_add_direntry_plus(req, buf + used, size - used, e.name, &entry, off_t(i + 1))
                 : fuse_add_direntry(req, buf + used, size - used, e.name, &entry.attr, off_t(i + 1))
             if need > size - used {
-                if entry.ino != 0 { fs.table.forget(entry.ino, count: 1) }   // the lookup above
+                if entry.ino != 0 { fs.table.forget(entry.ino, count: 1) }  // the lookup above
                 break
             }
             if entry.ino != 0 { counted.append(entry.ino) }
             used += need
         }
-        if fuse_reply_buf(req, buf, used) != 0 {   // interrupted: the kernel learnt none of them
+        if fuse_reply_buf(req, buf, used) != 0 {  // interrupted: the kernel learnt none of them
             for id in counted { fs.table.forget(id, count: 1) }
         }
     }

@@ -23,7 +23,7 @@ import Synchronization
 enum FuseChannel {
     /// Opcodes read by the hooks.
     static let opcodeSetattr: UInt32 = 4, opcodeOpen: UInt32 = 14, opcodeWrite: UInt32 = 16,
-               opcodeInit: UInt32 = 26, opcodeCreate: UInt32 = 35, opcodeTmpfile: UInt32 = 51
+        opcodeInit: UInt32 = 26, opcodeCreate: UInt32 = 35, opcodeTmpfile: UInt32 = 51
     /// The name a relabelled FUSE_TMPFILE request carries.
     static let unnamedFileName = "/"
     /// FUSE_INIT_EXT: the second flag word is present.
@@ -96,9 +96,9 @@ enum FuseChannel {
         let worded = killPrivGranted.load(ordering: .relaxed)
         func note(_ kills: Bool) { kbfs_set_request_kills_setid(worded ? (kills ? 1 : 0) : -1) }
         switch opcode {
-        case opcodeWrite: note(word(20) & (1 << 2) != 0)      // FUSE_WRITE_KILL_SUIDGID
-        case opcodeSetattr: note(word(0) & (1 << 11) != 0)    // FATTR_KILL_SUIDGID
-        case opcodeOpen: note(word(4) & 1 != 0)               // FUSE_OPEN_KILL_SUIDGID
+        case opcodeWrite: note(word(20) & (1 << 2) != 0)  // FUSE_WRITE_KILL_SUIDGID
+        case opcodeSetattr: note(word(0) & (1 << 11) != 0)  // FATTR_KILL_SUIDGID
+        case opcodeOpen: note(word(4) & 1 != 0)  // FUSE_OPEN_KILL_SUIDGID
         case opcodeCreate: note(word(12) & 1 != 0)
         case opcodeInit:
             kbfs_set_request_kills_setid(-1)

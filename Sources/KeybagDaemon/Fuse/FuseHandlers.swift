@@ -52,8 +52,10 @@ func fuseLookup(_ req: fuse_req_t?, _ parent: fuse_ino_t, _ name: CName?) {
     do {
         let (n, st) = try fs.lookup(parent: parent, name: FuseBridge.name(name))
         FuseBridge.replyEntry(req, n, st)
-    } catch where FSError(error).errno == ENOENT
-        && fs.underneath.namesSeen == changes {
+    } catch
+        where FSError(error).errno == ENOENT
+        && fs.underneath.namesSeen == changes
+    {
         FuseBridge.replyAbsent(req)
     } catch {
         FuseBridge.fail(req, error)
@@ -78,15 +80,17 @@ func fuseGetattr(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ fi: FileInfo?) {
 }
 
 func fuseAccess(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ mask: Int32) {
-    let caller = FuseBridge.caller(req)   // groups come from /proc: only read when they can matter
+    let caller = FuseBridge.caller(req)  // groups come from /proc: only read when they can matter
     FuseBridge.replyingDone(req) {
         let groups = caller.uid == 0 ? [] : FuseBridge.groups(req)
         try FuseBridge.fs(req).access(ino, mask: mask, caller: caller, groups: groups)
     }
 }
 
-func fuseSetattr(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ attr: UnsafeMutablePointer<stat>?, _ toSet: Int32,
-                 _ fi: FileInfo?) {
+func fuseSetattr(
+    _ req: fuse_req_t?, _ ino: fuse_ino_t, _ attr: UnsafeMutablePointer<stat>?, _ toSet: Int32,
+    _ fi: FileInfo?
+) {
     guard let a = attr?.pointee else { return FuseBridge.err(req, EINVAL) }
     func ts(_ set: Int32, _ now: Int32, _ v: timespec) -> timespec? {
         if toSet & now != 0 { return timespec(tv_sec: 0, tv_nsec: kbfs_UTIME_NOW) }
@@ -120,16 +124,18 @@ func fuseReadlink(_ req: fuse_req_t?, _ ino: fuse_ino_t) {
 
 func fuseMknod(_ req: fuse_req_t?, _ parent: fuse_ino_t, _ name: CName?, _ mode: mode_t, _ rdev: dev_t) {
     FuseBridge.replying(req) {
-        let (n, st) = try FuseBridge.fs(req).mknod(parent: parent, name: FuseBridge.name(name), mode: mode, rdev: rdev,
-                                                   caller: FuseBridge.caller(req))
+        let (n, st) = try FuseBridge.fs(req).mknod(
+            parent: parent, name: FuseBridge.name(name), mode: mode, rdev: rdev,
+            caller: FuseBridge.caller(req))
         FuseBridge.replyEntry(req, n, st)
     }
 }
 
 func fuseMkdir(_ req: fuse_req_t?, _ parent: fuse_ino_t, _ name: CName?, _ mode: mode_t) {
     FuseBridge.replying(req) {
-        let (n, st) = try FuseBridge.fs(req).mkdir(parent: parent, name: FuseBridge.name(name), mode: mode,
-                                                   caller: FuseBridge.caller(req))
+        let (n, st) = try FuseBridge.fs(req).mkdir(
+            parent: parent, name: FuseBridge.name(name), mode: mode,
+            caller: FuseBridge.caller(req))
         FuseBridge.replyEntry(req, n, st)
     }
 }
@@ -144,17 +150,21 @@ func fuseRmdir(_ req: fuse_req_t?, _ parent: fuse_ino_t, _ name: CName?) {
 
 func fuseSymlink(_ req: fuse_req_t?, _ link: CName?, _ parent: fuse_ino_t, _ name: CName?) {
     FuseBridge.replying(req) {
-        let (n, st) = try FuseBridge.fs(req).symlink(target: FuseBridge.name(link), parent: parent,
-                                                     name: FuseBridge.name(name), caller: FuseBridge.caller(req))
+        let (n, st) = try FuseBridge.fs(req).symlink(
+            target: FuseBridge.name(link), parent: parent,
+            name: FuseBridge.name(name), caller: FuseBridge.caller(req))
         FuseBridge.replyEntry(req, n, st)
     }
 }
 
-func fuseRename(_ req: fuse_req_t?, _ parent: fuse_ino_t, _ name: CName?, _ newParent: fuse_ino_t,
-                _ newName: CName?, _ flags: UInt32) {
+func fuseRename(
+    _ req: fuse_req_t?, _ parent: fuse_ino_t, _ name: CName?, _ newParent: fuse_ino_t,
+    _ newName: CName?, _ flags: UInt32
+) {
     FuseBridge.replyingDone(req) {
-        try FuseBridge.fs(req).rename(parent: parent, name: FuseBridge.name(name), newParent: newParent,
-                                      newName: FuseBridge.name(newName), flags: flags)
+        try FuseBridge.fs(req).rename(
+            parent: parent, name: FuseBridge.name(name), newParent: newParent,
+            newName: FuseBridge.name(newName), flags: flags)
     }
 }
 
@@ -172,7 +182,7 @@ func fuseOpen(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ fi: FileInfo?) {
     FuseBridge.replying(req) {
         let h = try FuseBridge.fs(req).open(ino, flags: fi.pointee.flags, caller: FuseBridge.caller(req))
         FuseBridge.attach(h, to: fi)
-        if fuse_reply_open(req, fi) != 0 { FuseBridge.releaseHandle(req, fi) }   // the opener is gone
+        if fuse_reply_open(req, fi) != 0 { FuseBridge.releaseHandle(req, fi) }  // the opener is gone
     }
 }
 
@@ -182,13 +192,15 @@ func fuseCreate(_ req: fuse_req_t?, _ parent: fuse_ino_t, _ name: CName?, _ mode
     guard let fi else { return FuseBridge.err(req, EINVAL) }
     FuseBridge.replying(req) {
         let fs = FuseBridge.fs(req), entryName = try FuseBridge.name(name)
-        let (n, st, h) = entryName == FuseChannel.unnamedFileName
+        let (n, st, h) =
+            entryName == FuseChannel.unnamedFileName
             ? try fs.createUnnamed(parent: parent, mode: mode, caller: FuseBridge.caller(req))
-            : try fs.create(parent: parent, name: entryName, mode: mode, flags: fi.pointee.flags,
-                            caller: FuseBridge.caller(req))
+            : try fs.create(
+                parent: parent, name: entryName, mode: mode, flags: fi.pointee.flags,
+                caller: FuseBridge.caller(req))
         FuseBridge.attach(h, to: fi)
         var e = FuseBridge.entry(req, n, st)
-        if fuse_reply_create(req, &e, fi) != 0 {   // interrupted: the kernel knows neither the handle nor the node
+        if fuse_reply_create(req, &e, fi) != 0 {  // interrupted: the kernel knows neither the handle nor the node
             FuseBridge.releaseHandle(req, fi)
             fs.table.forget(n.id, count: 1)
         }
@@ -207,8 +219,10 @@ func fuseRead(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ size: Int, _ off: off_t, 
     }
 }
 
-func fuseWrite(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ data: CName?, _ size: Int, _ off: off_t,
-               _ fi: FileInfo?) {
+func fuseWrite(
+    _ req: fuse_req_t?, _ ino: fuse_ino_t, _ data: CName?, _ size: Int, _ off: off_t,
+    _ fi: FileInfo?
+) {
     guard let h = FuseBridge.handle(fi) else { return FuseBridge.err(req, EBADF) }
     FuseBridge.replying(req) {
         let fs = FuseBridge.fs(req)
@@ -218,12 +232,15 @@ func fuseWrite(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ data: CName?, _ size: In
     }
 }
 
-func fuseFallocate(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ mode: Int32, _ off: off_t, _ length: off_t,
-                   _ fi: FileInfo?) {
+func fuseFallocate(
+    _ req: fuse_req_t?, _ ino: fuse_ino_t, _ mode: Int32, _ off: off_t, _ length: off_t,
+    _ fi: FileInfo?
+) {
     guard let h = FuseBridge.handle(fi) else { return FuseBridge.err(req, EBADF) }
     FuseBridge.replyingDone(req) {
-        try FuseBridge.fs(req).fallocate(h, mode: mode, offset: Int(off), length: Int(length),
-                                         caller: FuseBridge.caller(req))
+        try FuseBridge.fs(req).fallocate(
+            h, mode: mode, offset: Int(off), length: Int(length),
+            caller: FuseBridge.caller(req))
     }
 }
 
@@ -273,12 +290,15 @@ func fuseStatfs(_ req: fuse_req_t?, _ ino: fuse_ino_t) {
 
 // MARK: xattrs (user.*, the virtual user.protection, ACLs where on: Xattrs.swift)
 
-func fuseSetxattr(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ name: CName?, _ value: CName?,
-                  _ size: Int, _ flags: Int32) {
+func fuseSetxattr(
+    _ req: fuse_req_t?, _ ino: fuse_ino_t, _ name: CName?, _ value: CName?,
+    _ size: Int, _ flags: Int32
+) {
     let bytes = value.map { Array(UnsafeRawBufferPointer(start: $0, count: size)) } ?? []
     FuseBridge.replyingDone(req) {
-        try FuseBridge.fs(req).setXattr(ino, name: FuseBridge.str(name), value: bytes, flags: flags,
-                                        caller: FuseBridge.caller(req))
+        try FuseBridge.fs(req).setXattr(
+            ino, name: FuseBridge.str(name), value: bytes, flags: flags,
+            caller: FuseBridge.caller(req))
     }
 }
 

@@ -29,8 +29,10 @@ final class KernelNotifier: Sendable {
 
     /// A notifier; `negotiated` reads what the mount's INIT agreed (the FUSE channel's, by
     /// default); `observer` sees each page drop asked for.
-    init(negotiated: @escaping @Sendable () -> MountNegotiation = { FuseChannel.negotiated },
-         observer: (@Sendable (_ ids: [UInt64], _ pass: String) -> Void)? = nil) {
+    init(
+        negotiated: @escaping @Sendable () -> MountNegotiation = { FuseChannel.negotiated },
+        observer: (@Sendable (_ ids: [UInt64], _ pass: String) -> Void)? = nil
+    ) {
         negotiatedNow = negotiated
         self.observer = observer
     }
@@ -68,8 +70,8 @@ final class KernelNotifier: Sendable {
         }
         if failed > 0 {
             MountDaemon.log(
-                "\(pass): page cache of \(failed) of \(ids.count) inodes not dropped: " +
-                    "\(String(cString: strerror(firstError)))"
+                "\(pass): page cache of \(failed) of \(ids.count) inodes not dropped: "
+                    + "\(String(cString: strerror(firstError)))"
             )
         }
     }

@@ -79,7 +79,8 @@ final class StoreWatcher: Sendable {
         // shows there while mounted (`checkRemovals`).
         let root = open(storePath, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
         var rootHandle = [UInt8](repeating: 0, count: Int(kbfs_HANDLE_BUFFER))
-        let rootLen = root >= 0 && kbfs_fanotify_watch(fan, root) == 0
+        let rootLen =
+            root >= 0 && kbfs_fanotify_watch(fan, root) == 0
             ? kbfs_handle_of(root, &rootHandle, Int32(rootHandle.count)) : 0
         if root >= 0 { close(root) }
         let w = StoreWatcher(
@@ -87,7 +88,7 @@ final class StoreWatcher: Sendable {
             stopPipe: (p[0], p[1]), full: full, storePath: storePath,
             rootHandle: rootLen > 0 ? Array(rootHandle[0..<Int(rootLen)]) : [])
         w.watchDevicesFolder()
-        if full { w.watchTree(dup(data)) } else { _ = w.watch(data) }   // else the data root only
+        if full { w.watchTree(dup(data)) } else { _ = w.watch(data) }  // else the data root only
         if full { fs.underneath.expectAnotherWriter() }
         let t = Thread { [w] in w.run() }
         t.name = "keybagfs-store-watcher"
@@ -147,7 +148,9 @@ final class StoreWatcher: Sendable {
         let len = kbfs_handle_of(dir, &buf, Int32(buf.count))
         guard fstat(dir, &st) == 0, kbfs_fanotify_watch(fan, dir) == 0 else {
             let e = errno
-            if !markFailed.withLock({ f in defer { f = true }; return f }) {
+            if !markFailed.withLock({ f in
+                defer { f = true }; return f
+            }) {
                 MountDaemon.log(
                     "cannot watch a store directory for changes underneath: " + String(cString: strerror(e)))
             }
@@ -177,8 +180,8 @@ final class StoreWatcher: Sendable {
         guard newest > Int(fs.keyring.currentKeySet), !fs.keyring.refusesNewWraps else { return }
         fs.keyring.fallBehind()
         MountDaemon.log(
-            "another device removed a device and started key set \(newest): new files and class changes are " +
-                "refused until `keybagfs recover` and a new mount")
+            "another device removed a device and started key set \(newest): new files and class changes are "
+                + "refused until `keybagfs recover` and a new mount")
     }
 
     /// From now on every directory is watched and another writer is expected.
@@ -191,7 +194,8 @@ final class StoreWatcher: Sendable {
     /// kernel knows it) and everything already below it.
     private func watchNew(_ name: String, in handle: [UInt8], parent: Node?) {
         if Failpoint.watcherCannotMarkNewDirectories.isOn { return }
-        let p = parent.map { dup($0.fd) }
+        let p =
+            parent.map { dup($0.fd) }
             ?? handle.withUnsafeBufferPointer { kbfs_open_handle(dataFD, $0.baseAddress, kbfs_O_PATH | O_CLOEXEC) }
         guard p >= 0 else { return }
         defer { close(p) }
@@ -217,8 +221,10 @@ final class StoreWatcher: Sendable {
     /// The reading thread: waits for events or `stop`.
     private func run() {
         var buf = [UInt8](repeating: 0, count: 64 * 1024)
-        var fds = [pollfd(fd: fan, events: Int16(POLLIN), revents: 0),
-                   pollfd(fd: stopPipe.read, events: Int16(POLLIN), revents: 0)]
+        var fds = [
+            pollfd(fd: fan, events: Int16(POLLIN), revents: 0),
+            pollfd(fd: stopPipe.read, events: Int16(POLLIN), revents: 0),
+        ]
         while true {
             fds[0].revents = 0
             fds[1].revents = 0
@@ -341,7 +347,7 @@ final class StoreWatcher: Sendable {
         if r.newDirectory { watchNew(change.name, in: handle, parent: dir) }
         // The kernel holds nothing below a directory it does not know.
         guard let dir, dir.isDirectory else { return nil }
-        if r.everyEntry { return dir }   // its metadata is forgotten there, after the names it gave
+        if r.everyEntry { return dir }  // its metadata is forgotten there, after the names it gave
         if r.directoryMeta { dir.directory?.forget() }
         if let entry = r.entry ?? r.rewritten { forgetEntry(entry, of: dir) }
         if let changed = r.rewritten ?? r.attributes, let n = node(of: changed, in: dir) {
@@ -375,7 +381,8 @@ final class StoreWatcher: Sendable {
     /// and by its conflict name where it decrypts under a metadata copy's IV).
     private func forgetEntry(_ entry: String, of dir: Node) {
         guard let ivs = try? fs.nameIVs(of: dir),
-              let found = try? fs.plaintextName(dirFD: dir.fd, backing: entry, ivs: ivs) else { return }
+            let found = try? fs.plaintextName(dirFD: dir.fd, backing: entry, ivs: ivs)
+        else { return }
         fs.kernel.forgetEntrySoon(parent: dir.id, name: found.name)
         if found.index > 0 {
             let conflictName = ivs.shownName(plain: found.name, index: found.index, taken: [found.name])
