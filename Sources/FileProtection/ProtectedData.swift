@@ -62,21 +62,33 @@ public enum ProtectedData {
         return ControlPaths.defaultSocket(forMountpoint: mount)
     }
 
-    /// The daemon's `status` reply, or nil when it cannot be reached.
-    public static func status(socket: String) -> StatusReply? {
+    /// The daemon's `status` object (its JSON fields as Foundation values), or nil when it
+    /// cannot be reached.
+    public static func status(socket: String) -> [String: Any]? {
+        guard let line = statusLine(socket: socket), let data = line.data(using: .utf8) else { return nil }
+        return (try? JSONSerialization.jsonObject(with: data)) as? [String: Any]
+    }
+
+    /// The daemon's `status` reply, typed; nil when it cannot be reached or is not a status.
+    static func statusReply(socket: String) -> StatusReply? {
+        statusLine(socket: socket).flatMap { ControlProtocol.decode(StatusReply.self, from: $0) }
+    }
+
+    /// The daemon's `status` line as it came.
+    private static func statusLine(socket: String) -> String? {
         guard let fd = try? ControlClient.connect(path: socket) else { return nil }
         defer { close(fd) }
         var tv = timeval(tv_sec: 5, tv_usec: 0)
         setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, socklen_t(MemoryLayout<timeval>.size))
         guard (try? ControlClient.sendLine(fd, ControlCall.status.line)) != nil else { return nil }
         var buf: [UInt8] = []
-        return ControlClient.readLine(fd, buffer: &buf).flatMap { ControlProtocol.decode(StatusReply.self, from: $0) }
+        return ControlClient.readLine(fd, buffer: &buf)
     }
 
     /// Whether protected data (`complete` files) is available now, like
     /// `UIApplication.isProtectedDataAvailable`; false when the daemon cannot be reached.
     public static func isAvailable(for url: URL, socket: String? = nil) -> Bool {
-        guard let s = socket ?? (try? socketPath(for: url)), let st = status(socket: s) else { return false }
+        guard let s = socket ?? (try? socketPath(for: url)), let st = statusReply(socket: s) else { return false }
         return st.protectedDataAvailable
     }
 
@@ -93,7 +105,7 @@ public enum ProtectedData {
         guard name == "complete" || name == "completeUnlessOpen" || name == "completeUntilFirstUserAuthentication"
         else { return false }
         let url = URL(fileURLWithPath: path)
-        guard let s = try? socketPath(for: url), let st = status(socket: s) else { return false }
+        guard let s = try? socketPath(for: url), let st = statusReply(socket: s) else { return false }
         return !st.protectedDataAvailable
     }
 

@@ -8,8 +8,9 @@ public enum ProtectionEvent: String, Codable, Sendable {
     case willBecomeUnavailable = "protectedDataWillBecomeUnavailable"
     case didBecomeUnavailable = "protectedDataDidBecomeUnavailable"
     case didBecomeAvailable = "protectedDataDidBecomeAvailable"
-    /// The device stayed locked past the inactivity limit: class C keys are gone too.
-    case didReturnToBeforeFirstUnlock = "protectedDataDidReturnToBeforeFirstUnlock"
+    /// The device stayed locked past the inactivity limit: class C keys are gone too
+    /// (the contract's name: SPEC.md §2).
+    case didReturnToBeforeFirstUnlock = "deviceDidReturnToBeforeFirstUnlock"
 }
 
 /// The operations a request names in its `"op"` field.
@@ -107,6 +108,23 @@ public struct ControlRefusal: Codable, Error, Sendable, Equatable {
         self.message = message
         self.retryAfter = retryAfter
         self.failedAttempts = failedAttempts
+    }
+
+    enum CodingKeys: String, CodingKey { case ok, error, message, retryAfter, failedAttempts }
+
+    /// Decodes any `{"ok":false,...}` line as a refusal: a missing code reads as `error`, a
+    /// missing message as the code, and delays given in fractional seconds are rounded up.
+    public init(from decoder: any Decoder) throws {
+        let c = try decoder.container(keyedBy: CodingKeys.self)
+        ok = try c.decodeIfPresent(Bool.self, forKey: .ok) ?? false
+        error = (try? c.decodeIfPresent(RefusalCode.self, forKey: .error)) ?? RefusalCode(rawValue: "error")
+        message = (try? c.decodeIfPresent(String.self, forKey: .message)) ?? error.rawValue
+        func seconds(_ key: CodingKeys) -> Int? {
+            guard let d = try? c.decodeIfPresent(Double.self, forKey: key), d.isFinite else { return nil }
+            return Int(min(max(d.rounded(.up), 0), 1e9))
+        }
+        retryAfter = seconds(.retryAfter)
+        failedAttempts = seconds(.failedAttempts)
     }
 }
 

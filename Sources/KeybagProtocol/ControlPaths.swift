@@ -76,6 +76,9 @@ public enum ControlPaths {
     }
 }
 
+/// Just the `ok` field of a reply: a line whose `ok` is anything but true is a refusal.
+private struct ReplyOutcome: Decodable { let ok: Bool? }
+
 /// JSON-line helpers of the control protocol.
 public enum ControlProtocol {
     /// Longest accepted request line.
@@ -99,7 +102,8 @@ public enum ControlProtocol {
     /// A reply line as the reply `T` a request expects, or as the daemon's refusal; nil
     /// when it is neither.
     public static func reply<T: Decodable>(_ type: T.Type, from line: String) -> Result<T, ControlRefusal>? {
-        if let refusal = decode(ControlRefusal.self, from: line), !refusal.ok { return .failure(refusal) }
+        guard let outcome = decode(ReplyOutcome.self, from: line) else { return nil }
+        if outcome.ok != true { return decode(ControlRefusal.self, from: line).map { .failure($0) } }
         return decode(type, from: line).map { .success($0) }
     }
 

@@ -15,7 +15,7 @@ public struct StatusReply: Codable, Sendable, Equatable {
     public var writebackCache: Bool
     public var posixACLs: Bool
     public var subscribers: Int
-    /// The mounting user's uid.
+    /// The mounting user's uid (-1 when the daemon did not say).
     public var owner: Int
     public var defaultClass: String
     /// Whether the AES key schedules sit in locked memory.
@@ -60,6 +60,44 @@ public struct StatusReply: Codable, Sendable, Equatable {
             self.lockoutAuthSet = lockoutAuthSet
             self.error = error
         }
+    }
+
+    enum CodingKeys: String, CodingKey {
+        case ok, state, protectedDataAvailable, grace, openFiles, pid, mountpoint, failedAttempts, retryAfter
+        case classADirectIO, writebackCache, posixACLs, subscribers, owner, defaultClass, aesMemoryLocked
+        case inactivityRelock, relockIn, deviceID, keySet, keySetBehind, tpm2
+    }
+
+    /// Decodes a status: the contract promises `state`, `protectedDataAvailable`, `grace`
+    /// and `openFiles` (SPEC.md §5); every other field may be absent (a daemon of an older
+    /// version) and then reads as "not known": 0, false, empty, or nil.
+    public init(from decoder: any Decoder) throws {
+        let c = try decoder.container(keyedBy: CodingKeys.self)
+        func or<T: Decodable>(_ key: CodingKeys, _ absent: T) throws -> T {
+            try c.decodeIfPresent(T.self, forKey: key) ?? absent
+        }
+        ok = try or(.ok, true)
+        state = try c.decode(LockState.self, forKey: .state)
+        protectedDataAvailable = try c.decode(Bool.self, forKey: .protectedDataAvailable)
+        grace = try c.decode(Double.self, forKey: .grace)
+        openFiles = try c.decode(Int.self, forKey: .openFiles)
+        pid = try or(.pid, 0)
+        mountpoint = try or(.mountpoint, "")
+        failedAttempts = try or(.failedAttempts, 0)
+        retryAfter = try or(.retryAfter, 0)
+        classADirectIO = try or(.classADirectIO, false)
+        writebackCache = try or(.writebackCache, false)
+        posixACLs = try or(.posixACLs, false)
+        subscribers = try or(.subscribers, 0)
+        owner = try or(.owner, -1)
+        defaultClass = try or(.defaultClass, "")
+        aesMemoryLocked = try or(.aesMemoryLocked, false)
+        _inactivityRelock = try or(.inactivityRelock, NullWhenAbsent(wrappedValue: nil))
+        _relockIn = try or(.relockIn, NullWhenAbsent(wrappedValue: nil))
+        _deviceID = try or(.deviceID, NullWhenAbsent(wrappedValue: nil))
+        keySet = try or(.keySet, 0)
+        keySetBehind = try or(.keySetBehind, false)
+        tpm2 = try or(.tpm2, .notInUse)
     }
 
     /// A status of `state`; the daemon fills in the rest.

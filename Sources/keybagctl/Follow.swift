@@ -53,7 +53,8 @@ struct Follow: ParsableCommand {
 
     func run() throws {
         let status = try control().checked(.status, StatusReply.self)
-        let owner = uid_t(clamping: status.owner)
+        let owner = status.owner >= 0 ? uid_t(clamping: status.owner) : getuid()
+        let mount = status.mountpoint.isEmpty ? "the mount" : status.mountpoint
         var bus: OpaquePointer?
         let rc = busAddress.map { kbfs_logind_open($0, &bus) } ?? kbfs_logind_open(nil, &bus)
         guard rc == 0, let bus else {
@@ -65,7 +66,7 @@ struct Follow: ParsableCommand {
         func inhibit() {
             guard !noSleep, inhibitor < 0 else { return }
             inhibitor = kbfs_logind_inhibit(
-                bus, "sleep", "keybagfs", "evict class keys of \(status.mountpoint) before sleep")
+                bus, "sleep", "keybagfs", "evict class keys of \(mount) before sleep")
             if inhibitor < 0 {
                 say(
                     "warning: no sleep inhibitor (\(String(cString: strerror(-inhibitor)))): the mount locks on "
@@ -75,7 +76,7 @@ struct Follow: ParsableCommand {
         }
         inhibit()
         say(
-            "following logind for \(status.mountpoint) (owner uid \(owner), sessions: "
+            "following logind for \(mount) (owner uid \(owner), sessions: "
                 + "\(sessions.rawValue)\(noSleep ? ", not sleep" : ""))"
         )
         var forged: UInt64 = 0

@@ -33,14 +33,16 @@ struct Report: ParsableCommand {
         let root = try walkRoot()
         let status = try? statusSession(for: root).checked(.status, StatusReply.self)
         let policyReply = status == nil ? nil : try? statusSession(for: root).call(.policy, PolicyReply.self).0
-        let policy = status.flatMap { s -> PolicyView? in
+        // An older daemon may not say its mount point or default class (empty here).
+        let mountpoint = status.flatMap { $0.mountpoint.isEmpty ? nil : $0.mountpoint }
+        let policy = mountpoint.flatMap { m -> PolicyView? in
             guard case .success(let reply)? = policyReply else { return nil }
-            return PolicyView(rules: reply.rules, mountpoint: s.mountpoint, root: root)
+            return PolicyView(rules: reply.rules, mountpoint: m, root: root)
         }
         var tally = ReportTally(
             limit: limit, state: status?.state.rawValue, policy: policy,
-            mountpoint: status?.mountpoint ?? "/",
-            mountDefault: status?.defaultClass
+            mountpoint: mountpoint ?? "/",
+            mountDefault: status.flatMap { $0.defaultClass.isEmpty ? nil : $0.defaultClass }
                 ?? ProtectionClass.completeUntilFirstUserAuthentication.name)
         let started = Date()
         let progress = ProgressLine("report")

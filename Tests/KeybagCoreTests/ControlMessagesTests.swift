@@ -56,7 +56,7 @@ final class ControlMessagesTests: XCTestCase {
             ControlProtocol.encode(
                 EventLine(
                     event: .didReturnToBeforeFirstUnlock, state: .beforeFirstUnlock, time: "2026-11-26T13:24:21.045Z")),
-            #"{"event":"protectedDataDidReturnToBeforeFirstUnlock","state":"beforeFirstUnlock","time":"2026-11-26T13:24:21.045Z"}"#
+            #"{"event":"deviceDidReturnToBeforeFirstUnlock","state":"beforeFirstUnlock","time":"2026-11-26T13:24:21.045Z"}"#
         )
         XCTAssertEqual(ControlProtocol.encode(StateReply(.locking)), #"{"ok":true,"state":"locking"}"#)
         XCTAssertEqual(ControlProtocol.encode(DoneReply()), #"{"ok":true}"#)
@@ -73,6 +73,41 @@ final class ControlMessagesTests: XCTestCase {
         // A daemon that leaves a null field out still gives a status.
         let shorter = line.replacingOccurrences(of: #""deviceID":null,"#, with: "")
         XCTAssertNil(try XCTUnwrap(ControlProtocol.decode(StatusReply.self, from: shorter)).deviceID)
+    }
+
+    /// The contract promises four fields of a status (SPEC.md §5); a daemon of an older
+    /// version sends fewer than this one, and its status must still read.
+    func testAStatusWithOnlyTheContractsFieldsReads() throws {
+        let line = #"{"grace":2.5,"ok":true,"openFiles":1,"protectedDataAvailable":true,"state":"unlocked"}"#
+        guard case .success(let s)? = ControlProtocol.reply(StatusReply.self, from: line) else {
+            return XCTFail("a status of the contract's four fields does not read")
+        }
+        XCTAssertEqual(s.state, .unlocked)
+        XCTAssertEqual(s.grace, 2.5)
+        XCTAssertEqual(s.openFiles, 1)
+        XCTAssertEqual(s.owner, -1, "an owner not given is no uid (not root)")
+        XCTAssertEqual(s.tpm2, .notInUse)
+        XCTAssertNil(s.deviceID)
+        XCTAssertNil(
+            ControlProtocol.decode(StatusReply.self, from: #"{"ok":true,"state":"unlocked","grace":1}"#),
+            "without the contract's fields it is not a status")
+    }
+
+    /// Any line whose `ok` is not true is a refusal, however little it says.
+    func testEveryNotOKLineIsARefusal() {
+        for (line, code, message, retry) in [
+            (#"{"ok":false,"error":"internal"}"#, "internal", "internal", nil),
+            (#"{"ok":false}"#, "error", "error", nil),
+            (#"{"ok":false,"error":"throttled","message":"wait","retryAfter":2.5}"#, "throttled", "wait", 3),
+        ] as [(String, String, String, Int?)] {
+            guard case .failure(let r)? = ControlProtocol.reply(StateReply.self, from: line) else {
+                XCTFail("\(line) is not read as a refusal")
+                continue
+            }
+            XCTAssertEqual(r.error.rawValue, code, line)
+            XCTAssertEqual(r.message, message, line)
+            XCTAssertEqual(r.retryAfter, retry, line)
+        }
     }
 
     func testRequestLinesAreTheGoldenLines() {

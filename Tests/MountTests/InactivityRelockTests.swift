@@ -51,7 +51,7 @@ final class InactivityRelockTests: XCTestCase {
             Array(watch.events.suffix(3)),
             [
                 "protectedDataWillBecomeUnavailable", "protectedDataDidBecomeUnavailable",
-                "protectedDataDidReturnToBeforeFirstUnlock",
+                "deviceDidReturnToBeforeFirstUnlock",  // the contract's name (SPEC.md §2)
             ])
         st = m.status()
         XCTAssertTrue(st["relockIn"] is NSNull, "\(st)")

@@ -15,8 +15,8 @@ struct MountNegotiation: Sendable, Equatable {
 /// The daemon's messages to the kernel outside replies: drop an inode's page cache, ask
 /// for its attributes again; and the queue for work a FUSE thread must not wait for (the
 /// kernel may need that very thread for the write-back a page drop starts). Injected into
-/// `Filesystem` and `Controller`; until a session is attached (and in unit tests) the
-/// messages go nowhere.
+/// `Filesystem` (`Controller` reaches it through it); until a session is attached (and in
+/// unit tests) the messages go nowhere.
 final class KernelNotifier: Sendable {
     /// The FUSE session (bit pattern); 0 when none.
     private let session = Atomic<UInt>(0)
