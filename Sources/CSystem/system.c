@@ -11,6 +11,7 @@
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -89,6 +90,15 @@ int kbfs_request_kills_setid(void) { return kbfs_kills_setid; }
 
 int kbfs_reserve(int fd, long long offset, long long len) {
     return fallocate(fd, FALLOC_FL_KEEP_SIZE, (off_t)offset, (off_t)len);
+}
+
+long long kbfs_next_hole(int fd, long long from) { return (long long)lseek(fd, (off_t)from, SEEK_HOLE); }
+
+int kbfs_reports_holes(int fd) {
+    struct statfs s;
+    if (fstatfs(fd, &s) != 0) return 0;
+    return s.f_type == 0x01021994 /* tmpfs */ || s.f_type == 0xEF53 /* ext2/3/4 */ ||
+           s.f_type == 0x58465342 /* XFS */;
 }
 
 int kbfs_syncfs(int fd) { return syncfs(fd); }

@@ -48,6 +48,12 @@ int kbfs_request_kills_setid(void);
 /* Reserves [offset, offset+len) of fd without changing its size (fallocate with
    FALLOC_FL_KEEP_SIZE); 0 or -1 with errno. */
 int kbfs_reserve(int fd, long long offset, long long len);
+/* Offset of the first hole of fd's file at or after `from` (its size when there is none),
+   or -1 with errno. */
+long long kbfs_next_hole(int fd, long long from);
+/* Whether the file system of fd reports holes exactly to SEEK_HOLE and keeps an
+   overwritten block in place (tmpfs, ext2/3/4, XFS): 1, else 0. */
+int kbfs_reports_holes(int fd);
 /* syncfs(2): commits the filesystem holding fd. */
 int kbfs_syncfs(int fd);
 

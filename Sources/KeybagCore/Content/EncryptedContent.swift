@@ -123,9 +123,23 @@ public struct EncryptedContent: Sendable {
     /// new data when adjacent, else before it (so a crash in between leaves a cut end that
     /// `fsck` re-seals, never a block of the wrong length).
     public func write(fd: Int32, key: FileContentKey, offset: Int, data: UnsafeRawBufferPointer) throws {
+        var noneKnown = 0
+        try write(fd: fd, key: key, offset: offset, data: data, allocated: &noneKnown)
+    }
+
+    /// `write`, given `allocated`: how many backing bytes from the file's start are known to
+    /// hold no hole (0: none known). A write whose sealed blocks all lie below it overwrites
+    /// blocks the file has, and reserves nothing first; a reservation that continues the
+    /// known part moves it on. Returns whether space was reserved.
+    @discardableResult
+    public func write(
+        fd: Int32, key: FileContentKey, offset: Int, data: UnsafeRawBufferPointer, allocated: inout Int
+    ) throws -> Bool {
         defer { kbfs_scrub_stack() }  // cipher locals left below this frame
-        guard data.count > 0 else { return }
+        guard data.count > 0 else { return false }
         let size = try plainSize(fd: fd)
+        // What is known holds only within the file as it is now (another writer may have cut it).
+        allocated = min(allocated, layout.backingSize(plainSize: size))
         let range = PlainRange(offset: offset, end: offset + data.count)
         let newSize = max(size, range.end)
         let oldLast = BlockLayout.lastBlock(ofSize: size), newLast = BlockLayout.lastBlock(ofSize: newSize)
@@ -133,8 +147,12 @@ public struct EncryptedContent: Sendable {
         let oldLastGrows = oldLast >= 0 && oldLast < dataFirst && size % BlockLayout.plainBlockSize != 0
         // A full disk must refuse the write before any byte of it lands: a short pwrite
         // (at the end, or into a hole) would leave a torn block that reads as damage.
-        if oldLastGrows { try reserve(fd: fd, blocks: oldLast...oldLast, newSize: newSize) }
-        try reserve(fd: fd, blocks: dataFirst...dataLast, newSize: newSize)
+        var reserved = false
+        if oldLastGrows {
+            reserved = try reserve(fd: fd, blocks: oldLast...oldLast, newSize: newSize, allocated: &allocated)
+        }
+        reserved =
+            try reserve(fd: fd, blocks: dataFirst...dataLast, newSize: newSize, allocated: &allocated) || reserved
         if oldLastGrows && oldLast < dataFirst - 1 {
             try sealAndWrite(
                 fd: fd, key: key, blocks: oldLast...oldLast, size: size, newSize: newSize, newLast: newLast,
@@ -144,18 +162,23 @@ public struct EncryptedContent: Sendable {
         try sealAndWrite(
             fd: fd, key: key, blocks: first...dataLast, size: size, newSize: newSize, newLast: newLast,
             data: NewData(range: range, bytes: data))
+        return reserved
     }
 
     /// Reserves the backing space of `blocks` (sealed for a file of `newSize` bytes) without
     /// changing the file's size: ENOSPC or EDQUOT are thrown; a file system that cannot
-    /// reserve (EOPNOTSUPP) is written without.
-    private func reserve(fd: Int32, blocks: ClosedRange<Int>, newSize: Int) throws {
+    /// reserve (EOPNOTSUPP) is written without. Nothing is reserved below `allocated` (the
+    /// file's start known to hold no hole); a reservation that continues it moves it on.
+    /// Returns whether it asked the store to reserve.
+    private func reserve(fd: Int32, blocks: ClosedRange<Int>, newSize: Int, allocated: inout Int) throws -> Bool {
         let sealed = layout.cipherRange(of: blocks, inFileOf: newSize)
-        guard !sealed.isEmpty else { return }
-        if kbfs_reserve(fd, Int64(sealed.lowerBound), Int64(sealed.count)) != 0 && (errno == ENOSPC || errno == EDQUOT)
-        {
-            throw KeybagError.system("fallocate", errno)
+        guard !sealed.isEmpty, sealed.upperBound > allocated else { return false }
+        if kbfs_reserve(fd, Int64(sealed.lowerBound), Int64(sealed.count)) != 0 {
+            if errno == ENOSPC || errno == EDQUOT { throw KeybagError.system("fallocate", errno) }
+            return true
         }
+        if sealed.lowerBound <= allocated { allocated = sealed.upperBound }
+        return true
     }
 
     /// New bytes of a write at a plaintext offset (none: only old blocks are re-sealed).

@@ -7,8 +7,8 @@ import KeybagCore
 import KeybagProtocol
 import Synchronization
 
-/// Open files and their content: headers and keys, open, create, read, write, truncate,
-/// fallocate (the `user.protection` xattr is in `UserProtection.swift`).
+/// Open files and their content: headers and keys, open, create, read, write, truncate
+/// (fallocate is in `Fallocate.swift`, the `user.protection` xattr in `UserProtection.swift`).
 extension Filesystem {
     // MARK: classes and keys
 
@@ -38,7 +38,7 @@ extension Filesystem {
     /// Runs `body` with the file key for `use`, holding the inode's lock shared when the key
     /// is ready (reads) or alone when it must be loaded or the use writes. Whether the key
     /// may be used is `FileKeyLife`'s decision alone.
-    private func withContentKey<R>(
+    func withContentKey<R>(
         _ node: Node, _ use: FileKeyLife.Use, _ body: (FileContentKey) throws -> R
     ) throws -> R {
         guard let file = node.file else { throw FSError(EINVAL) }
@@ -91,6 +91,7 @@ extension Filesystem {
                     do { try content.truncate(fd: fd, key: key, to: 0) } catch {
                         _ = st.release(keyring: keyring); throw error
                     }
+                    file.noteHole(at: content.layout.backingSize(plainSize: 0))
                 }
                 return h.protectionClass
             }
@@ -349,9 +350,28 @@ extension Filesystem {
         defer { Self.wipe(data) }
         try retryingWhileSpaceReturns {
             try withContentKey(h.node, .write) { key in
-                try content.write(fd: h.fd, key: key, offset: offset, data: data)
+                // Under `io` taken alone: the known hole-free start of the file moves on here only.
+                var allocated = allocatedStart(of: h)
+                defer { h.file.allocated.store(allocated, ordering: .relaxed) }
+                let reserved = try content.write(fd: h.fd, key: key, offset: offset, data: data, allocated: &allocated)
+                // Blocks written out of order leave the known start behind what the file has:
+                // every 64 writes that reserve, the store is asked again from there.
+                if reserved && storeReportsHoles
+                    && h.file.reservesSinceProbe.add(1, ordering: .relaxed).newValue % 64 == 0
+                {
+                    allocated = max(allocated, Int(kbfs_next_hole(h.fd, Int64(allocated))))
+                }
             }
         }
+    }
+
+    /// How many backing bytes from the start of `h`'s file hold no hole: known from earlier
+    /// writes, else asked of the store once (SEEK_HOLE) where its file system reports holes
+    /// exactly, else none.
+    private func allocatedStart(of h: OpenFile) -> Int {
+        let known = h.file.allocated.load(ordering: .relaxed)
+        if known >= 0 { return known }
+        return storeReportsHoles ? max(0, Int(kbfs_next_hole(h.fd, 0))) : 0
     }
 
     /// Runs `body` (which must leave nothing half done when it throws) through
@@ -386,48 +406,9 @@ extension Filesystem {
         try retryingWhileSpaceReturns {
             try withContentKey(n, .write) { key in
                 try content.truncate(fd: fd, key: key, to: size)
+                n.file?.noteHole(at: content.layout.backingSize(plainSize: size))
             }
         }
-    }
-
-    /// fallocate: mode 0 (allocate, growing the size), KEEP_SIZE, PUNCH_HOLE|KEEP_SIZE,
-    /// ZERO_RANGE (optionally KEEP_SIZE); other modes are EOPNOTSUPP.
-    /// The kernel leaves set-ID bits to us here (no per-request flag, as for writes), so they
-    /// go as after a write by `caller`.
-    func fallocate(_ h: OpenFile, mode: Int32, offset: Int, length: Int, caller: Caller) throws {
-        let keepSize: Int32 = 0x01, punchHole: Int32 = 0x02, zeroRange: Int32 = 0x10
-        guard offset >= 0, length > 0 else { throw FSError(EINVAL) }
-        guard offset <= Self.maxFileSize - length else { throw FSError(EFBIG) }
-        guard mode & ~(keepSize | punchHole | zeroRange) == 0 else { throw FSError(EOPNOTSUPP) }
-        if mode & punchHole != 0 && (mode & keepSize == 0 || mode & zeroRange != 0) { throw FSError(EOPNOTSUPP) }
-        guard h.writable else { throw FSError(EBADF) }
-        let layout = content.layout
-        try retryingWhileSpaceReturns {
-            try withContentKey(h.node, .write) { key in
-                let size = try content.plainSize(fd: h.fd)
-                let end = offset + length
-                if mode & (punchHole | zeroRange) != 0 {
-                    try content.zeroRange(fd: h.fd, key: key, offset: offset, length: length) { off, len in
-                        kbfs_fallocate(h.fd, punchHole | keepSize, Int64(off), Int64(len)) == 0
-                    }
-                }
-                if mode & keepSize == 0 && end > size {
-                    try content.truncate(fd: h.fd, key: key, to: end)
-                }
-                if mode & (punchHole | zeroRange) == 0 {
-                    // Reserve backing space for the range (best effort where the backing fs cannot).
-                    let whole = layout.cipherRange(ofWhole: PlainRange(offset: offset, end: end).blocks)
-                    let b0 = whole.lowerBound, b1 = whole.upperBound
-                    let bsize = layout.backingSize(plainSize: max(size, mode & keepSize == 0 ? end : size))
-                    let upTo = mode & keepSize == 0 ? min(b1, bsize) : b1
-                    if upTo > b0 && kbfs_fallocate(h.fd, keepSize, Int64(b0), Int64(upTo - b0)) != 0 && errno == ENOSPC
-                    {
-                        throw FSError(ENOSPC)
-                    }
-                }
-            }
-        }
-        clearSetIDAfterModification(h, by: caller)
     }
 
     /// fsync of a handle.

@@ -65,6 +65,9 @@ final class Filesystem: Sendable {
     let space: StoreSpace
     /// Whether created objects are chowned to the caller (the daemon runs as root).
     let chownToCaller: Bool
+    /// Whether the store's file system reports holes exactly (`kbfs_reports_holes`): writes
+    /// below a file's first hole then reserve no space (`FileState.allocated`).
+    let storeReportsHoles: Bool
 
     init(
         dataFD: Int32, targetsFD: Int32, xattrsFD: Int32, names: NameCipher, keyring: ClassKeyring,
@@ -82,6 +85,7 @@ final class Filesystem: Sendable {
         self.content = EncryptedContent(layout: BlockLayout(cipher: cipher))
         self.classes = ClassDefaults(mountDefault: defaultClass, policy: policy)
         self.chownToCaller = geteuid() == 0
+        self.storeReportsHoles = kbfs_reports_holes(dataFD) == 1
     }
 
     // MARK: nodes and attributes

@@ -1,6 +1,7 @@
 import CSystem
 import Glibc
 import KeybagCore
+import Synchronization
 
 /// What a node is, with the state only that kind keeps.
 enum NodeKind: Sendable {
@@ -33,6 +34,17 @@ final class FileState: Sendable {
     /// The descriptors of the open handles. A handle leaves the list before its descriptor
     /// is closed, under the lock `withOpenFD` holds while it uses one.
     let openFDs = Locked<[Int32]>([])
+    /// Backing bytes from the file's start known to hold no hole (writes there reserve no
+    /// space first); -1 until first asked. Read and written under `io` taken alone.
+    let allocated = Atomic<Int>(-1)
+    /// Writes that reserved space since the store was last asked where the first hole is.
+    let reservesSinceProbe = Atomic<Int>(0)
+
+    /// After a cut or a punched hole at backing offset `offset`: nothing past it is known.
+    func noteHole(at offset: Int) {
+        let known = allocated.load(ordering: .relaxed)
+        if known > offset { allocated.store(offset, ordering: .relaxed) }
+    }
 }
 
 /// The state of a directory's node, read from the store when first needed.
