@@ -100,6 +100,24 @@ final class FilesystemTests: XCTestCase {
         }
     }
 
+    /// Overwrites below a file's known hole-free start reserve nothing, unless another writer
+    /// is expected in the store (it could punch a hole the daemon does not see at once).
+    func testTheKnownHoleFreeStartIsUsedOnlyWhereNoOtherWriterIsExpected() throws {
+        XCTAssertTrue(fs.storeReportsHoles, "the test's store (/tmp, ext4 here) reports holes exactly")
+        let h = try file("db", .none, "")
+        let blocks = [UInt8](repeating: 1, count: 8 * 4096)
+        try blocks.withUnsafeBytes { try fs.write(h, offset: 0, data: $0) }
+        let end = fs.content.layout.backingSize(plainSize: 8 * 4096)
+        XCTAssertEqual(h.file.allocated.load(ordering: .relaxed), end, "a file written in order is known whole")
+        try fs.truncate(h.node, handle: h, to: 3 * 4096)
+        XCTAssertEqual(
+            h.file.allocated.load(ordering: .relaxed), fs.content.layout.backingSize(plainSize: 3 * 4096),
+            "a cut forgets what lay past it")
+        fs.underneath.expectAnotherWriter()
+        try blocks.withUnsafeBytes { try fs.write(h, offset: 0, data: UnsafeRawBufferPointer(rebasing: $0[0..<4096])) }
+        XCTAssertEqual(h.file.allocated.load(ordering: .relaxed), 0, "with another writer expected nothing is known")
+    }
+
     func testAClassBHandleReadsThroughTheLockAndItsLastCloseEndsIt() throws {
         let h = try file("download", .completeUnlessOpen, "partial")
         Eviction(.lock).run(keyring: keyring, target: fs)

@@ -9,6 +9,9 @@ final class ChangesUnderneath: Sendable {
     /// Whether another writer is expected in the store (it is watched in full).
     private let anotherWriter = Atomic<Bool>(false)
 
+    /// Whether another writer is expected in the store.
+    var anotherWriterExpected: Bool { anotherWriter.load(ordering: .relaxed) }
+
     /// The name-change counter now.
     var namesSeen: UInt64 { names.load(ordering: .sequentiallyConsistent) }
 

@@ -88,10 +88,11 @@ extension Filesystem {
                     throw error
                 }
                 if flags & O_TRUNC != 0 && writable {
+                    // Forgotten before the cut: a cut that fails half-way leaves holes too.
+                    file.noteHole(at: content.layout.backingSize(plainSize: 0))
                     do { try content.truncate(fd: fd, key: key, to: 0) } catch {
                         _ = st.release(keyring: keyring); throw error
                     }
-                    file.noteHole(at: content.layout.backingSize(plainSize: 0))
                 }
                 return h.protectionClass
             }
@@ -356,7 +357,7 @@ extension Filesystem {
                 let reserved = try content.write(fd: h.fd, key: key, offset: offset, data: data, allocated: &allocated)
                 // Blocks written out of order leave the known start behind what the file has:
                 // every 64 writes that reserve, the store is asked again from there.
-                if reserved && storeReportsHoles
+                if reserved && storeReportsHoles && !underneath.anotherWriterExpected
                     && h.file.reservesSinceProbe.add(1, ordering: .relaxed).newValue % 64 == 0
                 {
                     allocated = max(allocated, Int(kbfs_next_hole(h.fd, Int64(allocated))))
@@ -367,8 +368,10 @@ extension Filesystem {
 
     /// How many backing bytes from the start of `h`'s file hold no hole: known from earlier
     /// writes, else asked of the store once (SEEK_HOLE) where its file system reports holes
-    /// exactly, else none.
+    /// exactly, else none. None either where another writer is expected in the store: it
+    /// could punch a hole or cut and regrow a file without the daemon seeing it at once.
     private func allocatedStart(of h: OpenFile) -> Int {
+        if underneath.anotherWriterExpected { return 0 }
         let known = h.file.allocated.load(ordering: .relaxed)
         if known >= 0 { return known }
         return storeReportsHoles ? max(0, Int(kbfs_next_hole(h.fd, 0))) : 0
@@ -405,8 +408,9 @@ extension Filesystem {
         defer { if fd != handle?.fd { close(fd) } }
         try retryingWhileSpaceReturns {
             try withContentKey(n, .write) { key in
-                try content.truncate(fd: fd, key: key, to: size)
+                // Forgotten before the cut: a cut that fails half-way leaves holes too.
                 n.file?.noteHole(at: content.layout.backingSize(plainSize: size))
+                try content.truncate(fd: fd, key: key, to: size)
             }
         }
     }
