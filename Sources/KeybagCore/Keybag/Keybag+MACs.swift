@@ -54,20 +54,33 @@ extension Keybag {
 
     /// Whether the stored settings MAC of `f` verifies under `key` (false when absent).
     static func settingsAreAuthentic(_ f: KeybagFile, key: SecureKey) throws -> Bool {
-        guard let stored = f.settingsMAC.flatMap({ Data(base64Encoded: $0) }).map([UInt8].init) else { return false }
-        let expected = [UInt8](Data(base64Encoded: try settingsMAC(f, key: key)) ?? Data())
-        return stored.count == expected.count && sodium_memcmp(stored, expected, expected.count) == 0
+        storedMAC(f.settingsMAC, matches: try settingsMAC(f, key: key)) ?? false
+    }
+
+    /// Whether the stored base64 MAC `stored` is `expected` (compared in constant time); nil
+    /// when none is stored.
+    static func storedMAC(_ stored: String?, matches expected: String) -> Bool? {
+        guard let s = stored.flatMap({ Data(base64Encoded: $0) }).map([UInt8].init) else { return nil }
+        let e = [UInt8](Data(base64Encoded: expected) ?? Data())
+        return s.count == e.count && sodium_memcmp(s, e, e.count) == 0
+    }
+
+    /// crypto_kdf subkey `id` of the device key under the 8-byte `context`.
+    private static func deviceSubkey(_ deviceKey: SecureKey, id: UInt64, context: String) throws -> SecureKey {
+        try deviceKey.withBytes { dk in
+            SecureKey(count: 32) { out in
+                _ = context.withCString { ctx in
+                    crypto_kdf_derive_from_key(
+                        out.baseAddress!.assumingMemoryBound(to: UInt8.self), 32, id, ctx,
+                        dk.baseAddress!.assumingMemoryBound(to: UInt8.self))
+                }
+            }
+        }
     }
 
     /// The key for the counter MAC: crypto_kdf subkey 2 of the device key, context "kbfscnt1".
     public static func counterKey(_ deviceKey: SecureKey) throws -> SecureKey {
-        try deviceKey.withBytes { dk in
-            SecureKey(count: 32) { out in
-                _ = crypto_kdf_derive_from_key(
-                    out.baseAddress!.assumingMemoryBound(to: UInt8.self), 32, 2, "kbfscnt1",
-                    dk.baseAddress!.assumingMemoryBound(to: UInt8.self))
-            }
-        }
+        try deviceSubkey(deviceKey, id: 2, context: "kbfscnt1")
     }
 
     /// Keyed BLAKE2b-256 of `msg` under `key`, base64 (the keybag's MACs).
@@ -100,19 +113,11 @@ extension Keybag {
 
     /// Whether the stored cipher MAC of `f` verifies under `key`; nil when there is none.
     static func cipherIsAuthentic(_ f: KeybagFile, key: SecureKey) throws -> Bool? {
-        guard let stored = f.cipherMAC.flatMap({ Data(base64Encoded: $0) }).map([UInt8].init) else { return nil }
-        let expected = [UInt8](Data(base64Encoded: try cipherMAC(f, key: key)) ?? Data())
-        return stored.count == expected.count && sodium_memcmp(stored, expected, expected.count) == 0
+        storedMAC(f.cipherMAC, matches: try cipherMAC(f, key: key))
     }
 
     /// The key that wraps device-only keys: crypto_kdf subkey 1, context "kbfsdev1".
     public static func deviceWrapKey(_ deviceKey: SecureKey) throws -> SecureKey {
-        try deviceKey.withBytes { dk in
-            SecureKey(count: 32) { out in
-                _ = crypto_kdf_derive_from_key(
-                    out.baseAddress!.assumingMemoryBound(to: UInt8.self), 32, 1, "kbfsdev1",
-                    dk.baseAddress!.assumingMemoryBound(to: UInt8.self))
-            }
-        }
+        try deviceSubkey(deviceKey, id: 1, context: "kbfsdev1")
     }
 }

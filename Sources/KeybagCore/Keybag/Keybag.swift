@@ -216,11 +216,8 @@ public struct Keybag: Sendable {
             if pendingDeviceID && file.format >= Keybag.settingsFormat { try saveWithoutCounter() }
         }
         pendingDeviceID = false
-        let expected = [UInt8](Data(base64Encoded: try Keybag.counterMAC(file, key: key)) ?? Data())
         var check = CounterCheck.tampered
-        if let stored = file.counterMAC.flatMap({ Data(base64Encoded: $0) }).map([UInt8].init),
-            stored.count == expected.count, sodium_memcmp(stored, expected, expected.count) == 0
-        {
+        if Keybag.storedMAC(file.counterMAC, matches: try Keybag.counterMAC(file, key: key)) == true {
             check = .authentic
         } else {
             file.failedAttempts = max(file.failedAttempts, 9)
@@ -259,11 +256,7 @@ public struct Keybag: Sendable {
         guard file.format >= 2 else { return nil }
         let key = try Keybag.counterKey(deviceKey)
         defer { key.wipe() }
-        let expected = [UInt8](Data(base64Encoded: try Keybag.counterMAC(file, key: key)) ?? Data())
-        guard let stored = file.counterMAC.flatMap({ Data(base64Encoded: $0) }).map([UInt8].init),
-            stored.count == expected.count
-        else { return false }
-        return sodium_memcmp(stored, expected, expected.count) == 0
+        return Keybag.storedMAC(file.counterMAC, matches: try Keybag.counterMAC(file, key: key)) ?? false
     }
 
     /// Whether the stored cipher name authenticates under the device key (nil: no MAC yet).
