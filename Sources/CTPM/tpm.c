@@ -839,7 +839,7 @@ int kbfs_tpm_primary_name(kbfs_tpm *t, uint8_t *out, size_t *out_len, char *err,
 /* Runs PolicyAuthValue then PolicyNV(nv's data <= bound, 8 bytes big-endian at offset 0, unsigned)
    on `policy` (a policy or trial session); `nv_session` (salted HMAC) carries nv's auth for PolicyNV. */
 static TSS2_RC policy_epoch(kbfs_tpm *t, ESYS_TR policy, ESYS_TR nv, ESYS_TR nv_session, uint64_t bound,
-                            const char **step) {
+                            uint32_t pcr_mask, const char **step) {
     TSS2_RC rc;
     *step = "PolicyAuthValue";
     RETRYING(rc, Esys_PolicyAuthValue(t->esys, policy, ESYS_TR_NONE, ESYS_TR_NONE, ESYS_TR_NONE));
@@ -854,6 +854,20 @@ static TSS2_RC policy_epoch(kbfs_tpm *t, ESYS_TR policy, ESYS_TR nv, ESYS_TR nv_
     for (int i = 0; i < 8; i++) operand.buffer[i] = (uint8_t)(bound >> (56 - 8 * i));
     RETRYING(rc, Esys_PolicyNV(t->esys, nv, nv, policy, nv_session, ESYS_TR_NONE, ESYS_TR_NONE, &operand, 0,
                                TPM2_EO_UNSIGNED_LE));
+    if (rc != TSS2_RC_SUCCESS || pcr_mask == 0) return rc;
+    /* The boot state: the SHA-256 bank's PCRs in pcr_mask at their values now (an empty
+       pcrDigest makes the TPM use its current values, in a trial session as at unseal). */
+    *step = "PolicyPCR";
+    TPML_PCR_SELECTION sel;
+    memset(&sel, 0, sizeof sel);
+    sel.count = 1;
+    sel.pcrSelections[0].hash = TPM2_ALG_SHA256;
+    sel.pcrSelections[0].sizeofSelect = 3;
+    for (int i = 0; i < 24; i++)
+        if (pcr_mask & (1u << i)) sel.pcrSelections[0].pcrSelect[i / 8] |= (uint8_t)(1u << (i % 8));
+    TPM2B_DIGEST empty;
+    memset(&empty, 0, sizeof empty);
+    RETRYING(rc, Esys_PolicyPCR(t->esys, policy, ESYS_TR_NONE, ESYS_TR_NONE, ESYS_TR_NONE, &empty, &sel));
     return rc;
 }
 
@@ -881,7 +895,8 @@ static int policy_epoch_fail(kbfs_tpm *t, const char *step, uint32_t index, TSS2
 
 int kbfs_tpm_seal_epoch(kbfs_tpm *t, const uint8_t *secret, size_t secret_len, const uint8_t *auth, size_t auth_len,
                         uint32_t epoch_index, const uint8_t *nv_auth, size_t nv_auth_len, uint64_t bound,
-                        uint8_t *pub, size_t *pub_len, uint8_t *priv, size_t *priv_len, char *err, size_t errlen) {
+                        uint32_t pcr_mask, uint8_t *pub, size_t *pub_len, uint8_t *priv, size_t *priv_len, char *err,
+                        size_t errlen) {
     if (t == NULL || secret == NULL || auth == NULL || nv_auth == NULL || pub == NULL || pub_len == NULL ||
         priv == NULL || priv_len == NULL) {
         say(err, errlen, "kbfs_tpm_seal_epoch: NULL argument");
@@ -914,7 +929,12 @@ int kbfs_tpm_seal_epoch(kbfs_tpm *t, const uint8_t *secret, size_t secret_len, c
         code = fail_plain(t, err, errlen, "StartAuthSession (trial)", rc);
         goto out;
     }
-    rc = policy_epoch(t, trial, nv, session, bound, &step);
+    if (pcr_mask >> 24) {
+        say(err, errlen, "kbfs_tpm_seal_epoch: PCRs are 0..23");
+        code = KBFS_TPM_ERROR;
+        goto out;
+    }
+    rc = policy_epoch(t, trial, nv, session, bound, pcr_mask, &step);
     if (rc != TSS2_RC_SUCCESS) {
         code = policy_epoch_fail(t, step, epoch_index, rc, err, errlen);
         goto out;
@@ -940,7 +960,8 @@ out:
 
 int kbfs_tpm_unseal_epoch(kbfs_tpm *t, const uint8_t *pub, size_t pub_len, const uint8_t *priv, size_t priv_len,
                           const uint8_t *auth, size_t auth_len, uint32_t epoch_index, const uint8_t *nv_auth,
-                          size_t nv_auth_len, uint64_t bound, uint8_t *out, size_t *out_len, char *err, size_t errlen) {
+                          size_t nv_auth_len, uint64_t bound, uint32_t pcr_mask, uint8_t *out, size_t *out_len,
+                          char *err, size_t errlen) {
     if (t == NULL || pub == NULL || priv == NULL || auth == NULL || nv_auth == NULL || out == NULL ||
         out_len == NULL) {
         say(err, errlen, "kbfs_tpm_unseal_epoch: NULL argument");
@@ -973,7 +994,7 @@ int kbfs_tpm_unseal_epoch(kbfs_tpm *t, const uint8_t *pub, size_t pub_len, const
         code = fail_plain(t, err, errlen, "StartAuthSession (salted)", rc);
         goto out;
     }
-    rc = policy_epoch(t, policy, nv, nv_session, bound, &step);
+    rc = policy_epoch(t, policy, nv, nv_session, bound, pcr_mask, &step);
     if (rc != TSS2_RC_SUCCESS) {
         code = policy_epoch_fail(t, step, epoch_index, rc, err, errlen);
         goto out;
@@ -981,11 +1002,113 @@ int kbfs_tpm_unseal_epoch(kbfs_tpm *t, const uint8_t *pub, size_t pub_len, const
     flush(t, &nv_session);
     code = unseal_loaded(t, object, policy, auth, auth_len, "kbfs_tpm_unseal_epoch", "kbfs_tpm_seal_epoch", out,
                          out_len, err, errlen);
+    /* The object was sealed with these PCRs (its bound and index were checked at PolicyNV):
+       a policy that no longer matches means their values changed. No DA failure is counted. */
+    if (code == KBFS_TPM_ERROR && pcr_mask != 0 && strstr(err ? err : "", "policy does not match") != NULL) {
+        say(err, errlen, "the PCRs this secret is bound to changed since it was sealed");
+        code = KBFS_TPM_PCR_CHANGED;
+    }
 out:
     flush(t, &object);
     nv_close(t, &nv);
     flush(t, &nv_session);
     flush(t, &policy);
+    scrub_stack();
+    return code;
+}
+
+/* ---- The lockout hierarchy ---- */
+
+/* Gives ESYS the lockout hierarchy's authValue (NULL or 0 bytes: empty). */
+static TSS2_RC set_lockout_auth(kbfs_tpm *t, const uint8_t *auth, size_t auth_len) {
+    TPM2B_AUTH a;
+    memset(&a, 0, sizeof a);
+    if (auth != NULL && auth_len > 0) {
+        a.size = (UINT16)auth_len;
+        memcpy(a.buffer, auth, auth_len);
+    }
+    TSS2_RC rc = Esys_TR_SetAuth(t->esys, ESYS_TR_RH_LOCKOUT, &a);
+    explicit_bzero(&a, sizeof a);
+    return rc;
+}
+
+/* The KBFS_TPM_* code for a refused lockout authorization: BAD_AUTH for a wrong one, LOCKOUT
+   while the TPM refuses the lockout authorization after an earlier wrong one. */
+static int lockout_fail(kbfs_tpm *t, const char *what, TSS2_RC rc, char *err, size_t errlen) {
+    int code = fail(t, err, errlen, what, rc);
+    if (code == KBFS_TPM_BAD_AUTH)
+        say(err, errlen, "%s: the TPM refused the lockout authorization (0x%X)", what, (unsigned)rc);
+    if (code == KBFS_TPM_LOCKOUT)
+        say(err, errlen, "%s: the TPM refuses its lockout authorization for a while after a wrong one (0x%X)", what,
+            (unsigned)rc);
+    return code;
+}
+
+int kbfs_tpm_lockout_change_auth(kbfs_tpm *t, const uint8_t *old_auth, size_t old_len, const uint8_t *new_auth,
+                                 size_t new_len, char *err, size_t errlen) {
+    if (t == NULL || (old_auth == NULL && old_len > 0) || (new_auth == NULL && new_len > 0)) {
+        say(err, errlen, "kbfs_tpm_lockout_change_auth: NULL argument");
+        return KBFS_TPM_ERROR;
+    }
+    if (dead(t, err, errlen)) return KBFS_TPM_UNREACHABLE;
+    if (old_len > KBFS_TPM_AUTH_MAX || new_len > KBFS_TPM_AUTH_MAX) {
+        say(err, errlen, "kbfs_tpm_lockout_change_auth: an auth has at most %d bytes", KBFS_TPM_AUTH_MAX);
+        return KBFS_TPM_ERROR;
+    }
+    ESYS_TR session = ESYS_TR_NONE;
+    int code = KBFS_TPM_OK;
+    TSS2_RC rc = start_session(t, TPMA_SESSION_DECRYPT, &session);
+    if (rc != TSS2_RC_SUCCESS) {
+        code = fail_plain(t, err, errlen, "StartAuthSession (salted)", rc);
+        goto out;
+    }
+    rc = set_lockout_auth(t, old_auth, old_len);
+    if (rc != TSS2_RC_SUCCESS) {
+        code = fail(t, err, errlen, "Esys_TR_SetAuth", rc);
+        goto out;
+    }
+    TPM2B_AUTH next;
+    memset(&next, 0, sizeof next);
+    next.size = (UINT16)new_len;
+    if (new_len > 0) memcpy(next.buffer, new_auth, new_len);
+    RETRYING(rc, Esys_HierarchyChangeAuth(t->esys, ESYS_TR_RH_LOCKOUT, session, ESYS_TR_NONE, ESYS_TR_NONE, &next));
+    explicit_bzero(&next, sizeof next);
+    if (rc != TSS2_RC_SUCCESS) code = lockout_fail(t, "HierarchyChangeAuth(lockout)", rc, err, errlen);
+out:
+    set_lockout_auth(t, NULL, 0);
+    flush(t, &session);
+    scrub_stack();
+    return code;
+}
+
+int kbfs_tpm_lockout_reset(kbfs_tpm *t, const uint8_t *auth, size_t auth_len, char *err, size_t errlen) {
+    if (t == NULL || (auth == NULL && auth_len > 0)) {
+        say(err, errlen, "kbfs_tpm_lockout_reset: NULL argument");
+        return KBFS_TPM_ERROR;
+    }
+    if (dead(t, err, errlen)) return KBFS_TPM_UNREACHABLE;
+    if (auth_len > KBFS_TPM_AUTH_MAX) {
+        say(err, errlen, "kbfs_tpm_lockout_reset: auth has at most %d bytes", KBFS_TPM_AUTH_MAX);
+        return KBFS_TPM_ERROR;
+    }
+    ESYS_TR session = ESYS_TR_NONE;
+    int code = KBFS_TPM_OK;
+    /* The command has no parameter: the salted HMAC session keeps the authValue off the wire. */
+    TSS2_RC rc = start_session(t, 0, &session);
+    if (rc != TSS2_RC_SUCCESS) {
+        code = fail_plain(t, err, errlen, "StartAuthSession (salted)", rc);
+        goto out;
+    }
+    rc = set_lockout_auth(t, auth, auth_len);
+    if (rc != TSS2_RC_SUCCESS) {
+        code = fail(t, err, errlen, "Esys_TR_SetAuth", rc);
+        goto out;
+    }
+    RETRYING(rc, Esys_DictionaryAttackLockReset(t->esys, ESYS_TR_RH_LOCKOUT, session, ESYS_TR_NONE, ESYS_TR_NONE));
+    if (rc != TSS2_RC_SUCCESS) code = lockout_fail(t, "DictionaryAttackLockReset", rc, err, errlen);
+out:
+    set_lockout_auth(t, NULL, 0);
+    flush(t, &session);
     scrub_stack();
     return code;
 }

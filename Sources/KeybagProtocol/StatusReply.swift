@@ -41,6 +41,12 @@ public struct StatusReply: Codable, Sendable, Equatable {
         public var lockoutRecovery: Int?
         public var inLockout: Bool?
         public var lockoutAuthSet: Bool?
+        /// Who holds the TPM's lockout authorization by this device's enrollment: `keybagfs` (set by
+        /// keybagfs, cleared with the recovery key), `given` (another tool's, kept by keybagfs),
+        /// `accepted` (a clearable lockout the user accepted); absent for enrollments older than this.
+        public var lockoutAuthority: String?
+        /// The PCRs (SHA-256 bank) the sealed secret is bound to; absent or empty: none.
+        public var pcrs: [Int]?
         /// Why the TPM's state could not be read.
         public var error: String?
 

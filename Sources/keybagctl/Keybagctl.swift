@@ -158,10 +158,24 @@ struct Status: ParsableCommand {
             print(
                 "TPM: in use; lockout counter \(shown(tpm.lockoutCounter)) of \(shown(tpm.maxTries)) tries, one "
                     + "forgiven every \(shown(tpm.recoveryTime)) s" + (tpm.inLockout == true ? " (in lockout)" : ""))
-            if tpm.lockoutAuthSet == false {
+            if let pcrs = tpm.pcrs, !pcrs.isEmpty {
+                print("TPM: bound to PCRs \(pcrs.map(String.init).joined(separator: ",")) (SHA-256)")
+            }
+            switch (tpm.lockoutAuthority, tpm.lockoutAuthSet) {
+            case ("keybagfs", true?), ("given", true?):
                 print(
-                    "TPM: its lockout authorization is not set: any root user can clear the lockout (tpm2_changeauth -c lockout)"
+                    "TPM: lockout authorization kept by keybagfs: only the recovery key clears a lockout (keybagfs tpm2 clear-lockout)"
                 )
+            case ("accepted", true?):
+                print(
+                    "TPM: lockout clearable by whoever holds the TPM's lockout authorization (accepted at enrollment)")
+            case (_, false?):
+                print(
+                    "TPM: its lockout authorization is not set: any root user can clear the lockout"
+                        + (tpm.lockoutAuthority == "accepted"
+                            ? " (accepted at enrollment)" : " (re-enroll, or tpm2_changeauth -c lockout)"))
+            default:
+                break
             }
         } else {
             print("TPM: not in use")

@@ -98,6 +98,14 @@ struct DeviceCommand: ParsableCommand {
         @Option(help: "Argon2id cost of this device's passcode: interactive, moderate or sensitive.")
         var kdf: KDFStrength = .moderate
 
+        @Option(
+            help: ArgumentHelp(
+                "Bind this device's passcode to this machine's TPM 2.0 from its keybag's first write: auto (when one "
+                    + "is present), on (required) or off."))
+        var tpm2: TPMChoice = .auto
+
+        @OptionGroup var tpm: TPMEnrollOptions
+
         func run() throws {
             let lock = try lockUnmountedStore(target.store)
             defer { close(lock) }
@@ -125,10 +133,19 @@ struct DeviceCommand: ParsableCommand {
             let dk = existed ? try DeviceKeyFile.load(from: dkPath) : try DeviceKeyFile.create(at: dkPath)
             defer { dk.wipe() }
             do {
+                let storeID = any.file.storeID
+                let sealer = try tpm2.tcti(device: target.tpm2Device).map {
+                    try TPMSealer.enroll(tcti: $0, deviceKey: dk, storeID: storeID, pcrs: try tpm.pcrs())
+                }
+                let choice = try tpm.lockoutChoice()
+                defer { if case .given(let k) = choice { k.wipe() } }
+                try sealer?.checkLockout(choice)
                 let kb = try Keybag.addDevice(
                     storePath: target.store, recovery: recovery, passcode: passcode, deviceKey: dk,
-                    name: name ?? ProcessInfo.processInfo.hostName, strength: kdf)
+                    name: name ?? ProcessInfo.processInfo.hostName, strength: kdf, sealer: sealer
+                ) { keys in try sealer?.takeLockout(choice, sets: keys.sets, storeID: storeID) }
                 print("added this device to \(target.store)")
+                if let sealer { TPMEnrollOptions.report(sealer) }
                 print("  device id:  \(kb.file.deviceID ?? "")")
                 print("  keybag:     \(kb.relativePath)")
                 print("  device key: \(dkPath)")

@@ -36,6 +36,8 @@ struct Init: ParsableCommand {
     @Option(help: "The TPM's TCTI (default device:/dev/tpmrm0), e.g. swtpm:host=127.0.0.1,port=2321.")
     var tpm2Device: String?
 
+    @OptionGroup var tpm: TPMEnrollOptions
+
     @Option(
         help: ArgumentHelp(
             "Content cipher: xaes256gcm (the default where the CPU has AES instructions), xchacha20poly1305 (the "
@@ -82,15 +84,19 @@ struct Init: ParsableCommand {
         }
         let tcti = try tpm2.tcti(device: tpm2Device)
         let sealer = try tcti.map {
-            try TPMSealer.enroll(tcti: $0, deviceKey: dk, storeID: storeID)
+            try TPMSealer.enroll(tcti: $0, deviceKey: dk, storeID: storeID, pcrs: try tpm.pcrs())
         }
+        let choice = try tpm.lockoutChoice()
+        defer { if case .given(let k) = choice { k.wipe() } }
+        try sealer?.checkLockout(choice)
         let recovery = noRecoveryKey ? nil : RecoveryKey.generate()
         defer { recovery?.wipe() }
         // The recovery key is handed out first: if that fails, no store exists whose key nobody has.
         if let recovery { try RecoveryKeyOutput.give(recovery, file: recoveryKeyFile) }
         let kb = try Keybag.create(
             storePath: store, storeID: storeID, passcode: passcode, deviceKey: dk, strength: kdf, cipher: cipher,
-            recovery: recovery, deviceName: ProcessInfo.processInfo.hostName, sealer: sealer)
+            recovery: recovery, deviceName: ProcessInfo.processInfo.hostName, sealer: sealer
+        ) { sets in try sealer?.takeLockout(choice, sets: sets, storeID: storeID) }
         try fm.createDirectory(
             atPath: store + "/" + Keybag.dataDirName, withIntermediateDirectories: false,
             attributes: [.posixPermissions: 0o755])
@@ -99,9 +105,6 @@ struct Init: ParsableCommand {
         print("  cipher:     \(kb.file.cipher)")
         print("  device id:  \(kb.file.deviceID ?? "")")
         print("  device key: \(dkPath)  (keep it; without it the store cannot be opened)")
-        if let sealer {
-            print("  TPM:        \(sealer.tcti), enrollment \(sealer.path) (the passcode works only with this TPM)")
-            TPMCommand.warnIfLockoutIsOpen(sealer)
-        }
+        if let sealer { TPMEnrollOptions.report(sealer) }
     }
 }

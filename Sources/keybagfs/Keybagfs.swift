@@ -20,7 +20,7 @@ struct Keybagfs: ParsableCommand {
             """,
         subcommands: [
             Init.self, Mount.self, Fsck.self, Recover.self, RecoveryKeyCommand.self, CipherCommand.self,
-            DeviceCommand.self, TPMCommand.self,
+            DeviceCommand.self, TPMCommand.self, Rewrap.self,
         ])
 
     /// Runs the command; usage errors exit 2, refusals 1.

@@ -40,12 +40,24 @@ struct Recover: ParsableCommand {
                 + "of --tpm2-device, of the current enrollment, or /dev/tpmrm0, when present), on, or off."))
     var tpm2: TPMChoice = .auto
 
-    /// The TPM the recovered passcode is bound to (nil: none), for `deviceKey`.
-    func sealer(deviceKey: SecureKey, storeID: String) throws -> TPMSealer? {
+    @OptionGroup var tpm: TPMEnrollOptions
+
+    /// The TPM the recovered passcode is bound to (nil: none), for `deviceKey`, its lockout
+    /// choice checked; PCRs those of the current enrollment unless --tpm2-pcrs.
+    func sealer(deviceKey: SecureKey, storeID: String, choice: TPMLockoutChoice) throws -> TPMSealer? {
         let path = TPMEnrollment.path(deviceID: try DeviceIdentity.id(deviceKey: deviceKey, storeID: storeID))
-        let current = (try? TPMEnrollment.load(from: path)).flatMap { $0 }?.tcti
-        guard let tcti = try tpm2.tcti(device: target.tpm2Device ?? current) else { return nil }
-        return try TPMSealer.enroll(tcti: tcti, deviceKey: deviceKey, storeID: storeID)
+        let current = (try? TPMEnrollment.load(from: path)).flatMap { $0 }
+        guard let tcti = try tpm2.tcti(device: target.tpm2Device ?? current?.tcti) else { return nil }
+        let sealer = try TPMSealer.enroll(
+            tcti: tcti, deviceKey: deviceKey, storeID: storeID, pcrs: try tpm.pcrs(fallback: current?.pcrs ?? []))
+        try sealer.checkLockout(choice)
+        return sealer
+    }
+
+    /// Takes the TPM's lockout as chosen, with the recovered keys (nothing without a TPM).
+    static func takeLockout(_ kb: Keybag, _ choice: TPMLockoutChoice, _ keys: StoreKeys) throws {
+        guard let sealer = kb.sealer as? TPMSealer else { return }
+        try sealer.takeLockout(choice, sets: keys.sets, storeID: kb.file.storeID)
     }
 
     /// The keybag holding the most key sets the recovery key opens (a device that missed a
@@ -68,10 +80,12 @@ struct Recover: ParsableCommand {
         let passcode = try PasscodeInput.readNew(
             fromStdin: stdin, prompt: "New passcode: ", mismatch: "the passcodes differ; nothing was changed")
         defer { passcode.wipe() }
+        let choice = try tpm.lockoutChoice()
+        defer { if case .given(let k) = choice { k.wipe() } }
         if newDeviceKey {
-            try recoverWithNewDeviceKey(dkPath, recovery: recovery, passcode: passcode)
+            try recoverWithNewDeviceKey(dkPath, recovery: recovery, passcode: passcode, choice: choice)
         } else {
-            try recoverWithDeviceKey(dkPath, recovery: recovery, passcode: passcode)
+            try recoverWithDeviceKey(dkPath, recovery: recovery, passcode: passcode, choice: choice)
         }
     }
 
@@ -79,7 +93,9 @@ struct Recover: ParsableCommand {
     /// under a staged name, the keybag is saved, then the key is renamed into place and the
     /// folder synced again. A crash after the keybag save leaves the store needing
     /// `<key>.new`: rename it, or run `recover` again (the recovery key stays valid).
-    private func recoverWithNewDeviceKey(_ dkPath: String, recovery: RecoveryKey, passcode: SecureKey) throws {
+    private func recoverWithNewDeviceKey(
+        _ dkPath: String, recovery: RecoveryKey, passcode: SecureKey, choice: TPMLockoutChoice
+    ) throws {
         var lst = stat()
         if lstat(dkPath, &lst) == 0 && lst.st_mode & S_IFMT == S_IFLNK {
             throw KeybagError.invalid("\(dkPath) is a symlink; give the path it points to with --device-key")
@@ -102,10 +118,12 @@ struct Recover: ParsableCommand {
         let dk = try DeviceKeyFile.create(at: staged)
         defer { dk.wipe() }
         do {
-            kb.sealer = try sealer(deviceKey: dk, storeID: kb.file.storeID)
+            kb.sealer = try sealer(deviceKey: dk, storeID: kb.file.storeID, choice: choice)
+            let taken = kb
             try kb.recover(
                 with: recovery, newPasscode: passcode, deviceKey: dk,
-                escrowFrom: Self.escrowSource(target.store, recovery))
+                escrowFrom: Self.escrowSource(target.store, recovery)
+            ) { try Self.takeLockout(taken, choice, $0) }
         } catch {
             unlink(staged)
             throw error
@@ -122,7 +140,9 @@ struct Recover: ParsableCommand {
     }
 
     /// Recovery with this device's key: a new passcode, the same device key.
-    private func recoverWithDeviceKey(_ dkPath: String, recovery: RecoveryKey, passcode: SecureKey) throws {
+    private func recoverWithDeviceKey(
+        _ dkPath: String, recovery: RecoveryKey, passcode: SecureKey, choice: TPMLockoutChoice
+    ) throws {
         let dk: SecureKey
         do { dk = try DeviceKeyFile.load(from: dkPath) } catch {
             throw KeybagError.invalid("\(error); if the device key is lost, run again with --new-device-key")
@@ -139,10 +159,12 @@ struct Recover: ParsableCommand {
             )
         }
         _ = try? kb.authenticate(deviceKey: dk)
-        kb.sealer = try sealer(deviceKey: dk, storeID: kb.file.storeID)
+        kb.sealer = try sealer(deviceKey: dk, storeID: kb.file.storeID, choice: choice)
+        let taken = kb
         try kb.recover(
             with: recovery, newPasscode: passcode, deviceKey: dk,
-            escrowFrom: Self.escrowSource(target.store, recovery))
+            escrowFrom: Self.escrowSource(target.store, recovery)
+        ) { try Self.takeLockout(taken, choice, $0) }
         print("recovered \(target.store): new passcode set")
     }
 }

@@ -18,7 +18,9 @@ final class Swtpm {
     /// Starts a simulator with state in `root/name` on a pair of free loopback ports, and
     /// sets its dictionary-attack limits (`maxTries` failures, one forgiven every
     /// `recoveryTime` s) from a cleared counter.
-    init(root: String, name: String = "tpm", maxTries: Int = 3, recoveryTime: Int = 600) throws {
+    init(
+        root: String, name: String = "tpm", maxTries: Int = 3, recoveryTime: Int = 600, lockoutRecovery: Int? = nil
+    ) throws {
         state = root + "/" + name
         try FileManager.default.createDirectory(atPath: state, withIntermediateDirectories: true)
         for _ in 0..<20 {
@@ -46,7 +48,7 @@ final class Swtpm {
         guard process != nil else {
             throw NSError(domain: "swtpm did not start (is Debian's swtpm installed?)", code: 1)
         }
-        try setLockout(maxTries: maxTries, recoveryTime: recoveryTime)
+        try setLockout(maxTries: maxTries, recoveryTime: recoveryTime, lockoutRecovery: lockoutRecovery)
     }
 
     deinit { stop() }
@@ -84,11 +86,14 @@ final class Swtpm {
         MountFixture.run("/usr/bin/" + name, args, environment: ["TPM2TOOLS_TCTI": tcti, "TSS2_LOG": "all+NONE"])
     }
 
-    /// Clears the lockout counter, then sets the dictionary-attack limits.
-    func setLockout(maxTries: Int, recoveryTime: Int) throws {
+    /// Clears the lockout counter, then sets the dictionary-attack limits (with the empty
+    /// lockout authorization: before keybagfs takes it). `lockoutRecovery` (default
+    /// `recoveryTime`): seconds the lockout authorization is refused after a wrong one.
+    func setLockout(maxTries: Int, recoveryTime: Int, lockoutRecovery: Int? = nil) throws {
         let clear = tool("tpm2_dictionarylockout", ["-c"])
         let set = tool(
-            "tpm2_dictionarylockout", ["-s", "-n", "\(maxTries)", "-t", "\(recoveryTime)", "-l", "\(recoveryTime)"])
+            "tpm2_dictionarylockout",
+            ["-s", "-n", "\(maxTries)", "-t", "\(recoveryTime)", "-l", "\(lockoutRecovery ?? recoveryTime)"])
         guard clear.code == 0, set.code == 0 else {
             throw NSError(domain: "tpm2_dictionarylockout: \(clear.stderr) \(set.stderr)", code: 1)
         }
@@ -106,6 +111,12 @@ final class Swtpm {
             tail.isEmpty && i + 1 < lines.count
             ? lines[i + 1].replacingOccurrences(of: "raw:", with: "").trimmingCharacters(in: .whitespaces) : tail
         return text.hasPrefix("0x") ? Int(text.dropFirst(2), radix: 16) : Int(text)
+    }
+
+    /// Whether the TPM's lockout authorization is set (TPMA_PERMANENT lockoutAuthSet).
+    var lockoutAuthSet: Bool {
+        let out = tool("tpm2_getcap", ["properties-variable"]).stdout
+        return out.split(separator: "\n").contains { $0.contains("lockoutAuthSet") && $0.hasSuffix("1") }
     }
 
     /// The TPM's own lockout counter.

@@ -105,8 +105,17 @@ final class TPMTests: XCTestCase {
         try m.mount()
         rightIsThrottled("with the newest keybag back")
         XCTAssertEqual(tpm.lockoutCounter, 3, "no try was made in lockout")
-        // The administrator's way out (tpm2_dictionarylockout -c with the lockout authorization).
-        try tpm.setLockout(maxTries: 3, recoveryTime: 600)
+        // The owner's way out: keybagfs set the TPM's lockout authorization, which only the
+        // recovery key opens (TPMLockoutTests tries the way without it).
+        m.unmount()
+        let clear = keybagfs(
+            [
+                "tpm2", "clear-lockout", m.store, "--device-key", m.deviceKey, "--recovery-key-file",
+                m.root + "/recovery.txt",
+            ])
+        XCTAssertEqual(clear.code, 0, clear.stderr)
+        XCTAssertEqual(tpm.lockoutCounter, 0)
+        try m.mount()
         m.unlock()
         XCTAssertEqual(try readFile(m.path("notes.txt")).get(), bytes("bound to this TPM"))
     }
@@ -196,7 +205,10 @@ final class TPMTests: XCTestCase {
         b.unmount()
         // `tpm2 enroll` binds it again.
         let en = keybagfs(
-            ["tpm2", "enroll", b.store, "--device-key", b.deviceKey, "--tpm2-device", tpmB.tcti, "--passcode-stdin"],
+            [
+                "tpm2", "enroll", b.store, "--device-key", b.deviceKey, "--tpm2-device", tpmB.tcti, "--passcode-stdin",
+                "--recovery-key-file", rk,
+            ],
             stdin: newPasscode + "\n", state: stateB)
         XCTAssertEqual(en.code, 0, en.stderr)
         try b.mount(environment: ["STATE_DIRECTORY": stateB])
@@ -286,7 +298,7 @@ final class TPMTests: XCTestCase {
         var secretLen = secret.count
         XCTAssertEqual(
             kbfs_tpm_unseal_epoch(
-                handle, pub, pub.count, priv, priv.count, auth, auth.count, epoch, nvAuth, nvAuth.count, bound,
+                handle, pub, pub.count, priv, priv.count, auth, auth.count, epoch, nvAuth, nvAuth.count, bound, 0,
                 &secret, &secretLen, &err, err.count), 0,
             String(decoding: err.prefix { $0 != 0 }.map { UInt8(bitPattern: $0) }, as: UTF8.self))
         kbfs_tpm_close(handle)

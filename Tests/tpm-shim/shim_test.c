@@ -396,7 +396,7 @@ int main(int argc, char **argv) {
                "nv_define_counter (epoch)");
         EXPECT(kbfs_tpm_nv_read_counter(t1, ix, nvauth, sizeof nvauth, &v, err, sizeof err), KBFS_TPM_OK,
                "nv_read_counter (epoch)");
-        EXPECT(kbfs_tpm_seal_epoch(t1, secret, sizeof secret, auth, sizeof auth, ix, nvauth, sizeof nvauth, v, ep, &epl,
+        EXPECT(kbfs_tpm_seal_epoch(t1, secret, sizeof secret, auth, sizeof auth, ix, nvauth, sizeof nvauth, v, 0, ep, &epl,
                                    ev, &evl, err, sizeof err),
                KBFS_TPM_OK, "seal_epoch with bound = counter");
         {   /* The object: userWithAuth and noDA clear, authPolicy = the by-hand digest. */
@@ -415,7 +415,7 @@ int main(int argc, char **argv) {
         }
         got_len = sizeof got;
         memset(got, 0, sizeof got);
-        EXPECT(kbfs_tpm_unseal_epoch(t1, ep, epl, ev, evl, auth, sizeof auth, ix, nvauth, sizeof nvauth, v, got, &got_len,
+        EXPECT(kbfs_tpm_unseal_epoch(t1, ep, epl, ev, evl, auth, sizeof auth, ix, nvauth, sizeof nvauth, v, 0, got, &got_len,
                                      err, sizeof err),
                KBFS_TPM_OK, "unseal_epoch with the right auth (real policy session reproduces the digest)");
         CHECK(got_len == sizeof secret && memcmp(got, secret, sizeof secret) == 0, "epoch secret matches");
@@ -427,7 +427,7 @@ int main(int argc, char **argv) {
 
         CHECK(tool(tcti1, "tpm2_dictionarylockout -c") == 0, "tpm2_dictionarylockout -c");
         got_len = sizeof got;
-        EXPECT(kbfs_tpm_unseal_epoch(t1, ep, epl, ev, evl, wrong, sizeof wrong, ix, nvauth, sizeof nvauth, v, got,
+        EXPECT(kbfs_tpm_unseal_epoch(t1, ep, epl, ev, evl, wrong, sizeof wrong, ix, nvauth, sizeof nvauth, v, 0, got,
                                      &got_len, err, sizeof err),
                KBFS_TPM_BAD_AUTH, "unseal_epoch with a wrong auth");
         kbfs_tpm_da_info(t1, &da, err, sizeof err);
@@ -435,7 +435,7 @@ int main(int argc, char **argv) {
         CHECK(da.counter == 1 && cap == 1, "lockout counter after one wrong epoch try: da_info %u, tpm2_getcap %ld",
               da.counter, cap);
 
-        EXPECT(kbfs_tpm_seal_epoch(t1, secret, sizeof secret, auth, sizeof auth, ix, nvauth, sizeof nvauth, v + 1, ep2,
+        EXPECT(kbfs_tpm_seal_epoch(t1, secret, sizeof secret, auth, sizeof auth, ix, nvauth, sizeof nvauth, v + 1, 0, ep2,
                                    &ep2l, ev2, &ev2l, err, sizeof err),
                KBFS_TPM_OK, "seal_epoch with bound = counter + 1");
         EXPECT(kbfs_tpm_nv_increment(t1, ix, nvauth, sizeof nvauth, err, sizeof err), KBFS_TPM_OK, "nv_increment (epoch)");
@@ -443,51 +443,51 @@ int main(int argc, char **argv) {
                "nv_read_counter (epoch)");
         CHECK(w == v + 1, "epoch counter %llu -> %llu", (unsigned long long)v, (unsigned long long)w);
         got_len = sizeof got;
-        EXPECT(kbfs_tpm_unseal_epoch(t1, ep, epl, ev, evl, auth, sizeof auth, ix, nvauth, sizeof nvauth, v, got, &got_len,
+        EXPECT(kbfs_tpm_unseal_epoch(t1, ep, epl, ev, evl, auth, sizeof auth, ix, nvauth, sizeof nvauth, v, 0, got, &got_len,
                                      err, sizeof err),
                KBFS_TPM_STALE, "unseal_epoch (bound v) with the right auth after the counter passed v");
         printf("info  stale message: %s\n", err);
         got_len = sizeof got;
-        EXPECT(kbfs_tpm_unseal_epoch(t1, ep, epl, ev, evl, wrong, sizeof wrong, ix, nvauth, sizeof nvauth, v, got,
+        EXPECT(kbfs_tpm_unseal_epoch(t1, ep, epl, ev, evl, wrong, sizeof wrong, ix, nvauth, sizeof nvauth, v, 0, got,
                                      &got_len, err, sizeof err),
                KBFS_TPM_STALE, "unseal_epoch (bound v) with a wrong auth after the counter passed v");
         kbfs_tpm_da_info(t1, &da, err, sizeof err);
         CHECK(da.counter == 1, "stale tries do not count in the lockout counter (%u)", da.counter);
         got_len = sizeof got;
         memset(got, 0, sizeof got);
-        EXPECT(kbfs_tpm_unseal_epoch(t1, ep2, ep2l, ev2, ev2l, auth, sizeof auth, ix, nvauth, sizeof nvauth, v + 1, got,
+        EXPECT(kbfs_tpm_unseal_epoch(t1, ep2, ep2l, ev2, ev2l, auth, sizeof auth, ix, nvauth, sizeof nvauth, v + 1, 0, got,
                                      &got_len, err, sizeof err),
                KBFS_TPM_OK, "unseal_epoch (bound v+1) at counter v+1");
         CHECK(got_len == sizeof secret && memcmp(got, secret, sizeof secret) == 0, "epoch secret matches");
         got_len = sizeof got;
-        EXPECT(kbfs_tpm_unseal_epoch(t1, ep2, ep2l, ev2, ev2l, auth, sizeof auth, ix, nvauth, sizeof nvauth, v + 5, got,
+        EXPECT(kbfs_tpm_unseal_epoch(t1, ep2, ep2l, ev2, ev2l, auth, sizeof auth, ix, nvauth, sizeof nvauth, v + 5, 0, got,
                                      &got_len, err, sizeof err),
                KBFS_TPM_ERROR, "unseal_epoch with a bound other than the sealed one");
         printf("info  other-bound message: %s\n", err);
         got_len = sizeof got;
-        EXPECT(kbfs_tpm_unseal_epoch(t1, ep2, ep2l, ev2, ev2l, auth, sizeof auth, ix, nvwrong, sizeof nvwrong, v + 1,
+        EXPECT(kbfs_tpm_unseal_epoch(t1, ep2, ep2l, ev2, ev2l, auth, sizeof auth, ix, nvwrong, sizeof nvwrong, v + 1, 0,
                                      got, &got_len, err, sizeof err),
                KBFS_TPM_ERROR, "unseal_epoch with a wrong nv_auth");
         printf("info  wrong-nv_auth message: %s\n", err);
         got_len = sizeof got;
         EXPECT(kbfs_tpm_unseal_epoch(t1, pub, pub_len, priv, priv_len, auth, sizeof auth, ix, nvauth, sizeof nvauth,
-                                     v + 1, got, &got_len, err, sizeof err),
+                                     v + 1, 0, got, &got_len, err, sizeof err),
                KBFS_TPM_ERROR, "unseal_epoch of a plain kbfs_tpm_seal object");
         {
             uint8_t p3[KBFS_TPM_PUB_MAX], v3[KBFS_TPM_PRIV_MAX];
             size_t p3l = sizeof p3, v3l = sizeof v3;
-            EXPECT(kbfs_tpm_seal_epoch(t1, secret, sizeof secret, auth, sizeof auth, ix, nvwrong, sizeof nvwrong, v + 1,
+            EXPECT(kbfs_tpm_seal_epoch(t1, secret, sizeof secret, auth, sizeof auth, ix, nvwrong, sizeof nvwrong, v + 1, 0,
                                        p3, &p3l, v3, &v3l, err, sizeof err),
                    KBFS_TPM_ERROR, "seal_epoch with a wrong nv_auth");
             p3l = sizeof p3;
             v3l = sizeof v3;
             EXPECT(kbfs_tpm_seal_epoch(t1, secret, sizeof secret, auth, sizeof auth, KBFS_TPM_NV_LAST, nvauth,
-                                       sizeof nvauth, v + 1, p3, &p3l, v3, &v3l, err, sizeof err),
+                                       sizeof nvauth, v + 1, 0, p3, &p3l, v3, &v3l, err, sizeof err),
                    KBFS_TPM_NV_MISSING, "seal_epoch on an undefined index");
         }
         if (t2 != NULL) {
             got_len = sizeof got;
-            EXPECT(kbfs_tpm_unseal_epoch(t2, ep2, ep2l, ev2, ev2l, auth, sizeof auth, ix, nvauth, sizeof nvauth, v + 1,
+            EXPECT(kbfs_tpm_unseal_epoch(t2, ep2, ep2l, ev2, ev2l, auth, sizeof auth, ix, nvauth, sizeof nvauth, v + 1, 0,
                                          got, &got_len, err, sizeof err),
                    KBFS_TPM_NOT_THIS_TPM, "unseal_epoch swtpm #1's blobs on swtpm #2");
         }
@@ -495,7 +495,7 @@ int main(int argc, char **argv) {
         /* Lockout (3 tries since the lockout test): two more wrong tries, then the right one. */
         for (int i = 2; i <= 3; i++) {
             got_len = sizeof got;
-            EXPECT(kbfs_tpm_unseal_epoch(t1, ep2, ep2l, ev2, ev2l, wrong, sizeof wrong, ix, nvauth, sizeof nvauth, v + 1,
+            EXPECT(kbfs_tpm_unseal_epoch(t1, ep2, ep2l, ev2, ev2l, wrong, sizeof wrong, ix, nvauth, sizeof nvauth, v + 1, 0,
                                          got, &got_len, err, sizeof err),
                    KBFS_TPM_BAD_AUTH, "unseal_epoch with a wrong auth");
         }
@@ -503,7 +503,7 @@ int main(int argc, char **argv) {
         CHECK(da.counter == 3 && da.in_lockout, "after 3 wrong epoch tries: counter %u, inLockout %d", da.counter,
               da.in_lockout);
         got_len = sizeof got;
-        EXPECT(kbfs_tpm_unseal_epoch(t1, ep2, ep2l, ev2, ev2l, auth, sizeof auth, ix, nvauth, sizeof nvauth, v + 1, got,
+        EXPECT(kbfs_tpm_unseal_epoch(t1, ep2, ep2l, ev2, ev2l, auth, sizeof auth, ix, nvauth, sizeof nvauth, v + 1, 0, got,
                                      &got_len, err, sizeof err),
                KBFS_TPM_LOCKOUT, "unseal_epoch with the RIGHT auth while locked out");
         CHECK(tool(tcti1, "tpm2_dictionarylockout -c") == 0, "tpm2_dictionarylockout -c");
@@ -515,7 +515,7 @@ int main(int argc, char **argv) {
         for (int i = 0; i < N; i++) {
             size_t pl = sizeof ep2, vl = sizeof ev2;
             double a = now_ms();
-            ok &= kbfs_tpm_seal_epoch(t1, secret, sizeof secret, auth, sizeof auth, ix, nvauth, sizeof nvauth, v + 1, ep2,
+            ok &= kbfs_tpm_seal_epoch(t1, secret, sizeof secret, auth, sizeof auth, ix, nvauth, sizeof nvauth, v + 1, 0, ep2,
                                       &pl, ev2, &vl, err, sizeof err) == KBFS_TPM_OK;
             t_seal[i] = now_ms() - a;
             ep2l = pl;
@@ -524,7 +524,7 @@ int main(int argc, char **argv) {
         for (int i = 0; i < N; i++) {
             size_t gl = sizeof got;
             double a = now_ms();
-            ok &= kbfs_tpm_unseal_epoch(t1, ep2, ep2l, ev2, ev2l, auth, sizeof auth, ix, nvauth, sizeof nvauth, v + 1, got,
+            ok &= kbfs_tpm_unseal_epoch(t1, ep2, ep2l, ev2, ev2l, auth, sizeof auth, ix, nvauth, sizeof nvauth, v + 1, 0, got,
                                         &gl, err, sizeof err) == KBFS_TPM_OK;
             t_unseal[i] = now_ms() - a;
             ok &= gl == sizeof secret && memcmp(got, secret, gl) == 0;
@@ -535,7 +535,7 @@ int main(int argc, char **argv) {
 
         EXPECT(kbfs_tpm_nv_undefine(t1, ix, err, sizeof err), KBFS_TPM_OK, "nv_undefine (epoch)");
         got_len = sizeof got;
-        EXPECT(kbfs_tpm_unseal_epoch(t1, ep2, ep2l, ev2, ev2l, auth, sizeof auth, ix, nvauth, sizeof nvauth, v + 1, got,
+        EXPECT(kbfs_tpm_unseal_epoch(t1, ep2, ep2l, ev2, ev2l, auth, sizeof auth, ix, nvauth, sizeof nvauth, v + 1, 0, got,
                                      &got_len, err, sizeof err),
                KBFS_TPM_NV_MISSING, "unseal_epoch after the counter was undefined");
     }

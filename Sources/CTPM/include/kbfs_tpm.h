@@ -22,7 +22,8 @@ enum {
     KBFS_TPM_UNREACHABLE = 4,    /* the TCTI could not be loaded/connect, or the TPM stopped answering */
     KBFS_TPM_ERROR = 5,          /* anything else (bad arguments, buffer too small, TPM errors) */
     KBFS_TPM_NV_MISSING = 6,     /* the NV index is not defined */
-    KBFS_TPM_STALE = 7           /* this sealed object's epoch has passed (NV counter > its bound) */
+    KBFS_TPM_STALE = 7,          /* this sealed object's epoch has passed (NV counter > its bound) */
+    KBFS_TPM_PCR_CHANGED = 8     /* the PCRs the object is bound to no longer hold their sealed values */
 };
 
 /* Buffer sizes that always suffice for kbfs_tpm_seal's outputs (real blobs are far smaller). */
@@ -79,19 +80,25 @@ int kbfs_tpm_unseal(kbfs_tpm *t, const uint8_t *pub, size_t pub_len, const uint8
    kbfs_tpm_nv_define_counter, authValue nv_auth): the object has userWithAuth clear and
    authPolicy = PolicyAuthValue then PolicyNV(counter <= bound, unsigned, 8 bytes at offset 0),
    so it unseals only with auth AND while the counter is at most bound. The digest comes from a
-   trial policy session (PolicyNV there checks nv_auth, so a wrong nv_auth fails here). */
+   trial policy session (PolicyNV there checks nv_auth, so a wrong nv_auth fails here).
+   With pcr_mask (bit i = PCR i, 0..23) not 0, the policy ends with PolicyPCR over the SHA-256
+   bank's selected PCRs at their values now: the object then unseals only while they hold them. */
 int kbfs_tpm_seal_epoch(kbfs_tpm *t, const uint8_t *secret, size_t secret_len, const uint8_t *auth, size_t auth_len,
                         uint32_t epoch_index, const uint8_t *nv_auth, size_t nv_auth_len, uint64_t bound,
-                        uint8_t *pub, size_t *pub_len, uint8_t *priv, size_t *priv_len, char *err, size_t errlen);
+                        uint32_t pcr_mask, uint8_t *pub, size_t *pub_len, uint8_t *priv, size_t *priv_len, char *err,
+                        size_t errlen);
 /* Unseals a kbfs_tpm_seal_epoch object: loads it (NOT_THIS_TPM on integrity failure), runs
    PolicyAuthValue and PolicyNV in a salted policy session (PolicyNV authorized by nv_auth in a
    salted HMAC session), then Unseal with response encryption. STALE when the counter is above
    bound (checked before the authValue: no DA failure), BAD_AUTH on a wrong auth (one more DA
    failure), LOCKOUT while locked out, NV_MISSING when the index is gone; a wrong nv_auth, an
-   index that is not our kind of counter, or a bound other than the sealed one give ERROR. */
+   index that is not our kind of counter, or a bound other than the sealed one give ERROR.
+   pcr_mask must be the one it was sealed with: PCR_CHANGED when those PCRs changed since (the
+   policy fails before the authValue counts: no DA failure). */
 int kbfs_tpm_unseal_epoch(kbfs_tpm *t, const uint8_t *pub, size_t pub_len, const uint8_t *priv, size_t priv_len,
                           const uint8_t *auth, size_t auth_len, uint32_t epoch_index, const uint8_t *nv_auth,
-                          size_t nv_auth_len, uint64_t bound, uint8_t *out, size_t *out_len, char *err, size_t errlen);
+                          size_t nv_auth_len, uint64_t bound, uint32_t pcr_mask, uint8_t *out, size_t *out_len,
+                          char *err, size_t errlen);
 
 /* Reads TPM_PT_LOCKOUT_COUNTER, _MAX_AUTH_FAIL, _LOCKOUT_INTERVAL, _LOCKOUT_RECOVERY and
    TPM_PT_PERMANENT's inLockout and lockoutAuthSet through TPM2_GetCapability. */
@@ -109,5 +116,15 @@ int kbfs_tpm_nv_increment(kbfs_tpm *t, uint32_t index, const uint8_t *auth, size
 int kbfs_tpm_nv_read_counter(kbfs_tpm *t, uint32_t index, const uint8_t *auth, size_t auth_len, uint64_t *value, char *err, size_t errlen);
 /* Undefines the NV index with the owner's (empty) auth (NV_MISSING when it is not defined). */
 int kbfs_tpm_nv_undefine(kbfs_tpm *t, uint32_t index, char *err, size_t errlen);
+
+/* Sets the lockout hierarchy's authValue to new_auth (0..32 bytes; 0: empty), authorized by
+   old_auth (0..32 bytes; 0: empty), through a salted HMAC session with command parameter
+   encryption (new_auth never crosses the bus in the clear). BAD_AUTH when old_auth is wrong
+   (the TPM then refuses the lockout authorization for its lockoutRecovery time: LOCKOUT). */
+int kbfs_tpm_lockout_change_auth(kbfs_tpm *t, const uint8_t *old_auth, size_t old_len, const uint8_t *new_auth,
+                                 size_t new_len, char *err, size_t errlen);
+/* TPM2_DictionaryAttackLockReset (the DA counter back to 0, lockout over), authorized by the
+   lockout authValue auth (0..32 bytes) in a salted HMAC session. BAD_AUTH and LOCKOUT as above. */
+int kbfs_tpm_lockout_reset(kbfs_tpm *t, const uint8_t *auth, size_t auth_len, char *err, size_t errlen);
 
 #endif

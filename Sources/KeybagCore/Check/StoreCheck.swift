@@ -130,20 +130,7 @@ public final class StoreCheck {
     // MARK: walk
 
     /// Entries of a directory (without . and ..).
-    func entries(_ fd: Int32) -> [String] {
-        let d = dup(fd)
-        guard d >= 0, let dir = fdopendir(d) else { return [] }
-        defer { closedir(dir) }
-        rewinddir(dir)
-        var out: [String] = []
-        while let e = readdir(dir) {
-            let name = withUnsafePointer(to: &e.pointee.d_name) {
-                $0.withMemoryRebound(to: CChar.self, capacity: 256) { String(cString: $0) }
-            }
-            if name != "." && name != ".." { out.append(name) }
-        }
-        return out
-    }
+    func entries(_ fd: Int32) -> [String] { DirectoryEntries.names(of: fd) }
 
     /// The directory's metadata, or nil with the problem noted.
     private func directoryMeta(fd: Int32, rel: String, plain: String) -> DirectoryMeta? {

@@ -203,9 +203,11 @@ extension Keybag {
     /// its own (`devices/ID.keybag`) with every key set the recovery key covers, under its
     /// own passcode and device key, with its own counter. No key leaves either device; the
     /// keys come from the store's escrow slots.
+    /// With `sealer` (this machine's TPM) the keybag is bound to it from its first write, so
+    /// no copy of it can be guessed off the TPM; `withKeys` gets the keys before they are wiped.
     public static func addDevice(
         storePath: String, recovery: RecoveryKey, passcode: SecureKey, deviceKey: SecureKey, name: String?,
-        strength: KDFStrength
+        strength: KDFStrength, sealer: (any PasscodeSealer)? = nil, withKeys: (StoreKeys) throws -> Void = { _ in }
     ) throws -> Keybag {
         let any = try load(storePath: storePath)
         guard any.hasRecoveryKey else {
@@ -230,14 +232,18 @@ extension Keybag {
             wrapped: [:], classBPublic: "", failedAttempts: 0, lockoutUntil: 0, counterMAC: nil)
         file.deviceID = id
         file.deviceName = name
-        try wrapAll(keys, into: &file, passcode: passcode, deviceKey: deviceKey)
+        if sealer != nil { file.tpm2 = true }
+        try wrapAll(keys, into: &file, passcode: passcode, deviceKey: deviceKey, sealer: sealer)
         try writeEscrow(&file, keys: keys.escrowEntries(), recovery: recovery)
         try StoreDevices.makeFolder(storePath)
-        let kb = Keybag(
+        var kb = Keybag(
             storePath: storePath, file: file, counterKey: try counterKey(deviceKey),
             relativePath: StoreDevices.keybagPath(id))
+        kb.sealer = sealer
         try kb.save()
+        try sealer?.keepOnly(salt: file.kdfSalt)
         try KeySetFloor.record(kb, deviceID: id)
+        try withKeys(keys)
         return kb
     }
 

@@ -16,6 +16,8 @@ public enum TPMError: Error, Equatable, CustomStringConvertible {
     case nvMissing
     /// The sealed object's epoch has passed: it belongs to a passcode since replaced.
     case stale
+    /// The PCRs the sealed object is bound to changed (the machine's boot state differs).
+    case pcrChanged
     /// Anything else the TPM or tpm2-tss refused.
     case failed(String)
 
@@ -30,6 +32,8 @@ public enum TPMError: Error, Equatable, CustomStringConvertible {
             return
                 "the TPM no longer releases this keybag's secret: it belongs to a passcode since replaced (the keybag "
                 + "was put back from an older copy)"
+        case .pcrChanged:
+            return "the machine's boot state (the TPM PCRs this device's secret is bound to) changed since enrollment"
         case .failed(let m): return "TPM: \(m)"
         }
     }
@@ -43,6 +47,7 @@ public enum TPMError: Error, Equatable, CustomStringConvertible {
         case .unreachable: return Int32(KBFS_TPM_UNREACHABLE)
         case .nvMissing: return Int32(KBFS_TPM_NV_MISSING)
         case .stale: return Int32(KBFS_TPM_STALE)
+        case .pcrChanged: return Int32(KBFS_TPM_PCR_CHANGED)
         case .failed: return Int32(KBFS_TPM_ERROR)
         }
     }
@@ -56,6 +61,7 @@ public enum TPMError: Error, Equatable, CustomStringConvertible {
         case Int32(KBFS_TPM_UNREACHABLE): self = .unreachable(message)
         case Int32(KBFS_TPM_NV_MISSING): self = .nvMissing
         case Int32(KBFS_TPM_STALE): self = .stale
+        case Int32(KBFS_TPM_PCR_CHANGED): self = .pcrChanged
         default: self = .failed(message)
         }
     }
@@ -108,8 +114,10 @@ final class TPMConnection {
     }
 
     /// Seals `secret` under `auth`, usable only while the epoch counter at `epoch` is at
-    /// most `bound` (policy: PolicyAuthValue, PolicyNV).
-    func seal(_ secret: SecureKey, auth: SecureKey, epoch: UInt32, nvAuth: SecureKey, bound: UInt64) throws
+    /// most `bound` and the PCRs of `pcrs` (bit i: PCR i) hold their values now (policy:
+    /// PolicyAuthValue, PolicyNV, PolicyPCR).
+    func seal(_ secret: SecureKey, auth: SecureKey, epoch: UInt32, nvAuth: SecureKey, bound: UInt64, pcrs: UInt32)
+        throws
         -> (public: [UInt8], private: [UInt8])
     {
         var pub = [UInt8](repeating: 0, count: Int(KBFS_TPM_PUB_MAX)),
@@ -122,7 +130,8 @@ final class TPMConnection {
                         kbfs_tpm_seal_epoch(
                             handle, s.baseAddress!.assumingMemoryBound(to: UInt8.self), s.count,
                             a.baseAddress!.assumingMemoryBound(to: UInt8.self), a.count, epoch,
-                            v.baseAddress!.assumingMemoryBound(to: UInt8.self), v.count, bound, &pub, &pubLen, &priv,
+                            v.baseAddress!.assumingMemoryBound(to: UInt8.self), v.count, bound, pcrs, &pub, &pubLen,
+                            &priv,
                             &privLen, $0, $1)
                     }
                 }
@@ -131,9 +140,11 @@ final class TPMConnection {
         return (Array(pub[..<pubLen]), Array(priv[..<privLen]))
     }
 
-    /// Unseals an epoch-bound object into guarded memory; `stale` once its epoch has passed.
+    /// Unseals an epoch-bound object into guarded memory; `stale` once its epoch has passed,
+    /// `pcrChanged` when the PCRs of `pcrs` it was sealed with changed.
     func unseal(
-        public pub: [UInt8], private priv: [UInt8], auth: SecureKey, epoch: UInt32, nvAuth: SecureKey, bound: UInt64
+        public pub: [UInt8], private priv: [UInt8], auth: SecureKey, epoch: UInt32, nvAuth: SecureKey, bound: UInt64,
+        pcrs: UInt32
     ) throws -> SecureKey {
         do {
             return try SecureKey(count: 32) { out in
@@ -145,6 +156,7 @@ final class TPMConnection {
                                 handle, pub, pub.count, priv, priv.count,
                                 a.baseAddress!.assumingMemoryBound(to: UInt8.self),
                                 a.count, epoch, v.baseAddress!.assumingMemoryBound(to: UInt8.self), v.count, bound,
+                                pcrs,
                                 out.baseAddress!.assumingMemoryBound(to: UInt8.self), &n, $0, $1)
                         }
                     }
@@ -210,6 +222,28 @@ final class TPMConnection {
                     handle, index, a.baseAddress!.assumingMemoryBound(to: UInt8.self), a.count, $0, $1)
             }
         }
+    }
+
+    /// Sets the TPM's lockout authorization to `new` (nil: empty), authorized by `old` (nil: empty).
+    func changeLockoutAuth(from old: SecureKey?, to new: SecureKey?) throws {
+        try Self.withOptional(old) { o, ol in
+            try Self.withOptional(new) { n, nl in
+                try Self.call { kbfs_tpm_lockout_change_auth(handle, o, ol, n, nl, $0, $1) }
+            }
+        }
+    }
+
+    /// Ends the TPM's dictionary-attack lockout (its counter back to 0), with the lockout authorization.
+    func resetLockout(auth: SecureKey?) throws {
+        try Self.withOptional(auth) { a, al in try Self.call { kbfs_tpm_lockout_reset(handle, a, al, $0, $1) } }
+    }
+
+    /// Runs `body` with a key's bytes, or with (nil, 0) for none.
+    private static func withOptional(
+        _ key: SecureKey?, _ body: (UnsafePointer<UInt8>?, Int) throws -> Void
+    ) throws {
+        guard let key else { return try body(nil, 0) }
+        try key.withBytes { try body($0.baseAddress!.assumingMemoryBound(to: UInt8.self), $0.count) }
     }
 
     /// Releases the NV counter's space.

@@ -10,7 +10,7 @@ import Glibc
 /// from and read into guarded memory, never through the daemon's heap.
 ///
 /// Frames (little-endian; each part a u32 length and its bytes): request `op(1) ‖ tcti ‖ pin ‖
-/// a ‖ b ‖ auth ‖ nvAuth ‖ epoch(u32) ‖ bound(u64)` (`unseal`: a, b the public and private
+/// a ‖ b ‖ auth ‖ nvAuth ‖ epoch(u32) ‖ bound(u64) ‖ pcrs(u32)` (`unseal`: a, b the public and private
 /// blobs; `seal`: a the secret, b empty; pin: the TPM's primary name, or empty); reply
 /// `i32 code ‖ message ‖ p ‖ q` (`unseal`: p the secret; `seal`: p, q the blobs).
 public struct TPMHelperProcess: Sendable {
@@ -25,6 +25,8 @@ public struct TPMHelperProcess: Sendable {
     /// Where the TPM is and which object's epoch applies.
     struct Target {
         let tcti: String, pin: [UInt8], epoch: UInt32, bound: UInt64, nvAuth: SecureKey
+        /// The PCRs the object is bound to (bit i: PCR i; 0: none).
+        var pcrs: UInt32 = 0
     }
 
     /// The secret the TPM of `target` releases for `auth`.
@@ -66,6 +68,7 @@ public struct TPMHelperProcess: Sendable {
         var tail: [UInt8] = []
         withUnsafeBytes(of: target.epoch.littleEndian) { tail += $0 }
         withUnsafeBytes(of: target.bound.littleEndian) { tail += $0 }
+        withUnsafeBytes(of: target.pcrs.littleEndian) { tail += $0 }
         try writeAll(fd, tail)
     }
 
@@ -135,23 +138,25 @@ public struct TPMHelperProcess: Sendable {
             let tcti = String(decoding: try readBlob(0), as: UTF8.self), pin = try readBlob(0)
             let a = try readSecret(0), b = try readBlob(0), auth = try readSecret(0), nvAuth = try readSecret(0)
             defer { a.wipe(); auth.wipe(); nvAuth.wipe() }
-            var epoch: UInt32 = 0, bound: UInt64 = 0
+            var epoch: UInt32 = 0, bound: UInt64 = 0, pcrs: UInt32 = 0
             try readExactly(0, &epoch, 4)
             try readExactly(0, &bound, 8)
+            try readExactly(0, &pcrs, 4)
             epoch = UInt32(littleEndian: epoch)
             bound = UInt64(littleEndian: bound)
+            pcrs = UInt32(littleEndian: pcrs)
             let tpm = try TPMConnection(tcti: tcti, pinned: pin.isEmpty ? nil : pin)
             switch op {
             case opUnseal:
                 let secret = try tpm.unseal(
                     public: try a.withBytes { Array($0) }, private: b, auth: auth, epoch: epoch, nvAuth: nvAuth,
-                    bound: bound)
+                    bound: bound, pcrs: pcrs)
                 defer { secret.wipe() }
                 try writeAll(1, [0, 0, 0, 0] + length(0))
                 try writeSecret(1, secret)
                 return 0
             case opSeal:
-                let (pub, priv) = try tpm.seal(a, auth: auth, epoch: epoch, nvAuth: nvAuth, bound: bound)
+                let (pub, priv) = try tpm.seal(a, auth: auth, epoch: epoch, nvAuth: nvAuth, bound: bound, pcrs: pcrs)
                 answer(0, "", [pub, priv])
             default:
                 answer(Int32(KBFS_TPM_ERROR), "unknown helper operation \(op)", [])

@@ -51,20 +51,16 @@ public struct TPMEnrollment: Codable, Sendable, Equatable {
     public var epochIndex: UInt32?
     /// The TPM's storage primary name (hex), checked before any authorization is sent.
     public var primaryName: String?
+    /// The PCRs (SHA-256 bank) every sealed object is bound to; nil or empty: none.
+    public var pcrs: [Int]?
+    /// Who holds the TPM's lockout authorization (nil: enrolled before keybagfs asked).
+    public var lockout: TPMLockoutAuthority?
+
+    /// `pcrs` as a mask (bit i: PCR i).
+    var pcrMask: UInt32 { (pcrs ?? []).reduce(0) { $0 | (($1 >= 0 && $1 < 24) ? UInt32(1) << UInt32($1) : 0) } }
 
     /// `primaryName` as bytes (nil: not pinned yet).
-    var pin: [UInt8]? {
-        guard let h = primaryName, h.utf8.count % 2 == 0 else { return nil }
-        var out: [UInt8] = []
-        var i = h.startIndex
-        while i < h.endIndex {
-            let j = h.index(i, offsetBy: 2)
-            guard let b = UInt8(h[i..<j], radix: 16) else { return nil }
-            out.append(b)
-            i = j
-        }
-        return out
-    }
+    var pin: [UInt8]? { primaryName.flatMap(Hex.bytes) }
 
     /// Where the enrollment of device `deviceID` lives.
     public static func path(deviceID: String) -> String { KeySetFloor.stateFolder + "/\(deviceID).tpm2" }
@@ -98,11 +94,11 @@ public final class TPMSealer: PasscodeSealer {
     /// The enrollment file.
     public let path: String
     /// The enrollment as last written.
-    private let enrollment: Locked<TPMEnrollment>
+    let enrollment: Locked<TPMEnrollment>
     /// The NV counter's authorization (from the device key; not a passcode secret).
     private let nvAuth: SecureKey
     /// The enrollment a new one replaces: its NV counter goes once the keybag no longer needs it.
-    private let replaced = Locked<TPMEnrollment?>(nil)
+    let replaced = Locked<TPMEnrollment?>(nil)
     /// The lockout state last read (CLOCK_MONOTONIC ns) for `status`, which may be asked
     /// often: each read re-creates the storage primary, slow on some TPMs. Dropped at each
     /// unseal, so a status after an unlock attempt is fresh.
@@ -146,17 +142,29 @@ public final class TPMSealer: PasscodeSealer {
             path: path, enrollment: e, nvAuth: try nvAuth(deviceKey: deviceKey, storeID: storeID), helper: helper)
     }
 
-    /// A new enrollment on the TPM at `tcti` (reached now, to fail early). Nothing is
+    /// A new enrollment on the TPM at `tcti` (reached now, to fail early), its objects bound
+    /// to `pcrs` (SHA-256 bank) at their values at each seal. Nothing is
     /// written on the TPM or to `path` until the first seal (after a recovery key or
     /// passcode was checked), which also defines the NV counter; the NV counter of an
     /// enrollment it replaces is released once the keybag is saved with the new one (`keepOnly`).
-    public static func enroll(tcti: String, deviceKey: SecureKey, storeID: String) throws -> TPMSealer {
-        _ = try TPMConnection(tcti: tcti)
+    public static func enroll(tcti: String, deviceKey: SecureKey, storeID: String, pcrs: [Int] = []) throws
+        -> TPMSealer
+    {
+        let name = try TPMConnection(tcti: tcti).primaryName().map { String(format: "%02x", $0) }.joined()
+        guard pcrs.allSatisfy({ (0..<24).contains($0) }) else {
+            throw KeybagError.invalid("--tpm2-pcrs: PCRs are numbered 0 to 23")
+        }
         let path = TPMEnrollment.path(deviceID: try DeviceIdentity.id(deviceKey: deviceKey, storeID: storeID))
+        var fresh = TPMEnrollment(tcti: tcti)
+        fresh.pcrs = pcrs.isEmpty ? nil : Array(Set(pcrs)).sorted()
         let sealer = TPMSealer(
-            path: path, enrollment: TPMEnrollment(tcti: tcti),
-            nvAuth: try nvAuth(deviceKey: deviceKey, storeID: storeID))
-        sealer.replaced.withLock { $0 = (try? TPMEnrollment.load(from: path)).flatMap { $0 } }
+            path: path, enrollment: fresh, nvAuth: try nvAuth(deviceKey: deviceKey, storeID: storeID))
+        let previous = (try? TPMEnrollment.load(from: path)).flatMap { $0 }
+        sealer.replaced.withLock { $0 = previous }
+        // The lockout record of the same TPM stays with the device (the keys that open it stay too).
+        if let previous, previous.primaryName == name {
+            sealer.enrollment.withLock { $0.lockout = previous.lockout }
+        }
         return sealer
     }
 
@@ -165,7 +173,7 @@ public final class TPMSealer: PasscodeSealer {
         guard let epoch = e.epochIndex else {
             throw KeybagError.invalid("this device's TPM enrollment \(path) names no epoch counter (it was edited)")
         }
-        return .init(tcti: e.tcti, pin: e.pin ?? [], epoch: epoch, bound: bound, nvAuth: nvAuth)
+        return .init(tcti: e.tcti, pin: e.pin ?? [], epoch: epoch, bound: bound, nvAuth: nvAuth, pcrs: e.pcrMask)
     }
 
     public func secret(salt: String, auth: SecureKey, making: Bool) throws -> SecureKey {
@@ -178,7 +186,7 @@ public final class TPMSealer: PasscodeSealer {
                 guard let helper else {
                     return try TPMConnection(tcti: e.tcti, pinned: e.pin).unseal(
                         public: [UInt8](pub), private: [UInt8](priv), auth: auth, epoch: t.epoch, nvAuth: nvAuth,
-                        bound: o.bound)
+                        bound: o.bound, pcrs: t.pcrs)
                 }
                 do {
                     return try helper.unseal(t, public: [UInt8](pub), private: [UInt8](priv), auth: auth)
@@ -206,7 +214,8 @@ public final class TPMSealer: PasscodeSealer {
                 let bound = try Self.counterCall { try tpm.readCounter(next.epochIndex!, auth: nvAuth) } + 1
                 let (pub, priv) =
                     try helper.map { try $0.seal(try target(next, bound: bound), secret: secret, auth: auth) }
-                    ?? tpm.seal(secret, auth: auth, epoch: next.epochIndex!, nvAuth: nvAuth, bound: bound)
+                    ?? tpm.seal(
+                        secret, auth: auth, epoch: next.epochIndex!, nvAuth: nvAuth, bound: bound, pcrs: next.pcrMask)
                 next.objects[salt] = .init(
                     publicBlob: Data(pub).base64EncodedString(), privateBlob: Data(priv).base64EncodedString(),
                     bound: bound)

@@ -176,6 +176,18 @@ extension Keybag {
         passcode: SecureKey, deviceKey: SecureKey, recovery: RecoveryKey?,
         now: Double = Date().timeIntervalSince1970
     ) throws -> Int {
+        let keys = try keysWithFreshSet(passcode: passcode, deviceKey: deviceKey, recovery: recovery, now: now)
+        defer { keys.wipe() }
+        try saveKeySets(keys, into: file, passcode: passcode, deviceKey: deviceKey, recovery: recovery, sealer: sealer)
+        return keys.current
+    }
+
+    /// Every key of this keybag (from the passcode; a wrong one counted, the throttle applied) with
+    /// a set of fresh keys appended, for a new key set; the caller wipes them. A store with a
+    /// recovery key needs it, and its escrow must hold these very keys.
+    mutating func keysWithFreshSet(
+        passcode: SecureKey, deviceKey: SecureKey, recovery: RecoveryKey?, now: Double
+    ) throws -> StoreKeys {
         if counterKey == nil { _ = try authenticate(deviceKey: deviceKey, now: now) }
         let wait = retryAfter(now: now)
         guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
@@ -193,23 +205,35 @@ extension Keybag {
             try recordFailure(now: now)
             throw KeybagError.badPasscode
         }
-        defer { keys.wipe() }
-        if let recovery {
-            let escrowed = try escrowedKeys(recovery: recovery)
-            defer { escrowed.wipe() }
-            guard try escrowed.sameKeys(as: keys) else {
-                throw KeybagError.corrupt("the recovery slots do not match this keybag (damaged or replaced)")
+        do {
+            if let recovery {
+                let escrowed = try escrowedKeys(recovery: recovery)
+                defer { escrowed.wipe() }
+                guard try escrowed.sameKeys(as: keys) else {
+                    throw KeybagError.corrupt("the recovery slots do not match this keybag (damaged or replaced)")
+                }
             }
-        }
-        try keys.addFreshSet()
-        var next = file
-        try Keybag.wrapAll(keys, into: &next, passcode: passcode, deviceKey: deviceKey, sealer: sealer)
+            try keys.addFreshSet()
+        } catch { keys.wipe(); throw error }
+        return keys
+    }
+
+    /// Saves `next` with every key of `keys` in it (A, B, C under the passcode key through
+    /// `sealer`, D and the volume key under the device wrap key), escrowed for `recovery`, its
+    /// counter cleared; then the sealer keeps only `next`'s salt and the device's newest set is recorded.
+    mutating func saveKeySets(
+        _ keys: StoreKeys, into next: KeybagFile, passcode: SecureKey, deviceKey: SecureKey, recovery: RecoveryKey?,
+        sealer newSealer: (any PasscodeSealer)?
+    ) throws {
+        var next = next
+        try Keybag.wrapAll(keys, into: &next, passcode: passcode, deviceKey: deviceKey, sealer: newSealer)
         if let recovery { try Keybag.writeEscrow(&next, keys: keys.escrowEntries(), recovery: recovery) }
         next.failedAttempts = 0
         next.lockoutUntil = 0
         file = next
+        sealer = newSealer
         try save()
+        try newSealer?.keepOnly(salt: next.kdfSalt)
         try KeySetFloor.record(self, deviceID: try DeviceIdentity.id(deviceKey: deviceKey, storeID: file.storeID))
-        return keys.current
     }
 }

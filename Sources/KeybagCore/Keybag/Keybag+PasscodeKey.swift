@@ -75,6 +75,9 @@ extension Keybag {
             return "this device's TPM does not hold its sealed secret (the TPM was cleared or replaced, or the store "
                 + "and device key were copied from another machine): run `keybagfs recover STORE` with the recovery "
                 + "key, which enrolls this TPM; nothing was changed"
+        case .pcrChanged:
+            return "\(e): run `keybagfs recover STORE` with the recovery key, which re-enrolls this TPM in the boot "
+                + "state it has now; nothing was changed"
         case .stale:
             return
                 "\(e); nothing was changed. Put back the newest keybag, or run `keybagfs recover` with the recovery key"

@@ -61,7 +61,8 @@ public struct Keybag: Sendable {
     public static func create(
         storePath: String, storeID: String, passcode: SecureKey, deviceKey: SecureKey, strength: KDFStrength,
         cipher: ContentCipher = .default, format: Int = Keybag.currentFormat, recovery: RecoveryKey? = nil,
-        deviceName: String? = nil, sealer: (any PasscodeSealer)? = nil
+        deviceName: String? = nil, sealer: (any PasscodeSealer)? = nil,
+        withKeys: ([UnlockedClassKeys]) throws -> Void = { _ in }
     ) throws -> Keybag {
         var file = KeybagFile(
             format: format, storeID: storeID, cipher: cipher.name, kdfOpsLimit: strength.opsLimit,
@@ -93,6 +94,7 @@ public struct Keybag: Sendable {
         kb.sealer = sealer
         try kb.save()
         try sealer?.keepOnly(salt: file.kdfSalt)
+        try withKeys([UnlockedClassKeys(classA: a, classBSecret: bs, classBPublic: bp, classC: c)])
         return kb
     }
 

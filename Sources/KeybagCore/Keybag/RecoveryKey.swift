@@ -200,7 +200,7 @@ extension Keybag {
 
     /// The store keys escrowed under `recovery`, from this keybag or from `escrowFrom` when
     /// that one holds a newer key set; a wrong recovery key is counted (and saved) here.
-    private mutating func escrowedKeysForRecovery(_ recovery: RecoveryKey, escrowFrom: Keybag?, now: Double) throws
+    mutating func escrowedKeysForRecovery(_ recovery: RecoveryKey, escrowFrom: Keybag?, now: Double) throws
         -> StoreKeys
     {
         let source = escrowFrom.flatMap { $0.currentKeySet > currentKeySet ? $0 : nil } ?? self
@@ -246,7 +246,8 @@ extension Keybag {
     /// removal takes up the new set this way).
     public mutating func recover(
         with recovery: RecoveryKey, newPasscode: SecureKey, deviceKey: SecureKey,
-        escrowFrom: Keybag? = nil, now: Double = Date().timeIntervalSince1970
+        escrowFrom: Keybag? = nil, now: Double = Date().timeIntervalSince1970,
+        withKeys: (StoreKeys) throws -> Void = { _ in }
     ) throws {
         guard hasRecoveryKey else {
             throw KeybagError.invalid(
@@ -283,6 +284,7 @@ extension Keybag {
         try save()
         try sealer?.keepOnly(salt: next.kdfSalt)
         try KeySetFloor.record(self, deviceID: id)
+        try withKeys(keys)
     }
 
     /// Replaces the recovery key (a first one for a store made without); the old one stops

@@ -85,9 +85,14 @@ final class Controller: Sendable {
         guard let sealer = keybag.withLock({ $0.sealer }) else { return .notInUse }
         do {
             let s = try sealer.lockoutState()
-            return StatusReply.TPMStatus(
+            var r = StatusReply.TPMStatus(
                 inUse: true, lockoutCounter: s.counter, maxTries: s.maxTries, recoveryTime: s.recoveryTime,
                 lockoutRecovery: s.lockoutRecovery, inLockout: s.inLockout, lockoutAuthSet: s.lockoutAuthSet)
+            if let tpm = sealer as? TPMSealer {
+                r.lockoutAuthority = tpm.lockoutHolder?.rawValue
+                r.pcrs = tpm.pcrs
+            }
+            return r
         } catch {
             return StatusReply.TPMStatus(inUse: true, error: "\(error)")
         }
