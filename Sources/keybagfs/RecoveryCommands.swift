@@ -113,6 +113,7 @@ struct Recover: ParsableCommand {
                     + "`keybagfs device add` and a new device key, and its old id removed")
         }
         var kb = try Keybag.load(storePath: target.store, relativePath: Keybag.fileName)
+        let wasBound = kb.file.tpm2 == true
         let staged = dkPath + ".new"
         unlink(staged)
         let dk = try DeviceKeyFile.create(at: staged)
@@ -137,6 +138,7 @@ struct Recover: ParsableCommand {
             "recovered \(target.store): new passcode set; new device key \(dkPath) (the old one no longer opens "
                 + "the store)"
         )
+        if !wasBound { try Self.newKeySetIfBound(&kb, passcode: passcode, deviceKey: dk, recovery: recovery) }
     }
 
     /// Recovery with this device's key: a new passcode, the same device key.
@@ -159,6 +161,7 @@ struct Recover: ParsableCommand {
             )
         }
         _ = try? kb.authenticate(deviceKey: dk)
+        let wasBound = kb.file.tpm2 == true
         kb.sealer = try sealer(deviceKey: dk, storeID: kb.file.storeID, choice: choice)
         let taken = kb
         try kb.recover(
@@ -166,6 +169,31 @@ struct Recover: ParsableCommand {
             escrowFrom: Self.escrowSource(target.store, recovery)
         ) { try Self.takeLockout(taken, choice, $0) }
         print("recovered \(target.store): new passcode set")
+        if !wasBound { try Self.newKeySetIfBound(&kb, passcode: passcode, deviceKey: dk, recovery: recovery) }
+    }
+
+    /// A keybag that was not bound to a TPM before and is now (`recover` enrolled one): every copy
+    /// of it from before is guessable off the TPM, so, as `tpm2 enroll` does, a new key set and
+    /// every file rewrapped for it (on a store of one device; on several, the sets stay and it says so).
+    static func newKeySetIfBound(
+        _ kb: inout Keybag, passcode: SecureKey, deviceKey: SecureKey, recovery: RecoveryKey
+    ) throws {
+        guard kb.sealer != nil else { return }
+        let others = kb.devicesWithout(keySet: kb.currentKeySet + 1)
+        guard others.isEmpty else {
+            print(
+                "  note: the key sets stay (other devices: \(others.joined(separator: ", "))), so a copy of this "
+                    + "device's keybag from before still opens today's files; `keybagfs tpm2 remove` then `tpm2 enroll "
+                    + "--new-key-set` changes them")
+            return
+        }
+        var moved = StoreRewrap.Result()
+        let store = kb.storePath
+        let set = try kb.startKeySet(passcode: passcode, deviceKey: deviceKey, recovery: recovery) { keys in
+            var rewrap = StoreRewrap(storePath: store, keys: keys)
+            moved = try rewrap.run()
+        }
+        print("  bound to the TPM: new key set \(set), \(moved.rewrapped) files rewrapped for it")
     }
 }
 

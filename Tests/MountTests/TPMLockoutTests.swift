@@ -288,4 +288,40 @@ final class TPMLockoutTests: XCTestCase {
             }
         }
     }
+
+    func testRecoverOntoATPMAlsoLeavesTheKeybagFromBeforeWithNothingToOpen() throws {
+        let tpm = try swtpm(maxTries: 5)
+        let rk = try MountFixture.makeRoot() + "/recovery.txt"
+        let m = try MountFixture(initArgs: ["--tpm2", "off", "--recovery-key-file", rk], mount: false)
+        addTeardownBlock { m.close() }
+        try m.mount()
+        m.unlock()
+        XCTAssertEqual(writeFile(m.path("a.txt"), bytes("class A, before the TPM")), 0)
+        XCTAssertEqual(setXattr(m.path("a.txt"), "complete"), 0)
+        m.unmount()
+        let oldKeybag = try Data(contentsOf: URL(fileURLWithPath: m.store + "/keybag"))
+        let newPasscode = "recovered onto the TPM"
+        let rec = keybagfs(
+            [
+                "recover", m.store, "--device-key", m.deviceKey, "--recovery-key-file", rk, "--stdin", "--tpm2", "on",
+                "--tpm2-device", tpm.tcti,
+            ], stdin: newPasscode + "\n")
+        XCTAssertEqual(rec.code, 0, rec.stderr)
+        XCTAssertTrue(rec.stdout.contains("new key set 1, 1 files rewrapped"), rec.stdout)
+        try m.mount()
+        XCTAssertEqual(m.ctl(["unlock", "--passcode-stdin"], stdin: newPasscode + "\n").code, 0)
+        XCTAssertEqual(try readFile(m.path("a.txt")).get(), bytes("class A, before the TPM"))
+        m.unmount()
+        let thief = try MountFixture(replicaOf: m, passcode: m.passcode)
+        addTeardownBlock { thief.close() }
+        try oldKeybag.write(to: URL(fileURLWithPath: thief.store + "/keybag"))
+        XCTAssertEqual(MountFixture.run("/bin/cp", [m.deviceKey, thief.deviceKey]).code, 0)
+        let state = thief.root + "/state"
+        XCTAssertEqual(mkdir(state, 0o700), 0)
+        try thief.mount(environment: ["STATE_DIRECTORY": state])
+        XCTAssertEqual(thief.ctl(["unlock", "--passcode-stdin"], stdin: m.passcode + "\n").code, 0)
+        guard case .failure = readFile(thief.path("a.txt")) else {
+            return XCTFail("the keybag from before recover bound the TPM opens a.txt")
+        }
+    }
 }

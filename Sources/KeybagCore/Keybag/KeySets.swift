@@ -172,13 +172,15 @@ extension Keybag {
     /// removed devices never get. A store with a recovery key needs it (every set is escrowed
     /// under it, so only its holders can write escrow slots); a wrong passcode is counted.
     /// Returns the new set's number.
+    /// `withKeys` gets every key, the new set last, before they are wiped.
     public mutating func startKeySet(
         passcode: SecureKey, deviceKey: SecureKey, recovery: RecoveryKey?,
-        now: Double = Date().timeIntervalSince1970
+        now: Double = Date().timeIntervalSince1970, withKeys: (StoreKeys) throws -> Void = { _ in }
     ) throws -> Int {
         let keys = try keysWithFreshSet(passcode: passcode, deviceKey: deviceKey, recovery: recovery, now: now)
         defer { keys.wipe() }
         try saveKeySets(keys, into: file, passcode: passcode, deviceKey: deviceKey, recovery: recovery, sealer: sealer)
+        try withKeys(keys)
         return keys.current
     }
 

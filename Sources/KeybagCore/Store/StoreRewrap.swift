@@ -17,6 +17,9 @@ public struct StoreRewrap {
         public var current = 0
         /// Headers that do not parse or open (left alone; `fsck` names them).
         public var skipped = 0
+
+        /// Nothing done yet.
+        public init() {}
     }
 
     /// Files per batch: their new slots are synced together, then their old slots erased.
