@@ -252,6 +252,14 @@ public enum MountDaemon {
         }
         guard let sealer = kb.sealer as? TPMSealer else { return }
         log("passcode bound to the TPM at \(sealer.tcti)")
+        if (try? sealer.lockoutUnfinished()) == true {
+            log(
+                "warning: the TPM's lockout authorization is empty, so any root user can clear its lockout and keep "
+                    + "guessing: run `keybagfs tpm2 enroll STORE` again (unmounted) to take it")
+        }
+        if let n = sealer.pendingRewrap {
+            log("warning: an enrollment was cut short: not every file is on key set \(n) yet (`keybagfs rewrap STORE`)")
+        }
     }
 
     /// This device's keybag, the device key, the class D key of each key set and the name

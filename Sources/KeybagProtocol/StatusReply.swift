@@ -47,6 +47,8 @@ public struct StatusReply: Codable, Sendable, Equatable {
         public var lockoutAuthority: String?
         /// The PCRs (SHA-256 bank) the sealed secret is bound to; absent or empty: none.
         public var pcrs: [Int]?
+        /// The key set an enrollment cut short had not yet moved every file to (`keybagfs rewrap`).
+        public var rewrapPending: Int?
         /// Why the TPM's state could not be read.
         public var error: String?
 

@@ -164,18 +164,21 @@ struct Status: ParsableCommand {
             switch (tpm.lockoutAuthority, tpm.lockoutAuthSet) {
             case ("keybagfs", true?), ("given", true?):
                 print(
-                    "TPM: lockout authorization kept by keybagfs: only the recovery key clears a lockout (keybagfs tpm2 clear-lockout)"
-                )
-            case ("accepted", true?):
+                    "TPM: lockout authorization kept by keybagfs: only the recovery key clears a lockout "
+                        + "(keybagfs tpm2 clear-lockout)")
+            case ("accepted", _):
                 print(
-                    "TPM: lockout clearable by whoever holds the TPM's lockout authorization (accepted at enrollment)")
+                    "TPM: lockout clearable by whoever holds the TPM's lockout authorization (accepted at enrollment"
+                        + (tpm.lockoutAuthSet == false ? "; it is empty: any root user" : "") + ")")
             case (_, false?):
                 print(
-                    "TPM: its lockout authorization is not set: any root user can clear the lockout"
-                        + (tpm.lockoutAuthority == "accepted"
-                            ? " (accepted at enrollment)" : " (re-enroll, or tpm2_changeauth -c lockout)"))
+                    "TPM: its lockout authorization is not set: any root user can clear the lockout (run `keybagfs "
+                        + "tpm2 enroll` again on the unmounted store to take it)")
             default:
                 break
+            }
+            if let n = tpm.rewrapPending {
+                print("TPM: files not yet all moved to key set \(n) (an enrollment was cut short): `keybagfs rewrap`")
             }
         } else {
             print("TPM: not in use")

@@ -44,12 +44,15 @@ struct Recover: ParsableCommand {
 
     /// The TPM the recovered passcode is bound to (nil: none), for `deviceKey`, its lockout
     /// choice checked; PCRs those of the current enrollment unless --tpm2-pcrs.
-    func sealer(deviceKey: SecureKey, storeID: String, choice: TPMLockoutChoice) throws -> TPMSealer? {
+    func sealer(
+        deviceKey: SecureKey, storeID: String, choice: TPMLockoutChoice, previousDeviceID: String? = nil
+    ) throws -> TPMSealer? {
         let path = TPMEnrollment.path(deviceID: try DeviceIdentity.id(deviceKey: deviceKey, storeID: storeID))
         let current = (try? TPMEnrollment.load(from: path)).flatMap { $0 }
         guard let tcti = try tpm2.tcti(device: target.tpm2Device ?? current?.tcti) else { return nil }
         let sealer = try TPMSealer.enroll(
-            tcti: tcti, deviceKey: deviceKey, storeID: storeID, pcrs: try tpm.pcrs(fallback: current?.pcrs ?? []))
+            tcti: tcti, deviceKey: deviceKey, storeID: storeID, pcrs: try tpm.pcrs(fallback: current?.pcrs ?? []),
+            previousDeviceID: previousDeviceID)
         try sealer.checkLockout(choice)
         return sealer
     }
@@ -119,7 +122,8 @@ struct Recover: ParsableCommand {
         let dk = try DeviceKeyFile.create(at: staged)
         defer { dk.wipe() }
         do {
-            kb.sealer = try sealer(deviceKey: dk, storeID: kb.file.storeID, choice: choice)
+            kb.sealer = try sealer(
+                deviceKey: dk, storeID: kb.file.storeID, choice: choice, previousDeviceID: kb.file.deviceID)
             let taken = kb
             try kb.recover(
                 with: recovery, newPasscode: passcode, deviceKey: dk,
@@ -178,7 +182,6 @@ struct Recover: ParsableCommand {
     static func newKeySetIfBound(
         _ kb: inout Keybag, passcode: SecureKey, deviceKey: SecureKey, recovery: RecoveryKey
     ) throws {
-        guard kb.sealer != nil else { return }
         let others = kb.devicesWithout(keySet: kb.currentKeySet + 1)
         guard others.isEmpty else {
             print(
@@ -189,9 +192,9 @@ struct Recover: ParsableCommand {
         }
         var moved = StoreRewrap.Result()
         let store = kb.storePath
+        guard let sealer = kb.sealer as? TPMSealer else { return }
         let set = try kb.startKeySet(passcode: passcode, deviceKey: deviceKey, recovery: recovery) { keys in
-            var rewrap = StoreRewrap(storePath: store, keys: keys)
-            moved = try rewrap.run()
+            moved = try TPMCommand.Enroll.rewrap(store, keys, sealer)
         }
         print("  bound to the TPM: new key set \(set), \(moved.rewrapped) files rewrapped for it")
     }

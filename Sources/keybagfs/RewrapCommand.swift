@@ -41,6 +41,7 @@ struct Rewrap: ParsableCommand {
             FileHandle.standardError.write(Data("  \($0) files…\n".utf8))
         }
         let r = try rewrap.run()
+        try (kb.sealer as? TPMSealer)?.setPendingRewrap(nil)
         print(
             "rewrapped \(r.rewrapped) files for key set \(keys.current) (\(r.current) already were, \(r.skipped) "
                 + "skipped: fsck names them) in \(String(format: "%.1f", Date().timeIntervalSince(start))) s")

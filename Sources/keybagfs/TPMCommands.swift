@@ -43,121 +43,6 @@ struct TPMCommand: ParsableCommand {
         }
     }
 
-    /// `keybagfs tpm2 enroll`.
-    struct Enroll: ParsableCommand {
-        static let configuration = CommandConfiguration(
-            abstract: "Bind this device's passcode to its TPM: no passcode can then be tried off this machine.",
-            discussion: """
-                The passcode is asked (or read from stdin with --passcode-stdin); a wrong one counts. A store with a \
-                recovery key needs it too (--recovery-key-file, else asked; with --passcode-stdin the first line of \
-                stdin, the passcode the second). A random secret is sealed in the TPM behind an authorization \
-                derived from the passcode, a new key set is made that only the TPM-bound keybag (and the recovery \
-                key) holds, and every file is rewrapped for it, so a copy of the keybag from before the enrollment \
-                opens nothing written or rewrapped since. Where the TPM's lockout authorization is empty, keybagfs \
-                sets a random one (see --tpm2-lockout-auth-file, --tpm2-accept-clearable-lockout). The TPM's file \
-                goes to /var/lib/keybagfs/DEVICEID.tpm2 ($STATE_DIRECTORY), never into the store. The TPM is \
-                --tpm2-device, else /dev/tpmrm0.
-                """)
-
-        @OptionGroup var target: UnmountedStore
-
-        @OptionGroup var tpm: TPMEnrollOptions
-
-        @Flag(help: "Read the passcode as one line from standard input.")
-        var passcodeStdin = false
-
-        @Option(help: "Read the recovery key from this file's first line.")
-        var recoveryKeyFile: String?
-
-        @Flag(
-            help: ArgumentHelp(
-                "On a store with other devices: make the new key set anyway (each other device then takes it up "
-                    + "with `keybagfs recover` before it can open files written from here)."))
-        var newKeySet = false
-
-        @Flag(
-            help: ArgumentHelp(
-                "On a store with other devices: keep the key sets as they are (a copy of this device's keybag from "
-                    + "before the enrollment then still opens every file)."))
-        var keepKeySet = false
-
-        /// Whether the enrollment makes a new key set: always on a store of one device; on a store of
-        /// several, only as the user says (the others could not open new files until `recover`).
-        func makesNewKeySet(others: [String]) throws -> Bool {
-            guard !(newKeySet && keepKeySet) else {
-                throw ValidationError("--new-key-set and --keep-key-set exclude each other")
-            }
-            if others.isEmpty || newKeySet { return !keepKeySet }
-            guard keepKeySet else {
-                throw KeybagError.invalid(
-                    "this store has other devices (\(others.joined(separator: ", "))): enrolling makes a new key set, "
-                        + "which they could not open until each runs `keybagfs recover` with the recovery key. Pass "
-                        + "--new-key-set for that, or --keep-key-set to keep the keys (a copy of this device's keybag "
-                        + "from before then still opens every file); nothing was changed")
-            }
-            return false
-        }
-
-        func run() throws {
-            try TPMCommand.moving(target, passcodeStdin: passcodeStdin) { kb, dk, passcode in
-                if let current = kb.sealer as? TPMSealer {
-                    throw KeybagError.invalid(
-                        "this device is already bound to the TPM at \(current.tcti); `keybagfs tpm2 remove` first to move it"
-                    )
-                }
-                guard let tcti = try TPMChoice.on.tcti(device: target.tpm2Device) else { return }
-                let storeID = kb.file.storeID
-                let sealer = try TPMSealer.enroll(tcti: tcti, deviceKey: dk, storeID: storeID, pcrs: try tpm.pcrs())
-                let choice = try tpm.lockoutChoice()
-                defer { if case .given(let k) = choice { k.wipe() } }
-                try sealer.checkLockout(choice)
-                let others = kb.devicesWithout(keySet: kb.currentKeySet + 1)
-                let fresh = try makesNewKeySet(others: others)
-                let recovery =
-                    fresh && kb.hasRecoveryKey
-                    ? try RecoveryKeyOutput.read(file: recoveryKeyFile, fromStdin: passcodeStdin) : nil
-                defer { recovery?.wipe() }
-                let code = try passcode()
-                guard fresh else {
-                    let keys = try kb.openAllCounted(passcode: code, deviceKey: dk)
-                    defer { keys.wipe() }
-                    try kb.moveToSealer(sealer, passcode: code, deviceKey: dk)
-                    try sealer.takeLockout(choice, sets: keys.sets, storeID: storeID)
-                    print("bound this device's passcode to the TPM at \(tcti) (enrollment \(sealer.path))")
-                    print("  key sets kept (--keep-key-set): a copy of this keybag from before still opens every file")
-                    print("  " + TPMEnrollOptions.lockoutReport(sealer))
-                    return
-                }
-                var moved: StoreRewrap.Result?
-                let set = try kb.enrollTPM(sealer, passcode: code, deviceKey: dk, recovery: recovery) { keys in
-                    if others.isEmpty {
-                        var rewrap = StoreRewrap(storePath: target.store, keys: keys)
-                        moved = try rewrap.run()
-                    }
-                    try sealer.takeLockout(choice, sets: keys.sets, storeID: storeID)
-                }
-                print("bound this device's passcode to the TPM at \(tcti) (enrollment \(sealer.path))")
-                if !sealer.pcrs.isEmpty {
-                    print("  bound to PCRs \(sealer.pcrs.map(String.init).joined(separator: ",")) (SHA-256)")
-                }
-                print(
-                    "  new key set \(set): a keybag copied before this enrollment opens no file written or rewrapped since"
-                )
-                if let moved {
-                    print(
-                        "  files rewrapped for it: \(moved.rewrapped) (\(moved.current) already were, \(moved.skipped) skipped)"
-                    )
-                } else {
-                    print(
-                        "  files kept on their key sets: other devices (\(others.joined(separator: ", "))) take up the new "
-                            + "set with `keybagfs recover`; then `keybagfs rewrap \(target.store)` moves every file to it"
-                    )
-                }
-                print("  " + TPMEnrollOptions.lockoutReport(sealer))
-            }
-        }
-    }
-
     /// `keybagfs tpm2 clear-lockout`.
     struct ClearLockout: ParsableCommand {
         static let configuration = CommandConfiguration(
@@ -218,8 +103,10 @@ struct TPMCommand: ParsableCommand {
                 let code = try passcode()
                 let keys = try kb.openAllCounted(passcode: code, deviceKey: dk)
                 defer { keys.wipe() }
+                // The lockout authorization first: while the TPM refuses it, nothing changes (the
+                // enrollment, which keeps it, stays).
+                let released = try old.releaseLockout(sets: keys.sets, storeID: kb.file.storeID)
                 try kb.moveToSealer(nil, passcode: code, deviceKey: dk)
-                let released = (try? old.releaseLockout(sets: keys.sets, storeID: kb.file.storeID)) ?? false
                 try old.remove()
                 print("this device's passcode is no longer bound to the TPM at \(old.tcti)")
                 print(

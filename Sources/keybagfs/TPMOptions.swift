@@ -1,5 +1,6 @@
 import ArgumentParser
 import Foundation
+import Glibc
 import KeybagCore
 
 /// The options of the commands that enroll a TPM (init, tpm2 enroll, recover, device add): the
@@ -46,10 +47,15 @@ struct TPMEnrollOptions: ParsableArguments {
             return .acceptClearable
         }
         guard let path = tpm2LockoutAuthFile else { return .own }
-        guard let data = FileManager.default.contents(atPath: path) else {
-            throw KeybagError.invalid("cannot read the lockout authorization file \(path)")
-        }
-        var line = [UInt8](data.prefix { $0 != 0x0A && $0 != 0x0D })
+        // Read into a buffer this process zeroes (not a Data it cannot wipe).
+        var raw = [UInt8](repeating: 0, count: 256)
+        defer { for i in raw.indices { raw[i] = 0 } }
+        let fd = open(path, O_RDONLY | O_CLOEXEC)
+        guard fd >= 0 else { throw KeybagError.system("cannot read the lockout authorization file \(path)", errno) }
+        let n = raw.withUnsafeMutableBytes { read(fd, $0.baseAddress, $0.count) }
+        close(fd)
+        guard n >= 0 else { throw KeybagError.system("cannot read the lockout authorization file \(path)", errno) }
+        var line = [UInt8](raw[..<n].prefix { $0 != 0x0A && $0 != 0x0D })
         defer { for i in line.indices { line[i] = 0 } }
         var bytes = line
         if line.starts(with: Array("hex:".utf8)) {

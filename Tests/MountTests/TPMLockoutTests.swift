@@ -80,7 +80,18 @@ final class TPMLockoutTests: XCTestCase {
         m.unlock()
         XCTAssertEqual(writeFile(m.path("after.txt"), bytes("unlocked again")), 0)
         m.unmount()
-        // Taking the device off its TPM gives the machine its empty lockout authorization back.
+        // Taking the device off its TPM gives the machine its empty lockout authorization back; not
+        // while the TPM refuses it after a wrong one (the record would be lost): then nothing changes.
+        XCTAssertNotEqual(tpm.tool("tpm2_dictionarylockout", ["-c"]).code, 0)
+        let early = keybagfs(
+            ["tpm2", "remove", m.store, "--device-key", m.deviceKey, "--passcode-stdin"], stdin: m.passcode + "\n")
+        XCTAssertEqual(early.code, 1, "removed while the TPM refused its lockout authorization")
+        XCTAssertTrue(early.stderr.contains("refuses its lockout authorization"), early.stderr)
+        XCTAssertTrue(tpm.lockoutAuthSet)
+        try m.mount()
+        XCTAssertEqual(tpmStatus(m)["lockoutAuthority"] as? String, "keybagfs", "still enrolled")
+        m.unmount()
+        sleep(3)
         let rm = keybagfs(
             ["tpm2", "remove", m.store, "--device-key", m.deviceKey, "--passcode-stdin"], stdin: m.passcode + "\n")
         XCTAssertEqual(rm.code, 0, rm.stderr)
@@ -323,5 +334,107 @@ final class TPMLockoutTests: XCTestCase {
         guard case .failure = readFile(thief.path("a.txt")) else {
             return XCTFail("the keybag from before recover bound the TPM opens a.txt")
         }
+    }
+
+    func testAnEnrollmentCutShortLeavesNoOpenLockoutAndRunningItAgainFinishesIt() throws {
+        let tpm = try swtpm(maxTries: 5, recoveryTime: 1000, lockoutRecovery: 2)
+        let rk = try MountFixture.makeRoot() + "/recovery.txt"
+        let m = try MountFixture(initArgs: ["--tpm2", "off", "--recovery-key-file", rk], mount: false)
+        addTeardownBlock { m.close() }
+        try m.mount()
+        m.unlock()
+        let files = 700  // more than one rewrap batch (512)
+        for i in 0..<files {
+            XCTAssertEqual(writeFile(m.path("f\(i)"), bytes("file \(i)")), 0)
+            if i % 2 == 0 { XCTAssertEqual(setXattr(m.path("f\(i)"), "complete"), 0) }
+        }
+        m.unmount()
+        let before = try Data(contentsOf: URL(fileURLWithPath: m.store + "/keybag"))
+        let enrollArgs = [
+            "tpm2", "enroll", m.store, "--device-key", m.deviceKey, "--tpm2-device", tpm.tcti, "--passcode-stdin",
+            "--recovery-key-file", rk,
+        ]
+        // Root tries a wrong lockout authorization first: the TPM then refuses it for a while, and
+        // the enrollment stops before it writes anything (it cannot take the lockout now).
+        XCTAssertNotEqual(tpm.tool("tpm2_dictionarylockout", ["-c", "-p", "str:wrong"]).code, 0)
+        let refused = keybagfs(enrollArgs, stdin: m.passcode + "\n")
+        XCTAssertEqual(refused.code, 1)
+        XCTAssertTrue(refused.stderr.contains("refuses its lockout authorization"), refused.stderr)
+        XCTAssertEqual(try Data(contentsOf: URL(fileURLWithPath: m.store + "/keybag")), before, "nothing written")
+        sleep(3)
+        // Killed in the middle of the rewrap (after a batch's new slots are durable).
+        let p = Process()
+        p.executableURL = URL(fileURLWithPath: MountFixture.binDir + "/keybagfs")
+        p.arguments = enrollArgs
+        p.environment = ProcessInfo.processInfo.environment.merging(
+            ["KEYBAGFS_TEST_FAILPOINTS": "rewrap-between-slots=stop"]) { $1 }
+        let input = Pipe()
+        p.standardInput = input
+        p.standardOutput = FileHandle.nullDevice
+        try p.run()
+        input.fileHandleForWriting.write(Data((m.passcode + "\n").utf8))
+        try input.fileHandleForWriting.close()
+        let pid = p.processIdentifier
+        var stopped = false
+        for _ in 0..<1000 where !stopped {
+            let stat = (try? String(contentsOfFile: "/proc/\(pid)/stat", encoding: .utf8)) ?? ""
+            stopped = stat.split(separator: ")").last?.split(separator: " ").first == "T"
+            if !stopped { usleep(20_000) }
+        }
+        XCTAssertTrue(stopped, "enroll reached the rewrap")
+        kill(pid, SIGKILL)
+        p.waitUntilExit()
+        XCTAssertTrue(tpm.lockoutAuthSet, "the lockout was taken before the rewrap")
+        XCTAssertNotEqual(tpm.tool("tpm2_dictionarylockout", ["-c"]).code, 0)
+        try m.mount()
+        XCTAssertEqual(tpmStatus(m)["rewrapPending"] as? Int, 1, "status says the enrollment was cut short")
+        m.unlock()
+        for i in stride(from: 0, to: files, by: 37) {
+            XCTAssertEqual(try readFile(m.path("f\(i)")).get(), bytes("file \(i)"), "f\(i) after the cut")
+        }
+        m.unmount()
+        let again = keybagfs(enrollArgs, stdin: m.passcode + "\n")
+        XCTAssertEqual(again.code, 0, again.stderr)
+        XCTAssertTrue(again.stdout.contains("finished"), again.stdout)
+        try m.mount()
+        XCTAssertNil(tpmStatus(m)["rewrapPending"], "done")
+        m.unmount()
+        // The keybag from before opens none of them.
+        let thief = try MountFixture(replicaOf: m, passcode: m.passcode)
+        addTeardownBlock { thief.close() }
+        try before.write(to: URL(fileURLWithPath: thief.store + "/keybag"))
+        XCTAssertEqual(MountFixture.run("/bin/cp", [m.deviceKey, thief.deviceKey]).code, 0)
+        let state = thief.root + "/state"
+        XCTAssertEqual(mkdir(state, 0o700), 0)
+        try thief.mount(environment: ["STATE_DIRECTORY": state])
+        XCTAssertEqual(thief.ctl(["unlock", "--passcode-stdin"], stdin: m.passcode + "\n").code, 0)
+        var opened = 0
+        for i in 0..<files { if case .success = readFile(thief.path("f\(i)")) { opened += 1 } }
+        XCTAssertEqual(opened, 0, "files the keybag from before still opens")
+    }
+
+    func testRecoverWithANewDeviceKeyKeepsTheLockoutAuthorizationItSet() throws {
+        let tpm = try swtpm(maxTries: 3)
+        let rk = try MountFixture.makeRoot() + "/recovery.txt"
+        let m = try MountFixture(
+            initArgs: ["--tpm2", "on", "--tpm2-device", tpm.tcti, "--recovery-key-file", rk], mount: false)
+        addTeardownBlock { m.close() }
+        XCTAssertTrue(tpm.lockoutAuthSet)
+        XCTAssertEqual(unlink(m.deviceKey), 0, "the device key is lost")
+        let rec = keybagfs(
+            [
+                "recover", m.store, "--device-key", m.deviceKey, "--recovery-key-file", rk, "--stdin",
+                "--new-device-key",
+                "--tpm2", "on", "--tpm2-device", tpm.tcti,
+            ], stdin: "new passcode\n")
+        XCTAssertEqual(rec.code, 0, rec.stderr)
+        try m.mount()
+        XCTAssertEqual(tpmStatus(m)["lockoutAuthority"] as? String, "keybagfs", "the record followed the device")
+        for n in 1...3 { XCTAssertEqual(m.ctl(["unlock", "--passcode-stdin"], stdin: "wrong \(n)\n").code, 1) }
+        m.unmount()
+        let clear = keybagfs(
+            ["tpm2", "clear-lockout", m.store, "--device-key", m.deviceKey, "--recovery-key-file", rk])
+        XCTAssertEqual(clear.code, 0, "the recovery key clears the lockout the first device id took: \(clear.stderr)")
+        XCTAssertEqual(tpm.lockoutCounter, 0)
     }
 }

@@ -32,6 +32,9 @@ public struct TPMLockoutAuthority: Codable, Sendable, Equatable {
     public var wrapped: String?
     /// The key set whose class A key the lockout key comes from.
     public var keySet: Int?
+    /// The device the wrap is bound to (absent: the enrollment's own); a record carried over from
+    /// the device's previous id (`recover --new-device-key`) keeps the id it was made for.
+    public var deviceID: String?
 
     /// The key that wraps the authorization: BLAKE2b keyed by class A of `keySet`, bound to the
     /// store and device.
@@ -55,12 +58,14 @@ public struct TPMLockoutAuthority: Codable, Sendable, Equatable {
         let k = try wrapKey(classA: sets[n].classA, storeID: storeID, deviceID: deviceID)
         defer { k.wipe() }
         let w = try KeyWrap.wrap(auth, with: k, ad: ad(storeID: storeID, deviceID: deviceID))
-        return TPMLockoutAuthority(holder: holder, wrapped: Data(w).base64EncodedString(), keySet: n)
+        return TPMLockoutAuthority(
+            holder: holder, wrapped: Data(w).base64EncodedString(), keySet: n, deviceID: deviceID)
     }
 
     /// The authorization this record keeps, opened with the class A keys of `sets`; nil when it keeps none.
-    func open(sets: [UnlockedClassKeys], storeID: String, deviceID: String) throws -> SecureKey? {
+    func open(sets: [UnlockedClassKeys], storeID: String, deviceID own: String) throws -> SecureKey? {
         guard let wrapped, let blob = Data(base64Encoded: wrapped) else { return nil }
+        let deviceID = self.deviceID ?? own
         guard let n = keySet, n >= 0, n < sets.count else {
             throw KeybagError.corrupt(
                 "the TPM enrollment's lockout record names key set \(keySet ?? -1), which is not here")
@@ -84,19 +89,47 @@ extension TPMSealer {
     /// The PCRs the enrollment binds to (empty: none).
     public var pcrs: [Int] { enrollment.withLock { $0.pcrs ?? [] } }
 
-    /// The authorization record this enrollment already keeps (carried from the enrollment of
-    /// the same TPM it replaces), when it keeps one.
+    /// The authorization record this enrollment keeps (carried from the enrollment of the same
+    /// TPM it replaces), when it keeps one.
     private var keptAuthority: TPMLockoutAuthority? {
         enrollment.withLock { e in e.lockout.flatMap { $0.wrapped != nil ? $0 : nil } }
     }
 
-    /// Refuses, before anything is written, an enrollment whose lockout choice cannot be kept:
-    /// `own` on a TPM whose lockout authorization another holder set.
+    /// This device's id (the enrollment file's name).
+    private var deviceID: String { ((path as NSString).lastPathComponent as NSString).deletingPathExtension }
+
+    /// Whether the TPM's lockout authorization is empty though the enrollment did not accept that:
+    /// an enrollment cut short, or one made before keybagfs took the lockout.
+    public func lockoutUnfinished() throws -> Bool {
+        guard enrollment.withLock({ $0.lockout?.holder }) != .accepted else { return false }
+        return try !lockoutState().lockoutAuthSet
+    }
+
+    /// Checks, before anything is written, that the lockout can be taken as `choice` says: the
+    /// TPM takes its lockout authorization now (not refusing it after a wrong one), a given one is
+    /// the TPM's, and an authorization someone else set is not silently taken over.
     public func checkLockout(_ choice: TPMLockoutChoice) throws {
-        guard case .own = choice else { return }
-        let state = try enrollment.withLock { try TPMConnection(tcti: $0.tcti).lockoutState() }
-        guard state.lockoutAuthSet, keptAuthority == nil else { return }
-        throw Self.heldElsewhere
+        try enrollment.withLock { e in
+            let tpm = try TPMConnection(tcti: e.tcti, pinned: e.pin)
+            do {
+                switch choice {
+                case .acceptClearable: return
+                case .given(let auth): try tpm.changeLockoutAuth(from: auth, to: auth)
+                case .own:
+                    if try tpm.lockoutState().lockoutAuthSet {
+                        guard e.lockout?.wrapped != nil else { throw Self.heldElsewhere }
+                    } else {
+                        try tpm.changeLockoutAuth(from: nil, to: nil)
+                    }
+                }
+            } catch TPMError.lockout {
+                throw Self.lockoutRefused(tpm)
+            } catch TPMError.badAuth {
+                throw KeybagError.invalid(
+                    "the TPM refused the lockout authorization given with --tpm2-lockout-auth-file (it is not the "
+                        + "TPM's; the TPM now refuses its lockout authorization for a while); nothing was changed")
+            }
+        }
     }
 
     /// The refusal where another holder set the lockout authorization.
@@ -108,42 +141,51 @@ extension TPMSealer {
                 + "to leave the lockout to whoever holds it; nothing was changed")
     }
 
-    /// This device's id (the enrollment file's name).
-    private var deviceID: String { ((path as NSString).lastPathComponent as NSString).deletingPathExtension }
+    /// The refusal while the TPM refuses its lockout authorization (after a wrong one was tried).
+    private static func lockoutRefused(_ tpm: TPMConnection) -> KeybagError {
+        let wait = (try? tpm.lockoutState().lockoutRecovery) ?? 0
+        return KeybagError.invalid(
+            "the TPM refuses its lockout authorization for up to \(wait) s after a wrong one was tried (someone tried "
+                + "to clear or change it): run this again after that; nothing was changed")
+    }
 
-    /// Takes the lockout as `choice` says, once the enrollment holds its first object: records
-    /// the holder (and a wrapped copy of the authorization, under class A of the newest of `sets`)
-    /// before the TPM's authorization changes, so a crash leaves a record, never an authorization nobody has.
+    /// Takes the lockout as `choice` says (after `checkLockout`), once the enrollment holds its
+    /// first object: records the holder (and a wrapped copy of the authorization, under class A
+    /// of the newest of `sets`) before the TPM's authorization changes, so a crash leaves a
+    /// record, never an authorization nobody has. A kept authorization the TPM lacks (an
+    /// enrollment cut short) is set again.
     public func takeLockout(_ choice: TPMLockoutChoice, sets: [UnlockedClassKeys], storeID: String) throws {
         try enrollment.withLock { e in
             let tpm = try TPMConnection(tcti: e.tcti, pinned: e.pin)
             var next = e
-            var newAuth: SecureKey?
-            defer { newAuth?.wipe() }
+            var apply: SecureKey?
+            defer { apply?.wipe() }
             switch choice {
             case .acceptClearable:
                 next.lockout = TPMLockoutAuthority(holder: .accepted)
             case .given(let auth):
-                try tpm.changeLockoutAuth(from: auth, to: auth)  // proves it (a wrong one counts in the TPM)
                 next.lockout = try .wrapping(auth, holder: .given, sets: sets, storeID: storeID, deviceID: deviceID)
             case .own:
-                if try tpm.lockoutState().lockoutAuthSet {
-                    guard let kept = e.lockout, kept.wrapped != nil,
-                        let auth = try kept.open(sets: sets, storeID: storeID, deviceID: deviceID)
-                    else { throw Self.heldElsewhere }
-                    defer { auth.wipe() }
+                let isSet = try tpm.lockoutState().lockoutAuthSet
+                if let kept = e.lockout, let auth = try kept.open(sets: sets, storeID: storeID, deviceID: deviceID) {
+                    apply = auth  // wiped on the way out; applied below only where the TPM lacks it
                     next.lockout = try .wrapping(
                         auth, holder: kept.holder, sets: sets, storeID: storeID, deviceID: deviceID)
+                    if isSet { apply = nil; auth.wipe() }
+                } else if isSet {
+                    throw Self.heldElsewhere
                 } else {
                     let auth = SecureKey(random: 32)
-                    newAuth = auth
+                    apply = auth
                     next.lockout = try .wrapping(
                         auth, holder: .keybagfs, sets: sets, storeID: storeID, deviceID: deviceID)
                 }
             }
             try next.save(to: path)
             e = next
-            if let newAuth { try tpm.changeLockoutAuth(from: nil, to: newAuth) }
+            do { if let apply { try tpm.changeLockoutAuth(from: nil, to: apply) } } catch TPMError.lockout {
+                throw Self.lockoutRefused(tpm)
+            }
         }
     }
 
@@ -159,20 +201,41 @@ extension TPMSealer {
                         + "TPM's own tools (tpm2_dictionarylockout -c), or wait for it to pass")
             }
             defer { auth.wipe() }
-            try TPMConnection(tcti: e.tcti, pinned: e.pin).resetLockout(auth: auth)
+            let tpm = try TPMConnection(tcti: e.tcti, pinned: e.pin)
+            do { try tpm.resetLockout(auth: auth) } catch TPMError.lockout { throw Self.lockoutRefused(tpm) }
         }
     }
 
-    /// Sets the lockout authorization back to empty when keybagfs set it (the device leaves its
-    /// TPM); true when it did.
+    /// Sets the lockout authorization back to empty when keybagfs set it and the TPM has it (the
+    /// device leaves its TPM); true when it did. Throws, and changes nothing, while the TPM
+    /// refuses its lockout authorization: the caller keeps the enrollment, which keeps the record.
     public func releaseLockout(sets: [UnlockedClassKeys], storeID: String) throws -> Bool {
-        return try enrollment.withLock { e in
+        try enrollment.withLock { e in
             guard let record = e.lockout, record.holder == .keybagfs,
                 let auth = try record.open(sets: sets, storeID: storeID, deviceID: deviceID)
             else { return false }
             defer { auth.wipe() }
-            try TPMConnection(tcti: e.tcti, pinned: e.pin).changeLockoutAuth(from: auth, to: nil)
+            let tpm = try TPMConnection(tcti: e.tcti, pinned: e.pin)
+            guard try tpm.lockoutState().lockoutAuthSet else { return false }
+            do { try tpm.changeLockoutAuth(from: auth, to: nil) } catch TPMError.lockout {
+                throw Self.lockoutRefused(tpm)
+            }
             return true
         }
     }
+
+    /// Records that files are still to move to key set `n` (nil: none), so status and a second
+    /// `tpm2 enroll` can tell an enrollment cut short.
+    public func setPendingRewrap(_ n: Int?) throws {
+        try enrollment.withLock { e in
+            guard e.pendingRewrap != n else { return }
+            var next = e
+            next.pendingRewrap = n
+            try next.save(to: path)
+            e = next
+        }
+    }
+
+    /// The key set files are still to move to, when an enrollment was cut short.
+    public var pendingRewrap: Int? { enrollment.withLock { $0.pendingRewrap } }
 }

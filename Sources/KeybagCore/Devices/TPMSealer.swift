@@ -55,6 +55,8 @@ public struct TPMEnrollment: Codable, Sendable, Equatable {
     public var pcrs: [Int]?
     /// Who holds the TPM's lockout authorization (nil: enrolled before keybagfs asked).
     public var lockout: TPMLockoutAuthority?
+    /// The key set every file is still to be rewrapped for (an enrollment or `rewrap` cut short).
+    public var pendingRewrap: Int?
 
     /// `pcrs` as a mask (bit i: PCR i).
     var pcrMask: UInt32 { (pcrs ?? []).reduce(0) { $0 | (($1 >= 0 && $1 < 24) ? UInt32(1) << UInt32($1) : 0) } }
@@ -147,9 +149,11 @@ public final class TPMSealer: PasscodeSealer {
     /// written on the TPM or to `path` until the first seal (after a recovery key or
     /// passcode was checked), which also defines the NV counter; the NV counter of an
     /// enrollment it replaces is released once the keybag is saved with the new one (`keepOnly`).
-    public static func enroll(tcti: String, deviceKey: SecureKey, storeID: String, pcrs: [Int] = []) throws
-        -> TPMSealer
-    {
+    /// With `previousDeviceID` (a new device key replaces the one of that id), the lockout record
+    /// of that device's enrollment on the same TPM is carried over.
+    public static func enroll(
+        tcti: String, deviceKey: SecureKey, storeID: String, pcrs: [Int] = [], previousDeviceID: String? = nil
+    ) throws -> TPMSealer {
         let name = try TPMConnection(tcti: tcti).primaryName().map { String(format: "%02x", $0) }.joined()
         guard pcrs.allSatisfy({ (0..<24).contains($0) }) else {
             throw KeybagError.invalid("--tpm2-pcrs: PCRs are numbered 0 to 23")
@@ -162,8 +166,18 @@ public final class TPMSealer: PasscodeSealer {
         let previous = (try? TPMEnrollment.load(from: path)).flatMap { $0 }
         sealer.replaced.withLock { $0 = previous }
         // The lockout record of the same TPM stays with the device (the keys that open it stay too).
-        if let previous, previous.primaryName == name {
-            sealer.enrollment.withLock { $0.lockout = previous.lockout }
+        let earlier =
+            previous
+            ?? previousDeviceID.flatMap { id in
+                (try? TPMEnrollment.load(from: TPMEnrollment.path(deviceID: id))).flatMap { $0 }.map {
+                    var e = $0
+                    let bound = e.lockout?.deviceID ?? id
+                    e.lockout?.deviceID = bound
+                    return e
+                }
+            }
+        if let earlier, earlier.primaryName == name {
+            sealer.enrollment.withLock { $0.lockout = earlier.lockout }
         }
         return sealer
     }

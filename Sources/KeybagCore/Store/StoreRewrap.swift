@@ -109,6 +109,7 @@ public struct StoreRewrap {
             for p in pending { close(p.fd) }
             throw KeybagError.system("syncfs \(data)", errno)
         }
+        Failpoint.rewrapBetweenSlots.hit()
         let zeros = [UInt8](repeating: 0, count: FileHeader.slotSize)
         var failure: Error?
         for p in pending {

@@ -91,6 +91,7 @@ final class Controller: Sendable {
             if let tpm = sealer as? TPMSealer {
                 r.lockoutAuthority = tpm.lockoutHolder?.rawValue
                 r.pcrs = tpm.pcrs
+                r.rewrapPending = tpm.pendingRewrap
             }
             return r
         } catch {

@@ -1,10 +1,10 @@
 import Glibc
 
-/// Named pauses at the daemon's race windows, for tests only: `KEYBAGFS_TEST_FAILPOINTS`
+/// Named pauses at the daemon's and the tools' race windows, for tests only: `KEYBAGFS_TEST_FAILPOINTS`
 /// lists `name=sleep:MILLISECONDS`, `name=stop` (the daemon stops itself with SIGSTOP,
 /// so a test can SIGKILL it at exactly that instant) or `name=on` (a switch). Unset in production: every hit
 /// is one dictionary lookup in an empty table.
-enum Failpoint: String, Sendable {
+public enum Failpoint: String, Sendable {
     /// In create, after the header is sealed and before the file key joins its inode.
     case createBeforeKeyJoinsInode = "create-before-key-joins-inode"
     /// In a class change, after the new header slot is durable and before the old one is erased.
@@ -28,6 +28,9 @@ enum Failpoint: String, Sendable {
     /// A switch: the store watcher cannot mark the directories made after it started (as for
     /// a daemon that is not root, whose `open_by_handle_at` fails): changes in them go unseen.
     case watcherCannotMarkNewDirectories = "watcher-cannot-mark-new-directories"
+    /// In `StoreRewrap` (tpm2 enroll, rewrap), after a batch's new header slots are durable and
+    /// before its old slots are erased.
+    case rewrapBetweenSlots = "rewrap-between-slots"
 
     /// What a failpoint does when reached.
     enum Action: Sendable, Equatable { case sleep(UInt32), stop, on }
@@ -51,7 +54,7 @@ enum Failpoint: String, Sendable {
     }()
 
     /// Performs the configured action, if any.
-    func hit() {
+    public func hit() {
         guard !Self.actions.isEmpty, let action = Self.actions[rawValue] else { return }
         switch action {
         case .sleep(let ms): usleep(ms * 1000)
@@ -61,5 +64,5 @@ enum Failpoint: String, Sendable {
     }
 
     /// Whether a switch is on.
-    var isOn: Bool { !Self.actions.isEmpty && Self.actions[rawValue] == .on }
+    public var isOn: Bool { !Self.actions.isEmpty && Self.actions[rawValue] == .on }
 }
