@@ -270,9 +270,14 @@ ok "PAM (pam-auth-update profile, pam_exec expose_authtok after the primary bloc
 tcti=swtpm:path=/run/kbfs-swtpm/tpm.sock
 tpm_counter() { local v; v=$(host_tpm tpm2_getcap properties-variable | awk '/TPM2_PT_LOCKOUT_COUNTER/ {print $2}'); echo $((v)); }
 inside systemctl stop "keybagfs@$demo.service"
+# The demo's recovery key went to install.sh's output: a new one (passcode) for the enrollment,
+# which makes a new key set escrowed under it.
 inside bash -c "systemd-creds decrypt --name=device-key /var/lib/keybagfs/$demo.cred /run/demo.key &&
-  keybagfs tpm2 enroll /srv/keybagfs/demo.store --device-key /run/demo.key --tpm2-device $tcti --passcode-stdin <<<'demo passcode' >/dev/null;
-  rc=\$?; rm -f /run/demo.key; exit \$rc" || fail "keybagfs tpm2 enroll of the demo store failed"
+  keybagfs recovery-key rotate /srv/keybagfs/demo.store --device-key /run/demo.key --passcode-stdin \
+    --recovery-key-file /run/demo.rk <<<'demo passcode' >/dev/null &&
+  keybagfs tpm2 enroll /srv/keybagfs/demo.store --device-key /run/demo.key --tpm2-device $tcti --passcode-stdin \
+    --recovery-key-file /run/demo.rk <<<'demo passcode' >/dev/null;
+  rc=\$?; rm -f /run/demo.key /run/demo.rk; exit \$rc" || fail "keybagfs tpm2 enroll of the demo store failed"
 inside systemctl start "keybagfs@$demo.service" || fail "keybagfs@$demo did not start with its passcode bound to the TPM"
 tpm_in_use=$(inside keybagctl --mount /srv/keybagfs/demo status --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["tpm2"]["inUse"])')
 [[ $tpm_in_use == True ]] || fail "status does not show the TPM in use: $tpm_in_use"
@@ -281,7 +286,7 @@ inside bash -c "keybagctl --mount /srv/keybagfs/demo unlock --passcode-stdin <<<
 [[ $(tpm_counter) == $((before + 1)) ]] || fail "the wrong passcode did not count in the TPM (counter $before, then $(tpm_counter))"
 unlock
 [[ $(state) == unlocked ]] || fail "the demo store did not unlock through its TPM"
-inside bash -c 'mkdir -p /srv/alice-tpm && keybagfs init /srv/alice-tpm.store --device-key /var/lib/keybagfs/alice-tpm.key --kdf interactive --no-recovery-key --tpm2 on --tpm2-device '"$tcti"' --passcode-stdin <<<"alice-login-pw" >/dev/null' ||
+inside bash -c 'mkdir -p /srv/alice-tpm && keybagfs init /srv/alice-tpm.store --device-key /var/lib/keybagfs/alice-tpm.key --kdf interactive --no-recovery-key --tpm2 on --tpm2-device '"$tcti"' --tpm2-accept-clearable-lockout --passcode-stdin <<<"alice-login-pw" >/dev/null' ||
   fail "keybagfs init --tpm2 on failed"
 inside keybagfs mount /srv/alice-tpm.store /srv/alice-tpm --device-key /var/lib/keybagfs/alice-tpm.key --owner alice
 inside bash -c 'DEBIAN_FRONTEND=noninteractive pam-auth-update --enable keybagfs' || fail "pam-auth-update --enable keybagfs failed"
