@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the system packages keybagfs builds and tests with (Debian 12), when missing.
 set -euo pipefail
-pkgs=(libfuse3-dev fuse3 acl btrfs-progs libsodium-dev libssl-dev gdb dpkg-dev lintian libsystemd-dev pkg-config attr python3 util-linux git rsync sqlite3 gcc libc6-dev stress-ng debootstrap systemd-container syncthing iproute2 libtss2-dev swtpm swtpm-tools libtss2-tcti-swtpm0 tpm2-tools)
+pkgs=(libfuse3-dev fuse3 acl btrfs-progs libsodium-dev libssl-dev gdb dpkg-dev lintian libsystemd-dev pkg-config attr python3 util-linux git rsync sqlite3 gcc libc6-dev stress-ng debootstrap systemd-container syncthing iproute2 libtss2-dev swtpm swtpm-tools libtss2-tcti-swtpm0 tpm2-tools qemu-system-x86 linux-image-amd64 busybox-static dmsetup e2fsprogs cpio)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

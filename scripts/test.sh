@@ -97,6 +97,16 @@ if [[ $# -eq 0 ]]; then
     echo "# TPM shim: $(grep -c '^ok' /tmp/kbfs-tpm-shim.log || true) checks passed against swtpm" >&2
   fi
 fi
+# Power cuts with the real kernel (Tests/powercut): a QEMU guest with Debian's kernel runs the
+# workloads on ext4 on dm-log-writes; every mark, flush and a sample of reordered and torn
+# states are replayed and checked. Only for the full run (docs/TESTING.md has the long pass).
+if [[ $# -eq 0 ]]; then
+  if ! bash Tests/powercut/run.sh short >/tmp/kbfs-powercut.log 2>&1; then
+    echo "FAIL: Tests/powercut/run.sh:" >&2; grep -E "^FAIL|^    |^#" /tmp/kbfs-powercut.log | head -30 >&2; status=1
+  else
+    grep "^# power cut" /tmp/kbfs-powercut.log >&2
+  fi
+fi
 # keybagfs under a real systemd (a booted Debian 12 container): only for the full run.
 if [[ $# -eq 0 ]]; then
   if ! bash scripts/system-test.sh; then echo "FAIL: scripts/system-test.sh" >&2; status=1; fi

@@ -94,6 +94,7 @@ public final class StoreCheck {
         checkSideFolder(
             Keybag.xattrsDirName, referenced: xattrIDs, kind: "xattr-orphan",
             what: "an xattr set of no file or directory")
+        checkXattrSets(xattrIDs)
         checkSideFolder(
             Keybag.targetsDirName, referenced: targetIDs, kind: "target-orphan", what: "a symlink target of no symlink")
     }
@@ -163,7 +164,9 @@ public final class StoreCheck {
             return true
         }
         if e.hasPrefix(NameCipher.reservedPrefix) {
-            fix("temporary", path, nil, "a temporary left by an interrupted write") { try unlinkOrThrow(fd, e) }
+            fix("temporary", path, nil, "a temporary left by an interrupted write or mkdir") {
+                try removeTemporary(fd, e)
+            }
             return true
         }
         if NameCipher.isSideFile(e) {
@@ -301,6 +304,48 @@ public final class StoreCheck {
                 fix(kind, path, nil, what) { try unlinkOrThrow(fd, e) }
             }
         }
+    }
+
+    /// The xattr sets files and directories refer to: each must authenticate. One a power cut
+    /// left empty or torn (set without an fsync of its object) holds nothing readable; the
+    /// mount reads it as empty, and the repair removes it.
+    func checkXattrSets(_ ids: Set<String>) {
+        let fd = open(store + "/" + Keybag.xattrsDirName, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+        guard fd >= 0 else { return }
+        defer { close(fd) }
+        for id in ids.sorted() {
+            let f = StoreFileOpen.regular(fd, id)
+            guard f >= 0 else { continue }
+            var st = stat()
+            let size = fstat(f, &st) == 0 ? Int(st.st_size) : -1
+            var buf = [UInt8](repeating: 0, count: max(0, min(size, 16 << 20)))
+            let n = buf.withUnsafeMutableBytes { (try? EncryptedContent.preadFull(f, $0, offset: 0)) ?? -1 }
+            close(f)
+            guard n < 0 || (try? XattrSet.opened(Array(buf[0..<n]), id: id, names: names)) == nil else { continue }
+            fix(
+                "xattr-set-damaged", Keybag.xattrsDirName + "/" + id, nil,
+                "an xattr set that does not authenticate (\(size) bytes; left empty or torn by a power cut before "
+                    + "its object's fsync): it holds nothing readable"
+            ) { try unlinkOrThrow(fd, id) }
+        }
+    }
+
+    /// Removes a temporary: a file, or a folder a cut mkdir left (its metadata and temporaries).
+    func removeTemporary(_ dirFD: Int32, _ name: String) throws {
+        var st = stat()
+        guard fstatat(dirFD, name, &st, AT_SYMLINK_NOFOLLOW) == 0, st.st_mode & S_IFMT == S_IFDIR else {
+            return try unlinkOrThrow(dirFD, name)
+        }
+        let d = openat(dirFD, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+        guard d >= 0 else { throw KeybagError.system("open \(name)", errno) }
+        defer { close(d) }
+        for e in entries(d) {
+            guard e == DirectoryMeta.fileName || e.hasPrefix(NameCipher.reservedPrefix) else {
+                throw KeybagError.invalid("the temporary folder \(name) holds \(e): left alone")
+            }
+            try unlinkOrThrow(d, e)
+        }
+        guard unlinkat(dirFD, name, AT_REMOVEDIR) == 0 else { throw KeybagError.system("rmdir \(name)", errno) }
     }
 
     /// unlinkat or a thrown error.

@@ -2,9 +2,9 @@ import Glibc
 
 /// The names in a directory opened as a descriptor (without `.` and `..`), read through a
 /// duplicate so the descriptor stays the caller's; empty when it cannot be read.
-enum DirectoryEntries {
+public enum DirectoryEntries {
     /// The names in directory `fd`.
-    static func names(of fd: Int32) -> [String] {
+    public static func names(of fd: Int32) -> [String] {
         let d = dup(fd)
         guard d >= 0, let dir = fdopendir(d) else { return [] }
         defer { closedir(dir) }

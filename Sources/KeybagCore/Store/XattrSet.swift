@@ -21,6 +21,23 @@ public struct XattrSet: Sendable, Equatable {
         return b
     }
 
+    /// The associated purpose of the set stored under `id` (bound into its seal).
+    static func purpose(_ id: String) -> String { "keybagfs-xattr-v1|" + id }
+
+    /// `encode()` sealed under the volume key for the set stored under `id`.
+    public func sealed(id: String, names: NameCipher) throws -> [UInt8] {
+        try names.seal(encode(), purpose: Self.purpose(id))
+    }
+
+    /// The set stored under `id` from its sealed bytes; `corrupt` when they do not authenticate
+    /// (an empty or torn file a power cut left, or an edit) or do not parse.
+    public static func opened(_ sealed: [UInt8], id: String, names: NameCipher) throws -> XattrSet {
+        guard let plain = try? names.open(sealed, purpose: purpose(id)) else {
+            throw KeybagError.corrupt("the xattr set \(id.prefix(16)) does not authenticate")
+        }
+        return try decode(plain)
+    }
+
     /// Parses the serialised form with checked bounds; `corrupt` when malformed.
     public static func decode(_ b: [UInt8]) throws -> XattrSet {
         var i = 0

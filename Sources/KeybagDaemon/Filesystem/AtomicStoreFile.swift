@@ -28,6 +28,16 @@ enum AtomicStoreFile {
         throw FSError(errno)
     }
 
+    /// Removes a folder made under a temporary name (its metadata and temporaries in it first).
+    static func removeTemporaryFolder(dirFD: Int32, _ name: String) {
+        let d = openat(dirFD, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+        if d >= 0 {
+            for e in DirectoryEntries.names(of: d) { unlinkat(d, e, 0) }
+            close(d)
+        }
+        unlinkat(dirFD, name, AT_REMOVEDIR)
+    }
+
     /// Replaces `name` in `dirFD` with `bytes` (temp file + rename; `durable`: synced first).
     static func replace(dirFD: Int32, _ name: String, _ bytes: [UInt8], durable: Bool = true) throws {
         let tmp = try writeTemporary(dirFD: dirFD, bytes, durable: durable)

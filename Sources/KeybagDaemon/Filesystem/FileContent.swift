@@ -415,8 +415,23 @@ extension Filesystem {
         }
     }
 
-    /// fsync of a handle.
+    /// fsync of a handle: the file, then its xattr set when that changed since it was last
+    /// made durable (as ext4's fsync covers a file's xattrs).
     func fsync(_ h: OpenFile, dataOnly: Bool) throws {
         try check(dataOnly ? fdatasync(h.fd) : Glibc.fsync(h.fd))
+        if xattrs.changedSinceSync, let header = h.file.io.read({ $0.header }) {
+            try xattrs.makeDurable(Base64URL.encode(header.fileID))
+        }
+    }
+
+    /// fsync of a directory: its backing folder (the entries of the names in it, long names'
+    /// side files, its metadata), then its xattr set when that changed.
+    func fsyncdir(_ id: UInt64) throws {
+        let n = try node(id)
+        guard n.isDirectory else { throw FSError(ENOTDIR) }
+        let fd = try check(openat(n.fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC))
+        defer { close(fd) }
+        try check(Glibc.fsync(fd))
+        if xattrs.changedSinceSync, let meta = try? meta(of: n) { try xattrs.makeDurable(Base64URL.encode(meta.iv)) }
     }
 }

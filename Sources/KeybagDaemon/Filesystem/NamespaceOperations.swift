@@ -56,13 +56,18 @@ extension Filesystem {
             meta.defaultClass = policy.protectionClass(tail: tail + [name], fromRoot: fromRoot)
         }
         let made = try makeEntry(parent: parent, name: name, caller: caller) { [self] dirFD, backing in
-            try check(mkdirat(dirFD, backing, creationMode(mode, in: node(parent), by: caller) & 0o7777))
+            // Made whole under a temporary name, then renamed into place: a power cut never
+            // leaves the folder's name without its metadata (the metadata's own sync would
+            // otherwise make the bare folder durable first).
+            let tmp = NameCipher.reservedPrefix + "tmp-" + Base64URL.encode(Sodium.randomArray(9))
+            try check(mkdirat(dirFD, tmp, creationMode(mode, in: node(parent), by: caller) & 0o7777))
             do {
-                let d = try check(openat(dirFD, backing, kbfs_O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC))
+                let d = try check(openat(dirFD, tmp, kbfs_O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC))
                 defer { close(d) }
                 try AtomicStoreFile.createIfAbsent(dirFD: d, DirectoryMeta.fileName, try meta.encode(names))
+                try Self.renameNoReplace(dirFD, tmp, backing)
             } catch {
-                unlinkat(dirFD, backing, AT_REMOVEDIR)
+                AtomicStoreFile.removeTemporaryFolder(dirFD: dirFD, tmp)
                 throw error
             }
         }
@@ -71,6 +76,17 @@ extension Filesystem {
         made.0.directory?.meta.withLock { if $0 == nil { $0 = meta } }
         made.0.directory?.metadataCopies.withLock { if $0 == nil { $0 = [] } }
         return made
+    }
+
+    /// Renames `from` to `to` in `dirFD` unless `to` exists (EEXIST); where the store's
+    /// filesystem lacks RENAME_NOREPLACE, a look first (the store's lock keeps other writers of
+    /// this daemon's names out; a sync engine does not make folders under names it has not seen).
+    static func renameNoReplace(_ dirFD: Int32, _ from: String, _ to: String) throws {
+        if kbfs_renameat2(dirFD, from, dirFD, to, kbfs_RENAME_NOREPLACE) == 0 { return }
+        guard errno == EINVAL || errno == ENOSYS else { throw FSError(errno) }
+        var st = stat()
+        if fstatat(dirFD, to, &st, AT_SYMLINK_NOFOLLOW) == 0 { throw FSError(EEXIST) }
+        try check(renameat(dirFD, from, dirFD, to))
     }
 
     /// mknod: regular files (through `create`), FIFOs, sockets, and device nodes as root.

@@ -116,10 +116,13 @@ final class StoreSpace: Sendable {
     }
 
     /// Bytes available to the daemon's writes (statvfs `f_bavail`: ext4 keeps a reserve for
-    /// its metadata out of reach even of root, which `f_bfree` counts) and the thresholds.
+    /// its metadata out of reach even of root, which `f_bfree` counts) and the thresholds;
+    /// nil when the store's filesystem gives no space figures (0 blocks: tmpfs without a size,
+    /// some FUSE and network filesystems), where nothing is refused ahead and only a write that
+    /// fails for want of space turns the mount tight.
     private func measure() -> (available: Int, thresholds: Thresholds)? {
         var s = statvfs()
-        guard fstatvfs(storeFD, &s) == 0 else { return nil }
+        guard fstatvfs(storeFD, &s) == 0, s.f_blocks > 0 else { return nil }
         func bytes(_ blocks: fsblkcnt_t) -> Int {  // saturating: some filesystems report "unlimited"
             let (b, over) = UInt64(blocks).multipliedReportingOverflow(by: UInt64(s.f_frsize))
             return over || b > UInt64(Int.max) ? Int.max : Int(b)

@@ -12,6 +12,9 @@ final class XattrStorage: Sendable {
     private let names: NameCipher
     /// Serialises read-modify-write of stored sets.
     private let updates = Locked(())
+    /// Ids of sets written or removed since they were last made durable (an fsync of their
+    /// object makes them durable, as an fsync of a file does its xattrs on ext4).
+    private let unsynced = Locked(Set<String>())
     /// How many sets are stored (while none are, removals skip looking for one).
     private let count: Atomic<Int>
 
@@ -58,12 +61,20 @@ final class XattrStorage: Sendable {
         guard st.st_size <= 16 << 20 else { throw FSError(EIO) }
         var buf = [UInt8](repeating: 0, count: Int(st.st_size))
         let n = try buf.withUnsafeMutableBytes { try EncryptedContent.preadFull(fd, $0, offset: 0) }
-        return try XattrSet.decode(try names.open(Array(buf[0..<n]), purpose: "keybagfs-xattr-v1|" + id))
+        // A set a power cut left empty or torn (its rename reached the disk before its bytes)
+        // holds nothing that can be read: the object has no stored xattrs (fsck names it),
+        // rather than every xattr call on it answering EIO.
+        guard let set = try? XattrSet.opened(Array(buf[0..<n]), id: id, names: names) else {
+            MountDaemon.log("the xattr set \(id) does not authenticate (a power cut?): read as empty; fsck names it")
+            return XattrSet()
+        }
+        return set
     }
 
     /// Replaces the set under `id` atomically (removes it when empty); `existed`: whether
     /// one was stored before. Called inside `update`.
     func save(_ id: String, _ set: XattrSet, existed: Bool) throws {
+        unsynced.withLock { _ = $0.insert(id) }
         if set.values.isEmpty {
             if unlinkat(dirFD, id, 0) == 0 {
                 count.subtract(1, ordering: .relaxed)
@@ -72,12 +83,35 @@ final class XattrStorage: Sendable {
             }
             return
         }
-        let encoded = set.encode()
-        guard encoded.count <= Self.maxBytes else { throw FSError(ENOSPC) }
-        // Atomic by rename; not synced (like xattrs on ext4, durable at the next sync).
-        try AtomicStoreFile.replace(
-            dirFD: dirFD, id, try names.seal(encoded, purpose: "keybagfs-xattr-v1|" + id), durable: false)
+        guard set.encode().count <= Self.maxBytes else { throw FSError(ENOSPC) }
+        // Atomic by rename; not synced here (like xattrs on ext4: durable at the next sync, or
+        // at an fsync of their object, `makeDurable`).
+        try AtomicStoreFile.replace(dirFD: dirFD, id, try set.sealed(id: id, names: names), durable: false)
         if !existed { count.add(1, ordering: .relaxed) }
+    }
+
+    /// Whether any set changed since it was last made durable.
+    var changedSinceSync: Bool { unsynced.withLock { !$0.isEmpty } }
+
+    /// Makes the set stored under `id` (or its removal) durable, when it changed since it last
+    /// was: the set's file, then the folder's entry for it (the rename that put it there).
+    func makeDurable(_ id: String) throws {
+        guard unsynced.withLock({ $0.remove(id) }) != nil else { return }
+        do {
+            let fd = StoreFileOpen.regular(dirFD, id)
+            if fd >= 0 {
+                defer { close(fd) }
+                try check(fsync(fd))
+            } else if errno != ENOENT {
+                throw FSError(errno)
+            }
+            let dir = try check(openat(dirFD, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC))
+            defer { close(dir) }
+            try check(fsync(dir))
+        } catch {
+            unsynced.withLock { _ = $0.insert(id) }
+            throw error
+        }
     }
 
     /// Deletes the set stored under `id`, if any (its object is gone).

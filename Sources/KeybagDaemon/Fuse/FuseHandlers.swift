@@ -278,7 +278,7 @@ func fuseReleasedir(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ fi: FileInfo?) {
 }
 
 func fuseFsyncdir(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ datasync: Int32, _ fi: FileInfo?) {
-    fuse_reply_err(req, 0)
+    FuseBridge.replyingDone(req) { try FuseBridge.fs(req).fsyncdir(ino) }
 }
 
 func fuseStatfs(_ req: fuse_req_t?, _ ino: fuse_ino_t) {

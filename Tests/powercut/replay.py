@@ -1,0 +1,386 @@
+#!/usr/bin/env python3
+"""Replays a dm-log-writes log into crash states and checks keybagfs in each (Tests/powercut/run.sh).
+
+The log format is the kernel's (Documentation/admin-guide/device-mapper/log-writes.rst): a super
+block in sector 0 (magic, version, entry count, sector size), then one entry per sector (the
+target sector, the sector count, flags: FLUSH 1, FUA 2, DISCARD 4, MARK 8, METADATA 16, and the
+data length), a write's data in the sectors after its entry, a mark's name inside its entry.
+
+States (each a disk image the kernel could have left at a power cut):
+  - prefix states: every entry up to a mark, or up to a flush or FUA write;
+  - reordered states: every entry up to a flush, then a random subset of the writes of the window
+    before the next flush (the disk may write them in any order);
+  - torn states: the same window with one write cut at a 512-byte or a 4 KiB boundary.
+For each: the ext4 mounts (its journal replays) and e2fsck -fn is clean; the store mounts and
+unlocks with the passcode in force; every fact of every mark the state includes reads back (a path
+an operation in flight changes may read as before or after, and a block being rewritten in place
+may read EIO: counted, the next issue makes it old-or-new); `keybagfs fsck --json` lists only kinds
+docs/FORMAT.md allows after a crash, and `fsck --repair` then leaves it clean.
+"""
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import sqlite3
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+FLUSH, FUA, DISCARD, MARK = 1, 2, 4, 8
+MAGIC = 0x6A736677736872
+# What docs/FORMAT.md ("What a crash may leave") allows fsck to find after a power cut.
+ALLOWED = {"torn-tail", "torn-fragment", "end-not-sealed", "header-superseded-slot", "side-file-orphan", "xattr-set-damaged",
+           "temporary", "xattr-orphan", "target-orphan", "no-header"}
+# What fsck may find in a file whose blocks an operation in flight was rewriting in place.
+TORN = {"block-damaged", "torn-tail", "end-not-sealed"}
+
+
+class Log:
+    """The entries of a dm-log-writes log device."""
+
+    def __init__(self, path):
+        self.f = open(path, "rb")
+        magic, version, n, self.ss = struct.unpack("<QQQI", self.f.read(28))
+        if magic != MAGIC:
+            raise SystemExit(f"FAIL: {path} is not a dm-log-writes log (magic {magic:#x})")
+        self.entries = []  # (sector, nr_sectors, flags, data offset in the log, mark name)
+        pos = 1
+        for _ in range(n):
+            self.f.seek(pos * self.ss)
+            head = self.f.read(self.ss)
+            sector, nr, flags, dlen = struct.unpack("<QQQQ", head[:32])
+            if flags & MARK:
+                self.entries.append((sector, 0, flags, 0, head[32:32 + dlen].decode(errors="replace")))
+                pos += 1
+            elif flags & DISCARD:
+                self.entries.append((sector, nr, flags, 0, None))
+                pos += 1
+            else:
+                self.entries.append((sector, nr, flags, (pos + 1) * self.ss, None))
+                pos += 1 + nr
+
+    def data(self, i):
+        sector, nr, flags, off, _ = self.entries[i]
+        self.f.seek(off)
+        return self.f.read(nr * self.ss)
+
+
+class Image:
+    """The data disk as the log rebuilds it, entry by entry."""
+
+    def __init__(self, log, path, size):
+        self.log, self.path, self.at = log, path, 0
+        with open(path, "wb") as f:
+            f.truncate(size)
+        self.f = open(path, "r+b")
+
+    def apply(self, i, cut=None):
+        sector, nr, flags, off, mark = self.log.entries[i]
+        if mark is not None or nr == 0:
+            return
+        self.f.seek(sector * self.log.ss)
+        if flags & DISCARD:
+            self.f.write(bytes(nr * self.log.ss))
+        else:
+            data = self.log.data(i)
+            self.f.write(data if cut is None else data[:cut])
+
+    def advance(self, upto):
+        """Applies every entry before index `upto`."""
+        while self.at < upto:
+            self.apply(self.at)
+            self.at += 1
+        self.f.flush()
+
+    def copy(self, dest):
+        self.f.flush()
+        shutil.copyfile(self.path, dest)
+
+
+def sha(b):
+    return hashlib.sha256(b).hexdigest()
+
+
+def sh(argv, stdin=None, check=False, timeout=120):
+    r = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: {r.returncode} {r.stderr.strip()[:300]}")
+    return r
+
+
+class Checker:
+    """Checks one state image: ext4, then keybagfs on the store in it."""
+
+    def __init__(self, args, journal):
+        self.a, self.journal = args, journal
+        self.torn_reads = 0
+        self.results = []
+
+    def expected(self, included):
+        """Facts of the included marks, and the facts an operation in flight may already have made."""
+        facts, pending = {}, {}
+        for rec in self.journal:
+            if rec["mark"] in included:
+                facts.update(rec["facts"])
+        nxt = [r for r in self.journal if r["mark"] not in included]
+        if nxt:
+            pending = dict(nxt[0]["facts"])
+            pending["__op"] = nxt[0]["op"]
+            pending["__rewrites"] = nxt[0].get("rewrites", [])
+        return facts, pending
+
+    def check_state(self, name, image, included):
+        """All problems of one state (empty: it passed)."""
+        problems = []
+        facts, pending = self.expected(included)
+        mnt = tempfile.mkdtemp(prefix="kbpc-disk.")
+        kbm = tempfile.mkdtemp(prefix="kbpc-mnt.")
+        state = tempfile.mkdtemp(prefix="kbpc-state.")
+        loop = sh(["losetup", "-f", "--show", image], check=True).stdout.strip()
+        try:
+            r = sh(["mount", "-t", "ext4", loop, mnt])
+            if r.returncode != 0:
+                return [f"the ext4 does not mount: {r.stderr.strip()}"]
+            sh(["umount", mnt], check=True)
+            r = sh(["e2fsck", "-fn", loop])
+            if r.returncode != 0:
+                problems.append(f"e2fsck -fn: exit {r.returncode}: {r.stdout.strip()[-300:]}")
+            sh(["mount", "-t", "ext4", loop, mnt], check=True)
+            try:
+                problems += self.check_store(mnt + "/store", kbm, state, facts, pending)
+            except Exception as e:  # the check itself broke: the state fails, the run goes on
+                problems.append(f"the check broke: {type(e).__name__}: {e}")
+            finally:
+                sh(["fusermount3", "-u", kbm])
+                for _ in range(50):
+                    if sh(["umount", mnt]).returncode == 0:
+                        break
+                    time.sleep(0.1)
+        finally:
+            sh(["losetup", "-d", loop])
+            for d in (mnt, kbm):
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    pass
+            shutil.rmtree(state, ignore_errors=True)
+        return problems
+
+    def unlock(self, store, kbm, state, facts, pending):
+        env = dict(os.environ, STATE_DIRECTORY=state)
+        sock = state + "/sock"
+        r = subprocess.run([self.a.kbin + "/keybagfs", "mount", store, kbm, "--device-key", self.a.device_key,
+                            "--socket", sock, "--grace", "0"], capture_output=True, text=True, env=env)
+        if r.returncode != 0:
+            return f"the store does not mount: {r.stderr.strip()[:300]}"
+        codes = [facts.get("passcode")] + ([pending["passcode"]] if "passcode" in pending else [])
+        for code in [c for c in codes if c]:
+            r = sh([self.a.kbin + "/keybagctl", "--socket", sock, "unlock", "--passcode-stdin"], stdin=code + "\n")
+            if r.returncode == 0:
+                return None
+        return f"no passcode in force unlocks it ({codes}): {r.stderr.strip()[:200]}"
+
+    def check_store(self, store, kbm, state, facts, pending):
+        if not os.path.isdir(store):
+            return ["the store is gone"] if facts.get("passcode") else []
+        err = self.unlock(store, kbm, state, facts, pending)
+        if err:
+            return [err]
+        problems = []
+        for path, want in sorted(facts.items()):
+            if path == "passcode":
+                continue
+            alt = pending.get(path)
+            got, torn = self.read(kbm, path, want)
+            if got == want or (alt is not None and self.read(kbm, path, alt)[0] == alt):
+                continue
+            if torn and path in pending.get("__rewrites", []):
+                self.torn_reads += 1
+                continue
+            problems.append(f"{path}: expected {json.dumps(want)[:160]}, got {json.dumps(got)[:200]}")
+        sh(["fusermount3", "-u", kbm])
+        problems += self.fsck(store, facts, pending)
+        return problems
+
+    def read(self, kbm, path, want):
+        """What the mount shows at `path`, in the shape of the fact `want`; and whether it was EIO."""
+        p = kbm + "/" + path
+        kind = want.get("type")
+        try:
+            if kind == "absent":
+                return ({"type": "absent"} if not os.path.lexists(p) else {"type": "present"}), False
+            if kind == "symlink":
+                return {"type": "symlink", "target": os.readlink(p)}, False
+            if kind == "dir":
+                return ({"type": "dir"} if os.path.isdir(p) else {"type": "missing"}), False
+            if kind == "sqlite":
+                return self.read_db(p, want), False
+            with open(p, "rb") as f:
+                data = f.read()
+            cls = os.getxattr(p, "user.protection").decode()
+            xattrs = {n: os.getxattr(p, n).decode(errors="replace") for n in os.listxattr(p)
+                      if n != "user.protection"}
+            return {"type": "file", "sha": sha(data), "size": len(data), "class": cls, "xattrs": xattrs}, False
+        except OSError as e:
+            return {"type": "error", "errno": e.errno, "what": str(e)[:120]}, e.errno == 5
+
+    def read_db(self, p, want):
+        """The committed rows of a database, or what is wrong with it."""
+        if not os.path.exists(p):
+            return {"type": "missing"}
+        try:
+            db = sqlite3.connect(p)
+        except sqlite3.DatabaseError as e:
+            if "disk I/O error" in str(e):
+                raise OSError(5, str(e))
+            return {"type": "sqlite", "error": str(e)}
+        try:
+            ok = db.execute("PRAGMA integrity_check").fetchone()[0]
+            ids = [r[0] for r in db.execute("SELECT id FROM t ORDER BY id")]
+        except sqlite3.DatabaseError as e:
+            if "disk I/O error" in str(e):
+                raise OSError(5, str(e))
+            return {"type": "sqlite", "error": str(e)}
+        finally:
+            db.close()
+        if ok != "ok" or ids != list(range(1, len(ids) + 1)):
+            if "disk I/O error" in str(ok):
+                raise OSError(5, ok)
+            return {"type": "sqlite", "integrity": ok, "ids": ids[:20]}
+        return {"type": "sqlite", "rows": len(ids)}
+
+    def fsck(self, store, facts, pending):
+        env = dict(os.environ)
+        codes = [c for c in (facts.get("passcode"), pending.get("passcode")) if c]
+        out = None
+        for code in codes:
+            r = subprocess.run([self.a.kbin + "/keybagfs", "fsck", store, "--device-key", self.a.device_key,
+                                "--passcode-stdin", "--json"], input=code + "\n", capture_output=True, text=True,
+                               env=env)
+            if r.stdout.strip().startswith("{"):
+                out = json.loads(r.stdout)
+                break
+        if out is None:
+            return [f"fsck gave no report: {r.stderr.strip()[:200]}"]
+        problems = []
+        for p in out["problems"]:
+            # A file the operation in flight writes (not yet acknowledged) or rewrites in place.
+            inflight = set(pending.get("__rewrites", [])) | {k for k in pending if not k.startswith("__")}
+            if p["kind"] in TORN and p.get("name", "").lstrip("/") in inflight:
+                continue
+            if p["kind"] not in ALLOWED:
+                problems.append(f"fsck: {p['kind']}: {p['path']} ({p.get('name', '?')}): {p['detail'][:120]}")
+        if out["problems"] and not problems:
+            r = subprocess.run([self.a.kbin + "/keybagfs", "fsck", store, "--device-key", self.a.device_key,
+                                "--passcode-stdin", "--repair"], input=codes[0] + "\n", capture_output=True,
+                               text=True)
+            r = subprocess.run([self.a.kbin + "/keybagfs", "fsck", store, "--device-key", self.a.device_key,
+                                "--passcode-stdin", "--json"], input=codes[0] + "\n", capture_output=True, text=True)
+            left = json.loads(r.stdout)["problems"] if r.stdout.strip().startswith("{") else ["no report"]
+            left = [p for p in left if not isinstance(p, dict) or p["kind"] not in TORN]
+            if left:
+                problems.append(f"fsck --repair left: {json.dumps(left)[:300]}")
+        return problems
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pass", dest="which", default="short")
+    ap.add_argument("--log", required=True)
+    ap.add_argument("--size", type=int, required=True)
+    ap.add_argument("--journal", required=True)
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--kbin", required=True)
+    ap.add_argument("--device-key", required=True)
+    ap.add_argument("--final")
+    ap.add_argument("--seed", type=int, default=455)
+    ap.add_argument("--only", help="check only states whose name contains this")
+    a = ap.parse_args()
+    rng = random.Random(a.seed)
+    log = Log(a.log)
+    journal = [json.loads(l) for l in open(a.journal)]
+    marks = {e[4]: i for i, e in enumerate(log.entries) if e[4] is not None}
+    missing = [r["mark"] for r in journal if str(r["mark"]) not in marks]
+    if missing:
+        raise SystemExit(f"FAIL: marks {missing[:5]} are in the journal but not in the log")
+    first = marks[str(journal[0]["mark"])]
+    flushes = [i for i, e in enumerate(log.entries) if i > first and e[4] is None and e[2] & (FLUSH | FUA)]
+    mark_at = sorted((marks[str(r["mark"])], r["mark"]) for r in journal)
+
+    def included(pos):
+        """Marks whose entry lies before `pos` (entries applied: 0..pos-1)."""
+        return {m for i, m in mark_at if i < pos}
+
+    # Prefix states: after every mark; after every flush/FUA (short: every third).
+    states = [(f"mark {m}", i + 1, None) for i, m in mark_at]
+    step = 1 if a.which == "long" else 3
+    states += [(f"flush at entry {i}", i + 1, None) for i in flushes[::step]]
+    # Reordered and torn states in the window before a flush.
+    windows = []
+    prev = first
+    for f in flushes:
+        w = [i for i in range(prev + 1, f + 1) if log.entries[i][1] > 0 and not log.entries[i][2] & DISCARD]
+        if len(w) >= 2:
+            windows.append((prev + 1, w))
+        prev = f
+    pick = windows if a.which == "long" else rng.sample(windows, min(12, len(windows)))
+    for start, w in pick:
+        for k in range(2 if a.which == "long" else 1):
+            subset = sorted(rng.sample(w, rng.randrange(1, len(w))))
+            states.append((f"reordered window at {start} ({len(subset)} of {len(w)} writes)", start, ("subset", subset)))
+        big = [i for i in w if log.entries[i][1] * log.ss > 4096] or w
+        victim = rng.choice(big)
+        cut = 4096 if log.entries[victim][1] * log.ss > 4096 else 512
+        states.append((f"torn write at entry {victim} (first {cut} bytes)", start, ("torn", w, victim, cut)))
+    if a.only:
+        states = [s for s in states if a.only in s[0]]
+    states.sort(key=lambda s: s[1])
+
+    img = Image(log, a.work + "/replay.img", a.size)
+    # The whole log replayed gives the disk the guest left (checks the replay itself).
+    if a.final:
+        full = Image(log, a.work + "/full.img", a.size)
+        full.advance(len(log.entries))
+        if sha(open(full.path, "rb").read()) != sha(open(a.final, "rb").read()):
+            raise SystemExit("FAIL: the replayed log does not give the disk the guest left")
+        os.unlink(full.path)
+    check = Checker(a, journal)
+    failed, start_t = 0, time.time()
+    state_img = a.work + "/state.img"
+    for name, pos, extra in states:
+        img.advance(pos)
+        img.copy(state_img)
+        need = included(pos)
+        if extra:
+            s = Image.__new__(Image)
+            s.log, s.path, s.f = log, state_img, open(state_img, "r+b")
+            if extra[0] == "subset":
+                for i in extra[1]:
+                    s.apply(i)
+            else:
+                for i in extra[1]:
+                    s.apply(i, cut=extra[3] if i == extra[2] else None)
+            s.f.close()
+        problems = check.check_state(name, state_img, need)
+        status = "ok" if not problems else "FAIL"
+        if problems:
+            failed += 1
+            print(f"FAIL {name} (marks up to {max(need) if need else 0}):")
+            for p in problems[:8]:
+                print(f"    {p}")
+        elif os.environ.get("VERBOSE"):
+            print(f"ok   {name}")
+    total = len(states)
+    print(f"# power cut: {total} crash states checked ({len([s for s in states if s[2] is None])} prefix, "
+          f"{len([s for s in states if s[2] and s[2][0] == 'subset'])} reordered, "
+          f"{len([s for s in states if s[2] and s[2][0] == 'torn'])} torn), {failed} failed, "
+          f"{check.torn_reads} reads of a block being rewritten in place answered EIO, "
+          f"{len(journal)} durable marks, {time.time() - start_t:.0f} s")
+    sys.exit(1 if failed else 0)
+
+
+main()

@@ -1,0 +1,222 @@
+#!/usr/bin/env python3
+"""The power-cut workload (runs in the guest, Tests/powercut/guest-workload.sh).
+
+Makes a keybagfs store on the ext4 under test, mounts it, and runs what people run: files and
+folders made durable the POSIX way (fsync of the file, then of its folder), renames over
+existing files, overwrites in place, appends, truncates, hard links, symlinks, xattrs, long
+names, class changes, `keybagctl protect -R`, a passcode change, SQLite in WAL and in rollback
+journal mode. After each operation it was told is durable it writes a mark into the
+dm-log-writes log (`dmsetup message lw 0 mark N`) and appends to the journal, off the disk under
+test, what it was told: one JSON line per mark, {"mark": N, "op": ..., "facts": {...}}, each fact
+the expected state of one path (or of the passcode, or of a database) from that mark on.
+
+argv: KBIN (folder of keybagfs and keybagctl), DISK (the ext4 mount), MNT (keybagfs mount point),
+RUN (the run folder: journal, device key, recovery key).
+"""
+import hashlib
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+
+KBIN, DISK, MNT, RUN = sys.argv[1:5]
+STORE = DISK + "/store"
+SOCK = "/tmp/kb.sock"
+JOURNAL = open(RUN + "/journal", "a")
+marks = 0
+
+
+def run(argv, stdin=None):
+    r = subprocess.run(argv, input=stdin, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"guest: {' '.join(argv)}: {r.returncode} {r.stderr.strip()}")
+    return r.stdout
+
+
+def fsync_path(path, directory=False):
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def durable(op, facts, rewrites=()):
+    """Marks the log after an operation that was acknowledged as durable and records its facts;
+    `rewrites`: the paths whose existing blocks the operation rewrote in place (a cut in the
+    middle may leave such a block torn: counted, not a failure, until "Overwrites a power cut
+    cannot tear")."""
+    global marks
+    marks += 1
+    run(["dmsetup", "message", "lw", "0", "mark", str(marks)])
+    JOURNAL.write(json.dumps({"mark": marks, "op": op, "facts": facts, "rewrites": list(rewrites)}) + "\n")
+    JOURNAL.flush()
+
+
+def sha(data):
+    return hashlib.sha256(data).hexdigest()
+
+
+def file_fact(rel, data, cls="completeUntilFirstUserAuthentication", xattrs=None):
+    return {rel: {"type": "file", "sha": sha(data), "size": len(data), "class": cls, "xattrs": xattrs or {}}}
+
+
+def write_file(rel, data, sync_dir=True):
+    path = MNT + "/" + rel
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.write(fd, data)
+    os.fsync(fd)
+    os.close(fd)
+    if sync_dir:
+        fsync_path(os.path.dirname(path), directory=True)
+
+
+def pattern(tag, n):
+    """n bytes that name their writer and position (each 16-byte cell: tag and offset)."""
+    out = bytearray()
+    while len(out) < n:
+        out += f"{tag[:8]:<8}{len(out):08x}".encode()
+    return bytes(out[:n])
+
+
+def main():
+    os.makedirs(MNT, exist_ok=True)
+    run([KBIN + "/keybagfs", "init", STORE, "--passcode-stdin", "--device-key", RUN + "/dk", "--kdf",
+         "interactive", "--tpm2", "off", "--recovery-key-file", RUN + "/rk"], stdin="pw1\n")
+    os.sync()
+    durable("init", {"passcode": "pw1"})
+    run([KBIN + "/keybagfs", "mount", STORE, MNT, "--device-key", RUN + "/dk", "--socket", SOCK])
+    ctl = [KBIN + "/keybagctl", "--socket", SOCK]
+    run(ctl + ["unlock", "--passcode-stdin"], stdin="pw1\n")
+
+    a = pattern("create", 10000)
+    write_file("created.txt", a)
+    durable("create + fsync + fsync of the folder", file_fact("created.txt", a))
+
+    os.mkdir(MNT + "/docs")
+    fsync_path(MNT, directory=True)
+    b = pattern("nested", 5000)
+    write_file("docs/nested.txt", b)
+    durable("mkdir, create in it, fsync both folders", {"docs": {"type": "dir"}, **file_fact("docs/nested.txt", b)})
+
+    long = "L" * 200 + ".txt"
+    c = pattern("longname", 3000)
+    write_file(long, c)
+    durable("a 200-byte name", file_fact(long, c))
+
+    os.mkdir(MNT + "/vault")
+    os.setxattr(MNT + "/vault", "user.protection", b"complete")
+    fsync_path(MNT + "/vault", directory=True)
+    fsync_path(MNT, directory=True)
+    d = pattern("classA", 9000)
+    write_file("vault/secret.txt", d)
+    durable("a complete folder and a file in it", file_fact("vault/secret.txt", d, cls="complete"))
+
+    os.setxattr(MNT + "/created.txt", "user.note", b"kept on fsync")
+    fsync_path(MNT + "/created.txt")
+    durable("setxattr + fsync of the file",
+            file_fact("created.txt", a, xattrs={"user.note": "kept on fsync"}))
+
+    e = pattern("renamed", 7000)
+    write_file("docs/.tmp-new", e, sync_dir=False)
+    os.rename(MNT + "/docs/.tmp-new", MNT + "/docs/nested.txt")
+    fsync_path(MNT + "/docs", directory=True)
+    durable("rename over an existing file + fsync of the folder",
+            {**file_fact("docs/nested.txt", e), "docs/.tmp-new": {"type": "absent"}})
+
+    f = pattern("blocks-v1", 3 * 4096)
+    write_file("inplace.bin", f)
+    durable("a three-block file", file_fact("inplace.bin", f))
+    for version in range(2, 5):
+        g = bytearray(f)
+        g[4096:8192] = pattern(f"blocks-v{version}", 4096)
+        fd = os.open(MNT + "/inplace.bin", os.O_WRONLY)
+        os.pwrite(fd, bytes(g[4096:8192]), 4096)
+        os.fsync(fd)
+        os.close(fd)
+        f = bytes(g)
+        durable(f"overwrite the middle block in place, version {version}", file_fact("inplace.bin", f),
+                rewrites=["inplace.bin"])
+
+    h = pattern("append", 2500)
+    write_file("log.txt", h)
+    for i in range(3):
+        more = pattern(f"app{i}", 3000)
+        fd = os.open(MNT + "/log.txt", os.O_WRONLY | os.O_APPEND)
+        os.write(fd, more)
+        os.fsync(fd)
+        os.close(fd)
+        h += more
+        durable(f"append {i}", file_fact("log.txt", h), rewrites=["log.txt"])
+    fd = os.open(MNT + "/log.txt", os.O_WRONLY)
+    os.ftruncate(fd, 4100)
+    os.fsync(fd)
+    os.close(fd)
+    h = h[:4100]
+    durable("truncate", file_fact("log.txt", h), rewrites=["log.txt"])
+
+    # Made durable by a directory fsync alone (the files' own fsyncs are long past).
+    os.mkdir(MNT + "/empty-folder")
+    fsync_path(MNT, directory=True)
+    durable("mkdir + fsync of the parent folder", {"empty-folder": {"type": "dir"}})
+    os.rename(MNT + "/created.txt", MNT + "/docs/moved.txt")
+    fsync_path(MNT + "/docs", directory=True)
+    fsync_path(MNT, directory=True)
+    durable("rename into another folder + fsync of both",
+            {"created.txt": {"type": "absent"},
+             **file_fact("docs/moved.txt", a, xattrs={"user.note": "kept on fsync"})})
+    os.unlink(MNT + "/" + long)
+    fsync_path(MNT, directory=True)
+    durable("unlink + fsync of the folder", {long: {"type": "absent"}})
+
+    os.link(MNT + "/inplace.bin", MNT + "/docs/hardlink.bin")
+    fsync_path(MNT + "/docs", directory=True)
+    durable("hard link", file_fact("docs/hardlink.bin", f))
+
+    os.symlink("docs/moved.txt", MNT + "/created.txt")
+    os.symlink("docs/moved.txt", MNT + "/link-to-moved")
+    fsync_path(MNT, directory=True)
+    durable("symlinks + fsync of the folder", {"link-to-moved": {"type": "symlink", "target": "docs/moved.txt"},
+                                               "created.txt": {"type": "symlink", "target": "docs/moved.txt"}})
+
+    k = pattern("classB", 5000)
+    write_file("moved-to-b.txt", k)
+    os.setxattr(MNT + "/moved-to-b.txt", "user.protection", b"completeUnlessOpen")
+    durable("class change", file_fact("moved-to-b.txt", k, cls="completeUnlessOpen"))
+
+    os.mkdir(MNT + "/tree")
+    for i in range(3):
+        write_file(f"tree/t{i}.txt", pattern(f"tree{i}", 1000 + i))
+    fsync_path(MNT, directory=True)
+    run(ctl + ["protect", "-R", "complete", MNT + "/tree"])
+    durable("keybagctl protect -R",
+            {f"tree/t{i}.txt": file_fact(f"tree/t{i}.txt", pattern(f"tree{i}", 1000 + i), "complete")[f"tree/t{i}.txt"]
+             for i in range(3)})
+
+    run(ctl + ["passwd", "--passcode-stdin"], stdin="pw1\npw2\n")
+    durable("passwd", {"passcode": "pw2"})
+
+    for mode in ("wal", "delete"):
+        db = sqlite3.connect(MNT + f"/{mode}.db", isolation_level=None)
+        db.execute(f"PRAGMA journal_mode={mode}")
+        # EXTRA: in rollback-journal mode SQLite then syncs the folder after deleting the journal
+        # (the commit); FULL leaves the last commit to the next sync (SQLite's documentation).
+        db.execute("PRAGMA synchronous=EXTRA")
+        db.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, v TEXT)")
+        fsync_path(MNT, directory=True)
+        for i in range(1, 13):
+            db.execute("BEGIN")
+            db.execute("INSERT INTO t VALUES (?, ?)", (i, pattern(f"row{i}", 300 + 40 * i).decode()))
+            db.execute("COMMIT")
+            durable(f"sqlite {mode} commit {i}", {f"{mode}.db": {"type": "sqlite", "rows": i}},
+                    rewrites=[f"{mode}.db", f"{mode}.db-wal", f"{mode}.db-journal"])
+        db.close()  # WAL: the checkpoint rewrites the database's pages in place
+        durable(f"sqlite {mode} closed", {f"{mode}.db": {"type": "sqlite", "rows": 12}},
+                rewrites=[f"{mode}.db", f"{mode}.db-wal", f"{mode}.db-journal"])
+
+    run(["fusermount3", "-u", MNT])
+    print(f"guest: {marks} marks")
+
+
+main()
