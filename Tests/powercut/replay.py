@@ -192,7 +192,7 @@ class Checker:
             return [err]
         problems = []
         for path, want in sorted(facts.items()):
-            if path == "passcode":
+            if path in ("passcode", "recovery") or path.startswith("device:"):
                 continue
             alt = pending.get(path)
             got, torn = self.read(kbm, path, want)
@@ -204,7 +204,47 @@ class Checker:
             problems.append(f"{path}: expected {json.dumps(want)[:160]}, got {json.dumps(got)[:200]}")
         sh(["fusermount3", "-u", kbm])
         problems += self.fsck(store, facts, pending)
+        for key, want in sorted(facts.items()):
+            if key.startswith("device:"):
+                problems += self.check_device(store, kbm, key[7:], want, pending.get(key))
+        if facts.get("recovery") not in (None, "rk") or "recovery" in pending:  # from the rotation on
+            problems += self.check_recovery(store, facts["recovery"], pending.get("recovery"))
         return problems
+
+    def check_device(self, store, kbm, key, want, alt):
+        """A second device's keybag opens with its passcode (added), or the device is refused (removed)."""
+        state = tempfile.mkdtemp(prefix="kbpc-dev.")
+        try:
+            r = subprocess.run([self.a.kbin + "/keybagfs", "mount", store, kbm, "--device-key",
+                                os.path.dirname(self.a.device_key) + "/" + key, "--socket", state + "/sock"],
+                               capture_output=True, text=True, env=dict(os.environ, STATE_DIRECTORY=state))
+            opened = r.returncode == 0 and sh([self.a.kbin + "/keybagctl", "--socket", state + "/sock", "unlock",
+                                               "--passcode-stdin"], stdin=want["passcode"] + "\n").returncode == 0
+            sh(["fusermount3", "-u", kbm])
+        finally:
+            shutil.rmtree(state, ignore_errors=True)
+        if opened == want["present"] or (alt is not None and opened == alt["present"]):
+            return []
+        return [f"device {key}: {'opens' if opened else 'does not open'} ({r.stderr.strip()[:160]})"]
+
+    def check_recovery(self, store, want, alt):
+        """The recovery key in force opens the escrow: `device add` of a throwaway key with it
+        (in a copy of the keybags only: the store stays as the state left it)."""
+        probe = tempfile.mkdtemp(prefix="kbpc-rk.")
+        try:
+            shutil.copytree(store, probe + "/store", ignore=shutil.ignore_patterns("data", "xattrs", "targets"))
+            os.mkdir(probe + "/store/data")
+            for rk in [want] + ([alt] if alt else []):
+                r = subprocess.run([self.a.kbin + "/keybagfs", "device", "add", probe + "/store", "--device-key",
+                                    probe + "/probe.key", "--recovery-key-file",
+                                    os.path.dirname(self.a.device_key) + "/" + rk, "--stdin", "--kdf",
+                                    "interactive", "--tpm2", "off"], input="probe\n", capture_output=True,
+                                   text=True, env=dict(os.environ, STATE_DIRECTORY=probe))
+                if r.returncode == 0:
+                    return []
+            return [f"no recovery key in force opens the escrow: {r.stderr.strip()[:200]}"]
+        finally:
+            shutil.rmtree(probe, ignore_errors=True)
 
     def read(self, kbm, path, want):
         """What the mount shows at `path`, in the shape of the fact `want`; and whether it was EIO."""

@@ -85,7 +85,7 @@ def main():
     run([KBIN + "/keybagfs", "init", STORE, "--passcode-stdin", "--device-key", RUN + "/dk", "--kdf",
          "interactive", "--tpm2", "off", "--recovery-key-file", RUN + "/rk"], stdin="pw1\n")
     os.sync()
-    durable("init", {"passcode": "pw1"})
+    durable("init", {"passcode": "pw1", "recovery": "rk"})
     run([KBIN + "/keybagfs", "mount", STORE, MNT, "--device-key", RUN + "/dk", "--socket", SOCK])
     ctl = [KBIN + "/keybagctl", "--socket", SOCK]
     run(ctl + ["unlock", "--passcode-stdin"], stdin="pw1\n")
@@ -216,7 +216,24 @@ def main():
                 rewrites=[f"{mode}.db", f"{mode}.db-wal", f"{mode}.db-journal"])
 
     run(["fusermount3", "-u", MNT])
+    keybag_ops()
     print(f"guest: {marks} marks")
+
+
+def keybag_ops():
+    """The keybag's own writes, on the unmounted store: a new recovery key, a second device
+    added (its keybag in devices/), then removed (a new key set, its record)."""
+    kb = KBIN + "/keybagfs"
+    run([kb, "recovery-key", "rotate", STORE, "--device-key", RUN + "/dk", "--passcode-stdin",
+         "--recovery-key-file", RUN + "/rk2"], stdin="pw2\n")
+    durable("recovery-key rotate", {"recovery": "rk2"})
+    run([kb, "device", "add", STORE, "--device-key", RUN + "/dk2", "--recovery-key-file", RUN + "/rk2", "--stdin",
+         "--kdf", "interactive", "--tpm2", "off", "--name", "second"], stdin="second device\n")
+    dev = run([kb, "device", "id", STORE, "--device-key", RUN + "/dk2"]).strip()
+    durable("device add", {"device:dk2": {"type": "device", "passcode": "second device", "present": True}})
+    run([kb, "device", "remove", STORE, dev, "--device-key", RUN + "/dk", "--stdin",
+         "--recovery-key-file", RUN + "/rk2"], stdin="pw2\n")
+    durable("device remove", {"device:dk2": {"type": "device", "passcode": "second device", "present": False}})
 
 
 main()

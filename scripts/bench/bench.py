@@ -209,9 +209,13 @@ class Mounted:
         self.pids = pids_with_arg("gocryptfs", m)
         self.dir = m
 
-    def _mount_keybagfs(self):
+    def _mount_before(self):
+        """keybagfs from the binaries of --keybagfs-before: a change measured against the code before it."""
+        self._mount_keybagfs(self.h.args.keybagfs_before)
+
+    def _mount_keybagfs(self, bindir=None):
         s, m = self._fuse_dirs()
-        kb, ctl = self.h.kb_bin("keybagfs"), self.h.kb_bin("keybagctl")
+        kb, ctl = self.h.kb_bin("keybagfs", bindir), self.h.kb_bin("keybagctl", bindir)
         dk, sock = os.path.join(self.base, "device.key"), os.path.join(self.base, "sock")
         run([kb, "init", s, "--passcode-stdin", "--device-key", dk, "--kdf", "interactive",
              "--no-recovery-key", "--tpm2", "off"], input="pw\n")
@@ -270,8 +274,8 @@ class Harness:
         self.work = None
         self.pg_port = 54329 + os.getpid() % 500
 
-    def kb_bin(self, name):
-        return os.path.join(self.args.keybagfs, name)
+    def kb_bin(self, name, bindir=None):
+        return os.path.join(bindir or self.args.keybagfs, name)
 
     # --- recording -----------------------------------------------------------------------
     def record(self, m, metric, rnd, value, cpu, units):
@@ -826,7 +830,7 @@ def report(h):
             out.append(b_ / a_)
         return summary(out)
 
-    others = [o for o in ("passthrough", "gocryptfs") if o in systems]
+    others = [o for o in ("passthrough", "gocryptfs", "before") if o in systems]
     if "keybagfs" in systems and others:
         rows = [[mt] + [cell(per_round_ratio(mt, o, 0)) for o in others] for mt in metrics]
         table("keybagfs speed ratio, per round: median (min-max); above 1 = keybagfs faster",
@@ -868,6 +872,8 @@ def parse_args(argv):
     p.add_argument("--csv", help="write every measurement here (system,metric,round,value,daemon_cpu_s,units)")
     p.add_argument("--keybagfs", default=".build/release", help="folder with keybagfs and keybagctl")
     p.add_argument("--keybagfs-class", help="keybagfs --default-class (default: keybagfs' own default)")
+    p.add_argument("--keybagfs-before", help="folder with an earlier build's keybagfs and keybagctl: the system "
+                                             "`before`, side by side with `keybagfs` (a change's before/after)")
     p.add_argument("--quick-apps", action="store_true",
                    help="smoke run: pgbench 5 s, 2,000 SQLite transactions / 100k rows, git on the quick tree, "
                         "make scripts only")
@@ -879,8 +885,12 @@ def parse_args(argv):
     a.passthrough_hp = pt
     a.systems = [s for s in a.systems.split(",") if s]
     for s in a.systems:
-        if s not in ("plain", "passthrough", "gocryptfs", "keybagfs"):
+        if s not in ("plain", "passthrough", "gocryptfs", "keybagfs", "before"):
             p.error(f"unknown system {s}")
+    if "before" in a.systems and not a.keybagfs_before:
+        p.error("the system before needs --keybagfs-before DIR")
+    if a.keybagfs_before:
+        a.keybagfs_before = os.path.realpath(a.keybagfs_before)
     if "passthrough" in a.systems and not (pt and os.access(pt, os.X_OK)):
         p.error(f"passthrough needs PASSTHROUGH_HP=/path/to/passthrough_hp (got {pt!r})")
     groups = []
