@@ -86,7 +86,9 @@ def main():
          "interactive", "--tpm2", "off", "--recovery-key-file", RUN + "/rk"], stdin="pw1\n")
     os.sync()
     durable("init", {"passcode": "pw1", "recovery": "rk"})
-    run([KBIN + "/keybagfs", "mount", STORE, MNT, "--device-key", RUN + "/dk", "--socket", SOCK])
+    # allow_other: PostgreSQL runs as its own user.
+    run([KBIN + "/keybagfs", "mount", STORE, MNT, "--device-key", RUN + "/dk", "--socket", SOCK, "-o",
+         "allow_other"])
     ctl = [KBIN + "/keybagctl", "--socket", SOCK]
     run(ctl + ["unlock", "--passcode-stdin"], stdin="pw1\n")
 
@@ -215,9 +217,46 @@ def main():
         durable(f"sqlite {mode} closed", {f"{mode}.db": {"type": "sqlite", "rows": 12}},
                 rewrites=[f"{mode}.db", f"{mode}.db-wal", f"{mode}.db-journal"])
 
+    postgres()
     run(["fusermount3", "-u", MNT])
     keybag_ops()
     print(f"guest: {marks} marks")
+
+
+PG = "/usr/lib/postgresql/15/bin"
+
+
+def as_pg(argv):
+    return ["runuser", "-u", "postgres", "--"] + argv
+
+
+def postgres():
+    """PostgreSQL on the mount (fsync on, synchronous_commit on): numbered rows, each INSERT a
+    transaction of its own, marked once psql has its acknowledgement."""
+    os.mkdir(MNT + "/pg")
+    os.chown(MNT + "/pg", *pg_ids())
+    run(as_pg([PG + "/initdb", "-D", MNT + "/pg/data", "-A", "trust", "-U", "postgres", "-E", "UTF8",
+               "--locale=C", "--no-instructions"]))
+    fsync_path(MNT + "/pg", directory=True)
+    fsync_path(MNT, directory=True)
+    os.makedirs("/tmp/pgsock", exist_ok=True)
+    os.chown("/tmp/pgsock", *pg_ids())
+    run(as_pg([PG + "/pg_ctl", "-D", MNT + "/pg/data", "-l", "/tmp/pg.log", "-w", "-t", "300", "-o",
+               "-c listen_addresses='' -k /tmp/pgsock -c fsync=on -c synchronous_commit=on", "start"]))
+    psql = as_pg(["/usr/bin/psql", "-h", "/tmp/pgsock", "-U", "postgres", "-v", "ON_ERROR_STOP=1", "-qc"])
+    run(psql + ["CREATE TABLE t (id int PRIMARY KEY, v text)"])
+    durable("postgres: initdb and a table", {"pg": {"type": "postgres", "rows": 0}})
+    for i in range(1, 9):
+        run(psql + [f"INSERT INTO t VALUES ({i}, repeat('row {i} ', 50))"])
+        durable(f"postgres commit {i}", {"pg": {"type": "postgres", "rows": i}}, rewrites=["pg"])
+    run(as_pg([PG + "/pg_ctl", "-D", MNT + "/pg/data", "-m", "fast", "-w", "stop"]))
+    durable("postgres stopped (checkpoint)", {"pg": {"type": "postgres", "rows": 8}}, rewrites=["pg"])
+
+
+def pg_ids():
+    import pwd
+    p = pwd.getpwnam("postgres")
+    return p.pw_uid, p.pw_gid
 
 
 def keybag_ops():
