@@ -31,6 +31,8 @@ public enum Failpoint: String, Sendable {
     /// In `StoreRewrap` (tpm2 enroll, rewrap), after a batch's new header slots are durable and
     /// before its old slots are erased.
     case rewrapBetweenSlots = "rewrap-between-slots"
+    /// In `tpm2 enroll`, after the keybag bound to the TPM is saved and before the TPM's lockout is taken.
+    case enrollBeforeLockout = "enroll-before-lockout"
 
     /// What a failpoint does when reached.
     enum Action: Sendable, Equatable { case sleep(UInt32), stop, on }

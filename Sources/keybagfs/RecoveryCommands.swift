@@ -121,14 +121,19 @@ struct Recover: ParsableCommand {
         unlink(staged)
         let dk = try DeviceKeyFile.create(at: staged)
         defer { dk.wipe() }
+        var lockoutFailure: Error?
         do {
             kb.sealer = try sealer(
                 deviceKey: dk, storeID: kb.file.storeID, choice: choice, previousDeviceID: kb.file.deviceID)
+            Self.noteOwedRewrap(kb, wasBound: wasBound)
             let taken = kb
             try kb.recover(
                 with: recovery, newPasscode: passcode, deviceKey: dk,
                 escrowFrom: Self.escrowSource(target.store, recovery)
-            ) { try Self.takeLockout(taken, choice, $0) }
+            ) { keys in
+                // The keybag is saved for the new key by now: a refused lockout must not cost it.
+                do { try Self.takeLockout(taken, choice, keys) } catch { lockoutFailure = error }
+            }
         } catch {
             unlink(staged)
             throw error
@@ -142,7 +147,18 @@ struct Recover: ParsableCommand {
             "recovered \(target.store): new passcode set; new device key \(dkPath) (the old one no longer opens "
                 + "the store)"
         )
+        if let lockoutFailure { throw lockoutFailure }
         if !wasBound { try Self.newKeySetIfBound(&kb, passcode: passcode, deviceKey: dk, recovery: recovery) }
+    }
+
+    /// A keybag about to be bound to a TPM it was not bound to owes a new key set and a rewrap
+    /// (`newKeySetIfBound`): noted in the enrollment, which its first seal writes before the
+    /// keybag's save, so a cut in between is finished by `tpm2 enroll` run again.
+    static func noteOwedRewrap(_ kb: Keybag, wasBound: Bool) {
+        guard !wasBound, let sealer = kb.sealer as? TPMSealer,
+            kb.devicesWithout(keySet: kb.currentKeySet + 1).isEmpty
+        else { return }
+        sealer.notePendingRewrap(kb.currentKeySet + 1)
     }
 
     /// Recovery with this device's key: a new passcode, the same device key.
@@ -167,12 +183,17 @@ struct Recover: ParsableCommand {
         _ = try? kb.authenticate(deviceKey: dk)
         let wasBound = kb.file.tpm2 == true
         kb.sealer = try sealer(deviceKey: dk, storeID: kb.file.storeID, choice: choice)
+        Self.noteOwedRewrap(kb, wasBound: wasBound)
         let taken = kb
+        var lockoutFailure: Error?
         try kb.recover(
             with: recovery, newPasscode: passcode, deviceKey: dk,
             escrowFrom: Self.escrowSource(target.store, recovery)
-        ) { try Self.takeLockout(taken, choice, $0) }
+        ) { keys in
+            do { try Self.takeLockout(taken, choice, keys) } catch { lockoutFailure = error }
+        }
         print("recovered \(target.store): new passcode set")
+        if let lockoutFailure { throw lockoutFailure }
         if !wasBound { try Self.newKeySetIfBound(&kb, passcode: passcode, deviceKey: dk, recovery: recovery) }
     }
 

@@ -88,9 +88,13 @@ extension TPMCommand {
                 defer { recovery?.wipe() }
                 var moved: StoreRewrap.Result?
                 let storeID = kb.file.storeID
+                // Written with the enrollment's first seal, before the keybag's save: a cut after
+                // that save leaves the rewrap owed, and a second run does it.
+                if others.isEmpty { sealer.notePendingRewrap(kb.currentKeySet + 1) }
                 let set = try kb.enrollTPM(sealer, passcode: try passcode(), deviceKey: dk, recovery: recovery) {
                     keys in
                     // The lockout first: the rewrap is the long part, where a cut is likeliest.
+                    Failpoint.enrollBeforeLockout.hit()
                     try sealer.takeLockout(choice, sets: keys.sets, storeID: storeID)
                     if others.isEmpty { moved = try Self.rewrap(target.store, keys, sealer) }
                 }
@@ -107,26 +111,37 @@ extension TPMCommand {
             return r
         }
 
-        /// A device already bound to `sealer`: finishes what a cut enrollment left (the TPM's lockout,
-        /// the rewrap), or refuses when nothing is left.
+        /// A device already bound to `sealer`: finishes what a cut enrollment left (the TPM's lockout;
+        /// the new key set a cut `recover` had not made yet; the rewrap), or refuses when nothing is left.
         func finish(
             _ kb: inout Keybag, _ dk: SecureKey, _ sealer: TPMSealer, _ choice: TPMLockoutChoice,
             _ passcode: () throws -> SecureKey
         ) throws {
             let lockout = try sealer.lockoutUnfinished()
-            let pending = sealer.pendingRewrap.map { _ in kb.devicesWithout(keySet: kb.currentKeySet).isEmpty } ?? false
-            guard lockout || pending else {
+            let owed = sealer.pendingRewrap
+            guard lockout || owed != nil else {
                 throw KeybagError.invalid(
                     "this device is already bound to the TPM at \(sealer.tcti); `keybagfs tpm2 remove` first to move it"
                 )
             }
             if lockout { try sealer.checkLockout(choice) }
-            let keys = try kb.openAllCounted(passcode: try passcode(), deviceKey: dk)
+            let newSet = owed.map { $0 > kb.currentKeySet } ?? false
+            let recovery =
+                newSet && kb.hasRecoveryKey
+                ? try RecoveryKeyOutput.read(file: recoveryKeyFile, fromStdin: passcodeStdin) : nil
+            defer { recovery?.wipe() }
+            let code = try passcode()
+            if newSet { _ = try kb.startKeySet(passcode: code, deviceKey: dk, recovery: recovery) }
+            let keys = try kb.openAllCounted(passcode: code, deviceKey: dk)
             defer { keys.wipe() }
             if lockout { try sealer.takeLockout(choice, sets: keys.sets, storeID: kb.file.storeID) }
-            let moved = pending ? try Self.rewrap(target.store, keys, sealer) : nil
+            let behind = kb.devicesWithout(keySet: keys.current)
+            let moved = owed != nil && behind.isEmpty ? try Self.rewrap(target.store, keys, sealer) : nil
             print("finished this device's enrollment on the TPM at \(sealer.tcti)")
             if let moved { print("  files rewrapped for key set \(keys.current): \(moved.rewrapped)") }
+            if owed != nil && !behind.isEmpty {
+                print("  files not rewrapped: \(behind.joined(separator: ", ")) lack key set \(keys.current)")
+            }
             print("  " + TPMEnrollOptions.lockoutReport(sealer))
         }
 

@@ -437,4 +437,66 @@ final class TPMLockoutTests: XCTestCase {
         XCTAssertEqual(clear.code, 0, "the recovery key clears the lockout the first device id took: \(clear.stderr)")
         XCTAssertEqual(tpm.lockoutCounter, 0)
     }
+
+    /// Root makes the TPM refuse its lockout authorization after the enrollment checked it and
+    /// before it takes it (found by review: enroll then said "nothing was changed", owed no rewrap,
+    /// and a second run said "finished" with every file still on the old key set).
+    func testALockoutRefusedAfterTheKeybagIsBoundIsFinishedWithTheRewrapOnTheNextRun() throws {
+        let tpm = try swtpm(maxTries: 5, recoveryTime: 1000, lockoutRecovery: 2)
+        let rk = try MountFixture.makeRoot() + "/recovery.txt"
+        let m = try MountFixture(initArgs: ["--tpm2", "off", "--recovery-key-file", rk], mount: false)
+        addTeardownBlock { m.close() }
+        try m.mount()
+        m.unlock()
+        XCTAssertEqual(writeFile(m.path("secret.txt"), bytes("class A before enrollment")), 0)
+        XCTAssertEqual(setXattr(m.path("secret.txt"), "complete"), 0)
+        m.unmount()
+        let before = try Data(contentsOf: URL(fileURLWithPath: m.store + "/keybag"))
+        let args = [
+            "tpm2", "enroll", m.store, "--device-key", m.deviceKey, "--tpm2-device", tpm.tcti, "--passcode-stdin",
+            "--recovery-key-file", rk,
+        ]
+        let p = Process()
+        p.executableURL = URL(fileURLWithPath: MountFixture.binDir + "/keybagfs")
+        p.arguments = args
+        p.environment = ProcessInfo.processInfo.environment.merging(
+            ["KEYBAGFS_TEST_FAILPOINTS": "enroll-before-lockout=stop"]) { $1 }
+        let input = Pipe(), errors = Pipe()
+        p.standardInput = input
+        p.standardOutput = FileHandle.nullDevice
+        p.standardError = errors
+        try p.run()
+        input.fileHandleForWriting.write(Data((m.passcode + "\n").utf8))
+        try input.fileHandleForWriting.close()
+        var stopped = false
+        for _ in 0..<1000 where !stopped {
+            let stat = (try? String(contentsOfFile: "/proc/\(p.processIdentifier)/stat", encoding: .utf8)) ?? ""
+            stopped = stat.split(separator: ")").last?.split(separator: " ").first == "T"
+            if !stopped { usleep(20_000) }
+        }
+        XCTAssertTrue(stopped, "enroll reached the point after the keybag's save")
+        XCTAssertNotEqual(tpm.tool("tpm2_dictionarylockout", ["-c", "-p", "str:wrong"]).code, 0)
+        kill(p.processIdentifier, SIGCONT)
+        p.waitUntilExit()
+        let said = String(decoding: errors.fileHandleForReading.readDataToEndOfFile(), as: UTF8.self)
+        XCTAssertEqual(p.terminationStatus, 1)
+        XCTAssertTrue(said.contains("tpm2 enroll STORE` again") && !said.contains("nothing was changed"), said)
+        sleep(3)
+        let again = keybagfs(args, stdin: m.passcode + "\n")
+        XCTAssertEqual(again.code, 0, again.stderr)
+        XCTAssertTrue(again.stdout.contains("files rewrapped for key set 1: 1"), again.stdout)
+        XCTAssertTrue(tpm.lockoutAuthSet, "the lockout is taken")
+        // The keybag from before opens nothing.
+        let thief = try MountFixture(replicaOf: m, passcode: m.passcode)
+        addTeardownBlock { thief.close() }
+        try before.write(to: URL(fileURLWithPath: thief.store + "/keybag"))
+        XCTAssertEqual(MountFixture.run("/bin/cp", [m.deviceKey, thief.deviceKey]).code, 0)
+        let state = thief.root + "/state"
+        XCTAssertEqual(mkdir(state, 0o700), 0)
+        try thief.mount(environment: ["STATE_DIRECTORY": state])
+        XCTAssertEqual(thief.ctl(["unlock", "--passcode-stdin"], stdin: m.passcode + "\n").code, 0)
+        guard case .failure = readFile(thief.path("secret.txt")) else {
+            return XCTFail("the keybag from before enrollment opens secret.txt")
+        }
+    }
 }

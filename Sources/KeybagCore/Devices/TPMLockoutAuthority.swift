@@ -142,11 +142,15 @@ extension TPMSealer {
     }
 
     /// The refusal while the TPM refuses its lockout authorization (after a wrong one was tried).
-    private static func lockoutRefused(_ tpm: TPMConnection) -> KeybagError {
+    private static func lockoutRefused(_ tpm: TPMConnection, bound: Bool = false) -> KeybagError {
         let wait = (try? tpm.lockoutState().lockoutRecovery) ?? 0
         return KeybagError.invalid(
             "the TPM refuses its lockout authorization for up to \(wait) s after a wrong one was tried (someone tried "
-                + "to clear or change it): run this again after that; nothing was changed")
+                + "to clear or change it): "
+                + (bound
+                    ? "the passcode is bound to the TPM, but its lockout is not taken yet: run `keybagfs tpm2 enroll "
+                        + "STORE` again after that to finish"
+                    : "run this again after that; nothing was changed"))
     }
 
     /// Takes the lockout as `choice` says (after `checkLockout`), once the enrollment holds its
@@ -173,7 +177,10 @@ extension TPMSealer {
                         auth, holder: kept.holder, sets: sets, storeID: storeID, deviceID: deviceID)
                     if isSet { apply = nil; auth.wipe() }
                 } else if isSet {
-                    throw Self.heldElsewhere
+                    throw KeybagError.invalid(
+                        "the TPM's lockout authorization was set by someone else while this ran: the passcode is bound "
+                            + "to the TPM, its lockout not taken; run `keybagfs tpm2 enroll STORE` again with "
+                            + "--tpm2-lockout-auth-file or --tpm2-accept-clearable-lockout to finish")
                 } else {
                     let auth = SecureKey(random: 32)
                     apply = auth
@@ -184,7 +191,7 @@ extension TPMSealer {
             try next.save(to: path)
             e = next
             do { if let apply { try tpm.changeLockoutAuth(from: nil, to: apply) } } catch TPMError.lockout {
-                throw Self.lockoutRefused(tpm)
+                throw Self.lockoutRefused(tpm, bound: true)
             }
         }
     }
@@ -223,6 +230,10 @@ extension TPMSealer {
             return true
         }
     }
+
+    /// Notes, before the enrollment's first save (the first seal, which comes before the keybag's
+    /// save), that files are to move to key set `n`: no cut after the keybag's save can lose it.
+    public func notePendingRewrap(_ n: Int) { enrollment.withLock { $0.pendingRewrap = n } }
 
     /// Records that files are still to move to key set `n` (nil: none), so status and a second
     /// `tpm2 enroll` can tell an enrollment cut short.
