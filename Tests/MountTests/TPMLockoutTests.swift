@@ -24,6 +24,22 @@ final class TPMLockoutTests: XCTestCase {
         return tpm
     }
 
+    /// The thief of "no guessable keybag": a copy of `m`'s store with `keybag` put back at `at` (a path
+    /// inside the store), `m`'s device key, mounted where none of the device's state is (no TPM
+    /// enrollment, no key-set floor), and unlocked with `m`'s passcode (the guess that came out right).
+    private func mountAsThief(of m: MountFixture, keybag: Data, at: String = "/keybag") throws -> MountFixture {
+        let thief = try MountFixture(replicaOf: m, passcode: m.passcode)
+        addTeardownBlock { thief.close() }
+        try keybag.write(to: URL(fileURLWithPath: thief.store + at))
+        XCTAssertEqual(MountFixture.run("/bin/cp", [m.deviceKey, thief.deviceKey]).code, 0)
+        let state = thief.root + "/state"
+        XCTAssertEqual(mkdir(state, 0o700), 0)
+        try thief.mount(environment: ["STATE_DIRECTORY": state])
+        XCTAssertEqual(
+            thief.ctl(["unlock", "--passcode-stdin"], stdin: m.passcode + "\n").code, 0, "the old keybag opens")
+        return thief
+    }
+
     /// The `tpm2` object of the daemon's status.
     private func tpmStatus(_ m: MountFixture) -> [String: Any] { m.status()["tpm2"] as? [String: Any] ?? [:] }
 
@@ -207,15 +223,7 @@ final class TPMLockoutTests: XCTestCase {
         XCTAssertTrue(again.stdout.contains("rewrapped 0 files"), again.stdout)
         // The thief: today's store with the old keybag, on a machine with no state of this device,
         // guessed right (the old keybag needs no TPM): it unlocks, and opens no file.
-        let thief = try MountFixture(replicaOf: m, passcode: m.passcode)
-        addTeardownBlock { thief.close() }
-        try oldKeybag.write(to: URL(fileURLWithPath: thief.store + "/keybag"))
-        XCTAssertEqual(MountFixture.run("/bin/cp", [m.deviceKey, thief.deviceKey]).code, 0)
-        let state = thief.root + "/state"
-        XCTAssertEqual(mkdir(state, 0o700), 0)
-        try thief.mount(environment: ["STATE_DIRECTORY": state])
-        XCTAssertEqual(
-            thief.ctl(["unlock", "--passcode-stdin"], stdin: m.passcode + "\n").code, 0, "the old keybag opens")
+        let thief = try mountAsThief(of: m, keybag: oldKeybag)
         XCTAssertEqual(
             (try? FileManager.default.contentsOfDirectory(atPath: thief.path("dir")))?.count, 8, "names stay readable")
         for c in classes where c != "none" {
@@ -282,14 +290,7 @@ final class TPMLockoutTests: XCTestCase {
         }
         c.unmount()
         // The thief with C's keybag from before its enrollment, C's device key and the passcode.
-        let thief = try MountFixture(replicaOf: c, passcode: c.passcode)
-        addTeardownBlock { thief.close() }
-        try oldC.write(to: URL(fileURLWithPath: thief.store + "/devices/" + (keybagC as NSString).lastPathComponent))
-        XCTAssertEqual(MountFixture.run("/bin/cp", [c.deviceKey, thief.deviceKey]).code, 0)
-        let state = thief.root + "/state"
-        XCTAssertEqual(mkdir(state, 0o700), 0)
-        try thief.mount(environment: ["STATE_DIRECTORY": state])
-        XCTAssertEqual(thief.ctl(["unlock", "--passcode-stdin"], stdin: c.passcode + "\n").code, 0)
+        let thief = try mountAsThief(of: c, keybag: oldC, at: "/devices/" + (keybagC as NSString).lastPathComponent)
         // The other devices still need set 0, so C's older files stay on it (and open for the thief:
         // a store of several devices is as strong as its weakest keybag until they move).
         XCTAssertEqual(try readFile(thief.path("old-complete")).get(), bytes("written on C before its enrollment"))
@@ -323,14 +324,7 @@ final class TPMLockoutTests: XCTestCase {
         XCTAssertEqual(m.ctl(["unlock", "--passcode-stdin"], stdin: newPasscode + "\n").code, 0)
         XCTAssertEqual(try readFile(m.path("a.txt")).get(), bytes("class A, before the TPM"))
         m.unmount()
-        let thief = try MountFixture(replicaOf: m, passcode: m.passcode)
-        addTeardownBlock { thief.close() }
-        try oldKeybag.write(to: URL(fileURLWithPath: thief.store + "/keybag"))
-        XCTAssertEqual(MountFixture.run("/bin/cp", [m.deviceKey, thief.deviceKey]).code, 0)
-        let state = thief.root + "/state"
-        XCTAssertEqual(mkdir(state, 0o700), 0)
-        try thief.mount(environment: ["STATE_DIRECTORY": state])
-        XCTAssertEqual(thief.ctl(["unlock", "--passcode-stdin"], stdin: m.passcode + "\n").code, 0)
+        let thief = try mountAsThief(of: m, keybag: oldKeybag)
         guard case .failure = readFile(thief.path("a.txt")) else {
             return XCTFail("the keybag from before recover bound the TPM opens a.txt")
         }
@@ -400,14 +394,7 @@ final class TPMLockoutTests: XCTestCase {
         XCTAssertNil(tpmStatus(m)["rewrapPending"], "done")
         m.unmount()
         // The keybag from before opens none of them.
-        let thief = try MountFixture(replicaOf: m, passcode: m.passcode)
-        addTeardownBlock { thief.close() }
-        try before.write(to: URL(fileURLWithPath: thief.store + "/keybag"))
-        XCTAssertEqual(MountFixture.run("/bin/cp", [m.deviceKey, thief.deviceKey]).code, 0)
-        let state = thief.root + "/state"
-        XCTAssertEqual(mkdir(state, 0o700), 0)
-        try thief.mount(environment: ["STATE_DIRECTORY": state])
-        XCTAssertEqual(thief.ctl(["unlock", "--passcode-stdin"], stdin: m.passcode + "\n").code, 0)
+        let thief = try mountAsThief(of: m, keybag: before)
         var opened = 0
         for i in 0..<files { if case .success = readFile(thief.path("f\(i)")) { opened += 1 } }
         XCTAssertEqual(opened, 0, "files the keybag from before still opens")
@@ -487,14 +474,7 @@ final class TPMLockoutTests: XCTestCase {
         XCTAssertTrue(again.stdout.contains("files rewrapped for key set 1: 1"), again.stdout)
         XCTAssertTrue(tpm.lockoutAuthSet, "the lockout is taken")
         // The keybag from before opens nothing.
-        let thief = try MountFixture(replicaOf: m, passcode: m.passcode)
-        addTeardownBlock { thief.close() }
-        try before.write(to: URL(fileURLWithPath: thief.store + "/keybag"))
-        XCTAssertEqual(MountFixture.run("/bin/cp", [m.deviceKey, thief.deviceKey]).code, 0)
-        let state = thief.root + "/state"
-        XCTAssertEqual(mkdir(state, 0o700), 0)
-        try thief.mount(environment: ["STATE_DIRECTORY": state])
-        XCTAssertEqual(thief.ctl(["unlock", "--passcode-stdin"], stdin: m.passcode + "\n").code, 0)
+        let thief = try mountAsThief(of: m, keybag: before)
         guard case .failure = readFile(thief.path("secret.txt")) else {
             return XCTFail("the keybag from before enrollment opens secret.txt")
         }
