@@ -48,8 +48,16 @@ struct Follow: ParsableCommand {
         }
     }
 
-    /// One line on stdout, flushed (the journal shows it at once).
-    func say(_ s: String) { FileHandle.standardOutput.write(Data((s + "\n").utf8)) }
+    /// One line for the journal: sent to its native socket when stdout is the journal (the
+    /// line's timestamp is then when it was said, which the suspend order is checked by),
+    /// else written to stdout. A leading "<N>" is the line's syslog priority.
+    func say(_ s: String) {
+        var priority: Int32 = 6, text = Substring(s)
+        let level = s.hasPrefix("<") && s.dropFirst(2).hasPrefix(">") ? Int32(String(s.dropFirst().prefix(1))) : nil
+        if let level { (priority, text) = (level, s.dropFirst(3)) }
+        if kbfs_journal_line(priority, String(text)) == 0 { return }
+        FileHandle.standardOutput.write(Data((s + "\n").utf8))
+    }
 
     func run() throws {
         let status = try control().checked(.status, StatusReply.self)
@@ -95,9 +103,8 @@ struct Follow: ParsableCommand {
             switch ev.kind {
             case KBFS_LOGIND_PREPARE_FOR_SLEEP where ev.flag != 0:
                 guard !noSleep else { continue }
-                let outcome = lockBeforeSleep()
+                say(lockBeforeSleep())  // said before the release, so the journal shows it first
                 if inhibitor >= 0 { close(inhibitor); inhibitor = -1 }  // sleep may go on now
-                say(outcome)
             case KBFS_LOGIND_PREPARE_FOR_SLEEP:
                 inhibit()
                 say("resumed: inhibitor taken again")

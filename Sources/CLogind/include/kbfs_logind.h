@@ -41,4 +41,10 @@ int kbfs_logind_next(kbfs_logind *l, uint64_t timeout_usec, kbfs_logind_event *e
 uint64_t kbfs_logind_forged(const kbfs_logind *l);
 /// The uid owning a session, and its LockedHint; 0 or -errno.
 int kbfs_logind_session(kbfs_logind *l, const char *session, uid_t *uid, int *locked_hint);
+/// Sends one line to the journal's native socket at `priority` (syslog level) when stdout
+/// is the journal's stream (JOURNAL_STREAM names it), so its timestamp is the kernel's
+/// receive time like every other native message, not the time journald gets to read a
+/// stream. Returns 0 when sent, -1 when stdout is not the journal (the caller writes it).
+int kbfs_journal_line(int priority, const char *line);
+
 #endif
