@@ -23,6 +23,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import sqlite3
 import struct
 import subprocess
@@ -483,4 +484,8 @@ def main():
     sys.exit(1 if failed else 0)
 
 
+# A SIGTERM or SIGHUP (a CI timeout, a closed terminal) unwinds like an exception, so every
+# `finally` above unmounts what it mounted instead of leaving loop devices behind.
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+signal.signal(signal.SIGHUP, lambda *_: sys.exit(129))
 main()
