@@ -165,7 +165,7 @@ public enum MountDaemon {
         let data = try openFolder(cfg.store, Keybag.dataDirName, create: false)
         let targets = try openFolder(cfg.store, Keybag.targetsDirName, create: true)
         let xattrs = try openFolder(cfg.store, Keybag.xattrsDirName, create: true)
-        let behind = StoreDevices.newestKeySet(storePath: cfg.store) > keybag.currentKeySet
+        let behind = keybag.newestKeySetInStore() > keybag.currentKeySet
         let keyring = ClassKeyring(classD: classD, current: UInt8(keybag.currentKeySet), behind: behind)
         let cipher = keybag.cipher.isAvailable ? keybag.cipher : .xchacha20poly1305
         let fs = try Filesystem(
@@ -185,7 +185,7 @@ public enum MountDaemon {
             let server = try ControlServer(path: cfg.socketPath, controller: controller, owner: owner)
             return Started(
                 fs: fs, controller: controller, server: server,
-                watcher: startWatcher(cfg, fs), storeLock: storeLock)
+                watcher: startWatcher(cfg, fs, controller), storeLock: storeLock)
         } catch {
             controller.shutdown()
             throw error
@@ -193,7 +193,9 @@ public enum MountDaemon {
     }
 
     /// Watches the store as `cfg.watchStore` says (logged); nil when it is off or impossible.
-    private static func startWatcher(_ cfg: MountConfiguration, _ fs: Filesystem) -> StoreWatcher? {
+    private static func startWatcher(_ cfg: MountConfiguration, _ fs: Filesystem, _ controller: Controller)
+        -> StoreWatcher?
+    {
         let full: Bool
         switch cfg.watchStore {
         case .off:
@@ -212,7 +214,9 @@ public enum MountDaemon {
                 full = false
             }
         }
-        return StoreWatcher.start(fs: fs, storePath: cfg.store, full: full)
+        return StoreWatcher.start(fs: fs, storePath: cfg.store, full: full) { [controller] in
+            controller.keySetStanding()
+        }
     }
 
     /// Locks the store against a second daemon (the descriptor stays open until exit).
@@ -289,12 +293,17 @@ public enum MountDaemon {
         }
         // Only an authenticated keybag may raise the floor (a forged key set would lock the device out).
         try KeySetFloor.checkAndRecord(kb, deviceKey: deviceKey)
-        let newest = StoreDevices.newestKeySet(storePath: cfg.store)
+        let trust = kb.deviceTrust()
+        for refused in trust?.refused ?? [] { log("refused in \(StoreDevices.dirName)/: \(refused)") }
+        let newest = trust?.newestSet ?? StoreDevices.newestKeySet(storePath: cfg.store)
         if newest > kb.currentKeySet {
+            let me = kb.deviceID ?? ""
+            let handed = trust.map { t in ((kb.currentKeySet + 1)...newest).allSatisfy { t.records[$0]?.grants[me] != nil } }
             log(
                 "a device was removed from this store (key set \(newest)) and this device holds key set "
                     + "\(kb.currentKeySet): new files and class changes are refused (the removed device could open "
-                    + "them) until this device takes up the new keys with `keybagfs recover`")
+                    + "them) until this device takes up the new keys "
+                    + (handed == true ? "(at the next unlock: they were handed to it)" : "with `keybagfs recover`"))
         }
         let volume = try kb.unwrapDeviceKeySlot("volume", deviceKey: deviceKey)
         defer { volume.wipe() }

@@ -29,6 +29,9 @@ public struct StatusReply: Codable, Sendable, Equatable {
     public var keySet: Int
     /// Whether another device moved to a newer key set than this daemon holds.
     public var keySetBehind: Bool
+    /// Files of the store's devices folder this device refused (a certificate, key-set or
+    /// removal record not signed by a device it trusts), each with why.
+    public var refusedRecords: [String]
     public var tpm2: TPMStatus
 
     /// Whether a TPM holds part of the passcode key, and its dictionary-attack state.
@@ -73,7 +76,7 @@ public struct StatusReply: Codable, Sendable, Equatable {
     enum CodingKeys: String, CodingKey {
         case ok, state, protectedDataAvailable, grace, openFiles, pid, mountpoint, failedAttempts, retryAfter
         case classADirectIO, writebackCache, posixACLs, subscribers, owner, defaultClass, aesMemoryLocked
-        case inactivityRelock, relockIn, deviceID, keySet, keySetBehind, tpm2
+        case inactivityRelock, relockIn, deviceID, keySet, keySetBehind, refusedRecords, tpm2
     }
 
     /// Decodes a status: the contract promises `state`, `protectedDataAvailable`, `grace`
@@ -105,6 +108,7 @@ public struct StatusReply: Codable, Sendable, Equatable {
         _deviceID = try or(.deviceID, NullWhenAbsent(wrappedValue: nil))
         keySet = try or(.keySet, 0)
         keySetBehind = try or(.keySetBehind, false)
+        refusedRecords = try or(.refusedRecords, [])
         tpm2 = try or(.tpm2, .notInUse)
     }
 
@@ -127,6 +131,7 @@ public struct StatusReply: Codable, Sendable, Equatable {
         aesMemoryLocked = false
         keySet = 0
         keySetBehind = false
+        refusedRecords = []
         tpm2 = .notInUse
     }
 }

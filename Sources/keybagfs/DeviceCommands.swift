@@ -42,19 +42,45 @@ struct DeviceCommand: ParsableCommand {
         @Flag(help: "Print JSON.")
         var json = false
 
+        @Option(
+            help: """
+                This device's key: also show which devices, key sets and records it trusts, and which it refuses                 (forged or damaged).
+                """)
+        var deviceKey: String?
+
         func run() throws {
-            _ = try Keybag.load(storePath: store)  // a clear error when it is no store
+            let any = try Keybag.load(storePath: store)  // a clear error when it is no store
             let devices = StoreDevices.list(storePath: store)
+            let trust = try deviceKey.map { path -> DeviceTrust? in
+                let dk = try DeviceKeyFile.load(from: path)
+                defer { dk.wipe() }
+                return try Keybag.load(storePath: store, deviceKey: dk).deviceTrust()
+            }
+            _ = any
             if json {
                 let rows: [[String: Any]] = devices.map { d in
                     var r: [String: Any] = ["id": d.id ?? NSNull(), "name": d.name ?? NSNull()]
                     if let k = d.keybag { r["keybag"] = k }
                     if let t = d.removedAt { r["removedAt"] = t; r["removedBeforeKeySet"] = d.removedBeforeKeySet ?? 0 }
+                    if let t = trust ?? nil, let id = d.id { r["trusted"] = t.trusted[id] != nil }
                     return r
                 }
-                let data = try JSONSerialization.data(withJSONObject: ["devices": rows], options: [.sortedKeys])
+                var out: [String: Any] = ["devices": rows]
+                if let t = trust ?? nil {
+                    out["trust"] = [
+                        "trusted": t.trusted.keys.sorted(), "removed": t.removed.sorted(), "refused": t.refused,
+                        "newestKeySet": t.newestSet,
+                    ]
+                }
+                let data = try JSONSerialization.data(withJSONObject: out, options: [.sortedKeys])
                 print(String(decoding: data, as: UTF8.self))
                 return
+            }
+            if let t = trust ?? nil {
+                print("trusted by this device: \(t.trusted.keys.sorted().joined(separator: ", "))")
+                for r in t.refused { print("refused: \(r)") }
+            } else if deviceKey != nil {
+                print("this device has no identity yet (run `keybagfs recover` once to make one)")
             }
             for d in devices {
                 let id = d.id ?? "first (its id is written at its next mount; `device remove` takes 'first')"

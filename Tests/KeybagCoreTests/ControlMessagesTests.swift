@@ -27,7 +27,7 @@ final class ControlMessagesTests: XCTestCase {
             lockoutAuthSet: true)
         XCTAssertEqual(
             ControlProtocol.encode(s),
-            #"{"aesMemoryLocked":false,"classADirectIO":true,"defaultClass":"complete","deviceID":"0123456789abcdef0123456789abcdef","failedAttempts":2,"grace":0.25,"inactivityRelock":48,"keySet":2,"keySetBehind":true,"mountpoint":"/home/u/Private \"x\"","ok":true,"openFiles":3,"owner":1000,"pid":4242,"posixACLs":true,"protectedDataAvailable":false,"relockIn":172799,"retryAfter":60,"state":"locked","subscribers":1,"tpm2":{"inLockout":false,"inUse":true,"lockoutAuthSet":true,"lockoutCounter":1,"lockoutRecovery":86400,"maxTries":32,"recoveryTime":600},"writebackCache":true}"#
+            #"{"aesMemoryLocked":false,"classADirectIO":true,"defaultClass":"complete","deviceID":"0123456789abcdef0123456789abcdef","failedAttempts":2,"grace":0.25,"inactivityRelock":48,"keySet":2,"keySetBehind":true,"mountpoint":"/home/u/Private \"x\"","ok":true,"openFiles":3,"owner":1000,"pid":4242,"posixACLs":true,"protectedDataAvailable":false,"refusedRecords":[],"relockIn":172799,"retryAfter":60,"state":"locked","subscribers":1,"tpm2":{"inLockout":false,"inUse":true,"lockoutAuthSet":true,"lockoutCounter":1,"lockoutRecovery":86400,"maxTries":32,"recoveryTime":600},"writebackCache":true}"#
         )
         XCTAssertEqual(
             ControlProtocol.encode(StatusReply.TPMStatus(inUse: true, error: "the TPM did not answer: tcti")),

@@ -59,7 +59,7 @@ final class ControlGoldenTests: XCTestCase {
             #"{"aesMemoryLocked":B,"classADirectIO":B,"defaultClass":"completeUntilFirstUserAuthentication","#
             + #""deviceID":"DEV","failedAttempts":0,"grace":2.5,"inactivityRelock":null,"keySet":0,"keySetBehind":false,"#
             + #""mountpoint":"MNT","ok":true,"openFiles":0,"owner":0,"pid":PID,"posixACLs":B,"#
-            + #""protectedDataAvailable":false,"relockIn":null,"retryAfter":0,"state":"beforeFirstUnlock","#
+            + #""protectedDataAvailable":false,"refusedRecords":[],"relockIn":null,"retryAfter":0,"state":"beforeFirstUnlock","#
             + #""subscribers":0,"tpm2":{"inUse":false},"writebackCache":B}"#
         // The values that depend on the machine become their placeholders in the line read.
         let shown = status.replacingOccurrences(

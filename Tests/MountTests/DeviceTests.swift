@@ -110,8 +110,9 @@ final class DeviceTests: XCTestCase {
         XCTAssertEqual(writeFile(a.path("new-a.txt"), bytes("class A, after")), 0)
         XCTAssertEqual(setXattr(a.path("new-a.txt"), "complete"), 0)
         XCTAssertEqual(try readFile(a.path("old-a.txt")).get(), bytes("class A, before"), "A still reads older files")
-        XCTAssertEqual(keySet(ofBacking: a.backing("new-c.txt")), 1)
-        XCTAssertEqual(keySet(ofBacking: a.backing("old-c.txt")), 0)
+        // `recovery-key rotate` (in `firstDevice`) started set 1; the removal set 2.
+        XCTAssertEqual(keySet(ofBacking: a.backing("new-c.txt")), 2)
+        XCTAssertEqual(keySet(ofBacking: a.backing("old-c.txt")), 1)
         a.unmount()
         let fsck = a.fsck()
         XCTAssertEqual(fsck.code, 0, "\(fsck.out)")
@@ -127,8 +128,8 @@ final class DeviceTests: XCTestCase {
         XCTAssertEqual(errnoOf(readFile(b.path("new-a.txt"))), EACCES, "a class A file written after the removal")
         b.unmount()
 
-        // An honest B, synced in full, is told it was removed.
-        sync("devices/\(idB).removed", from: a, to: b)
+        // An honest B, synced in full, is told it was removed (its own keybag still there).
+        XCTAssertEqual(MountFixture.run("/bin/cp", ["-a", a.store + "/devices/.", b.store + "/devices/"]).code, 0)
         XCTAssertThrowsError(try b.mount())
         let log = (try? String(contentsOfFile: b.root + "/daemon.log", encoding: .utf8)) ?? ""
         XCTAssertTrue(log.contains("was removed"), log)
@@ -144,6 +145,7 @@ final class DeviceTests: XCTestCase {
         let b = try MountFixture(replicaOf: a, passcode: "device B passcode")
         defer { b.close() }
         let keyBefore = try Data(contentsOf: URL(fileURLWithPath: a.deviceKey))
+        let devicesBefore = try FileManager.default.contentsOfDirectory(atPath: b.store + "/devices")
         let idA = keybagfs(["device", "id", a.store, "--device-key", a.deviceKey]).stdout.trimmingCharacters(
             in: .whitespacesAndNewlines)
         let add = keybagfs([
@@ -156,7 +158,9 @@ final class DeviceTests: XCTestCase {
             "names the way out and the owner: \(add.stderr)")
         XCTAssertFalse(add.stderr.contains("passcode"), "refused before asking for a passcode: \(add.stderr)")
         XCTAssertEqual(try Data(contentsOf: URL(fileURLWithPath: a.deviceKey)), keyBefore)
-        XCTAssertFalse(FileManager.default.fileExists(atPath: b.store + "/devices"), "nothing written to the replica")
+        XCTAssertEqual(
+            try FileManager.default.contentsOfDirectory(atPath: b.store + "/devices"), devicesBefore,
+            "nothing written to the replica")
         let own = keybagfs(
             [
                 "device", "add", b.store, "--device-key", b.deviceKey, "--recovery-key-file", rk, "--stdin", "--kdf",

@@ -35,13 +35,6 @@ public struct StoreDevice: Sendable, Equatable {
     public var removedBeforeKeySet: Int?
 }
 
-/// A removal record, `devices/ID.removed` (JSON): written once by the device that removed it.
-struct DeviceRemoval: Codable {
-    var deviceID: String
-    var removedAt: Double
-    var keySet: Int
-}
-
 /// The devices of a store: one keybag per device (`keybag` for the device that made the
 /// store, `devices/ID.keybag` for each added one), each written only by its own device, and
 /// a record per removed device. Nothing here is shared state that two devices rewrite.
@@ -143,7 +136,11 @@ extension Keybag {
     ) throws -> Keybag {
         let any = try load(storePath: storePath, now: now)
         let id = try DeviceIdentity.id(deviceKey: deviceKey, storeID: any.file.storeID)
-        if let r = StoreDevices.removal(storePath: storePath, id: id) {
+        // A device with an identity goes only by a removal record it can verify (a forged one
+        // is named by `DeviceTrust`); one without, by any record, as before identities.
+        func refuseIfRemoved(_ kb: Keybag?) throws {
+            guard let r = StoreDevices.removal(storePath: storePath, id: id) else { return }
+            if let kb, let trust = kb.deviceTrust(), !trust.removed.contains(id) { return }
             let when = Date(timeIntervalSince1970: r.removedAt)
             throw KeybagError.invalid(
                 "this device (\(id)) was removed from the store on \(when); it can open only files written before "
@@ -155,10 +152,17 @@ extension Keybag {
             guard kb.file.storeID == any.file.storeID, kb.file.deviceID == id else {
                 throw KeybagError.corrupt("keybag \(own) belongs to another store or device")
             }
+            try refuseIfRemoved(kb)
             return kb
         }
-        var first = try load(storePath: storePath, relativePath: fileName, now: now)
-        if let other = first.file.deviceID, other != id { throw KeybagError.badDeviceKey }
+        guard var first = try? load(storePath: storePath, relativePath: fileName, now: now),
+            (first.file.deviceID ?? id) == id
+        else {
+            try refuseIfRemoved(nil)
+            _ = try load(storePath: storePath, relativePath: fileName, now: now)  // its error, if it has one
+            throw KeybagError.badDeviceKey
+        }
+        try refuseIfRemoved(first)
         if first.file.deviceID == nil {
             first.file.deviceID = id  // saved by `authenticate` at the next mount
             first.pendingDeviceID = true
@@ -235,6 +239,10 @@ extension Keybag {
         if sealer != nil { file.tpm2 = true }
         try wrapAll(keys, into: &file, passcode: passcode, deviceKey: deviceKey, sealer: sealer)
         try writeEscrow(&file, keys: keys.escrowEntries(), recovery: recovery)
+        let certify = certifySeed(storePath: storePath, recovery: recovery, preferring: source)
+        defer { certify.wipe() }
+        let certificate = try makeIdentity(
+            &file, classA0: keys.sets[0].classA, deviceKey: deviceKey, certifySeed: certify, recovery: recovery)
         try StoreDevices.makeFolder(storePath)
         var kb = Keybag(
             storePath: storePath, file: file, counterKey: try counterKey(deviceKey),
@@ -242,6 +250,7 @@ extension Keybag {
         kb.sealer = sealer
         try kb.save()
         try sealer?.keepOnly(salt: file.kdfSalt)
+        try certificate.write(storePath: storePath)
         try KeySetFloor.record(kb, deviceID: id)
         try withKeys(keys)
         return kb
@@ -314,10 +323,28 @@ extension Keybag {
                 "another device made key set \(newest) and this device holds \(currentKeySet): take it up with "
                     + "`keybagfs recover` first")
         }
-        let set = try startKeySet(passcode: passcode, deviceKey: deviceKey, recovery: recovery, now: now)
-        let record = try JSONEncoder().encode(DeviceRemoval(deviceID: removedID, removedAt: now, keySet: set))
+        if let recovery { try ensureIdentity(passcode: passcode, deviceKey: deviceKey, recovery: recovery, now: now) }
+        // The devices that stay get the new set sealed to them, in a record this device signs.
+        let trust = deviceTrust(), storeID = file.storeID, snapshot = self
+        var record: KeySetRecord?
+        var identity: DeviceIdentityKeys?
+        defer { identity?.wipe() }
+        let set = try startKeySet(passcode: passcode, deviceKey: deviceKey, recovery: recovery, now: now) { keys in
+            guard let trust, let mine = snapshot.ownDeviceKeys else { return }
+            identity = try snapshot.identityKeys(classA0: keys.sets[0].classA, deviceKey: deviceKey)
+            record = try Keybag.keySetRecord(
+                keys, maker: mine, makerID: own, storeID: storeID, removed: [removedID], trust: trust, now: now)
+        }
+        var removal = DeviceRemoval(deviceID: removedID, removedAt: now, keySet: set)
+        if var r = record, let identity {
+            try r.seal(escrowFrom: self, signSeed: identity.signSeed)
+            try r.write(storePath: storePath)
+            removal.by = own
+            removal.signature = Data(try Ed25519.sign(removal.message, seed: identity.signSeed)).base64EncodedString()
+        }
         try StoreDevices.makeFolder(storePath)
-        try Keybag.writeAtomically(record, to: storePath + "/" + StoreDevices.removalPath(removedID))
+        try Keybag.writeAtomically(
+            try JSONEncoder().encode(removal), to: storePath + "/" + StoreDevices.removalPath(removedID))
         if unlink(storePath + "/" + keybag) != 0 && errno != ENOENT {
             throw KeybagError.system("cannot delete \(keybag)", errno)
         }

@@ -88,7 +88,8 @@ public final class ClassKeyring: Sendable {
     /// Another device made a newer key set (a removal) that this device lacks: nothing new is
     /// wrapped (creates and class changes are refused), since the removed device would open it.
     public var refusesNewWraps: Bool { behind.load(ordering: .acquiring) }
-    /// Set at start, or when a removal record arrives while mounted (`fallBehind`); never cleared.
+    /// Set at start, or when a removal record arrives while mounted (`fallBehind`); cleared
+    /// only when this device takes up the newer set (`takeUp`).
     private let behind: Atomic<Bool>
 
     /// A keyring holding only class D of key set 0 (state `beforeFirstUnlock`).
@@ -106,6 +107,19 @@ public final class ClassKeyring: Sendable {
     /// Another device's removal started a key set newer than `currentKeySet`: from now on
     /// nothing new is wrapped (`refusesNewWraps`) until the daemon restarts after `recover`.
     public func fallBehind() { behind.store(true, ordering: .releasing) }
+
+    /// This device took up newer key sets (their A, B and C installed with `install`): adds
+    /// their class D keys, makes `current` the set of new files and wraps again (it holds
+    /// the newest set now). Duplicates are wiped.
+    public func takeUp(classD: [UInt8: SecureKey], current: UInt8) {
+        update { k in
+            for (s, d) in classD {
+                if k.d[s] == nil { k.d[s] = d } else { d.wipe() }
+            }
+            k.current = max(k.current, current)
+        }
+        behind.store(false, ordering: .releasing)
+    }
 
     /// What the keys allow right now.
     public var access: KeyAccess { KeyAccess(word: published.load(ordering: .acquiring)) }

@@ -43,6 +43,11 @@ extension Keybag {
             field("tpm2", f.tpm2.map { $0 ? "1" : "0" })
             field("generation", f.generation.map { String($0) })
         }
+        if f.identityBox != nil || f.identitySign != nil || f.storeCertify != nil {  // likewise before identities
+            field("identityBox", f.identityBox)
+            field("identitySign", f.identitySign)
+            field("storeCertify", f.storeCertify)
+        }
         return msg
     }
 

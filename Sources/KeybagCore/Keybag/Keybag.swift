@@ -85,15 +85,23 @@ public struct Keybag: Sendable {
             file.wrapped[slot] = Data(try KeyWrap.wrap(key, with: wrapper, ad: ad(storeID, slot, format: format)))
                 .base64EncodedString()
         }
+        var certificate: DeviceCertificate?
         if let recovery {
             try writeEscrow(
                 &file, keys: [("A", a), ("B", bs), ("C", c), ("D", d), ("volume", vol)], recovery: recovery)
+            if format >= settingsFormat {  // a new store's certification key, and this device's identity
+                let certify = SecureKey(random: 32)
+                defer { certify.wipe() }
+                certificate = try makeIdentity(
+                    &file, classA0: a, deviceKey: deviceKey, certifySeed: certify, recovery: recovery)
+            }
         }
         file.classBPublic = Data(bp).base64EncodedString()
         var kb = Keybag(storePath: storePath, file: file, counterKey: format >= 2 ? try counterKey(deviceKey) : nil)
         kb.sealer = sealer
         try kb.save()
         try sealer?.keepOnly(salt: file.kdfSalt)
+        try certificate?.write(storePath: storePath)
         try withKeys([UnlockedClassKeys(classA: a, classBSecret: bs, classBPublic: bp, classC: c)])
         return kb
     }
@@ -132,6 +140,7 @@ public struct Keybag: Sendable {
             throw bad("classBPublic", "not a public key")
         }
         try validateKeySets(f)
+        try validateIdentity(f)
         try validateCountersAndMACs(f)
         try validateEscrow(f)
     }

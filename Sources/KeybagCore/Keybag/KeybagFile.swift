@@ -78,4 +78,13 @@ public struct KeybagFile: Codable, Sendable, Equatable {
     /// With a TPM: the value of the TPM's monotonic NV counter when this keybag was saved, so
     /// that a keybag put back from an older copy is refused (`Keybag.checkGeneration`).
     public var generation: UInt64? = nil
+    /// This device's X25519 public key, which other devices seal key sets to, base64
+    /// (`DeviceIdentityKeys`; absent before device identities).
+    public var identityBox: String? = nil
+    /// This device's Ed25519 public key, which its records are signed with, base64.
+    public var identitySign: String? = nil
+    /// The store's certification key (Ed25519 public, base64): the root this device trusts
+    /// other devices' certificates by (`DeviceTrust`). Its private half is escrowed under the
+    /// recovery key (slot `rcertify`).
+    public var storeCertify: String? = nil
 }

@@ -264,6 +264,7 @@ extension Keybag {
             throw KeybagError.invalid(
                 "a device added with `keybagfs device add` cannot take a new device key: add it again instead")
         }
+        let previousID = file.deviceID
         next.deviceID = id
         next.kdfSalt = Data(Sodium.randomArray(Int(crypto_pwhash_SALTBYTES))).base64EncodedString()
         // Never weaker than `interactive`, whatever the keybag says.
@@ -275,6 +276,11 @@ extension Keybag {
         try Keybag.wrapAll(keys, into: &next, passcode: newPasscode, deviceKey: deviceKey, sealer: sealer)
         // Every set escrowed under the recovery key itself from now on (sealed slots too).
         try Keybag.writeEscrow(&next, keys: keys.escrowEntries(), recovery: recovery)
+        // New identity keys, certified by the store's key (made here for a store without one).
+        let certify = Keybag.certifySeed(storePath: storePath, recovery: recovery, preferring: escrowFrom ?? self)
+        defer { certify.wipe() }
+        let certificate = try Keybag.makeIdentity(
+            &next, classA0: keys.sets[0].classA, deviceKey: deviceKey, certifySeed: certify, recovery: recovery, now: now)
         next.failedAttempts = 0
         next.lockoutUntil = 0
         next.recoveryFailedAttempts = nil
@@ -283,6 +289,10 @@ extension Keybag {
         file = next
         try save()
         try sealer?.keepOnly(salt: next.kdfSalt)
+        try certificate.write(storePath: storePath)
+        if let old = previousID, old != id {  // the old device key's identity goes with it
+            unlink(storePath + "/" + StoreDevices.dirName + "/" + DeviceCertificate.fileName(old))
+        }
         try KeySetFloor.record(self, deviceID: id)
         try withKeys(keys)
     }
@@ -307,6 +317,9 @@ extension Keybag {
             throw KeybagError.badPasscode
         }
         defer { keys.wipe() }
+        if let trust = deviceTrust() {
+            return try rotateForAll(keys, trust: trust, passcode: passcode, deviceKey: deviceKey, now: now, deliver: deliver)
+        }
         let recovery = RecoveryKey.generate()
         var next = file
         try Keybag.writeEscrow(&next, keys: keys.escrowEntries(), recovery: recovery)

@@ -76,6 +76,7 @@ final class Controller: Sendable {
         r.deviceID = device
         r.keySet = keySet
         r.keySetBehind = keyring.refusesNewWraps
+        r.refusedRecords = refusedDeviceRecords()
         r.tpm2 = tpmStatus()
         return r
     }
@@ -199,6 +200,7 @@ final class Controller: Sendable {
             case .refused(let refusal): return .failure(refusal)
             case .accepted(let keys):
                 keyring.install(keys)
+                takeUpGrantedKeySets(passcode)
                 let evs = machine.withLock { $0.unlocked() }
                 relockDeadline.withLock { $0 = nil }
                 for e in evs { events.publish(e, state: .unlocked) }
@@ -206,6 +208,42 @@ final class Controller: Sendable {
                 return .success(StateReply(.unlocked))
             }
         }
+    }
+
+    /// After an unlock: takes up the key sets that records this device trusts handed to it
+    /// (another device removed one, `KeySetRecord`), so new files are wrapped again; logged.
+    private func takeUpGrantedKeySets(_ passcode: SecureKey) {
+        var kb = keybag.withLock { $0 }
+        guard let trust = kb.deviceTrust(), trust.newestSet > kb.currentKeySet else { return }
+        let held = kb.currentKeySet
+        do {
+            let keys = try kb.takeUpKeySets(passcode: passcode, deviceKey: deviceKey, trust: trust)
+            keybag.withLock { $0 = kb }
+            for s in keys.sets[...held] { s.wipe() }  // the keyring holds these already
+            for d in keys.classD[...held] { d.wipe() }
+            keys.volume.wipe()
+            keyring.install(Array(keys.sets[(held + 1)...]))
+            var d: [UInt8: SecureKey] = [:]
+            for n in (held + 1)...keys.current { d[UInt8(n)] = keys.classD[n] }
+            keyring.takeUp(classD: d, current: UInt8(keys.current))
+            let made = ((held + 1)...keys.current).compactMap { trust.records[$0] }
+                .map { "set \($0.keySet) by \($0.madeBy)" + ($0.removed.isEmpty ? "" : ", removing \($0.removed.joined(separator: ", "))") }
+            MountDaemon.log("took up key set \(keys.current) (\(made.joined(separator: "; "))): new files are wrapped again")
+        } catch {
+            MountDaemon.log("could not take up key set \(trust.newestSet): \(error)")
+        }
+    }
+
+    /// The newest key set this device must know of, and the one it holds.
+    func keySetStanding() -> (newest: Int, holding: Int) {
+        let kb = keybag.withLock { $0 }
+        return (kb.newestKeySetInStore(), kb.currentKeySet)
+    }
+
+    /// Records of the devices folder this device refused (forged, damaged, or not signed by a
+    /// device it trusts), each with why.
+    func refusedDeviceRecords() -> [String] {
+        keybag.withLock { $0 }.deviceTrust()?.refused ?? []
     }
 
     /// passwd: rewraps the passcode-protected class keys under a new passcode.

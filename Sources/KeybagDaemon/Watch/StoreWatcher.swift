@@ -47,13 +47,18 @@ final class StoreWatcher: Sendable {
     private let full: Locked<Bool>
     /// The store's path: a removal record arriving in `devices/` is read from there.
     private let storePath: String
+    /// The newest key set this device must know of, and the one it holds (the controller's keybag).
+    private let keySetStanding: @Sendable () -> (newest: Int, holding: Int)
     /// The file handles of the store root and of its `devices/` folder (empty until it exists).
     private let rootHandle: [UInt8]
     private let devicesHandle = Locked<[UInt8]>([])
 
     /// Starts watching the store `storePath` for `fs`, in `full` or only at its top level until
     /// another writer shows; nil (logged) where fanotify is not available to this process.
-    static func start(fs: Filesystem, storePath: String, full: Bool) -> StoreWatcher? {
+    static func start(
+        fs: Filesystem, storePath: String, full: Bool,
+        keySetStanding: @escaping @Sendable () -> (newest: Int, holding: Int)
+    ) -> StoreWatcher? {
         let dataPath = storePath + "/" + Keybag.dataDirName, xattrsPath = storePath + "/" + Keybag.xattrsDirName
         var fan = kbfs_fanotify_open(geteuid() == 0 ? 1 : 0)
         if fan < 0 && geteuid() == 0 { fan = kbfs_fanotify_open(0) }
@@ -86,7 +91,7 @@ final class StoreWatcher: Sendable {
         let w = StoreWatcher(
             fs: fs, fan: fan, dataFD: data, xattrsHandle: len > 0 ? Array(buf[0..<Int(len)]) : [],
             stopPipe: (p[0], p[1]), full: full, storePath: storePath,
-            rootHandle: rootLen > 0 ? Array(rootHandle[0..<Int(rootLen)]) : [])
+            rootHandle: rootLen > 0 ? Array(rootHandle[0..<Int(rootLen)]) : [], keySetStanding: keySetStanding)
         w.watchDevicesFolder()
         if full { w.watchTree(dup(data)) } else { _ = w.watch(data) }  // else the data root only
         if full { fs.underneath.expectAnotherWriter() }
@@ -99,8 +104,10 @@ final class StoreWatcher: Sendable {
     /// A watcher of the group `fan` (taken over); `start` makes it.
     private init(
         fs: Filesystem, fan: Int32, dataFD: Int32, xattrsHandle: [UInt8], stopPipe: (read: Int32, write: Int32),
-        full: Bool, storePath: String, rootHandle: [UInt8]
+        full: Bool, storePath: String, rootHandle: [UInt8],
+        keySetStanding: @escaping @Sendable () -> (newest: Int, holding: Int)
     ) {
+        self.keySetStanding = keySetStanding
         self.full = Locked(full)
         self.storePath = storePath
         self.rootHandle = rootHandle
@@ -176,12 +183,13 @@ final class StoreWatcher: Sendable {
     /// Another device's removal record arrived: if it started a key set this device lacks,
     /// nothing new is wrapped from now on (the removed device could open it).
     private func checkRemovals() {
-        let newest = StoreDevices.newestKeySet(storePath: storePath)
-        guard newest > Int(fs.keyring.currentKeySet), !fs.keyring.refusesNewWraps else { return }
+        let (newest, holding) = keySetStanding()
+        guard newest > holding, newest > Int(fs.keyring.currentKeySet), !fs.keyring.refusesNewWraps else { return }
         fs.keyring.fallBehind()
         MountDaemon.log(
             "another device removed a device and started key set \(newest): new files and class changes are "
-                + "refused until `keybagfs recover` and a new mount")
+                + "refused until this device takes it up (at its next unlock, when the set was handed to it; else "
+                + "with `keybagfs recover` and a new mount)")
     }
 
     /// From now on every directory is watched and another writer is expected.

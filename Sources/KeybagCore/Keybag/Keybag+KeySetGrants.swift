@@ -1,0 +1,163 @@
+import CSodium
+import Foundation
+
+/// Handing a new key set to the devices that stay (`KeySetRecord`), and taking one up.
+extension Keybag {
+    /// Gives this device identity keys and a certificate from the recovery key, where it has
+    /// none yet (a device from before identities); a wrong passcode is counted.
+    public mutating func ensureIdentity(
+        passcode: SecureKey, deviceKey: SecureKey, recovery: RecoveryKey, now: Double = Date().timeIntervalSince1970
+    ) throws {
+        guard !hasIdentity else { return }
+        if counterKey == nil { _ = try authenticate(deviceKey: deviceKey, now: now) }
+        let wait = retryAfter(now: now)
+        guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
+        let keys: StoreKeys
+        do { keys = try openAll(passcode: passcode, deviceKey: deviceKey) } catch KeybagError.badPasscode {
+            try recordFailure(now: now)
+            throw KeybagError.badPasscode
+        }
+        defer { keys.wipe() }
+        let escrowed = try escrowedKeys(recovery: recovery)
+        defer { escrowed.wipe() }
+        guard try escrowed.sameKeys(as: keys) else {
+            throw KeybagError.corrupt("the recovery slots do not match this keybag (damaged or replaced)")
+        }
+        if file.deviceID == nil { file.deviceID = try DeviceIdentity.id(deviceKey: deviceKey, storeID: file.storeID) }
+        let certify = Keybag.certifySeed(storePath: storePath, recovery: recovery, preferring: self)
+        defer { certify.wipe() }
+        var next = file
+        let certificate = try Keybag.makeIdentity(
+            &next, classA0: keys.sets[0].classA, deviceKey: deviceKey, certifySeed: certify, recovery: recovery,
+            now: now)
+        file = next
+        try save()
+        try certificate.write(storePath: storePath)
+    }
+
+    /// The record of key set `keys.current`, just made by this device (`maker`), for every
+    /// device `trust` holds but `removed`: the set sealed to each, unsigned (see `sign`).
+    static func keySetRecord(
+        _ keys: StoreKeys, maker: KeySetRecord.DeviceKeys, makerID: String, storeID: String, removed: [String],
+        trust: DeviceTrust, now: Double
+    ) throws -> KeySetRecord {
+        let n = keys.current
+        var members = trust.trusted.filter { !removed.contains($0.key) }
+        members[makerID] = maker
+        let payload = try KeySetRecord.grantPayload(keys.sets[n], classD: keys.classD[n], n: n)
+        defer { payload.wipe() }
+        var grants: [String: String] = [:]
+        for (id, k) in members {  // the maker too: cut before its own save, it takes the set up from here
+            grants[id] = Data(try SealedBox.seal(payload, to: k.boxKey)).base64EncodedString()
+        }
+        return KeySetRecord(
+            storeID: storeID, keySet: n, madeBy: makerID, madeAt: now.rounded(), removed: removed, members: members,
+            classBPublic: Data(keys.sets[n].classBPublic).base64EncodedString(), grants: grants, escrow: [:],
+            signature: "")
+    }
+
+    /// This device's public keys as a record lists them (nil: no identity).
+    var ownDeviceKeys: KeySetRecord.DeviceKeys? {
+        guard let box = file.identityBox, let sign = file.identitySign else { return nil }
+        return KeySetRecord.DeviceKeys(box: box, sign: sign)
+    }
+
+    /// Every escrow slot this keybag holds (`r` + slot name → wrapped key, base64).
+    var escrowSlots: [String: String] { file.wrapped.filter { $0.key.hasPrefix("r") } }
+
+    /// Takes up the key sets newer than this keybag's that records `trust` holds handed to
+    /// this device: opens each grant with its identity key, wraps the sets beside the others
+    /// (under the passcode) with the maker's escrow slots, and saves. Returns every key, the
+    /// new sets last (the caller wipes them). `invalid` when a newer set was not handed to
+    /// this device (it needs `keybagfs recover`).
+    public mutating func takeUpKeySets(passcode: SecureKey, deviceKey: SecureKey, trust: DeviceTrust) throws
+        -> StoreKeys
+    {
+        guard let me = file.deviceID, trust.newestSet > currentKeySet else {
+            throw KeybagError.invalid("no newer key set to take up")
+        }
+        let sets = (currentKeySet + 1)...trust.newestSet
+        for n in sets where trust.records[n]?.grants[me] == nil {
+            throw KeybagError.invalid(
+                "key set \(n) was not handed to this device (made before it was certified, or by a keybagfs without "
+                    + "device identities): take it up with `keybagfs recover`")
+        }
+        var keys = try openAll(passcode: passcode, deviceKey: deviceKey)
+        var next = file
+        do {
+            let identity = try identityKeys(classA0: keys.sets[0].classA, deviceKey: deviceKey)
+            defer { identity.wipe() }
+            for n in sets {
+                let (set, d) = try trust.records[n]!.openGrant(for: me, boxSecret: identity.boxSecret)
+                keys.sets.append(set)
+                keys.classD.append(d)
+            }
+            // The maker's escrow (under the recovery key, every set) replaces this device's own.
+            let escrow = trust.records[trust.newestSet]!.escrow
+            if hasRecoveryKey, Keybag.isCompleteEscrow(escrow, sets: trust.newestSet) {
+                next.wrapped = next.wrapped.filter { !$0.key.hasPrefix("r") }.merging(escrow) { $1 }
+            }
+            try saveKeySets(keys, into: next, passcode: passcode, deviceKey: deviceKey, recovery: nil, sealer: sealer)
+        } catch {
+            keys.wipe()
+            throw error
+        }
+        return keys
+    }
+}
+
+extension Keybag {
+    /// Whether `escrow` holds every escrow slot of sets 0…`sets`, and the volume key, each a wrapped key.
+    static func isCompleteEscrow(_ escrow: [String: String], sets: Int) -> Bool {
+        var want = ["rvolume"]
+        for n in 0...sets { want += ["A", "B", "C", "D"].map { "r" + slot($0, n) } }
+        return want.allSatisfy { escrow[$0].flatMap { Data(base64Encoded: $0) }?.count == 32 + KeyWrap.overhead }
+    }
+}
+
+extension KeySetRecord {
+    /// Fills in the maker's escrow slots (from its saved keybag) and signs.
+    mutating func seal(escrowFrom kb: Keybag, signSeed: SecureKey) throws {
+        escrow = kb.escrowSlots
+        try sign(with: signSeed)
+    }
+}
+
+extension Keybag {
+    /// `recovery-key rotate` on a device with an identity: a new key set, a new store
+    /// certification key and the new recovery key, handed to every device this one trusts in
+    /// a record signed by it and by the new certification key. Files written from then on
+    /// open with no key the old recovery key reaches, on any device that takes the set up.
+    mutating func rotateForAll(
+        _ keys: StoreKeys, trust: DeviceTrust, passcode: SecureKey, deviceKey: SecureKey, now: Double,
+        deliver: (RecoveryKey) throws -> Void
+    ) throws -> RecoveryKey {
+        guard currentKeySet < Keybag.maxKeySet, let mine = ownDeviceKeys, let me = file.deviceID else {
+            throw KeybagError.invalid("this store has \(Keybag.maxKeySet + 1) key sets, the most it can have")
+        }
+        var keys = keys
+        try keys.addFreshSet()
+        defer { keys.sets.last?.wipe(); keys.classD.last?.wipe() }
+        let identity = try identityKeys(classA0: keys.sets[0].classA, deviceKey: deviceKey)
+        defer { identity.wipe() }
+        let certify = SecureKey(random: 32)
+        defer { certify.wipe() }
+        var record = try Keybag.keySetRecord(
+            keys, maker: mine, makerID: me, storeID: file.storeID, removed: [], trust: trust, now: now)
+        record.certify = Data(try Ed25519.publicKey(seed: certify)).base64EncodedString()
+        let recovery = RecoveryKey.generate()
+        var next = file
+        try Keybag.writeEscrow(&next, keys: [(Keybag.certifySlot, certify)] + keys.escrowEntries(), recovery: recovery)
+        next.recoveryFailedAttempts = nil
+        next.recoveryLockoutUntil = nil
+        do { try deliver(recovery) } catch { recovery.wipe(); throw error }
+        // The record first: cut before this keybag's save, the set is still handed to this
+        // device too (its own grant), which takes it up at its next unlock.
+        record.escrow = next.wrapped.filter { $0.key.hasPrefix("r") }
+        try record.sign(with: identity.signSeed)
+        record.certifySignature = Data(try Ed25519.sign(record.message, seed: certify)).base64EncodedString()
+        try record.write(storePath: storePath)
+        try saveKeySets(keys, into: next, passcode: passcode, deviceKey: deviceKey, recovery: recovery, sealer: sealer)
+        return recovery
+    }
+}

@@ -1,0 +1,307 @@
+import Foundation
+import Glibc
+import XCTest
+
+/// Three devices of one store, each with its own replica, device key, passcode and mount,
+/// with device identities: a removal and a recovery-key rotation reach the devices that stay
+/// without the recovery key, and records a store writer forges are refused. The sync engine is
+/// played by copying store folders between replicas (the three-host Syncthing test does it for real).
+final class DeviceIdentityTests: XCTestCase {
+    static let classes = ["none", "completeUntilFirstUserAuthentication", "completeUnlessOpen", "complete"]
+
+    private func keybagfs(_ args: [String], stdin: String? = nil) -> ToolResult {
+        MountFixture.run(MountFixture.binDir + "/keybagfs", args, stdin: stdin)
+    }
+
+    /// Makes `rel` (a folder of the store) of `dst` what it is in `src`, deletions included,
+    /// as a sync engine that has caught up would.
+    private func mirror(_ rel: String, from src: MountFixture, to dst: MountFixture) {
+        let r = MountFixture.run(
+            "/bin/sh", ["-c", "rm -rf \"$1\" && cp -a \"$0\" \"$1\"", src.store + "/" + rel, dst.store + "/" + rel])
+        XCTAssertEqual(r.code, 0, r.stderr)
+    }
+
+    /// `dst`'s replica catches up with `src`'s: the first device's keybag, the devices folder
+    /// and the data, as `src` has them.
+    private func catchUp(_ dst: MountFixture, from src: MountFixture) {
+        XCTAssertEqual(MountFixture.run("/bin/cp", ["-a", src.store + "/keybag", dst.store + "/keybag"]).code, 0)
+        mirror("devices", from: src, to: dst)
+        mirror("data", from: src, to: dst)
+    }
+
+    /// `m`'s own keybag reaches the other replicas (it wrote it; they hold an older copy).
+    private func deliverOwnKeybag(_ m: MountFixture, to others: [MountFixture]) {
+        let rel = "devices/\(id(m)).keybag"
+        for o in others {
+            XCTAssertEqual(MountFixture.run("/bin/cp", ["-a", m.store + "/" + rel, o.store + "/" + rel]).code, 0)
+        }
+    }
+
+    /// Copies every file of `devices/` in each replica to every other (what each device wrote
+    /// reaches the others).
+    private func exchangeDevices(_ all: [MountFixture]) {
+        for src in all {
+            for dst in all where dst !== src {
+                let r = MountFixture.run("/bin/cp", ["-an", src.store + "/devices/.", dst.store + "/devices/"])
+                XCTAssertEqual(r.code, 0, r.stderr)
+            }
+        }
+    }
+
+    /// This device's id.
+    private func id(_ m: MountFixture) -> String {
+        keybagfs(["device", "id", m.store, "--device-key", m.deviceKey]).stdout.trimmingCharacters(
+            in: .whitespacesAndNewlines)
+    }
+
+    /// The key set byte (11) of a backing file's header slot in use.
+    private func keySet(ofBacking path: String) -> UInt8? {
+        guard let d = FileManager.default.contents(atPath: path), d.count >= 320 else { return nil }
+        let b = [UInt8](d)
+        return b[0..<4] == [0x4b, 0x42, 0x48, 0x31][...] ? b[11] : b[160 + 11]
+    }
+
+    /// Device A (its recovery key in a file), and B and C added from replicas with it, each
+    /// device's certificate and keybag delivered to the others; none mounted.
+    private func threeDevices() throws -> (a: MountFixture, b: MountFixture, c: MountFixture, rk: String) {
+        let a = try MountFixture(passcode: "device A passcode", mount: false)
+        let rk = a.root + "/recovery.txt"
+        let rot = keybagfs(
+            ["recovery-key", "rotate", a.store, "--device-key", a.deviceKey, "--passcode-stdin", "--recovery-key-file", rk],
+            stdin: a.passcode + "\n")
+        XCTAssertEqual(rot.code, 0, rot.stderr)
+        var others: [MountFixture] = []
+        for name in ["host-b", "host-c"] {
+            let m = try MountFixture(replicaOf: a, passcode: name + " passcode")
+            others.append(m)
+            let add = keybagfs(
+                [
+                    "device", "add", m.store, "--device-key", m.deviceKey, "--recovery-key-file", rk, "--stdin",
+                    "--kdf", "interactive", "--name", name,
+                ], stdin: m.passcode + "\n")
+            XCTAssertEqual(add.code, 0, add.stderr)
+        }
+        exchangeDevices([a] + others)
+        return (a, others[0], others[1], rk)
+    }
+
+    /// Writes one file of each class into `m`'s mount under `prefix`, checks it reads back.
+    private func writeEveryClass(_ m: MountFixture, _ prefix: String, file: StaticString = #filePath, line: UInt = #line) {
+        for cls in Self.classes {
+            let p = m.path("\(prefix)-\(cls)")
+            XCTAssertEqual(writeFile(p, bytes("\(prefix) \(cls)")), 0, "create \(cls)", file: file, line: line)
+            XCTAssertEqual(setXattr(p, cls), 0, "class \(cls)", file: file, line: line)
+            XCTAssertEqual(try? readFile(p).get(), bytes("\(prefix) \(cls)"), file: file, line: line)
+        }
+    }
+
+    func testARemovalReachesTheDevicesThatStayWithoutTheRecoveryKey() throws {
+        let (a, b, c, rk) = try threeDevices()
+        defer { [a, b, c].forEach { $0.close() } }
+        let (idB, idC) = (id(b), id(c))
+        try a.mount()
+        a.unlock()
+        writeEveryClass(a, "before")
+        a.unmount()
+        let keepB = try Data(contentsOf: URL(fileURLWithPath: b.store + "/devices/\(idB).keybag"))
+
+        let rm = keybagfs(
+            ["device", "remove", a.store, idB, "--device-key", a.deviceKey, "--recovery-key-file", rk, "--stdin"],
+            stdin: a.passcode + "\n")
+        XCTAssertEqual(rm.code, 0, rm.stderr)
+        let record =
+            try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: a.store + "/devices/keyset-2.json")))
+            as? [String: Any] ?? [:]
+        XCTAssertEqual(Set(((record["members"] as? [String: Any]) ?? [:]).keys), [id(a), idC], "B is not handed the set")
+        XCTAssertNil((record["grants"] as? [String: Any])?[idB])
+
+        // C's replica catches up with A's (the removal, the new set's record, the data).
+        catchUp(c, from: a)
+        try c.mount()
+        XCTAssertEqual(c.status()["keySetBehind"] as? Bool, true, "until C unlocks, nothing new is wrapped")
+        XCTAssertNotEqual(writeFile(c.path("too-early"), bytes("x")), 0)
+        c.unlock()  // its own passcode; no recovery key
+        XCTAssertEqual(c.status()["keySetBehind"] as? Bool, false, "\(c.status())")
+        XCTAssertEqual(c.status()["keySet"] as? Int, 2)
+        writeEveryClass(c, "after")
+        for cls in Self.classes {
+            XCTAssertEqual(keySet(ofBacking: c.backing("after-\(cls)")), 2, cls)
+            XCTAssertEqual(try? readFile(c.path("before-\(cls)")).get(), bytes("before \(cls)"), cls)
+        }
+        let log = (try? String(contentsOfFile: c.root + "/daemon.log", encoding: .utf8)) ?? ""
+        XCTAssertTrue(log.contains("took up key set 2"), log)
+        // Taken up for good: after a restart C unlocks straight into set 2.
+        c.unmount()
+        try c.mount()
+        c.unlock()
+        XCTAssertEqual(c.status()["keySetBehind"] as? Bool, false)
+        XCTAssertEqual(try? readFile(c.path("after-complete")).get(), bytes("after complete"))
+        c.unmount()
+        XCTAssertEqual(c.fsck().code, 0, "\(c.fsck().out)")
+
+        // A reads what C wrote.
+        mirror("data", from: c, to: a)
+        try a.mount()
+        a.unlock()
+        for cls in Self.classes { XCTAssertEqual(try? readFile(a.path("after-\(cls)")).get(), bytes("after \(cls)")) }
+        a.unmount()
+
+        // B's holder keeps B's keybag, takes C's replica and deletes the removal record from it:
+        // B mounts, and opens what was written before its removal only.
+        mirror("data", from: c, to: b)
+        mirror("devices", from: c, to: b)
+        XCTAssertEqual(unlink(b.store + "/devices/\(idB).removed"), 0)
+        try keepB.write(to: URL(fileURLWithPath: b.store + "/devices/\(idB).keybag"))
+        try b.mount()
+        b.unlock()
+        for cls in Self.classes {
+            XCTAssertEqual(try? readFile(b.path("before-\(cls)")).get(), bytes("before \(cls)"), cls)
+            XCTAssertEqual(errnoOf(readFile(b.path("after-\(cls)"))), EACCES, "written after B's removal: \(cls)")
+        }
+        XCTAssertNotEqual(writeFile(b.path("from-b"), bytes("x")), 0, "B knows set 2 exists and wraps nothing")
+
+        // The same deletion on C's replica hides nothing from C: the set's record names the removal.
+        b.unmount()
+        XCTAssertEqual(unlink(c.store + "/devices/\(idB).removed"), 0)
+        let list = keybagfs(["device", "list", c.store, "--device-key", c.deviceKey, "--json"])
+        let trust = (try? JSONSerialization.jsonObject(with: Data(list.stdout.utf8)) as? [String: Any])?["trust"]
+        XCTAssertEqual((trust as? [String: Any])?["removed"] as? [String], [idB], list.stdout + list.stderr)
+    }
+
+    func testRecordsAStoreWriterForgesAreRefusedAndNothingStopsWorking() throws {
+        let (a, b, c, rk) = try threeDevices()
+        defer { [a, b, c].forEach { $0.close() } }
+        let (idA, idB, idC) = (id(a), id(b), id(c))
+        // The writer's own key pair, and a device id of its own.
+        let forger = "ffffffffffffffffffffffffffffff01"
+        func forge(_ name: String, _ object: [String: Any]) throws {
+            for m in [a, b, c] {
+                try JSONSerialization.data(withJSONObject: object).write(
+                    to: URL(fileURLWithPath: m.store + "/devices/" + name))
+            }
+        }
+        let junkSig = Data(repeating: 7, count: 64).base64EncodedString()
+        let junkKey = Data(repeating: 9, count: 32).base64EncodedString()
+        let storeID =
+            (try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: a.store + "/keybag")))
+                as? [String: Any])?["storeID"] as? String ?? ""
+        try forge("\(idC).removed", ["deviceID": idC, "removedAt": 1.0, "keySet": 7])  // unsigned
+        try forge("\(idB).removed", ["deviceID": idB, "removedAt": 1.0, "keySet": 2, "by": idA, "signature": junkSig])
+        try forge(
+            "keyset-2.json",
+            [
+                "storeID": storeID, "keySet": 2, "madeBy": idA, "madeAt": 1.0, "removed": [idC],
+                "members": [idA: ["box": junkKey, "sign": junkKey]], "classBPublic": junkKey, "grants": [:],
+                "escrow": [:], "signature": junkSig,
+            ])
+        try forge(
+            "\(forger).identity",
+            [
+                "storeID": storeID, "deviceID": forger, "box": junkKey, "sign": junkKey, "keySet": 1, "by": "store",
+                "issuedAt": 1.0, "signature": junkSig,
+            ])
+        try FileManager.default.copyItem(
+            atPath: a.store + "/devices/\(idB).keybag", toPath: c.store + "/devices/\(forger).keybag")
+
+        // Every device mounts, unlocks and writes; each names what it refused.
+        for m in [a, b, c] {
+            try m.mount()
+            m.unlock()
+            let st = m.status()
+            XCTAssertEqual(st["keySetBehind"] as? Bool, false, "\(st)")
+            let refused = (st["refusedRecords"] as? [String]) ?? []
+            for name in ["\(idC).removed", "\(idB).removed", "keyset-2.json", "\(forger).identity"] {
+                XCTAssertTrue(refused.contains { $0.hasPrefix(name) }, "\(name) not refused: \(refused)")
+            }
+            writeEveryClass(m, "forged-around")
+            m.unmount()
+        }
+        let log = (try? String(contentsOfFile: c.root + "/daemon.log", encoding: .utf8)) ?? ""
+        XCTAssertTrue(log.contains("refused in devices/: keyset-2.json"), log)
+
+        // A real removal (the forged set-2 record moved aside, as A's replica has its own):
+        // the set goes to C only, never to the forger's device.
+        for m in [a, c] { unlink(m.store + "/devices/keyset-2.json"); unlink(m.store + "/devices/\(idB).removed") }
+        let rm = keybagfs(
+            ["device", "remove", a.store, idB, "--device-key", a.deviceKey, "--recovery-key-file", rk, "--stdin"],
+            stdin: a.passcode + "\n")
+        XCTAssertEqual(rm.code, 0, rm.stderr)
+        let record =
+            try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: a.store + "/devices/keyset-2.json")))
+            as? [String: Any] ?? [:]
+        XCTAssertEqual(Set(((record["members"] as? [String: Any]) ?? [:]).keys), [idA, idC])
+        mirror("devices", from: a, to: c)
+        try c.mount()
+        c.unlock()
+        XCTAssertEqual(c.status()["keySet"] as? Int, 2)
+        writeEveryClass(c, "after")
+        c.unmount()
+    }
+
+    func testARecoveryKeyRotationReachesEveryDeviceAndTheOldKeyOpensNothingNewer() throws {
+        let (a, b, c, rk) = try threeDevices()
+        defer { [a, b, c].forEach { $0.close() } }
+        try a.mount()
+        a.unlock()
+        writeEveryClass(a, "before")
+        a.unmount()
+        // A backup of A's keybag from before the rotation: its escrow opens with the old key.
+        let oldKeybag = try Data(contentsOf: URL(fileURLWithPath: a.store + "/keybag"))
+
+        let rk2 = a.root + "/recovery-2.txt"
+        let rot = keybagfs(
+            ["recovery-key", "rotate", a.store, "--device-key", a.deviceKey, "--passcode-stdin", "--recovery-key-file", rk2],
+            stdin: a.passcode + "\n")
+        XCTAssertEqual(rot.code, 0, rot.stderr)
+        for m in [b, c] {
+            catchUp(m, from: a)
+            try m.mount()
+            m.unlock()  // its own passcode: no recovery key, old or new
+            XCTAssertEqual(m.status()["keySet"] as? Int, 2, "\(m.status())")
+            writeEveryClass(m, "after-\(id(m).prefix(4))")
+            m.unmount()
+            XCTAssertEqual(m.fsck().code, 0, "\(m.fsck().out)")
+        }
+        deliverOwnKeybag(b, to: [a, c])
+        deliverOwnKeybag(c, to: [a, b])
+        // Every device's escrow now opens with the new key only: a device added from C's
+        // replica needs it, and then reads what the others wrote before and after.
+        let d = try MountFixture(replicaOf: c, passcode: "host-d passcode")
+        defer { d.close() }
+        for (key, ok) in [(rk, false), (rk2, true)] {
+            let add = keybagfs(
+                [
+                    "device", "add", d.store, "--device-key", d.deviceKey, "--recovery-key-file", key, "--stdin",
+                    "--kdf", "interactive",
+                ], stdin: d.passcode + "\n")
+            XCTAssertEqual(add.code == 0, ok, "\(key): \(add.stderr)")
+        }
+        try d.mount()
+        d.unlock()
+        for cls in Self.classes {
+            XCTAssertEqual(try? readFile(d.path("before-\(cls)")).get(), bytes("before \(cls)"), cls)
+            let name = "after-\(id(c).prefix(4))-\(cls)"
+            XCTAssertEqual(try? readFile(d.path(name)).get(), bytes(name.replacingOccurrences(of: "-\(cls)", with: " \(cls)")))
+        }
+        d.unmount()
+
+        // A thief with the old recovery key and the old keybag: the files from before open,
+        // none written after the rotation does, on any device.
+        let thief = try MountFixture(replicaOf: c, passcode: "thief passcode")
+        defer { thief.close() }
+        try oldKeybag.write(to: URL(fileURLWithPath: thief.store + "/keybag"))
+        let rec = keybagfs(
+            [
+                "recover", thief.store, "--device-key", thief.deviceKey, "--new-device-key", "--recovery-key-file", rk,
+                "--stdin", "--first-device",
+            ], stdin: thief.passcode + "\n")
+        XCTAssertEqual(rec.code, 0, rec.stderr)
+        try thief.mount()
+        thief.unlock()
+        for cls in Self.classes {
+            XCTAssertEqual(try? readFile(thief.path("before-\(cls)")).get(), bytes("before \(cls)"), cls)
+            // The thief's replica is C's: C's files written after the rotation (B's stay on B's).
+            XCTAssertEqual(errnoOf(readFile(thief.path("after-\(id(c).prefix(4))-\(cls)"))), EACCES, cls)
+        }
+    }
+}
