@@ -298,7 +298,9 @@ public enum MountDaemon {
         let newest = trust?.newestSet ?? StoreDevices.newestKeySet(storePath: cfg.store)
         if newest > kb.currentKeySet {
             let me = kb.deviceID ?? ""
-            let handed = trust.map { t in ((kb.currentKeySet + 1)...newest).allSatisfy { t.records[$0]?.grants[me] != nil } }
+            let handed = trust.map { t in
+                ((kb.currentKeySet + 1)...newest).allSatisfy { t.records[$0]?.grants[me] != nil }
+            }
             log(
                 "a device was removed from this store (key set \(newest)) and this device holds key set "
                     + "\(kb.currentKeySet): new files and class changes are refused (the removed device could open "

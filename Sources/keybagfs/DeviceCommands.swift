@@ -15,7 +15,7 @@ struct DeviceCommand: ParsableCommand {
             another device, with that device's passcode: files written from then on cannot be opened with the \
             removed device's keys. See docs/DEVICES.md, "Several devices".
             """,
-        subcommands: [ID.self, List.self, Add.self, Remove.self])
+        subcommands: [ID.self, List.self, Add.self, Approve.self, Remove.self])
 
     /// `keybagfs device id`.
     struct ID: ParsableCommand {
@@ -132,11 +132,26 @@ struct DeviceCommand: ParsableCommand {
 
         @OptionGroup var tpm: TPMEnrollOptions
 
+        @Flag(
+            help: """
+                Join by the approval of a device already in the store, without the recovery key: run this again \
+                after each step of `keybagfs device approve` on that device, until both show the same code.
+                """)
+        var approval = false
+
+        @Option(help: "With --approval: the code the approving device showed (it must be this device's).")
+        var code: String?
+
         func run() throws {
             let lock = try lockUnmountedStore(target.store)
             defer { close(lock) }
             let any = try Keybag.load(storePath: target.store)
             let dkPath = target.deviceKeyPath(any)
+            if approval {
+                return try DevicePairingCommand.newcomer(
+                    store: target.store, deviceKeyPath: dkPath, name: name ?? ProcessInfo.processInfo.hostName,
+                    code: code, stdin: stdin, kdf: kdf)
+            }
             // Two devices of one store on one machine share the default key path: a key file
             // that is already a device of the store is refused before anything is asked.
             if FileManager.default.fileExists(atPath: dkPath) {

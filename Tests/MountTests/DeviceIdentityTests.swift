@@ -67,7 +67,10 @@ final class DeviceIdentityTests: XCTestCase {
         let a = try MountFixture(passcode: "device A passcode", mount: false)
         let rk = a.root + "/recovery.txt"
         let rot = keybagfs(
-            ["recovery-key", "rotate", a.store, "--device-key", a.deviceKey, "--passcode-stdin", "--recovery-key-file", rk],
+            [
+                "recovery-key", "rotate", a.store, "--device-key", a.deviceKey, "--passcode-stdin",
+                "--recovery-key-file", rk,
+            ],
             stdin: a.passcode + "\n")
         XCTAssertEqual(rot.code, 0, rot.stderr)
         var others: [MountFixture] = []
@@ -86,7 +89,9 @@ final class DeviceIdentityTests: XCTestCase {
     }
 
     /// Writes one file of each class into `m`'s mount under `prefix`, checks it reads back.
-    private func writeEveryClass(_ m: MountFixture, _ prefix: String, file: StaticString = #filePath, line: UInt = #line) {
+    private func writeEveryClass(
+        _ m: MountFixture, _ prefix: String, file: StaticString = #filePath, line: UInt = #line
+    ) {
         for cls in Self.classes {
             let p = m.path("\(prefix)-\(cls)")
             XCTAssertEqual(writeFile(p, bytes("\(prefix) \(cls)")), 0, "create \(cls)", file: file, line: line)
@@ -110,9 +115,11 @@ final class DeviceIdentityTests: XCTestCase {
             stdin: a.passcode + "\n")
         XCTAssertEqual(rm.code, 0, rm.stderr)
         let record =
-            try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: a.store + "/devices/keyset-2.json")))
+            try JSONSerialization.jsonObject(
+                with: Data(contentsOf: URL(fileURLWithPath: a.store + "/devices/keyset-2.json")))
             as? [String: Any] ?? [:]
-        XCTAssertEqual(Set(((record["members"] as? [String: Any]) ?? [:]).keys), [id(a), idC], "B is not handed the set")
+        XCTAssertEqual(
+            Set(((record["members"] as? [String: Any]) ?? [:]).keys), [id(a), idC], "B is not handed the set")
         XCTAssertNil((record["grants"] as? [String: Any])?[idB])
 
         // C's replica catches up with A's (the removal, the new set's record, the data).
@@ -184,7 +191,7 @@ final class DeviceIdentityTests: XCTestCase {
         let junkKey = Data(repeating: 9, count: 32).base64EncodedString()
         let storeID =
             (try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: a.store + "/keybag")))
-                as? [String: Any])?["storeID"] as? String ?? ""
+            as? [String: Any])?["storeID"] as? String ?? ""
         try forge("\(idC).removed", ["deviceID": idC, "removedAt": 1.0, "keySet": 7])  // unsigned
         try forge("\(idB).removed", ["deviceID": idB, "removedAt": 1.0, "keySet": 2, "by": idA, "signature": junkSig])
         try forge(
@@ -227,7 +234,8 @@ final class DeviceIdentityTests: XCTestCase {
             stdin: a.passcode + "\n")
         XCTAssertEqual(rm.code, 0, rm.stderr)
         let record =
-            try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: a.store + "/devices/keyset-2.json")))
+            try JSONSerialization.jsonObject(
+                with: Data(contentsOf: URL(fileURLWithPath: a.store + "/devices/keyset-2.json")))
             as? [String: Any] ?? [:]
         XCTAssertEqual(Set(((record["members"] as? [String: Any]) ?? [:]).keys), [idA, idC])
         mirror("devices", from: a, to: c)
@@ -250,7 +258,10 @@ final class DeviceIdentityTests: XCTestCase {
 
         let rk2 = a.root + "/recovery-2.txt"
         let rot = keybagfs(
-            ["recovery-key", "rotate", a.store, "--device-key", a.deviceKey, "--passcode-stdin", "--recovery-key-file", rk2],
+            [
+                "recovery-key", "rotate", a.store, "--device-key", a.deviceKey, "--passcode-stdin",
+                "--recovery-key-file", rk2,
+            ],
             stdin: a.passcode + "\n")
         XCTAssertEqual(rot.code, 0, rot.stderr)
         for m in [b, c] {
@@ -281,7 +292,8 @@ final class DeviceIdentityTests: XCTestCase {
         for cls in Self.classes {
             XCTAssertEqual(try? readFile(d.path("before-\(cls)")).get(), bytes("before \(cls)"), cls)
             let name = "after-\(id(c).prefix(4))-\(cls)"
-            XCTAssertEqual(try? readFile(d.path(name)).get(), bytes(name.replacingOccurrences(of: "-\(cls)", with: " \(cls)")))
+            XCTAssertEqual(
+                try? readFile(d.path(name)).get(), bytes(name.replacingOccurrences(of: "-\(cls)", with: " \(cls)")))
         }
         d.unmount()
 
@@ -303,5 +315,113 @@ final class DeviceIdentityTests: XCTestCase {
             // The thief's replica is C's: C's files written after the rotation (B's stay on B's).
             XCTAssertEqual(errnoOf(readFile(thief.path("after-\(id(c).prefix(4))-\(cls)"))), EACCES, cls)
         }
+    }
+
+    /// The code a `device add --approval` step printed ("" when it printed none).
+    private func pairingCode(_ out: String) -> String {
+        guard let r = out.range(of: "pairing code: ") else { return "" }
+        return String(out[r.upperBound...].prefix(6))
+    }
+
+    /// Copies one pairing file (`devices/ID.kind`) from one replica to another.
+    private func carry(_ id: String, _ kind: String, from src: MountFixture, to dst: MountFixture) {
+        let rel = "devices/\(id).\(kind)"
+        XCTAssertEqual(MountFixture.run("/bin/cp", ["-a", src.store + "/" + rel, dst.store + "/" + rel]).code, 0, rel)
+    }
+
+    func testADeviceAddedByApprovalReadsEverythingTheApproverCan() throws {
+        let (a, b, c, _) = try threeDevices()
+        defer { [a, b, c].forEach { $0.close() } }
+        try a.mount()
+        a.unlock()
+        writeEveryClass(a, "by-a")
+        a.unmount()
+        let n = try MountFixture(replicaOf: a, passcode: "host-n passcode")
+        defer { n.close() }
+        func newcomer(_ extra: [String] = [], stdin: String? = nil) -> ToolResult {
+            keybagfs(
+                ["device", "add", n.store, "--device-key", n.deviceKey, "--approval", "--kdf", "interactive"] + extra,
+                stdin: stdin)
+        }
+        func approve(_ id: String, _ extra: [String] = [], stdin: String? = nil) -> ToolResult {
+            keybagfs(["device", "approve", a.store, id, "--device-key", a.deviceKey] + extra, stdin: stdin)
+        }
+        XCTAssertEqual(newcomer().code, 0)
+        let idN = id(n)
+        carry(idN, "request", from: n, to: a)
+        XCTAssertEqual(approve(idN).code, 0)
+        carry(idN, "challenge", from: a, to: n)
+        let shown = newcomer()
+        let code = pairingCode(shown.stdout)
+        XCTAssertEqual(code.count, 6, shown.stdout + shown.stderr)
+        carry(idN, "reveal", from: n, to: a)
+        // The approver refuses a code that is not this pairing's, and approves with the right one.
+        let wrongCode = code == "000000" ? "000001" : "000000"
+        XCTAssertNotEqual(approve(idN, ["--code", wrongCode, "--stdin"], stdin: a.passcode + "\n").code, 0)
+        XCTAssertFalse(FileManager.default.fileExists(atPath: a.store + "/devices/\(idN).grant"))
+        let ok = approve(idN, ["--code", code, "--stdin"], stdin: a.passcode + "\n")
+        XCTAssertEqual(ok.code, 0, ok.stderr)
+        carry(idN, "grant", from: a, to: n)
+        XCTAssertNotEqual(newcomer(["--code", wrongCode, "--stdin"], stdin: n.passcode + "\n").code, 0)
+        let done = newcomer(["--code", code, "--stdin"], stdin: n.passcode + "\n")
+        XCTAssertEqual(done.code, 0, done.stderr)
+        XCTAssertFalse(done.stdout.contains(n.passcode) || done.stderr.contains(n.passcode))
+
+        // N reads every class A wrote, writes its own, and A reads those.
+        try n.mount()
+        n.unlock()
+        for cls in Self.classes {
+            XCTAssertEqual(try? readFile(n.path("by-a-\(cls)")).get(), bytes("by-a \(cls)"), cls)
+        }
+        writeEveryClass(n, "by-n")
+        n.unmount()
+        XCTAssertEqual(n.fsck().code, 0, "\(n.fsck().out)")
+        mirror("data", from: n, to: a)
+        for kind in ["identity", "keybag"] { carry(idN, kind, from: n, to: a) }
+        XCTAssertEqual(approve(idN).code, 0, "the approver cleans up its pairing files")
+        XCTAssertFalse(FileManager.default.fileExists(atPath: a.store + "/devices/\(idN).grant"))
+        try a.mount()
+        a.unlock()
+        for cls in Self.classes {
+            XCTAssertEqual(try? readFile(a.path("by-n-\(cls)")).get(), bytes("by-n \(cls)"), cls)
+        }
+        let trusted = (a.status()["refusedRecords"] as? [String]) ?? ["?"]
+        XCTAssertEqual(trusted, [], "A trusts the device it approved")
+        a.unmount()
+    }
+
+    /// A store writer who swaps the newcomer's request for one with its own keys: the approver
+    /// shows no code the newcomer shows, so nothing is approved.
+    func testASwappedPairingRequestGivesAnotherCodeAndIsNotApproved() throws {
+        let (a, b, c, _) = try threeDevices()
+        defer { [a, b, c].forEach { $0.close() } }
+        let n = try MountFixture(replicaOf: a, passcode: "host-n passcode")
+        let m = try MountFixture(replicaOf: a, passcode: "mallory passcode")  // the writer's own machine
+        defer { n.close(); m.close() }
+        for x in [n, m] {
+            XCTAssertEqual(
+                keybagfs(["device", "add", x.store, "--device-key", x.deviceKey, "--approval"]).code, 0)
+        }
+        let idN = id(n), idM = id(m)
+        // The writer puts its request under N's name (its keys, its commitment) into A's replica.
+        var forged =
+            try JSONSerialization.jsonObject(
+                with: Data(contentsOf: URL(fileURLWithPath: m.store + "/devices/\(idM).request")))
+            as! [String: Any]
+        forged["deviceID"] = idN
+        try JSONSerialization.data(withJSONObject: forged).write(
+            to: URL(fileURLWithPath: a.store + "/devices/\(idN).request"))
+        XCTAssertEqual(
+            keybagfs(["device", "approve", a.store, idN, "--device-key", a.deviceKey]).code, 0)
+        carry(idN, "challenge", from: a, to: n)
+        let shown = keybagfs(["device", "add", n.store, "--device-key", n.deviceKey, "--approval"])
+        let code = pairingCode(shown.stdout)
+        XCTAssertEqual(code.count, 0, "N's request is not the one A answered: no code yet: \(shown.stdout)")
+        // Even the writer's own reveal, under N's name, gives a code N never shows.
+        let challenge = try Data(contentsOf: URL(fileURLWithPath: a.store + "/devices/\(idN).challenge"))
+        try challenge.write(to: URL(fileURLWithPath: m.store + "/devices/\(idM).challenge"))
+        _ = keybagfs(["device", "add", m.store, "--device-key", m.deviceKey, "--approval"])
+        XCTAssertFalse(FileManager.default.fileExists(atPath: m.store + "/devices/\(idM).reveal"), "challenge names N")
+        XCTAssertFalse(FileManager.default.fileExists(atPath: a.store + "/devices/\(idN).grant"))
     }
 }

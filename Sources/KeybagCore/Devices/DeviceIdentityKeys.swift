@@ -42,7 +42,9 @@ public struct DeviceIdentityKeys: Sendable {
             try dwk.withBytes { d in
                 KeyWrap.keyedHash(
                     key: a,
-                    parts: [Array("keybagfs-identity-kek-v1".utf8), Array(storeID.utf8), Array(deviceID.utf8), Array(d)])
+                    parts: [
+                        Array("keybagfs-identity-kek-v1".utf8), Array(storeID.utf8), Array(deviceID.utf8), Array(d),
+                    ])
             }
         }
     }

@@ -32,7 +32,8 @@ public struct DeviceTrust: Sendable {
     public static func evaluate(storePath: String, storeID: String, root: [UInt8], holding: Int) -> DeviceTrust {
         var files: [String: Data] = [:]
         for name in StoreDevices.entries(storePath)
-        where name.hasSuffix(".identity") || name.hasSuffix(".removed") || KeySetRecord.keySet(ofFileName: name) != nil {
+        where name.hasSuffix(".identity") || name.hasSuffix(".removed") || KeySetRecord.keySet(ofFileName: name) != nil
+        {
             let path = storePath + "/" + StoreDevices.dirName + "/" + name
             var st = stat()
             // Records are small: anything larger, or not a plain file, is not one of ours.
@@ -77,7 +78,8 @@ public struct DeviceTrust: Sendable {
                         if let key = r.certifyKey { certifyKey = key }
                     } else {
                         refused.append(
-                            "\(KeySetRecord.fileName(k)): not signed by a device this device trusts (forged or damaged)")
+                            "\(KeySetRecord.fileName(k)): not signed by a device this device trusts (forged or damaged)"
+                        )
                     }
                 }
                 for (name, rem) in rems.sorted(by: { $0.key < $1.key }) where rem.keySet == k {
@@ -93,7 +95,8 @@ public struct DeviceTrust: Sendable {
             addCertified(at: k, certs: certs, to: &trusted, removed: removed, certifyKey: certifyKey)
             everTrusted.formUnion(trusted.keys)
         }
-        for id in certs.keys.sorted() where !removed.contains(id) && !everTrusted.contains(id) && certs[id]!.keySet >= start {
+        for id in certs.keys.sorted()
+        where !removed.contains(id) && !everTrusted.contains(id) && certs[id]!.keySet >= start {
             refused.append(
                 "\(DeviceCertificate.fileName(id)): not certified by the store's key or by a device this device trusts")
         }

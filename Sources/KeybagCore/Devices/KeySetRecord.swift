@@ -93,7 +93,9 @@ public struct KeySetRecord: Codable, Sendable, Equatable {
 
     /// Whether `certify` is there and signed the record itself.
     public var isSignedByItsCertifyKey: Bool {
-        guard let key = certifyKey, let sig = certifySignature.flatMap({ Data(base64Encoded: $0) }) else { return false }
+        guard let key = certifyKey, let sig = certifySignature.flatMap({ Data(base64Encoded: $0) }) else {
+            return false
+        }
         return Ed25519.verify([UInt8](sig), of: message, publicKey: key)
     }
 

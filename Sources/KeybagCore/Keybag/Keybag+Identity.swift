@@ -12,8 +12,10 @@ extension Keybag {
     static func validateIdentity(_ f: KeybagFile) throws {
         func bad(_ field: String, _ why: String) -> KeybagError { .corrupt("keybag field \(field): \(why)") }
         func bytes(_ s: String?) -> Int? { s.flatMap { Data(base64Encoded: $0) }?.count }
-        let parts = [f.identityBox, f.identitySign, f.wrapped[DeviceIdentityKeys.boxSlot],
-                     f.wrapped[DeviceIdentityKeys.signSlot]]
+        let parts = [
+            f.identityBox, f.identitySign, f.wrapped[DeviceIdentityKeys.boxSlot],
+            f.wrapped[DeviceIdentityKeys.signSlot],
+        ]
         guard parts.allSatisfy({ $0 == nil }) || parts.allSatisfy({ $0 != nil }) else {
             throw bad("identity", "some of the device's identity keys are missing")
         }

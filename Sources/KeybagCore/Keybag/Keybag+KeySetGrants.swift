@@ -9,14 +9,7 @@ extension Keybag {
         passcode: SecureKey, deviceKey: SecureKey, recovery: RecoveryKey, now: Double = Date().timeIntervalSince1970
     ) throws {
         guard !hasIdentity else { return }
-        if counterKey == nil { _ = try authenticate(deviceKey: deviceKey, now: now) }
-        let wait = retryAfter(now: now)
-        guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
-        let keys: StoreKeys
-        do { keys = try openAll(passcode: passcode, deviceKey: deviceKey) } catch KeybagError.badPasscode {
-            try recordFailure(now: now)
-            throw KeybagError.badPasscode
-        }
+        let keys = try openAllCounted(passcode: passcode, deviceKey: deviceKey, now: now)
         defer { keys.wipe() }
         let escrowed = try escrowedKeys(recovery: recovery)
         defer { escrowed.wipe() }

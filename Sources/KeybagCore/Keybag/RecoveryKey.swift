@@ -280,7 +280,8 @@ extension Keybag {
         let certify = Keybag.certifySeed(storePath: storePath, recovery: recovery, preferring: escrowFrom ?? self)
         defer { certify.wipe() }
         let certificate = try Keybag.makeIdentity(
-            &next, classA0: keys.sets[0].classA, deviceKey: deviceKey, certifySeed: certify, recovery: recovery, now: now)
+            &next, classA0: keys.sets[0].classA, deviceKey: deviceKey, certifySeed: certify, recovery: recovery,
+            now: now)
         next.failedAttempts = 0
         next.lockoutUntil = 0
         next.recoveryFailedAttempts = nil
@@ -308,17 +309,11 @@ extension Keybag {
     ) throws -> RecoveryKey {
         // A wrong device key must fail here, not read as an edited counter below.
         try unwrapDeviceKeySlot("D", deviceKey: deviceKey).wipe()
-        if counterKey == nil { _ = try authenticate(deviceKey: deviceKey, now: now) }
-        let wait = retryAfter(now: now)
-        guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
-        let keys: StoreKeys
-        do { keys = try openAll(passcode: passcode, deviceKey: deviceKey) } catch KeybagError.badPasscode {
-            try recordFailure(now: now)
-            throw KeybagError.badPasscode
-        }
+        let keys = try openAllCounted(passcode: passcode, deviceKey: deviceKey, now: now)
         defer { keys.wipe() }
         if let trust = deviceTrust() {
-            return try rotateForAll(keys, trust: trust, passcode: passcode, deviceKey: deviceKey, now: now, deliver: deliver)
+            return try rotateForAll(
+                keys, trust: trust, passcode: passcode, deviceKey: deviceKey, now: now, deliver: deliver)
         }
         let recovery = RecoveryKey.generate()
         var next = file

@@ -227,8 +227,12 @@ final class Controller: Sendable {
             for n in (held + 1)...keys.current { d[UInt8(n)] = keys.classD[n] }
             keyring.takeUp(classD: d, current: UInt8(keys.current))
             let made = ((held + 1)...keys.current).compactMap { trust.records[$0] }
-                .map { "set \($0.keySet) by \($0.madeBy)" + ($0.removed.isEmpty ? "" : ", removing \($0.removed.joined(separator: ", "))") }
-            MountDaemon.log("took up key set \(keys.current) (\(made.joined(separator: "; "))): new files are wrapped again")
+                .map {
+                    "set \($0.keySet) by \($0.madeBy)"
+                        + ($0.removed.isEmpty ? "" : ", removing \($0.removed.joined(separator: ", "))")
+                }
+            MountDaemon.log(
+                "took up key set \(keys.current) (\(made.joined(separator: "; "))): new files are wrapped again")
         } catch {
             MountDaemon.log("could not take up key set \(trust.newestSet): \(error)")
         }
