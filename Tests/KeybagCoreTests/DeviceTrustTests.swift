@@ -31,7 +31,8 @@ final class DeviceTrustTests: XCTestCase {
 
     /// The record of set `n` made by `maker` for `members`, signed by `signer` (default the maker).
     func record(
-        _ n: Int, maker: Dev, members: [Dev], removed: [String] = [], certify: SecureKey? = nil, signer: SecureKey? = nil
+        _ n: Int, maker: Dev, members: [Dev], removed: [String] = [], certify: SecureKey? = nil,
+        signer: SecureKey? = nil
     ) throws -> (String, Data) {
         var r = KeySetRecord(
             storeID: storeID, keySet: n, madeBy: maker.id, madeAt: 1, removed: removed,
@@ -91,7 +92,8 @@ final class DeviceTrustTests: XCTestCase {
         let base = try [a, r, c].map { try cert($0, keySet: 0, by: "store", signer: root) }
         let removal = try record(1, maker: a, members: [a, c], removed: [r.id])
         for dated in [0, 1] {
-            let t = try judge(base + [removal, try cert(p, keySet: dated, by: r.id, signer: r.keys.signSeed)], root: root)
+            let t = try judge(
+                base + [removal, try cert(p, keySet: dated, by: r.id, signer: r.keys.signSeed)], root: root)
             XCTAssertNil(t.trusted[p.id], "backdated to \(dated)")
             XCTAssertNil(t.trusted[r.id])
         }
@@ -105,7 +107,8 @@ final class DeviceTrustTests: XCTestCase {
         let (a, n1, n2) = (dev(1), dev(2), dev(3))
         let t = try judge(
             [
-                try cert(a, keySet: 0, by: "store", signer: root), try cert(n1, keySet: 0, by: a.id, signer: a.keys.signSeed),
+                try cert(a, keySet: 0, by: "store", signer: root),
+                try cert(n1, keySet: 0, by: a.id, signer: a.keys.signSeed),
                 try cert(n2, keySet: 0, by: n1.id, signer: n1.keys.signSeed),
             ], root: root)
         XCTAssertEqual(Set(t.trusted.keys), [a.id, n1.id, n2.id])

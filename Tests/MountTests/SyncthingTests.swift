@@ -4,7 +4,7 @@ import XCTest
 
 /// Two hosts, each with its own store replica, device key, passcode and keybagfs mount,
 /// synced by two real Syncthing instances in a network namespace with no route out
-/// (`SyncthingPair`). What a user with a laptop and a desktop would check.
+/// (`SyncthingGroup`). What a user with a laptop and a desktop would check.
 final class SyncthingTests: XCTestCase {
     private func keybagfs(_ args: [String], stdin: String? = nil) -> ToolResult {
         MountFixture.run(MountFixture.binDir + "/keybagfs", args, stdin: stdin)
@@ -32,7 +32,7 @@ final class SyncthingTests: XCTestCase {
 
     /// What a failure message needs: both stores' backing trees and both daemons' and
     /// Syncthing's last log lines.
-    private func diagnosis(_ mounts: [MountFixture], _ sync: SyncthingPair) -> String {
+    private func diagnosis(_ mounts: [MountFixture], _ sync: SyncthingGroup) -> String {
         var out = sync.logs(lines: 15)
         for m in mounts {
             out +=
@@ -111,7 +111,7 @@ final class SyncthingTests: XCTestCase {
                     "--recovery-key-file", rk,
                 ], stdin: a.passcode + "\n"
             ).code, 0)
-        let sync = try SyncthingPair(root: a.root, folders: [a.store, b.store])
+        let sync = try SyncthingGroup(root: a.root, folders: [a.store, b.store])
         defer { sync.close() }
         XCTAssertEqual(
             sync.routes().trimmingCharacters(in: .whitespacesAndNewlines), "", "the namespace has no route out")

@@ -2,13 +2,13 @@ import Foundation
 import Glibc
 import XCTest
 
-/// Two Syncthing instances (Debian's `syncthing`) that share one folder, each a store replica
-/// of its own. Both run inside a network namespace the test makes, which has nothing but
+/// Syncthing instances (Debian's `syncthing`), two or more, that share one folder, each a
+/// store replica of its own. All run inside a network namespace the test makes, which has nothing but
 /// its own loopback: no route out, so no packet can leave the machine whatever Syncthing
 /// tries. Discovery, relays, NAT traversal, STUN, usage reporting, crash reporting and
 /// upgrades are also off in each configuration before the first start; the peers know each
 /// other only by static addresses.
-final class SyncthingPair {
+final class SyncthingGroup {
     /// One Syncthing instance.
     struct Peer {
         let name: String
@@ -23,7 +23,7 @@ final class SyncthingPair {
     private(set) var peers: [Peer]
     private var closed = false
 
-    /// Generates both identities and configurations (not started). `folders`: the two store paths.
+    /// Generates every identity and configuration (not started). `folders`: the store paths, one per peer.
     init(root: String, folders: [String]) throws {
         guard FileManager.default.isExecutableFile(atPath: "/usr/bin/syncthing") else {
             throw NSError(
@@ -31,7 +31,9 @@ final class SyncthingPair {
         }
         netns = "kbfs-sync-\(getpid())-\(UInt32.random(in: 0...UInt32.max))"
         peers = folders.enumerated().map { i, f in
-            Peer(name: i == 0 ? "host-a" : "host-b", home: root + "/syncthing-\(i)", folder: f, port: 22001 + i)
+            Peer(
+                name: "host-" + String(UnicodeScalar(UInt8(97 + i))), home: root + "/syncthing-\(i)", folder: f,
+                port: 22001 + i)
         }
         try check(MountFixture.run("/usr/bin/ip", ["netns", "add", netns]), "ip netns add")
         try check(MountFixture.run("/usr/bin/ip", ["-n", netns, "link", "set", "lo", "up"]), "ip link set lo up")
@@ -57,9 +59,9 @@ final class SyncthingPair {
     }
 
     /// Rewrites peer `i`'s generated config.xml: private listen address, every outward
-    /// feature off, no GUI, the other peer at its static address, the shared folder.
+    /// feature off, no GUI, the other peers at their static addresses, the shared folder.
     private func configure(_ i: Int) throws {
-        let me = peers[i], other = peers[1 - i]
+        let me = peers[i], others = peers.indices.filter { $0 != i }.map { peers[$0] }
         let path = me.home + "/config.xml"
         var xml = try String(contentsOfFile: path, encoding: .utf8)
         func set(_ tag: String, _ value: String) throws {
@@ -84,22 +86,28 @@ final class SyncthingPair {
         try set("urURL", "")
         try set("crashReportingURL", "")
         xml = xml.replacingOccurrences(of: "<gui enabled=\"true\"", with: "<gui enabled=\"false\"")
-        let shared = """
+        let deviceEntries = others.map { other in
+            """
                 <device id="\(other.id)" name="\(other.name)" compression="metadata" introducer="false" skipIntroductionRemovals="false" introducedBy="">
                     <address>tcp://127.0.0.1:\(other.port)</address>
                     <paused>false</paused>
                     <autoAcceptFolders>false</autoAcceptFolders>
                 </device>
-                <folder id="kbfs-store" label="kbfs-store" path="\(me.folder)" type="sendreceive" rescanIntervalS="5" fsWatcherEnabled="true" fsWatcherDelayS="1" ignorePerms="false" autoNormalize="true">
-                    <filesystemType>basic</filesystemType>
-                    <device id="\(me.id)" introducedBy=""></device>
-                    <device id="\(other.id)" introducedBy=""></device>
-                    <minDiskFree unit="%">0</minDiskFree>
-                    <maxConflicts>10</maxConflicts>
-                    <markerName>.stfolder</markerName>
-                </folder>
 
             """
+        }.joined()
+        let folderDevices = others.map { "            <device id=\"\($0.id)\" introducedBy=\"\"></device>\n" }.joined()
+        let shared =
+            deviceEntries + """
+                    <folder id="kbfs-store" label="kbfs-store" path="\(me.folder)" type="sendreceive" rescanIntervalS="5" fsWatcherEnabled="true" fsWatcherDelayS="1" ignorePerms="false" autoNormalize="true">
+                        <filesystemType>basic</filesystemType>
+                        <device id="\(me.id)" introducedBy=""></device>
+                \(folderDevices)        <minDiskFree unit="%">0</minDiskFree>
+                        <maxConflicts>10</maxConflicts>
+                        <markerName>.stfolder</markerName>
+                    </folder>
+
+                """
         guard let end = xml.range(of: "    <gui ") else { throw NSError(domain: "config.xml has no <gui>", code: 1) }
         xml.insert(contentsOf: shared, at: end.lowerBound)
         try xml.write(toFile: path, atomically: true, encoding: .utf8)
@@ -158,7 +166,7 @@ final class SyncthingPair {
         MountFixture.run("/usr/bin/ip", ["netns", "exec", netns, "/usr/bin/ss", "-tuan"]).stdout
     }
 
-    /// The last lines of both peers' logs (for failure messages).
+    /// The last lines of every peer's log (for failure messages).
     func logs(lines: Int = 25) -> String {
         peers.map { p in
             let text = (try? String(contentsOfFile: p.home + "/serve.log", encoding: .utf8)) ?? ""
@@ -169,7 +177,7 @@ final class SyncthingPair {
     /// The namespace's routes (none but loopback's own).
     func routes() -> String { MountFixture.run("/usr/bin/ip", ["-n", netns, "route", "show"]).stdout }
 
-    /// Stops both peers and deletes the namespace.
+    /// Stops every peer and deletes the namespace.
     func close() {
         guard !closed else { return }
         closed = true
