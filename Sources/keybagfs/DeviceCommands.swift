@@ -142,6 +142,9 @@ struct DeviceCommand: ParsableCommand {
         @Option(help: "With --approval: the code the approving device showed (it must be this device's).")
         var code: String?
 
+        @Flag(help: "With --approval: give the pairing up (this device's request and secrets go).")
+        var cancel = false
+
         func run() throws {
             let lock = try lockUnmountedStore(target.store)
             defer { close(lock) }
@@ -150,7 +153,7 @@ struct DeviceCommand: ParsableCommand {
             if approval {
                 return try DevicePairingCommand.newcomer(
                     store: target.store, deviceKeyPath: dkPath, name: name ?? ProcessInfo.processInfo.hostName,
-                    code: code, stdin: stdin, kdf: kdf)
+                    code: code, stdin: stdin, kdf: kdf, cancel: cancel)
             }
             // Two devices of one store on one machine share the default key path: a key file
             // that is already a device of the store is refused before anything is asked.

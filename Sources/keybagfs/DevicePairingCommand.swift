@@ -7,19 +7,21 @@ import KeybagCore
 enum DevicePairingCommand {
     /// `keybagfs device add --approval`: one step on the new machine.
     static func newcomer(
-        store: String, deviceKeyPath: String, name: String, code: String?, stdin: Bool, kdf: KDFStrength
+        store: String, deviceKeyPath: String, name: String, code: String?, stdin: Bool, kdf: KDFStrength, cancel: Bool
     ) throws {
         let dk =
             FileManager.default.fileExists(atPath: deviceKeyPath)
             ? try DeviceKeyFile.load(from: deviceKeyPath) : try DeviceKeyFile.create(at: deviceKeyPath)
         defer { dk.wipe() }
         let step = try DevicePairing.newcomerStep(
-            storePath: store, deviceKey: dk, name: name, confirmedCode: code, strength: kdf
-        ) {
-            try PasscodeInput.readNew(
-                fromStdin: stdin, prompt: "Passcode of this device: ",
-                mismatch: "the passcodes differ; nothing was changed")
-        }
+            storePath: store, deviceKey: dk, name: name, confirmedCode: code, strength: kdf, cancel: cancel,
+            newPasscode: {
+                try PasscodeInput.readNew(
+                    fromStdin: stdin, prompt: "Passcode of this device: ",
+                    mismatch: "the passcodes differ; nothing was changed")
+            },
+            passcode: { try PasscodeInput.read(fromStdin: stdin, prompt: "Passcode of this device (as given first): ") }
+        )
         switch step {
         case .requested(let id):
             print("request written for device \(id)")
@@ -31,6 +33,8 @@ enum DevicePairingCommand {
             print(
                 "next: type it on the approving device (`keybagfs device approve STORE \(id) --code \(code)`); when it "
                     + "accepts it, run this again with --code \(code)")
+        case .cancelled(let id):
+            print("gave up the pairing of \(id): its request and secrets are gone")
         case .added(let id, let set):
             print("added this device to \(store) by approval")
             print("  device id:  \(id)")
@@ -64,12 +68,15 @@ extension DeviceCommand {
         @Flag(help: "Read this device's passcode from stdin.")
         var stdin = false
 
+        @Flag(help: "Give this pairing up: this device's challenge, grant and what it kept of the pairing go.")
+        var cancel = false
+
         func run() throws {
             let lock = try lockUnmountedStore(target.store)
             defer { close(lock) }
             var (kb, dk) = try target.deviceKeybag()
             defer { dk.wipe() }
-            let step = try kb.approveStep(id, code: code, deviceKey: dk) {
+            let step = try kb.approveStep(id, code: code, deviceKey: dk, cancel: cancel) {
                 try PasscodeInput.read(fromStdin: stdin, prompt: "Passcode of this device: ")
             }
             switch step {
@@ -80,7 +87,9 @@ extension DeviceCommand {
             case .needCode:
                 print("next: run this again with --code and the code the new machine shows")
             case .finished:
-                print("device \(id) joined the store; this device's pairing files are removed")
+                print(
+                    "the pairing of \(id) is over (it joined, or was given up); this device's pairing files are removed"
+                )
             case .approved(let set):
                 print(
                     "approved device \(id): it holds key sets 0 to \(set) once it runs `device add --approval --code` again"

@@ -13,8 +13,8 @@ final class DeviceTrustTests: XCTestCase {
     struct Dev {
         let id: String
         let keys: DeviceIdentityKeys
-        var pub: KeySetRecord.DeviceKeys {
-            KeySetRecord.DeviceKeys(
+        var pub: DevicePublicKeys {
+            DevicePublicKeys(
                 box: Data(try! keys.boxPublic()).base64EncodedString(),
                 sign: Data(try! keys.signPublic()).base64EncodedString())
         }
@@ -29,35 +29,46 @@ final class DeviceTrustTests: XCTestCase {
         return (DeviceCertificate.fileName(d.id), try JSONEncoder().encode(c))
     }
 
-    /// The record of set `n` made by `maker` for `members`, signed by `signer` (default the maker).
+    /// The record of set `n` made by `maker` for `members`, signed by `signer` (default the
+    /// maker), its keys MAC under `classA` when given.
     func record(
         _ n: Int, maker: Dev, members: [Dev], removed: [String] = [], certify: SecureKey? = nil,
-        signer: SecureKey? = nil
+        signer: SecureKey? = nil,
+        classB: String = Data(repeating: 1, count: 32).base64EncodedString(), classA: SecureKey? = nil
     ) throws -> (String, Data) {
         var r = KeySetRecord(
             storeID: storeID, keySet: n, madeBy: maker.id, madeAt: 1, removed: removed,
             members: Dictionary(uniqueKeysWithValues: members.map { ($0.id, $0.pub) }),
-            classBPublic: Data(repeating: 1, count: 32).base64EncodedString(), grants: [:], escrow: [:], signature: "")
+            classBPublic: classB, grants: [:], escrow: [:], signature: "")
         if let certify { r.certify = Data(try Ed25519.publicKey(seed: certify)).base64EncodedString() }
+        if let classA { r.keysMAC = try r.keysMAC(classA: classA) }
         try r.sign(with: signer ?? maker.keys.signSeed)
         if let certify { r.certifySignature = Data(try Ed25519.sign(r.message, seed: certify)).base64EncodedString() }
-        return (KeySetRecord.fileName(n), try JSONEncoder().encode(r))
+        return (r.fileName, try JSONEncoder().encode(r))
     }
 
-    func judge(_ files: [(String, Data)], root: SecureKey, holding: Int = 0) throws -> DeviceTrust {
-        DeviceTrust.evaluate(
-            files: Dictionary(files, uniquingKeysWith: { $1 }), storeID: storeID,
-            root: try Ed25519.publicKey(seed: root), holding: holding)
+    /// What a device holding set `keySet` remembers: `trusted`, `removed`, under `root`.
+    func snapshot(_ keySet: Int, root: SecureKey, trusted: [Dev], removed: [String] = [], classB: [Int: String] = [:])
+        throws -> TrustSnapshot
+    {
+        TrustSnapshot(
+            keySet: keySet, root: try Ed25519.publicKey(seed: root),
+            trusted: Dictionary(uniqueKeysWithValues: trusted.map { ($0.id, $0.pub) }), removed: Set(removed),
+            classBPublics: classB)
+    }
+
+    func judge(_ files: [(String, Data)], _ snap: TrustSnapshot) -> DeviceTrust {
+        DeviceTrust.evaluate(files: Dictionary(files, uniquingKeysWith: { $1 }), storeID: storeID, snapshot: snap)
     }
 
     func testStoreCertifiedDevicesHoldAndAForgedCertificateIsNamed() throws {
         let root = SecureKey(random: 32), other = SecureKey(random: 32)
         let (a, b, x) = (dev(1), dev(2), dev(3))
-        let t = try judge(
+        let t = judge(
             [
                 try cert(a, keySet: 0, by: "store", signer: root), try cert(b, keySet: 0, by: "store", signer: root),
                 try cert(x, keySet: 0, by: "store", signer: other),
-            ], root: root)
+            ], try snapshot(0, root: root, trusted: [a]))
         XCTAssertEqual(Set(t.trusted.keys), [a.id, b.id])
         XCTAssertEqual(t.refused.count, 1)
         XCTAssertTrue(t.refused[0].hasPrefix(DeviceCertificate.fileName(x.id)), "\(t.refused)")
@@ -66,20 +77,20 @@ final class DeviceTrustTests: XCTestCase {
     func testARecordHoldsOnlyWhenItsMakerWasTrustedAndSignedIt() throws {
         let root = SecureKey(random: 32)
         let (a, b, c, x) = (dev(1), dev(2), dev(3), dev(4))
-        let certs = try [a, b, c].map { try cert($0, keySet: 0, by: "store", signer: root) }
-        let good = try judge(certs + [try record(1, maker: a, members: [a, c], removed: [b.id])], root: root)
+        let snap = try snapshot(0, root: root, trusted: [a, b, c])
+        let good = judge([try record(1, maker: a, members: [a, c], removed: [b.id])], snap)
         XCTAssertEqual(good.newestSet, 1)
         XCTAssertEqual(good.removed, [b.id])
         XCTAssertEqual(Set(good.trusted.keys), [a.id, c.id])
-        // Signed by a device nobody certified; by the device it removes; claimed by A, signed by B.
+        // Signed by a device nobody trusts; by the device it removes; claimed by A, signed by B.
         for bad in [
             try record(1, maker: x, members: [x]), try record(1, maker: b, members: [a, b], removed: [b.id]),
             try record(1, maker: a, members: [a, b], removed: [c.id], signer: b.keys.signSeed),
         ] {
-            let t = try judge(certs + [bad], root: root)
+            let t = judge([bad], snap)
             XCTAssertEqual(t.newestSet, 0)
             XCTAssertEqual(Set(t.trusted.keys), [a.id, b.id, c.id])
-            XCTAssertTrue(t.refused.contains { $0.hasPrefix("keyset-1.json") }, "\(t.refused)")
+            XCTAssertTrue(t.refused.contains { $0.hasPrefix("keyset-1.") }, "\(t.refused)")
         }
     }
 
@@ -89,88 +100,136 @@ final class DeviceTrustTests: XCTestCase {
     func testARemovedDevicesApprovalsDoNotHold() throws {
         let root = SecureKey(random: 32)
         let (a, r, c, p) = (dev(1), dev(2), dev(3), dev(4))
-        let base = try [a, r, c].map { try cert($0, keySet: 0, by: "store", signer: root) }
+        let snap = try snapshot(0, root: root, trusted: [a, r, c])
         let removal = try record(1, maker: a, members: [a, c], removed: [r.id])
         for dated in [0, 1] {
-            let t = try judge(
-                base + [removal, try cert(p, keySet: dated, by: r.id, signer: r.keys.signSeed)], root: root)
+            let t = judge([removal, try cert(p, keySet: dated, by: r.id, signer: r.keys.signSeed)], snap)
             XCTAssertNil(t.trusted[p.id], "backdated to \(dated)")
             XCTAssertNil(t.trusted[r.id])
         }
         // Before the removal, the same approval held: the rule is about sets, not signers.
-        let before = try judge(base + [try cert(p, keySet: 0, by: r.id, signer: r.keys.signSeed)], root: root)
-        XCTAssertNotNil(before.trusted[p.id])
+        XCTAssertNotNil(judge([try cert(p, keySet: 0, by: r.id, signer: r.keys.signSeed)], snap).trusted[p.id])
+    }
+
+    /// The removed device makes a record of the set that removes it, one of its own (it was
+    /// trusted at the set before): two records of one set are a fork, and neither is taken up.
+    func testTwoRecordsOfOneSetAreAForkAndNeitherHolds() throws {
+        let root = SecureKey(random: 32)
+        let (a, r, c) = (dev(1), dev(2), dev(3))
+        let t = judge(
+            [try record(1, maker: a, members: [a, c], removed: [r.id]), try record(1, maker: r, members: [r, c])],
+            try snapshot(0, root: root, trusted: [a, r, c]))
+        XCTAssertEqual(t.records.count, 0)
+        XCTAssertEqual(t.newestSet, 1, "a newer set exists: the device stops wrapping for the older one")
+        XCTAssertEqual(t.refused.filter { $0.contains("two devices made it") }.count, 2, "\(t.refused)")
+    }
+
+    /// What a device took up stays: deleting the record that removed a device, or the removal
+    /// record, gives the removed device nothing back; a record of a set it holds with other
+    /// keys conflicts; a removal record on its own removes nobody.
+    func testMemoryOutlivesDeletedAndForgedRecords() throws {
+        let root = SecureKey(random: 32)
+        let (a, r, c, p) = (dev(1), dev(2), dev(3), dev(4))
+        let held = try snapshot(
+            1, root: root, trusted: [a, c], removed: [r.id],
+            classB: [1: Data(repeating: 5, count: 32).base64EncodedString()])
+        let t = judge(
+            [
+                try cert(r, keySet: 0, by: "store", signer: root),
+                try cert(p, keySet: 0, by: r.id, signer: r.keys.signSeed),
+                try record(1, maker: r, members: [r, c], signer: r.keys.signSeed),
+            ], held)
+        XCTAssertEqual(Set(t.trusted.keys), [a.id, c.id])
+        XCTAssertTrue(t.refused.contains { $0.hasPrefix("keyset-1.") && $0.contains("conflicts") }, "\(t.refused)")
+        XCTAssertTrue(t.refused.contains { $0.hasPrefix(DeviceCertificate.fileName(p.id)) }, "\(t.refused)")
+        // A removal of C signed by A while A was trusted: it tells of set 2, removes nobody.
+        var rem = DeviceRemoval(deviceID: c.id, removedAt: 5, keySet: 2, by: a.id)
+        rem.signature = Data(try Ed25519.sign(rem.message, seed: a.keys.signSeed)).base64EncodedString()
+        let u = judge([("\(c.id).removed", try JSONEncoder().encode(rem))], held)
+        XCTAssertEqual(u.newestSet, 2)
+        XCTAssertEqual(u.removed, [r.id])
+        XCTAssertNotNil(u.trusted[c.id])
     }
 
     func testApprovalsChainWithinASet() throws {
         let root = SecureKey(random: 32)
         let (a, n1, n2) = (dev(1), dev(2), dev(3))
-        let t = try judge(
+        let t = judge(
             [
-                try cert(a, keySet: 0, by: "store", signer: root),
                 try cert(n1, keySet: 0, by: a.id, signer: a.keys.signSeed),
                 try cert(n2, keySet: 0, by: n1.id, signer: n1.keys.signSeed),
-            ], root: root)
+            ], try snapshot(0, root: root, trusted: [a]))
         XCTAssertEqual(Set(t.trusted.keys), [a.id, n1.id, n2.id])
     }
 
     /// A rotation replaces the certification key: the old one certifies nothing from then on,
-    /// and a device whose root is the new key starts from the rotation's list.
+    /// for a device that saw the rotation and one certified after it alike.
     func testARotationRetiresTheOldCertificationKey() throws {
         let k0 = SecureKey(random: 32), k1 = SecureKey(random: 32)
         let (a, b, p, d) = (dev(1), dev(2), dev(3), dev(4))
-        var files = [
-            try cert(a, keySet: 0, by: "store", signer: k0), try cert(b, keySet: 0, by: "store", signer: k0),
+        let files = [
             try record(1, maker: a, members: [a, b], certify: k1),
+            try cert(p, keySet: 1, by: "store", signer: k0),  // the old key, after the rotation
+            try cert(d, keySet: 1, by: "store", signer: k1),  // the new key
         ]
-        files.append(try cert(p, keySet: 1, by: "store", signer: k0))  // the old key, after the rotation
-        files.append(try cert(d, keySet: 1, by: "store", signer: k1))  // the new key
-        for root in [k0, k1] {
-            let t = try judge(files, root: root)
-            XCTAssertEqual(Set(t.trusted.keys), [a.id, b.id, d.id], "from the root of set \(root === k0 ? 0 : 1)")
-            XCTAssertEqual(t.newestSet, 1)
+        for snap in [try snapshot(0, root: k0, trusted: [a, b]), try snapshot(1, root: k1, trusted: [a, b])] {
+            let t = judge(files, snap)
+            XCTAssertEqual(Set(t.trusted.keys), [a.id, b.id, d.id], "from set \(snap.keySet)")
+            XCTAssertEqual(t.root, try Ed25519.publicKey(seed: k1))
         }
         // A rotation record whose new key did not sign it does not hold.
         var unsigned = try record(1, maker: a, members: [a, b], certify: k1)
         var r = try JSONDecoder().decode(KeySetRecord.self, from: unsigned.1)
         r.certifySignature = nil
         unsigned.1 = try JSONEncoder().encode(r)
-        XCTAssertEqual(try judge(files.dropLast(3) + [unsigned], root: k0).newestSet, 0)
+        XCTAssertEqual(judge([unsigned], try snapshot(0, root: k0, trusted: [a, b])).newestSet, 0)
     }
 
-    /// Removal records: a signed one holds and tells of the set; an unsigned one (from before
-    /// identities, or forged) is named when it claims a set above the device's; a deleted one
-    /// hides nothing the set's record says.
-    func testRemovalRecords() throws {
+    /// A device given the store's keys by the recovery key starts from the record of the
+    /// newest set only when that record carries the MAC of that set's keys.
+    func testBootstrapTakesOnlyARecordMadeWithTheSetsKeys() throws {
         let root = SecureKey(random: 32)
-        let (a, b, c) = (dev(1), dev(2), dev(3))
-        let certs = try [a, b, c].map { try cert($0, keySet: 0, by: "store", signer: root) }
-        var signed = DeviceRemoval(deviceID: b.id, removedAt: 5, keySet: 1, by: a.id)
-        signed.signature = Data(try Ed25519.sign(signed.message, seed: a.keys.signSeed)).base64EncodedString()
-        let t = try judge(certs + [("\(b.id).removed", try JSONEncoder().encode(signed))], root: root)
-        XCTAssertEqual(t.removed, [b.id])
-        XCTAssertEqual(t.newestSet, 1, "a device learns of set 1 from the removal alone")
-        let unsigned = DeviceRemoval(deviceID: c.id, removedAt: 5, keySet: 3)
-        let u = try judge(certs + [("\(c.id).removed", try JSONEncoder().encode(unsigned))], root: root, holding: 1)
-        XCTAssertEqual(u.removed, [])
-        XCTAssertEqual(u.newestSet, 0)
-        XCTAssertTrue(u.refused.contains { $0.hasPrefix("\(c.id).removed") }, "\(u.refused)")
-        let old = try judge(certs + [("\(c.id).removed", try JSONEncoder().encode(unsigned))], root: root, holding: 3)
-        XCTAssertEqual(old.refused, [], "not named when this device holds that set anyway")
-        let deleted = try judge(certs + [try record(1, maker: a, members: [a, c], removed: [b.id])], root: root)
-        XCTAssertEqual(deleted.removed, [b.id])
+        let (a, c, r) = (dev(1), dev(2), dev(3))
+        func set(_ n: UInt8) throws -> UnlockedClassKeys {
+            let b = SecureKey(random: 32)
+            return UnlockedClassKeys(
+                classA: SecureKey(random: 32), classBSecret: b, classBPublic: try ClassBAgreement.publicKey(of: b),
+                classC: SecureKey(random: 32), keySet: n)
+        }
+        let keys = StoreKeys(
+            sets: [try set(0), try set(1)], classD: [SecureKey(random: 32), SecureKey(random: 32)],
+            volume: SecureKey(random: 32))
+        defer { keys.wipe() }
+        let pk1 = Data(keys.sets[1].classBPublic).base64EncodedString()
+        let dir = NSTemporaryDirectory() + "kbfs-trust-\(getpid())-\(UInt32.random(in: 0...UInt32.max))"
+        try FileManager.default.createDirectory(atPath: dir + "/devices", withIntermediateDirectories: true)
+        defer { try? FileManager.default.removeItem(atPath: dir) }
+        func put(_ f: (String, Data)) throws { try f.1.write(to: URL(fileURLWithPath: dir + "/devices/" + f.0)) }
+        // A record of set 1 with the right class B key but no keys MAC (anyone can copy a public key).
+        try put(try record(1, maker: r, members: [r], classB: pk1))
+        var snap = DeviceTrust.bootstrap(
+            storePath: dir, storeID: storeID, root: try Ed25519.publicKey(seed: root), keys: keys)
+        XCTAssertEqual(snap.trusted, [:])
+        try FileManager.default.removeItem(atPath: dir + "/devices/" + KeySetRecord.fileName(1, maker: r.id))
+        try put(try record(1, maker: a, members: [a, c], removed: [r.id], classB: pk1, classA: keys.sets[1].classA))
+        snap = DeviceTrust.bootstrap(
+            storePath: dir, storeID: storeID, root: try Ed25519.publicKey(seed: root), keys: keys)
+        XCTAssertEqual(Set(snap.trusted.keys), [a.id, c.id])
+        XCTAssertEqual(snap.removed, [r.id])
     }
 
-    /// Garbage in the devices folder is named and changes nothing.
+    /// Garbage in the devices folder is named and changes nothing; a name with control
+    /// characters is shown without them.
     func testGarbageIsNamed() throws {
         let root = SecureKey(random: 32)
         let a = dev(1)
-        let t = try judge(
+        let t = judge(
             [
-                try cert(a, keySet: 0, by: "store", signer: root), ("keyset-1.json", Data("{".utf8)),
-                ("\(dev(2).id).identity", Data([0, 1, 2])), ("x.removed", Data("[]".utf8)),
-            ], root: root)
+                ("keyset-1.\(a.id).json", Data("{".utf8)), ("\(dev(2).id).identity", Data([0, 1, 2])),
+                ("x\ny.removed", Data("[]".utf8)),
+            ], try snapshot(0, root: root, trusted: [a]))
         XCTAssertEqual(Set(t.trusted.keys), [a.id])
         XCTAssertEqual(t.refused.count, 3, "\(t.refused)")
+        XCTAssertFalse(t.refused.contains { $0.contains("\n") })
     }
 }

@@ -116,7 +116,7 @@ final class DeviceIdentityTests: XCTestCase {
         XCTAssertEqual(rm.code, 0, rm.stderr)
         let record =
             try JSONSerialization.jsonObject(
-                with: Data(contentsOf: URL(fileURLWithPath: a.store + "/devices/keyset-2.json")))
+                with: Data(contentsOf: URL(fileURLWithPath: recordPath(a, 2))))
             as? [String: Any] ?? [:]
         XCTAssertEqual(
             Set(((record["members"] as? [String: Any]) ?? [:]).keys), [id(a), idC], "B is not handed the set")
@@ -167,12 +167,77 @@ final class DeviceIdentityTests: XCTestCase {
         }
         XCTAssertNotEqual(writeFile(b.path("from-b"), bytes("x")), 0, "B knows set 2 exists and wraps nothing")
 
-        // The same deletion on C's replica hides nothing from C: the set's record names the removal.
+        // The same deletions on C's replica, the set's record too and B's keybag put back, give
+        // B nothing: C remembers the removal, and the next set C makes goes to A alone.
         b.unmount()
         XCTAssertEqual(unlink(c.store + "/devices/\(idB).removed"), 0)
+        XCTAssertEqual(unlink(recordPath(c, 2)), 0)
+        try keepB.write(to: URL(fileURLWithPath: c.store + "/devices/\(idB).keybag"))
         let list = keybagfs(["device", "list", c.store, "--device-key", c.deviceKey, "--json"])
         let trust = (try? JSONSerialization.jsonObject(with: Data(list.stdout.utf8)) as? [String: Any])?["trust"]
         XCTAssertEqual((trust as? [String: Any])?["removed"] as? [String], [idB], list.stdout + list.stderr)
+        XCTAssertEqual(Set((trust as? [String: Any])?["trusted"] as? [String] ?? []), [id(a), idC])
+        let rot = keybagfs(
+            [
+                "recovery-key", "rotate", c.store, "--device-key", c.deviceKey, "--passcode-stdin",
+                "--recovery-key-file",
+                c.root + "/rk-c.txt",
+            ], stdin: c.passcode + "\n")
+        XCTAssertEqual(rot.code, 0, rot.stderr)
+        let set3 =
+            try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: recordPath(c, 3))))
+            as? [String: Any]
+        XCTAssertEqual(Set(((set3?["members"] as? [String: Any]) ?? [:]).keys), [id(a), idC], "never B")
+    }
+
+    /// A pairing file a store writer swaps after the approver answered: its own challenge is
+    /// put back (it never takes another for its own), and a changed request is refused.
+    func testTheApproverKeepsItsOwnChallengeAndRefusesAChangedRequest() throws {
+        let (a, b, c, _) = try threeDevices()
+        defer { [a, b, c].forEach { $0.close() } }
+        let n = try MountFixture(replicaOf: a, passcode: "host-n passcode")
+        let m = try MountFixture(replicaOf: a, passcode: "mallory passcode")
+        defer { n.close(); m.close() }
+        for x in [n, m] {
+            let r = keybagfs(
+                [
+                    "device", "add", x.store, "--device-key", x.deviceKey, "--approval", "--kdf", "interactive",
+                    "--stdin",
+                ],
+                stdin: x.passcode + "\n")
+            XCTAssertEqual(r.code, 0, r.stderr)
+        }
+        let idN = id(n), idM = id(m)
+        carry(idN, "request", from: n, to: a)
+        XCTAssertEqual(keybagfs(["device", "approve", a.store, idN, "--device-key", a.deviceKey]).code, 0)
+        let challengePath = a.store + "/devices/\(idN).challenge"
+        let own = try Data(contentsOf: URL(fileURLWithPath: challengePath))
+        var forged = try JSONSerialization.jsonObject(with: own) as! [String: Any]
+        forged["nonce"] = Data(repeating: 4, count: 32).base64EncodedString()
+        try JSONSerialization.data(withJSONObject: forged).write(to: URL(fileURLWithPath: challengePath))
+        XCTAssertEqual(keybagfs(["device", "approve", a.store, idN, "--device-key", a.deviceKey]).code, 0)
+        XCTAssertEqual(
+            try JSONDecoder().decode(
+                PairingChallenge.self, from: Data(contentsOf: URL(fileURLWithPath: challengePath))),
+            try JSONDecoder().decode(PairingChallenge.self, from: own), "its own challenge is back")
+        // The writer's request under N's name (its own keys and commitment).
+        var req =
+            try JSONSerialization.jsonObject(
+                with: Data(contentsOf: URL(fileURLWithPath: m.store + "/devices/\(idM).request")))
+            as! [String: Any]
+        req["deviceID"] = idN
+        try JSONSerialization.data(withJSONObject: req).write(
+            to: URL(fileURLWithPath: a.store + "/devices/\(idN).request"))
+        let refused = keybagfs(["device", "approve", a.store, idN, "--device-key", a.deviceKey])
+        XCTAssertNotEqual(refused.code, 0)
+        XCTAssertTrue(refused.stderr.contains("changed after this device answered"), refused.stderr)
+        XCTAssertEqual(keybagfs(["device", "approve", a.store, idN, "--device-key", a.deviceKey, "--cancel"]).code, 0)
+        XCTAssertFalse(FileManager.default.fileExists(atPath: challengePath))
+    }
+
+    /// The fields of a challenge file, as a test compares them.
+    struct PairingChallenge: Codable, Equatable {
+        var deviceID: String, approver: String, approverSign: String, nonce: String, request: String
     }
 
     func testRecordsAStoreWriterForgesAreRefusedAndNothingStopsWorking() throws {
@@ -195,7 +260,7 @@ final class DeviceIdentityTests: XCTestCase {
         try forge("\(idC).removed", ["deviceID": idC, "removedAt": 1.0, "keySet": 7])  // unsigned
         try forge("\(idB).removed", ["deviceID": idB, "removedAt": 1.0, "keySet": 2, "by": idA, "signature": junkSig])
         try forge(
-            "keyset-2.json",
+            "keyset-2.\(idA).json",
             [
                 "storeID": storeID, "keySet": 2, "madeBy": idA, "madeAt": 1.0, "removed": [idC],
                 "members": [idA: ["box": junkKey, "sign": junkKey]], "classBPublic": junkKey, "grants": [:],
@@ -217,25 +282,27 @@ final class DeviceIdentityTests: XCTestCase {
             let st = m.status()
             XCTAssertEqual(st["keySetBehind"] as? Bool, false, "\(st)")
             let refused = (st["refusedRecords"] as? [String]) ?? []
-            for name in ["\(idC).removed", "\(idB).removed", "keyset-2.json", "\(forger).identity"] {
+            for name in ["\(idC).removed", "\(idB).removed", "keyset-2.\(idA).json", "\(forger).identity"] {
                 XCTAssertTrue(refused.contains { $0.hasPrefix(name) }, "\(name) not refused: \(refused)")
             }
             writeEveryClass(m, "forged-around")
             m.unmount()
         }
         let log = (try? String(contentsOfFile: c.root + "/daemon.log", encoding: .utf8)) ?? ""
-        XCTAssertTrue(log.contains("refused in devices/: keyset-2.json"), log)
+        XCTAssertTrue(log.contains("refused in devices/: keyset-2.\(idA).json"), log)
 
         // A real removal (the forged set-2 record moved aside, as A's replica has its own):
         // the set goes to C only, never to the forger's device.
-        for m in [a, c] { unlink(m.store + "/devices/keyset-2.json"); unlink(m.store + "/devices/\(idB).removed") }
+        for m in [a, c] {
+            unlink(m.store + "/devices/keyset-2.\(idA).json"); unlink(m.store + "/devices/\(idB).removed")
+        }
         let rm = keybagfs(
             ["device", "remove", a.store, idB, "--device-key", a.deviceKey, "--recovery-key-file", rk, "--stdin"],
             stdin: a.passcode + "\n")
         XCTAssertEqual(rm.code, 0, rm.stderr)
         let record =
             try JSONSerialization.jsonObject(
-                with: Data(contentsOf: URL(fileURLWithPath: a.store + "/devices/keyset-2.json")))
+                with: Data(contentsOf: URL(fileURLWithPath: recordPath(a, 2))))
             as? [String: Any] ?? [:]
         XCTAssertEqual(Set(((record["members"] as? [String: Any]) ?? [:]).keys), [idA, idC])
         mirror("devices", from: a, to: c)
@@ -323,6 +390,12 @@ final class DeviceIdentityTests: XCTestCase {
         return String(out[r.upperBound...].prefix(6))
     }
 
+    /// The path of the record of key set `n` in `m`'s replica (its maker's id in its name).
+    private func recordPath(_ m: MountFixture, _ n: Int) -> String {
+        let names = (try? FileManager.default.contentsOfDirectory(atPath: m.store + "/devices")) ?? []
+        return m.store + "/devices/" + (names.first { $0.hasPrefix("keyset-\(n).") } ?? "keyset-\(n).missing")
+    }
+
     /// Copies one pairing file (`devices/ID.kind`) from one replica to another.
     private func carry(_ id: String, _ kind: String, from src: MountFixture, to dst: MountFixture) {
         let rel = "devices/\(id).\(kind)"
@@ -346,7 +419,7 @@ final class DeviceIdentityTests: XCTestCase {
         func approve(_ id: String, _ extra: [String] = [], stdin: String? = nil) -> ToolResult {
             keybagfs(["device", "approve", a.store, id, "--device-key", a.deviceKey] + extra, stdin: stdin)
         }
-        XCTAssertEqual(newcomer().code, 0)
+        XCTAssertEqual(newcomer(["--stdin"], stdin: n.passcode + "\n").code, 0)
         let idN = id(n)
         carry(idN, "request", from: n, to: a)
         XCTAssertEqual(approve(idN).code, 0)
@@ -400,7 +473,12 @@ final class DeviceIdentityTests: XCTestCase {
         defer { n.close(); m.close() }
         for x in [n, m] {
             XCTAssertEqual(
-                keybagfs(["device", "add", x.store, "--device-key", x.deviceKey, "--approval"]).code, 0)
+                keybagfs(
+                    [
+                        "device", "add", x.store, "--device-key", x.deviceKey, "--approval", "--kdf", "interactive",
+                        "--stdin",
+                    ], stdin: x.passcode + "\n"
+                ).code, 0)
         }
         let idN = id(n), idM = id(m)
         // The writer puts its request under N's name (its keys, its commitment) into A's replica.

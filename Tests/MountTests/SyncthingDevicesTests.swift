@@ -36,7 +36,10 @@ final class SyncthingDevicesTests: XCTestCase {
 
     /// C joins by A's approval, each step's file carried by Syncthing.
     private func addByApproval(_ c: MountFixture, approver a: MountFixture, _ sync: SyncthingGroup) throws {
-        XCTAssertEqual(keybagfs(["device", "add", c.store, "--device-key", c.deviceKey, "--approval"]).code, 0)
+        let first = keybagfs(
+            ["device", "add", c.store, "--device-key", c.deviceKey, "--approval", "--kdf", "interactive", "--stdin"],
+            stdin: c.passcode + "\n")
+        XCTAssertEqual(first.code, 0, first.stderr)
         let idC = id(c)
         XCTAssertTrue(waitUntil(60) { self.exists(a, "devices/\(idC).request") }, diagnosis([a, c], sync))
         XCTAssertEqual(keybagfs(["device", "approve", a.store, idC, "--device-key", a.deviceKey]).code, 0)

@@ -4,88 +4,132 @@ import Foundation
 /// The newcomer's side of adding a device by approval.
 extension DevicePairing {
     /// One step of `keybagfs device add --approval` on the new machine (store unmounted):
-    /// writes the request, then the reveal once the challenge is there; once the grant is
-    /// there and `confirmedCode` is the code it shows (the user saw the same on the approving
-    /// device), checks the grant against the approver's key the code covers and makes this
-    /// device's keybag under `passcode()`.
+    /// writes the request (its secrets kept under `newPasscode()`), then the reveal for the
+    /// first challenge that answers it (and only that one from then on); once the grant is
+    /// there and `confirmedCode` is the code it shows (the user saw the approving device take
+    /// it), checks the grant against the approver's key the code covers and makes this
+    /// device's keybag under `passcode()` (the one given first). `cancel` gives the pairing up.
     public static func newcomerStep(
         storePath: String, deviceKey: SecureKey, name: String?, confirmedCode: String?, strength: KDFStrength,
-        passcode: () throws -> SecureKey, now: Double = Date().timeIntervalSince1970
+        cancel: Bool = false, newPasscode: () throws -> SecureKey, passcode: () throws -> SecureKey
     ) throws -> NewcomerStep {
         let any = try Keybag.load(storePath: storePath)
         let storeID = any.file.storeID
         let id = try DeviceIdentity.id(deviceKey: deviceKey, storeID: storeID)
+        let cleanUp = {
+            for kind in ["request", "reveal"] { unlink(PairingMessages.path(storePath, id, kind)) }
+            unlink(Pending.path(storeID: storeID, deviceID: id))
+        }
+        if cancel {
+            cleanUp()
+            return .cancelled(id: id)
+        }
         guard try Keybag.deviceOwning(key: deviceKey, storePath: storePath) == nil else {
             throw KeybagError.invalid("this device key is already a device of the store (\(id))")
         }
-        guard StoreDevices.removal(storePath: storePath, id: id) == nil else {
-            throw KeybagError.invalid("this device key was removed from the store: make a new device key")
-        }
-        guard let (identity, nonce) = try Pending.load(storeID: storeID, deviceID: id, deviceKey: deviceKey) else {
-            let (identity, nonce) = try Pending.make(storeID: storeID, deviceID: id, deviceKey: deviceKey)
-            defer { identity.wipe(); nonce.wipe() }
-            let request = PairingMessages.Request(
-                storeID: storeID, deviceID: id, box: Data(try identity.boxPublic()).base64EncodedString(),
-                sign: Data(try identity.signPublic()).base64EncodedString(), name: name,
-                commit: PairingMessages.commit(try nonce.withBytes { [UInt8]($0) }))
-            try PairingMessages.write(request, storePath, id, "request")
+        guard var pending = try Pending.load(storeID: storeID, deviceID: id) else {
+            let pass = try newPasscode()
+            defer { pass.wipe() }
+            let (p, nonce) = try Pending.make(
+                storeID: storeID, deviceID: id, deviceKey: deviceKey, passcode: pass, strength: strength, name: name)
+            defer { nonce.wipe() }
+            try PairingMessages.write(
+                request(p, storeID, id, try nonce.withBytes { [UInt8]($0) }), storePath, id, "request")
             return .requested(id: id)
         }
-        defer { identity.wipe(); nonce.wipe() }
-        let mine = PairingMessages.Request(
-            storeID: storeID, deviceID: id, box: Data(try identity.boxPublic()).base64EncodedString(),
-            sign: Data(try identity.signPublic()).base64EncodedString(),
-            name: PairingMessages.read(PairingMessages.Request.self, storePath, id, "request")?.name ?? name,
-            commit: PairingMessages.commit(try nonce.withBytes { [UInt8]($0) }))
+        let nonce = try pending.nonce(storeID: storeID, deviceID: id, deviceKey: deviceKey)
+        let mine = request(pending, storeID, id, nonce)
         if PairingMessages.read(PairingMessages.Request.self, storePath, id, "request") != mine {
             try PairingMessages.write(mine, storePath, id, "request")  // put back as this device made it
         }
         guard let challenge = PairingMessages.read(PairingMessages.Challenge.self, storePath, id, "challenge"),
             challenge.deviceID == id, challenge.request == PairingMessages.requestHash(mine)
         else { return .waitingForChallenge(id: id) }
-        let n = try nonce.withBytes { [UInt8]($0) }
-        try PairingMessages.write(
-            PairingMessages.Reveal(deviceID: id, nonce: Data(n).base64EncodedString()), storePath, id, "reveal")
-        let code = PairingMessages.code(mine, challenge, nonce: n)
-        guard let grant = PairingMessages.read(PairingMessages.Grant.self, storePath, id, "grant"),
-            let confirmedCode
+        let answered = PairingMessages.challengeHash(challenge)
+        guard pending.challenge ?? answered == answered else {
+            throw KeybagError.invalid(
+                "the approving device's answer changed after this device revealed its nonce: the pairing files were "
+                    + "changed on the way; give this pairing up (--cancel) and start again")
+        }
+        try pin(&pending, answered, storeID: storeID, id: id)
+        let reveal = PairingMessages.Reveal(deviceID: id, nonce: Data(nonce).base64EncodedString())
+        if PairingMessages.read(PairingMessages.Reveal.self, storePath, id, "reveal") != reveal {
+            try PairingMessages.write(reveal, storePath, id, "reveal")
+        }
+        let code = PairingMessages.code(mine, challenge, nonce: nonce)
+        guard let grant = PairingMessages.read(PairingMessages.Grant.self, storePath, id, "grant"), let confirmedCode
         else { return .showCode(id: id, code: code) }
         guard confirmedCode == code else {
             throw KeybagError.invalid(
-                "the code you typed (\(confirmedCode.prefix(12))) is not this device's (\(code)): the pairing files were "
-                    + "changed on the way; do not use this device; nothing was changed")
+                "the code you typed (\(confirmedCode.prefix(12))) is not this device's (\(code)): a typo, or the pairing "
+                    + "files were changed on the way (then give it up with --cancel); nothing was changed")
         }
-        let keys = try openGrant(grant, challenge: challenge, request: mine, identity: identity)
-        defer { keys.wipe() }
-        let pass = try passcode()
-        defer { pass.wipe() }
-        let kb = try makeKeybag(
-            storePath: storePath, cipher: any.file.cipher, request: mine, grant: grant, keys: keys,
-            identity: identity, passcode: pass, deviceKey: deviceKey, strength: strength)
-        try grant.certificate.write(storePath: storePath)
-        try KeySetFloor.record(kb, deviceID: id)
-        for kind in ["request", "reveal"] { unlink(PairingMessages.path(storePath, id, kind)) }
-        unlink(Pending.path(storeID: storeID, deviceID: id))
-        return .added(id: id, keySet: keys.current)
+        return try finish(
+            storePath: storePath, cipher: any.file.cipher, request: mine, pending: pending, challenge: challenge,
+            grant: grant, deviceKey: deviceKey, passcode: passcode, cleanUp: cleanUp)
     }
 
-    /// Writes the newcomer's keybag: every key under its passcode and device key, its identity,
-    /// the approver's root and escrow.
+    /// Keeps `answered` as the challenge this device answers from now on (once).
+    static func pin(_ pending: inout Pending, _ answered: String, storeID: String, id: String) throws {
+        guard pending.challenge == nil else { return }
+        pending.challenge = answered
+        try pending.save(storeID: storeID, deviceID: id)
+    }
+
+    /// The request a pending state makes.
+    static func request(_ p: Pending, _ storeID: String, _ id: String, _ nonce: [UInt8]) -> PairingMessages.Request {
+        PairingMessages.Request(
+            storeID: storeID, deviceID: id, box: p.boxPublic, sign: p.signPublic, name: p.name,
+            commit: PairingMessages.commit(nonce))
+    }
+
+    /// The last step: opens the identity with the passcode, the grant with it, and writes the
+    /// certificate, then the keybag.
+    static func finish(
+        storePath: String, cipher: String, request: PairingMessages.Request, pending: Pending,
+        challenge: PairingMessages.Challenge, grant: PairingMessages.Grant, deviceKey: SecureKey,
+        passcode: () throws -> SecureKey, cleanUp: () -> Void
+    ) throws -> NewcomerStep {
+        let pass = try passcode()
+        defer { pass.wipe() }
+        let identity: DeviceIdentityKeys
+        do {
+            identity = try pending.identity(
+                storeID: request.storeID, deviceID: request.deviceID, deviceKey: deviceKey, passcode: pass)
+        } catch KeybagError.badPasscode {
+            throw KeybagError.invalid("not the passcode given at this device's first step; nothing was changed")
+        }
+        defer { identity.wipe() }
+        let keys = try openGrant(grant, challenge: challenge, request: request, identity: identity)
+        defer { keys.wipe() }
+        // The certificate first: a keybag without it would be a device nobody trusts.
+        try grant.certificate.write(storePath: storePath)
+        let kb = try makeKeybag(
+            storePath: storePath, cipher: cipher, request: request, pending: pending, grant: grant, keys: keys,
+            identity: identity, passcode: pass, deviceKey: deviceKey)
+        try KeySetFloor.record(kb, deviceID: request.deviceID)
+        cleanUp()
+        return .added(id: request.deviceID, keySet: keys.current)
+    }
+
+    /// Writes the newcomer's keybag: every key under its passcode (the salt and cost its pending
+    /// state chose) and device key, its identity, whom the approver trusts, its root and escrow.
     static func makeKeybag(
-        storePath: String, cipher: String, request: PairingMessages.Request, grant: PairingMessages.Grant,
-        keys: StoreKeys, identity: DeviceIdentityKeys, passcode: SecureKey, deviceKey: SecureKey,
-        strength: KDFStrength
+        storePath: String, cipher: String, request: PairingMessages.Request, pending: Pending,
+        grant: PairingMessages.Grant, keys: StoreKeys, identity: DeviceIdentityKeys, passcode: SecureKey,
+        deviceKey: SecureKey
     ) throws -> Keybag {
-        var file = KeybagFile(
-            format: Keybag.currentFormat, storeID: request.storeID, cipher: cipher, kdfOpsLimit: strength.opsLimit,
-            kdfMemLimit: strength.memLimit,
-            kdfSalt: Data(Sodium.randomArray(Int(crypto_pwhash_SALTBYTES))).base64EncodedString(),
-            wrapped: [:], classBPublic: "", failedAttempts: 0, lockoutUntil: 0, counterMAC: nil)
+        var file = pending.skeleton(storeID: request.storeID)
+        file.cipher = cipher
         file.deviceID = request.deviceID
         file.deviceName = request.name
         try Keybag.wrapAll(keys, into: &file, passcode: passcode, deviceKey: deviceKey)
         try identity.store(into: &file, classA0: keys.sets[0].classA, deviceKey: deviceKey)
-        file.storeCertify = grant.storeCertify
+        var trusted = grant.members
+        trusted[request.deviceID] = DevicePublicKeys(box: request.box, sign: request.sign)
+        Keybag.remember(
+            trusted: trusted, removed: Set(grant.removed),
+            root: Data(base64Encoded: grant.storeCertify).map([UInt8].init) ?? [], in: &file)
         if Keybag.isCompleteEscrow(grant.escrow, sets: keys.current) { file.wrapped.merge(grant.escrow) { $1 } }
         try StoreDevices.makeFolder(storePath)
         let kb = Keybag(
@@ -109,7 +153,9 @@ extension DevicePairing {
             Ed25519.verify([UInt8](sig), of: grant.message, publicKey: approver),
             cert.storeID == request.storeID, cert.deviceID == request.deviceID, cert.box == request.box,
             cert.sign == request.sign, cert.by == challenge.approver, cert.isSigned(by: approver),
-            cert.keySet == grant.keySet, Data(base64Encoded: grant.storeCertify)?.count == 32
+            cert.keySet == grant.keySet, Data(base64Encoded: grant.storeCertify)?.count == 32,
+            grant.members.allSatisfy({ DeviceIdentity.isWellFormed($0.key) && $0.value.isWellFormed }),
+            grant.members[challenge.approver]?.sign == challenge.approverSign
         else {
             throw KeybagError.corrupt(
                 "the grant is not signed by the approving device the code covers, or certifies other keys: nothing "

@@ -15,6 +15,8 @@ public enum DevicePairing {
         case showCode(id: String, code: String)
         /// Done: the keybag of the new device.
         case added(id: String, keySet: Int)
+        /// The pairing was given up: this device's pairing files are gone.
+        case cancelled(id: String)
     }
 
     /// Where the approver stands after a step.
@@ -27,7 +29,8 @@ public enum DevicePairing {
         case needCode
         /// The grant is written.
         case approved(keySet: Int)
-        /// The newcomer is a device of the store now: this device's pairing files are gone.
+        /// The newcomer is a device of the store now, or the pairing was given up: this device's
+        /// pairing files are gone.
         case finished
     }
 
@@ -70,11 +73,22 @@ public enum DevicePairing {
     }
 
     /// What the newcomer keeps between its steps, outside the store (`STATE/STOREID.pairing-ID`):
-    /// its identity secrets and nonce, each wrapped under its device wrap key.
+    /// its identity secrets wrapped under the passcode key its keybag will have (same salt and
+    /// cost; so they open with the passcode given at the first step, and the device key), its
+    /// nonce under its device wrap key, and the challenge it answered once it did.
     struct Pending: Codable {
         var box: String
         var sign: String
         var nonce: String
+        var boxPublic: String
+        var signPublic: String
+        var kdfSalt: String
+        var kdfOpsLimit: UInt64
+        var kdfMemLimit: UInt64
+        /// The name the request gives.
+        var name: String?
+        /// BLAKE2b-256 of the challenge this device revealed its nonce for (base64).
+        var challenge: String?
 
         static func path(storeID: String, deviceID: String) -> String {
             KeySetFloor.stateFolder + "/\(storeID).pairing-\(deviceID)"
@@ -84,41 +98,83 @@ public enum DevicePairing {
             Array("keybagfs-pairing-pending-v1|\(storeID)|\(deviceID)|\(slot)".utf8)
         }
 
-        /// New secrets, saved (0600).
-        static func make(storeID: String, deviceID: String, deviceKey: SecureKey) throws
-            -> (DeviceIdentityKeys, SecureKey)
-        {
-            let keys = DeviceIdentityKeys.generate(), nonce = SecureKey(random: 32)
-            let dwk = try Keybag.deviceWrapKey(deviceKey)
-            defer { dwk.wipe() }
-            func w(_ k: SecureKey, _ slot: String) throws -> String {
-                Data(try KeyWrap.wrap(k, with: dwk, ad: ad(storeID, deviceID, slot))).base64EncodedString()
-            }
-            let p = Pending(
-                box: try w(keys.boxSecret, "box"), sign: try w(keys.signSeed, "sign"), nonce: try w(nonce, "nonce"))
-            try FileManager.default.createDirectory(atPath: KeySetFloor.stateFolder, withIntermediateDirectories: true)
-            try Keybag.writeAtomically(try JSONEncoder().encode(p), to: path(storeID: storeID, deviceID: deviceID))
-            return (keys, nonce)
+        /// The keybag the newcomer will have, as far as its passcode key depends on it.
+        func skeleton(storeID: String) -> KeybagFile {
+            KeybagFile(
+                format: Keybag.currentFormat, storeID: storeID, cipher: "", kdfOpsLimit: kdfOpsLimit,
+                kdfMemLimit: kdfMemLimit, kdfSalt: kdfSalt, wrapped: [:], classBPublic: "", failedAttempts: 0,
+                lockoutUntil: 0, counterMAC: nil)
         }
 
-        /// The saved secrets (nil: none saved).
-        static func load(storeID: String, deviceID: String, deviceKey: SecureKey) throws
-            -> (DeviceIdentityKeys, SecureKey)?
-        {
+        /// New secrets, saved (0600); returns the pending state and the nonce.
+        static func make(
+            storeID: String, deviceID: String, deviceKey: SecureKey, passcode: SecureKey, strength: KDFStrength,
+            name: String?
+        ) throws -> (Pending, SecureKey) {
+            let keys = DeviceIdentityKeys.generate(), nonce = SecureKey(random: 32)
+            defer { keys.wipe() }
+            var p = Pending(
+                box: "", sign: "", nonce: "", boxPublic: Data(try keys.boxPublic()).base64EncodedString(),
+                signPublic: Data(try keys.signPublic()).base64EncodedString(),
+                kdfSalt: Data(Sodium.randomArray(Int(crypto_pwhash_SALTBYTES))).base64EncodedString(),
+                kdfOpsLimit: strength.opsLimit, kdfMemLimit: strength.memLimit, name: name, challenge: nil)
+            let pk = try Keybag.passcodeKey(
+                passcode: passcode, file: p.skeleton(storeID: storeID), deviceKey: deviceKey)
+            defer { pk.wipe() }
+            let dwk = try Keybag.deviceWrapKey(deviceKey)
+            defer { dwk.wipe() }
+            func w(_ k: SecureKey, _ with: SecureKey, _ slot: String) throws -> String {
+                Data(try KeyWrap.wrap(k, with: with, ad: ad(storeID, deviceID, slot))).base64EncodedString()
+            }
+            (p.box, p.sign, p.nonce) = (
+                try w(keys.boxSecret, pk, "box"), try w(keys.signSeed, pk, "sign"), try w(nonce, dwk, "nonce")
+            )
+            try p.save(storeID: storeID, deviceID: deviceID)
+            return (p, nonce)
+        }
+
+        /// Saves it (0600).
+        func save(storeID: String, deviceID: String) throws {
+            try FileManager.default.createDirectory(atPath: KeySetFloor.stateFolder, withIntermediateDirectories: true)
+            try Keybag.writeAtomically(
+                try JSONEncoder().encode(self), to: Self.path(storeID: storeID, deviceID: deviceID))
+        }
+
+        /// The saved state (nil: none).
+        static func load(storeID: String, deviceID: String) throws -> Pending? {
             guard let d = FileManager.default.contents(atPath: path(storeID: storeID, deviceID: deviceID)) else {
                 return nil
             }
-            let p = try JSONDecoder().decode(Pending.self, from: d)
+            return try JSONDecoder().decode(Pending.self, from: d)
+        }
+
+        /// The nonce, with the device key.
+        func nonce(storeID: String, deviceID: String, deviceKey: SecureKey) throws -> [UInt8] {
             let dwk = try Keybag.deviceWrapKey(deviceKey)
             defer { dwk.wipe() }
+            let n = try KeyWrap.unwrap(
+                [UInt8](Data(base64Encoded: nonce) ?? Data()), with: dwk, ad: Self.ad(storeID, deviceID, "nonce"))
+            defer { n.wipe() }
+            return try n.withBytes { [UInt8]($0) }
+        }
+
+        /// The identity secrets, with the passcode given at the first step; `badPasscode` for another.
+        func identity(storeID: String, deviceID: String, deviceKey: SecureKey, passcode: SecureKey) throws
+            -> DeviceIdentityKeys
+        {
+            let pk = try Keybag.passcodeKey(passcode: passcode, file: skeleton(storeID: storeID), deviceKey: deviceKey)
+            defer { pk.wipe() }
             func u(_ s: String, _ slot: String) throws -> SecureKey {
-                try KeyWrap.unwrap(
-                    [UInt8](Data(base64Encoded: s) ?? Data()), with: dwk, ad: ad(storeID, deviceID, slot))
+                do {
+                    return try KeyWrap.unwrap(
+                        [UInt8](Data(base64Encoded: s) ?? Data()), with: pk, ad: Self.ad(storeID, deviceID, slot))
+                } catch KeybagError.corrupt { throw KeybagError.badPasscode }
             }
-            return (
-                DeviceIdentityKeys(boxSecret: try u(p.box, "box"), signSeed: try u(p.sign, "sign")),
-                try u(p.nonce, "nonce")
-            )
+            let box = try u(box, "box")
+            do { return DeviceIdentityKeys(boxSecret: box, signSeed: try u(sign, "sign")) } catch {
+                box.wipe()
+                throw error
+            }
         }
     }
 }

@@ -1,113 +1,159 @@
 import Foundation
 
+/// What a device starts its judgement of the store's records from: its own keybag's memory,
+/// under that keybag's settings MAC (docs/FORMAT.md, "Device identities").
+public struct TrustSnapshot: Sendable, Equatable {
+    /// The newest key set the device holds.
+    public var keySet: Int
+    /// The store certification key at that set.
+    public var root: [UInt8]
+    /// The devices it trusts at that set, with their keys.
+    public var trusted: [String: DevicePublicKeys]
+    /// The devices it knows were removed.
+    public var removed: Set<String>
+    /// The class B public key (base64) of each set it holds, to spot a record that conflicts.
+    public var classBPublics: [Int: String]
+}
+
 /// Which devices, key-set records and removal records of a store hold, as one device judges
-/// them from the store certification key in its own keybag (its root). Rules (docs/FORMAT.md,
-/// "Device identities"):
-/// - the root starts at set 0, or at the set whose record names it as the new certification
-///   key and carries its signature (a rotation): then the devices that record lists are where
-///   trust starts;
-/// - at each set, the devices trusted are those of the set before (or, where the set has a
-///   record that holds, those its record lists), minus the removed, plus every certificate
-///   naming that set signed by the certification key of that set or by a device trusted at it
-///   (an approval); a certificate naming an earlier set than the one judged counts only
-///   through the lists, so a device cannot be backdated into a set whose maker never knew it;
-/// - the record of set k holds when its maker was trusted at set k − 1, signed it, is among
-///   those it lists and not among those it removes, and (a rotation) its new certification
-///   key signed it too;
-/// - a signed removal record of set k holds when its signer was trusted at set k − 1.
-/// Everything else is refused, and named.
+/// them forward from its `TrustSnapshot`. Rules (docs/FORMAT.md, "Device identities"):
+/// - at the set the device holds, it trusts the devices its snapshot lists, plus every
+///   certificate naming that set signed by that set's certification key or by a device it
+///   trusts at that set (approvals may chain);
+/// - the record of the next set holds when exactly one record of that set is signed by a
+///   device trusted at the set before, lists its maker, does not remove it, and (a rotation)
+///   its new certification key signed it too; two such records are a fork, refused; then the
+///   devices trusted are exactly those the record lists, minus every device removed so far;
+/// - a record of a set the device holds that names another class B key conflicts, and is
+///   refused; a removal record removes nobody (only key-set records do), but a signed one
+///   from a trusted device tells of a newer set;
+/// - everything else is refused, and named.
 public struct DeviceTrust: Sendable {
     /// The devices trusted at the newest set, with their keys.
-    public let trusted: [String: KeySetRecord.DeviceKeys]
-    /// Key-set records that hold, by set.
+    public let trusted: [String: DevicePublicKeys]
+    /// Key-set records that hold, newer than the snapshot's set, by set.
     public let records: [Int: KeySetRecord]
-    /// Devices removed by records that hold.
+    /// Devices removed (the snapshot's and those of the records that hold).
     public let removed: Set<String>
     /// Files of the devices folder refused, each with why.
     public let refused: [String]
-    /// The newest set a key-set or removal record that holds names (0: none).
+    /// The newest set a record that holds makes, or a removal record from a trusted device
+    /// names (at least the snapshot's).
     public let newestSet: Int
+    /// The certification key at the newest set that holds.
+    public let root: [UInt8]
 
-    /// Judges the devices folder of the store at `storePath` (see `evaluate(files:...)`).
-    public static func evaluate(storePath: String, storeID: String, root: [UInt8], holding: Int) -> DeviceTrust {
+    /// The files of the devices folder of the store at `storePath` that trust reads
+    /// (anything larger than a record, or not a plain file, reads as empty).
+    static func files(storePath: String) -> [String: Data] {
         var files: [String: Data] = [:]
         for name in StoreDevices.entries(storePath)
-        where name.hasSuffix(".identity") || name.hasSuffix(".removed") || KeySetRecord.keySet(ofFileName: name) != nil
-        {
+        where name.hasSuffix(".identity") || name.hasSuffix(".removed") || KeySetRecord.parse(fileName: name) != nil {
             let path = storePath + "/" + StoreDevices.dirName + "/" + name
             var st = stat()
-            // Records are small: anything larger, or not a plain file, is not one of ours.
             guard lstat(path, &st) == 0, st.st_mode & S_IFMT == S_IFREG, st.st_size < 1 << 20 else {
                 files[name] = Data()
                 continue
             }
             files[name] = FileManager.default.contents(atPath: path) ?? Data()
         }
-        return evaluate(files: files, storeID: storeID, root: root, holding: holding)
+        return files
     }
 
-    /// Judges `files` (name in the devices folder → contents) for store `storeID` from the
-    /// certification key `root`; `holding` is the newest set the judging device holds (an
-    /// unsigned removal record, from before identities, is named only when it claims a set above it).
-    public static func evaluate(files: [String: Data], storeID: String, root: [UInt8], holding: Int) -> DeviceTrust {
+    /// Judges the devices folder of the store at `storePath` from `snapshot`.
+    public static func evaluate(storePath: String, storeID: String, snapshot: TrustSnapshot) -> DeviceTrust {
+        evaluate(files: files(storePath: storePath), storeID: storeID, snapshot: snapshot)
+    }
+
+    /// Judges `files` (name in the devices folder → contents) of store `storeID` from `snapshot`.
+    public static func evaluate(files: [String: Data], storeID: String, snapshot s: TrustSnapshot) -> DeviceTrust {
         var refused: [String] = []
         let (certs, recs, rems) = parse(files, storeID: storeID, refused: &refused)
-        let rootB64 = Data(root).base64EncodedString()
-        // Where the root starts: set 0, or the rotation record that names it and that it signed.
-        let start = recs.values.filter { $0.certify == rootB64 && $0.isSignedByItsCertifyKey }.map(\.keySet).min() ?? 0
-        let top = max(
-            holding, recs.keys.max() ?? 0, certs.values.map(\.keySet).max() ?? 0, rems.values.map(\.keySet).max() ?? 0,
-            start)
-        var trusted: [String: KeySetRecord.DeviceKeys] = start > 0 ? recs[start]!.members : [:]
-        var verified: [Int: KeySetRecord] = start > 0 ? [start: recs[start]!] : [:]
-        var removed = Set<String>(start > 0 ? recs[start]!.removed : [])
-        var certifyKey = root
-        var everTrusted = Set(trusted.keys)
-        var newest = start
-        for k in start...min(top, Keybag.maxKeySet) {
-            if k > start {
-                let before = trusted
-                if let r = recs[k] {
-                    if let maker = before[r.madeBy], r.isSigned(by: maker.signKey), r.members[r.madeBy] != nil,
-                        !r.removed.contains(r.madeBy), r.certify == nil || r.isSignedByItsCertifyKey
-                    {
-                        verified[k] = r
-                        newest = max(newest, k)
-                        removed.formUnion(r.removed)
-                        trusted = r.members
-                        if let key = r.certifyKey { certifyKey = key }
-                    } else {
-                        refused.append(
-                            "\(KeySetRecord.fileName(k)): not signed by a device this device trusts (forged or damaged)"
-                        )
-                    }
-                }
-                for (name, rem) in rems.sorted(by: { $0.key < $1.key }) where rem.keySet == k {
-                    if let by = rem.by, let signer = before[by], rem.isSigned(by: signer.signKey) {
-                        removed.insert(rem.deviceID)
-                        newest = max(newest, k)
-                    } else if rem.signature != nil || k > holding {
-                        refused.append("\(name): not signed by a device this device trusts (forged or damaged)")
-                    }
-                }
-            }
-            trusted = trusted.filter { !removed.contains($0.key) }
-            addCertified(at: k, certs: certs, to: &trusted, removed: removed, certifyKey: certifyKey)
-            everTrusted.formUnion(trusted.keys)
+        var removed = s.removed, root = s.root, newest = s.keySet
+        var trusted = s.trusted.filter { !removed.contains($0.key) }
+        var verified: [Int: KeySetRecord] = [:]
+        for r in recs where r.keySet <= s.keySet && s.classBPublics[r.keySet].map({ $0 != r.classBPublic }) ?? false {
+            refused.append("\(r.fileName): conflicts with key set \(r.keySet) this device holds")
         }
-        for id in certs.keys.sorted()
-        where !removed.contains(id) && !everTrusted.contains(id) && certs[id]!.keySet >= start {
+        addCertified(at: s.keySet, certs: certs, to: &trusted, removed: removed, certifyKey: root)
+        var everTrusted = Set(trusted.keys)
+        var k = s.keySet + 1
+        while k <= Keybag.maxKeySet {
+            let candidates = recs.filter { $0.keySet == k }
+            if candidates.isEmpty { break }
+            let holding = candidates.filter { r in
+                guard let maker = trusted[r.madeBy] else { return false }
+                return r.isSigned(by: maker.signKey) && r.members[r.madeBy] != nil && !r.removed.contains(r.madeBy)
+                    && (r.certify == nil || r.isSignedByItsCertifyKey)
+            }
+            for r in candidates where !holding.contains(r) {
+                refused.append("\(r.fileName): not signed by a device this device trusts (forged or damaged)")
+            }
+            if holding.count > 1 {
+                for r in holding {
+                    refused.append(
+                        "\(r.fileName): one of \(holding.count) records of key set \(k) (two devices made it at once): "
+                            + "none is taken up; run `keybagfs recover` on a device that should hold it")
+                }
+                newest = k
+                break
+            }
+            guard let r = holding.first else { break }
+            verified[k] = r
+            newest = k
+            removed.formUnion(r.removed)
+            trusted = r.members.filter { !removed.contains($0.key) }
+            if let key = r.certifyKey { root = key }
+            addCertified(at: k, certs: certs, to: &trusted, removed: removed, certifyKey: root)
+            everTrusted.formUnion(trusted.keys)
+            k += 1
+        }
+        for (name, rem) in rems.sorted(by: { $0.key < $1.key }) {
+            if let by = rem.by, let signer = trusted[by], rem.isSigned(by: signer.signKey) {
+                newest = max(newest, rem.keySet)  // a newer set exists: its record is on the way
+            } else if rem.keySet > s.keySet {
+                refused.append("\(shown(name)): not signed by a device this device trusts (forged or damaged)")
+            }
+        }
+        for (id, c) in certs.sorted(by: { $0.key < $1.key })
+        where !removed.contains(id) && !everTrusted.contains(id) && !s.trusted.keys.contains(id) {
             refused.append(
-                "\(DeviceCertificate.fileName(id)): not certified by the store's key or by a device this device trusts")
+                c.keySet >= s.keySet
+                    ? "\(DeviceCertificate.fileName(id)): not certified by the store's key or by a device this device trusts"
+                    : "\(DeviceCertificate.fileName(id)): certified at key set \(c.keySet), and no newer set lists it")
         }
         return DeviceTrust(
-            trusted: trusted, records: verified, removed: removed, refused: refused.sorted(), newestSet: newest)
+            trusted: trusted, records: verified, removed: removed, refused: refused.sorted(), newestSet: newest,
+            root: root)
+    }
+
+    /// The snapshot of a device that got the store's keys from the recovery key (`device add`,
+    /// `recover`): the devices the record of the newest set lists, when exactly one record of
+    /// that set carries the keys MAC only that set's keys give (a record a store writer made or
+    /// kept from before cannot); else none but those certified at that set.
+    public static func bootstrap(storePath: String, storeID: String, root: [UInt8], keys: StoreKeys) -> TrustSnapshot {
+        var ignored: [String] = []
+        let (_, recs, _) = parse(files(storePath: storePath), storeID: storeID, refused: &ignored)
+        let n = keys.current
+        let pk = Data(keys.sets[n].classBPublic).base64EncodedString()
+        var classB: [Int: String] = [:]
+        for (i, set) in keys.sets.enumerated() { classB[i] = Data(set.classBPublic).base64EncodedString() }
+        let genuine = recs.filter {
+            $0.keySet == n && $0.classBPublic == pk && $0.hasKeysMAC(classA: keys.sets[n].classA)
+        }
+        guard n > 0, genuine.count == 1, let r = genuine.first else {
+            return TrustSnapshot(keySet: n, root: root, trusted: [:], removed: [], classBPublics: classB)
+        }
+        let removed = Set(r.removed)
+        return TrustSnapshot(
+            keySet: n, root: r.certifyKey ?? root, trusted: r.members.filter { !removed.contains($0.key) },
+            removed: removed, classBPublics: classB)
     }
 
     /// Adds to `trusted` every certificate naming set `k` signed by that set's certification
     /// key or by a device trusted at it, until no more hold (approvals may chain).
     private static func addCertified(
-        at k: Int, certs: [String: DeviceCertificate], to trusted: inout [String: KeySetRecord.DeviceKeys],
+        at k: Int, certs: [String: DeviceCertificate], to trusted: inout [String: DevicePublicKeys],
         removed: Set<String>, certifyKey: [UInt8]
     ) {
         var changed = true
@@ -116,20 +162,28 @@ public struct DeviceTrust: Sendable {
             for (id, c) in certs where trusted[id] == nil && c.keySet == k && !removed.contains(id) && c.by != id {
                 let signer = c.by == DeviceCertificate.byStore ? certifyKey : trusted[c.by]?.signKey
                 if let signer, c.isSigned(by: signer) {
-                    trusted[id] = KeySetRecord.DeviceKeys(box: c.box, sign: c.sign)
+                    trusted[id] = DevicePublicKeys(box: c.box, sign: c.sign)
                     changed = true
                 }
             }
         }
     }
 
+    /// A file name as a message may show it: control characters as `?`, at most 100 characters
+    /// (a store writer chooses names; a log line must stay one line).
+    static func shown(_ name: String) -> String {
+        String(
+            String.UnicodeScalarView(
+                name.unicodeScalars.prefix(100).map { $0.value < 0x20 || (0x7f..<0xa0).contains($0.value) ? "?" : $0 }))
+    }
+
     /// Decodes the certificates, key-set records and removal records of `files`; what does not
-    /// decode or names another store or file is refused.
+    /// decode, or names another store or file, is refused.
     private static func parse(_ files: [String: Data], storeID: String, refused: inout [String]) -> (
-        [String: DeviceCertificate], [Int: KeySetRecord], [String: DeviceRemoval]
+        [String: DeviceCertificate], [KeySetRecord], [String: DeviceRemoval]
     ) {
         var certs: [String: DeviceCertificate] = [:]
-        var recs: [Int: KeySetRecord] = [:]
+        var recs: [KeySetRecord] = []
         var rems: [String: DeviceRemoval] = [:]
         let dec = JSONDecoder()
         for (name, data) in files.sorted(by: { $0.key < $1.key }) {
@@ -140,21 +194,21 @@ public struct DeviceTrust: Sendable {
                 {
                     certs[c.deviceID] = c
                 } else {
-                    refused.append("\(name): not a device certificate of this store")
+                    refused.append("\(shown(name)): not a device certificate of this store")
                 }
-            } else if let n = KeySetRecord.keySet(ofFileName: name) {
-                if let r = try? dec.decode(KeySetRecord.self, from: data), r.storeID == storeID, r.keySet == n,
-                    r.members.values.allSatisfy({ $0.boxKey.count == 32 && $0.signKey.count == 32 })
+            } else if KeySetRecord.parse(fileName: name) != nil {
+                if let r = try? dec.decode(KeySetRecord.self, from: data), r.storeID == storeID, r.fileName == name,
+                    r.isWellFormed
                 {
-                    recs[n] = r
+                    recs.append(r)
                 } else {
-                    refused.append("\(name): not a key-set record of this store")
+                    refused.append("\(shown(name)): not a key-set record of this store")
                 }
             } else if name.hasSuffix(".removed") {
                 if let r = try? dec.decode(DeviceRemoval.self, from: data), "\(r.deviceID).removed" == name {
                     rems[name] = r
                 } else {
-                    refused.append("\(name): not a removal record")
+                    refused.append("\(shown(name)): not a removal record")
                 }
             }
         }

@@ -239,10 +239,10 @@ extension Keybag {
         if sealer != nil { file.tpm2 = true }
         try wrapAll(keys, into: &file, passcode: passcode, deviceKey: deviceKey, sealer: sealer)
         try writeEscrow(&file, keys: keys.escrowEntries(), recovery: recovery)
-        let certify = certifySeed(storePath: storePath, recovery: recovery, preferring: source)
+        let certify = try certifySeed(storePath: storePath, recovery: recovery, preferring: source)
         defer { certify.wipe() }
         let certificate = try makeIdentity(
-            &file, classA0: keys.sets[0].classA, deviceKey: deviceKey, certifySeed: certify, recovery: recovery)
+            &file, keys: keys, storePath: storePath, deviceKey: deviceKey, certifySeed: certify, recovery: recovery)
         try StoreDevices.makeFolder(storePath)
         var kb = Keybag(
             storePath: storePath, file: file, counterKey: try counterKey(deviceKey),
@@ -314,7 +314,11 @@ extension Keybag {
             throw KeybagError.corrupt("keybag \(keybag) names another device than its file name")
         }
         guard removedID != own else { throw KeybagError.invalid("a device cannot remove itself") }
-        guard StoreDevices.removal(storePath: storePath, id: removedID) == nil else {
+        if recovery != nil || hasIdentity {  // made earlier by another device: a record says so
+            guard !(deviceTrust()?.removed.contains(removedID) ?? false) else {
+                throw KeybagError.invalid("device \(removedID) was already removed")
+            }
+        } else if StoreDevices.removal(storePath: storePath, id: removedID) != nil {
             throw KeybagError.invalid("device \(removedID) was already removed")
         }
         let newest = try newestKeySet(recovery: recovery)
@@ -324,27 +328,26 @@ extension Keybag {
                     + "`keybagfs recover` first")
         }
         if let recovery { try ensureIdentity(passcode: passcode, deviceKey: deviceKey, recovery: recovery, now: now) }
-        // The devices that stay get the new set sealed to them, in a record this device signs.
-        let trust = deviceTrust(), storeID = file.storeID, snapshot = self
-        var record: KeySetRecord?
-        var identity: DeviceIdentityKeys?
-        defer { identity?.wipe() }
-        let set = try startKeySet(passcode: passcode, deviceKey: deviceKey, recovery: recovery, now: now) { keys in
-            guard let trust, let mine = snapshot.ownDeviceKeys else { return }
-            identity = try snapshot.identityKeys(classA0: keys.sets[0].classA, deviceKey: deviceKey)
-            record = try Keybag.keySetRecord(
-                keys, maker: mine, makerID: own, storeID: storeID, removed: [removedID], trust: trust, now: now)
+        let set: Int
+        if let trust = deviceTrust() {
+            // The devices that stay get the new set sealed to them, in a record this device signs.
+            try refuseWhileBehind(trust)
+            let keys = try keysWithFreshSet(passcode: passcode, deviceKey: deviceKey, recovery: recovery, now: now)
+            defer { keys.wipe() }
+            var next = file
+            if let recovery { try Keybag.writeEscrow(&next, keys: keys.escrowEntries(), recovery: recovery) }
+            try publishKeySet(
+                keys, removed: [removedID], trust: trust, next: next, certify: nil,
+                removal: DeviceRemoval(deviceID: removedID, removedAt: now, keySet: keys.current), passcode: passcode,
+                deviceKey: deviceKey, now: now)
+            set = keys.current
+        } else {  // a store without a recovery key, whose devices have no identities
+            set = try startKeySet(passcode: passcode, deviceKey: deviceKey, recovery: recovery, now: now)
+            try StoreDevices.makeFolder(storePath)
+            try Keybag.writeAtomically(
+                try JSONEncoder().encode(DeviceRemoval(deviceID: removedID, removedAt: now, keySet: set)),
+                to: storePath + "/" + StoreDevices.removalPath(removedID))
         }
-        var removal = DeviceRemoval(deviceID: removedID, removedAt: now, keySet: set)
-        if var r = record, let identity {
-            try r.seal(escrowFrom: self, signSeed: identity.signSeed)
-            try r.write(storePath: storePath)
-            removal.by = own
-            removal.signature = Data(try Ed25519.sign(removal.message, seed: identity.signSeed)).base64EncodedString()
-        }
-        try StoreDevices.makeFolder(storePath)
-        try Keybag.writeAtomically(
-            try JSONEncoder().encode(removal), to: storePath + "/" + StoreDevices.removalPath(removedID))
         if unlink(storePath + "/" + keybag) != 0 && errno != ENOENT {
             throw KeybagError.system("cannot delete \(keybag)", errno)
         }

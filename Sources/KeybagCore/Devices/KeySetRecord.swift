@@ -1,8 +1,10 @@
+import CSodium
 import Foundation
 
-/// How key set N came to be, for the devices that did not make it: `devices/keyset-N.json`,
+/// How key set N came to be, for the devices that did not make it: `devices/keyset-N.MAKER.json`,
 /// written once by the device that made the set (a removal, or a recovery-key rotation) and
-/// signed with its identity key. It names the devices the set was made for (the roster) and
+/// signed with its identity key (two records of one set are a fork, which every device
+/// refuses). It names the devices the set was made for (the roster) and
 /// seals the set's class keys to each of them, so a device that stays takes the set up at
 /// its next unlock, without the recovery key. `DeviceTrust` decides which records hold.
 public struct KeySetRecord: Codable, Sendable, Equatable {
@@ -18,7 +20,7 @@ public struct KeySetRecord: Codable, Sendable, Equatable {
     public var removed: [String]
     /// Devices the set was made for, the maker included, with their public keys as the maker
     /// trusted them (a device certified later starts from this list, `DeviceTrust`).
-    public var members: [String: DeviceKeys]
+    public var members: [String: DevicePublicKeys]
     /// The set's class B public key, base64.
     public var classBPublic: String
     /// Device id → the set's class keys A ‖ B ‖ C ‖ D sealed to that device's X25519 key, base64.
@@ -33,31 +35,29 @@ public struct KeySetRecord: Codable, Sendable, Equatable {
     public var certifySignature: String? = nil
     /// Ed25519 signature of `message` by the maker, base64.
     public var signature: String
-
-    /// A device's two public keys, base64.
-    public struct DeviceKeys: Codable, Sendable, Equatable {
-        /// X25519: key sets are sealed to it.
-        public var box: String
-        /// Ed25519: its records are signed with it.
-        public var sign: String
-
-        /// The X25519 key (empty when malformed).
-        public var boxKey: [UInt8] { Data(base64Encoded: box).map([UInt8].init) ?? [] }
-        /// The Ed25519 key (empty when malformed).
-        public var signKey: [UInt8] { Data(base64Encoded: sign).map([UInt8].init) ?? [] }
-    }
+    /// Keyed BLAKE2b-256 of `message` under class A of the set (base64): only a holder of the
+    /// set's keys made it, which a device given the keys by the recovery key checks before it
+    /// takes `members` as the devices to trust (`DeviceTrust.bootstrap`).
+    public var keysMAC: String = ""
 
     /// The devices the set was made for.
     public var roster: [String] { members.keys.sorted() }
 
-    /// The file name of set `n`'s record in the devices folder.
-    public static func fileName(_ n: Int) -> String { "keyset-\(n).json" }
+    /// The file name of set `n`'s record by `maker` in the devices folder.
+    public static func fileName(_ n: Int, maker: String) -> String { "keyset-\(n).\(maker).json" }
 
-    /// The set number a file name gives, or nil when it names no record.
-    public static func keySet(ofFileName name: String) -> Int? {
+    /// The set number and maker a file name gives, or nil when it names no record.
+    public static func parse(fileName name: String) -> (keySet: Int, maker: String)? {
         guard name.hasPrefix("keyset-"), name.hasSuffix(".json") else { return nil }
-        return Int(name.dropFirst(7).dropLast(5)).flatMap { (1...Keybag.maxKeySet).contains($0) ? $0 : nil }
+        let parts = name.dropFirst(7).dropLast(5).split(separator: ".", omittingEmptySubsequences: false)
+        guard parts.count == 2, let n = Int(parts[0]), (1...Keybag.maxKeySet).contains(n),
+            DeviceIdentity.isWellFormed(String(parts[1]))
+        else { return nil }
+        return (n, String(parts[1]))
     }
+
+    /// This record's file name.
+    public var fileName: String { Self.fileName(keySet, maker: madeBy) }
 
     /// The signed bytes.
     public var message: [UInt8] {
@@ -66,8 +66,8 @@ public struct KeySetRecord: Codable, Sendable, Equatable {
         m.add("keySet", String(keySet))
         m.add("madeBy", madeBy)
         m.add("madeAt", String(madeAt))
-        m.add("removed", removed.joined(separator: ","))
-        for (k, v) in members.sorted(by: { $0.key < $1.key }) { m.add("member." + k, v.box + "|" + v.sign) }
+        for id in removed { m.add("removed", id) }
+        for (k, v) in members.sorted(by: { $0.key < $1.key }) { m.add("member." + k, v.joined) }
         m.add("classBPublic", classBPublic)
         m.add("certify", certify ?? "")
         for (k, v) in grants.sorted(by: { $0.key < $1.key }) { m.add("grant." + k, v) }
@@ -99,13 +99,37 @@ public struct KeySetRecord: Codable, Sendable, Equatable {
         return Ed25519.verify([UInt8](sig), of: message, publicKey: key)
     }
 
-    /// Writes it as `devices/keyset-N.json` in the store (atomically).
+    /// Writes it as `devices/keyset-N.MAKER.json` in the store (atomically).
     public func write(storePath: String) throws {
         try StoreDevices.makeFolder(storePath)
         let enc = JSONEncoder()
         enc.outputFormatting = [.prettyPrinted, .sortedKeys]
-        try Keybag.writeAtomically(
-            try enc.encode(self), to: storePath + "/" + StoreDevices.dirName + "/" + Self.fileName(keySet))
+        try Keybag.writeAtomically(try enc.encode(self), to: storePath + "/" + StoreDevices.dirName + "/" + fileName)
+    }
+
+    /// The keys MAC under `classA` of the set.
+    func keysMAC(classA: SecureKey) throws -> String {
+        try classA.withBytes {
+            let k = KeyWrap.keyedHash(key: $0, parts: [Array("keybagfs-key-set-members-v1".utf8), message])
+            defer { k.wipe() }
+            return Data(try k.withBytes { [UInt8]($0) }).base64EncodedString()
+        }
+    }
+
+    /// Whether `keysMAC` is the one class A of the set gives (compared in constant time).
+    func hasKeysMAC(classA: SecureKey) -> Bool {
+        guard let want = try? keysMAC(classA: classA), let a = Data(base64Encoded: want),
+            let b = Data(base64Encoded: keysMAC), a.count == b.count
+        else { return false }
+        return sodium_memcmp([UInt8](a), [UInt8](b), a.count) == 0
+    }
+
+    /// Whether the record is well formed: ids are device ids, keys are keys.
+    var isWellFormed: Bool {
+        DeviceIdentity.isWellFormed(madeBy)
+            && members.allSatisfy { DeviceIdentity.isWellFormed($0.key) && $0.value.isWellFormed }
+            && removed.allSatisfy { DeviceIdentity.isWellFormed($0) || $0 == "first" }
+            && Data(base64Encoded: classBPublic)?.count == 32
     }
 
     /// The grant payload: the set number, then A, B, C and D (32 bytes each).

@@ -73,6 +73,10 @@ public enum PairingMessages {
         public var escrow: [String: String]
         /// The store certification key the approver trusts (base64): the newcomer's root.
         public var storeCertify: String
+        /// The devices the approver trusts, with their keys: where the newcomer's trust starts.
+        public var members: [String: DevicePublicKeys]
+        /// The devices the approver knows were removed.
+        public var removed: [String]
         /// Ed25519 signature of `message` by the approver (base64).
         public var signature: String
 
@@ -86,6 +90,8 @@ public enum PairingMessages {
             m.add("certificate", certificate.message)
             m.add("certificateSignature", certificate.signature)
             for (k, v) in escrow.sorted(by: { $0.key < $1.key }) { m.add("escrow." + k, v) }
+            for (k, v) in members.sorted(by: { $0.key < $1.key }) { m.add("member." + k, v.joined) }
+            for id in removed { m.add("removed", id) }
             return m.bytes
         }
     }
@@ -110,6 +116,11 @@ public enum PairingMessages {
         let h = hash("keybagfs-pairing-code-v1", [hash("", [request.message]), challenge.message, nonce])
         let n = h.prefix(8).reduce(UInt64(0)) { $0 << 8 | UInt64($1) }
         return String(format: "%06d", Int(n % 1_000_000))
+    }
+
+    /// The challenge's hash, as the newcomer pins the one it answered.
+    public static func challengeHash(_ challenge: Challenge) -> String {
+        Data(hash("", [challenge.message])).base64EncodedString()
     }
 
     /// The request's hash, as a challenge names it.

@@ -3,15 +3,28 @@ import Foundation
 
 /// The approver's side of adding a device by approval (`DevicePairing`).
 extension Keybag {
+    /// What the approver keeps between its steps, outside the store
+    /// (`STATE/STOREID.approving-ID`): the request it answered and its own nonce, so that no
+    /// challenge or request a store writer puts in the store is taken for its own.
+    struct ApprovalPin: Codable {
+        var request: String
+        var challenge: PairingMessages.Challenge
+
+        static func path(storeID: String, deviceID: String) -> String {
+            KeySetFloor.stateFolder + "/\(storeID).approving-\(deviceID)"
+        }
+    }
+
     /// One step of `keybagfs device approve` on a device of the store (unmounted): answers the
-    /// request of `deviceID` with a challenge, then, once the newcomer revealed its nonce and
-    /// `code` is the code it shows, opens every key with this device's passcode (a wrong one
-    /// counted), certifies the newcomer and seals the keys to it in a grant this device signs.
+    /// request of `deviceID` with a challenge (kept here, and only that one from then on), then,
+    /// once the newcomer revealed its nonce and `code` is the code it shows, opens every key
+    /// with this device's passcode (a wrong one counted), certifies the newcomer and seals the
+    /// keys to it in a grant this device signs. `cancel` gives the pairing up.
     public mutating func approveStep(
-        _ deviceID: String, code: String?, deviceKey: SecureKey, passcode: () throws -> SecureKey,
-        now: Double = Date().timeIntervalSince1970
+        _ deviceID: String, code: String?, deviceKey: SecureKey, cancel: Bool = false,
+        passcode: () throws -> SecureKey, now: Double = Date().timeIntervalSince1970
     ) throws -> DevicePairing.ApproverStep {
-        guard let me = file.deviceID, hasIdentity, let mine = ownDeviceKeys else {
+        guard let me = file.deviceID, let trust = deviceTrust(), let mine = ownDeviceKeys else {
             throw KeybagError.invalid(
                 "this device has no identity yet: run `keybagfs recover` on it once, or add the new device with the "
                     + "recovery key")
@@ -19,49 +32,69 @@ extension Keybag {
         guard DeviceIdentity.isWellFormed(deviceID), deviceID != me else {
             throw KeybagError.invalid("not the id of another device: \(deviceID.prefix(40))")
         }
-        if StoreDevices.list(storePath: storePath).contains(where: { $0.id == deviceID }),
-            FileManager.default.fileExists(atPath: PairingMessages.path(storePath, deviceID, "grant"))
-        {
+        let pinPath = ApprovalPin.path(storeID: file.storeID, deviceID: deviceID)
+        let joined =
+            trust.trusted[deviceID] != nil
+            && FileManager.default.fileExists(atPath: storePath + "/" + StoreDevices.keybagPath(deviceID))
+        if cancel || joined {
             for kind in ["challenge", "grant"] { unlink(PairingMessages.path(storePath, deviceID, kind)) }
+            unlink(pinPath)
             return .finished
         }
+        try refuseWhileBehind(trust)
+        guard !trust.removed.contains(deviceID) else { throw KeybagError.invalid("device \(deviceID) was removed") }
         guard let request = PairingMessages.read(PairingMessages.Request.self, storePath, deviceID, "request"),
             request.storeID == file.storeID, request.deviceID == deviceID,
             Data(base64Encoded: request.box)?.count == 32, Data(base64Encoded: request.sign)?.count == 32
         else { throw KeybagError.invalid("no request from device \(deviceID) in this store (yet)") }
-        guard StoreDevices.removal(storePath: storePath, id: deviceID) == nil,
-            !StoreDevices.list(storePath: storePath).contains(where: { $0.id == deviceID })
-        else { throw KeybagError.invalid("device \(deviceID) is already a device of this store, or was removed") }
         let hash = PairingMessages.requestHash(request)
-        guard let challenge = PairingMessages.read(PairingMessages.Challenge.self, storePath, deviceID, "challenge"),
-            challenge.request == hash, challenge.approver == me, challenge.approverSign == mine.sign
+        guard
+            let pin = FileManager.default.contents(atPath: pinPath).flatMap({
+                try? JSONDecoder().decode(ApprovalPin.self, from: $0)
+            })
         else {
-            let c = PairingMessages.Challenge(
-                deviceID: deviceID, approver: me, approverSign: mine.sign,
-                nonce: Data(Sodium.randomArray(32)).base64EncodedString(), request: hash)
-            try PairingMessages.write(c, storePath, deviceID, "challenge")
+            try answer(request, hash: hash, pinPath: pinPath, me: me, sign: mine.sign)
             return .challenged
         }
-        guard let reveal = PairingMessages.read(PairingMessages.Reveal.self, storePath, deviceID, "reveal"),
-            let nonce = Data(base64Encoded: reveal.nonce).map([UInt8].init)
-        else { return .waitingForReveal }
-        guard PairingMessages.commit(nonce) == request.commit else {
+        guard pin.request == hash else {
             throw KeybagError.invalid(
-                "the new device's nonce does not match its request: the pairing files were changed on the way; do not "
-                    + "approve")
+                "the request of \(deviceID) changed after this device answered it: the pairing files were changed on "
+                    + "the way (or the new machine started again); give this pairing up (--cancel) and start again")
         }
+        if PairingMessages.read(PairingMessages.Challenge.self, storePath, deviceID, "challenge") != pin.challenge {
+            // Put back as this device made it.
+            try PairingMessages.write(pin.challenge, storePath, deviceID, "challenge")
+        }
+        guard let reveal = PairingMessages.read(PairingMessages.Reveal.self, storePath, deviceID, "reveal"),
+            let nonce = Data(base64Encoded: reveal.nonce).map([UInt8].init),
+            PairingMessages.commit(nonce) == request.commit
+        else { return .waitingForReveal }
         guard let code else { return .needCode }
-        guard code == PairingMessages.code(request, challenge, nonce: nonce) else {
+        guard code == PairingMessages.code(request, pin.challenge, nonce: nonce) else {
             throw KeybagError.invalid(
                 "that is not the code this pairing gives: the pairing files were changed on the way (or the code was "
                     + "mistyped); nothing was approved")
         }
-        return .approved(keySet: try writeGrant(request, deviceKey: deviceKey, passcode: passcode(), now: now))
+        return .approved(
+            keySet: try writeGrant(request, trust: trust, deviceKey: deviceKey, passcode: passcode(), now: now))
     }
 
-    /// Opens every key (a wrong passcode counted), certifies `request`'s keys and writes the grant.
+    /// Answers `request` with a challenge of a fresh nonce, kept at `pinPath` first.
+    private func answer(_ request: PairingMessages.Request, hash: String, pinPath: String, me: String, sign: String)
+        throws
+    {
+        let c = PairingMessages.Challenge(
+            deviceID: request.deviceID, approver: me, approverSign: sign,
+            nonce: Data(Sodium.randomArray(32)).base64EncodedString(), request: hash)
+        try FileManager.default.createDirectory(atPath: KeySetFloor.stateFolder, withIntermediateDirectories: true)
+        try Keybag.writeAtomically(try JSONEncoder().encode(ApprovalPin(request: hash, challenge: c)), to: pinPath)
+        try PairingMessages.write(c, storePath, request.deviceID, "challenge")
+    }
+
+    /// Opens every key (a wrong passcode counted), certifies `request`'s keys and writes the
+    /// grant, with whom this device trusts.
     private mutating func writeGrant(
-        _ request: PairingMessages.Request, deviceKey: SecureKey, passcode: SecureKey, now: Double
+        _ request: PairingMessages.Request, trust: DeviceTrust, deviceKey: SecureKey, passcode: SecureKey, now: Double
     ) throws -> Int {
         defer { passcode.wipe() }
         let keys = try openAllCounted(passcode: passcode, deviceKey: deviceKey, now: now)
@@ -79,7 +112,8 @@ extension Keybag {
             storeID: file.storeID, deviceID: request.deviceID, approver: me, certificate: cert, keySet: keys.current,
             keys: Data(try SealedBox.seal(payload, to: [UInt8](Data(base64Encoded: request.box)!)))
                 .base64EncodedString(),
-            escrow: escrowSlots, storeCertify: file.storeCertify ?? "", signature: "")
+            escrow: escrowSlots, storeCertify: Data(trust.root).base64EncodedString(), members: trust.trusted,
+            removed: trust.removed.sorted(), signature: "")
         grant.signature = Data(try Ed25519.sign(grant.message, seed: identity.signSeed)).base64EncodedString()
         try PairingMessages.write(grant, storePath, request.deviceID, "grant")
         return keys.current

@@ -28,6 +28,15 @@ extension Keybag {
                 throw bad("wrapped.\(slot)", "not a wrapped key")
             }
         }
+        if f.identitySign != nil, f.trustedDevices == nil {
+            throw bad("trustedDevices", "missing beside identity keys")
+        }
+        for (id, k) in f.trustedDevices ?? [:] where !DeviceIdentity.isWellFormed(id) || !k.isWellFormed {
+            throw bad("trustedDevices", "not a device id and its keys: \(id.prefix(40))")
+        }
+        for id in f.removedDevices ?? [] where !DeviceIdentity.isWellFormed(id) && id != "first" {
+            throw bad("removedDevices", "not a device id: \(id.prefix(40))")
+        }
         if f.storeCertify != nil, bytes(f.storeCertify) != 32 { throw bad("storeCertify", "not a public key") }
         if let w = f.wrapped["r" + certifySlot], bytes(w) != 32 + KeyWrap.overhead {
             throw bad("wrapped.r\(certifySlot)", "not a wrapped key")
@@ -39,14 +48,25 @@ extension Keybag {
         file.storeCertify.flatMap { Data(base64Encoded: $0) }.map([UInt8].init)
     }
 
-    /// Whether this device has identity keys and a certification root.
-    public var hasIdentity: Bool { file.identitySign != nil && certificationRoot != nil }
+    /// This device's memory of whom it trusts, at its newest set (nil: no identity).
+    public var trustSnapshot: TrustSnapshot? {
+        guard file.identitySign != nil, let root = certificationRoot, let trusted = file.trustedDevices else {
+            return nil
+        }
+        var classB: [Int: String] = [0: file.classBPublic]
+        for (k, v) in file.classBPublics ?? [:] { if let n = Int(k) { classB[n] = v } }
+        return TrustSnapshot(
+            keySet: currentKeySet, root: root, trusted: trusted, removed: Set(file.removedDevices ?? []),
+            classBPublics: classB)
+    }
+
+    /// Whether this device has identity keys and a memory of whom it trusts.
+    public var hasIdentity: Bool { trustSnapshot != nil }
 
     /// The store's devices, certificates and records as this device judges them (nil: a
     /// device without identity, which goes by every removal record as before).
     public func deviceTrust() -> DeviceTrust? {
-        guard hasIdentity, let root = certificationRoot else { return nil }
-        return DeviceTrust.evaluate(storePath: storePath, storeID: file.storeID, root: root, holding: currentKeySet)
+        trustSnapshot.map { DeviceTrust.evaluate(storePath: storePath, storeID: file.storeID, snapshot: $0) }
     }
 
     /// The newest key set this device must know of: the newest set a record it trusts made,
@@ -54,6 +74,15 @@ extension Keybag {
     public func newestKeySetInStore() -> Int {
         if let trust = deviceTrust() { return trust.newestSet }
         return StoreDevices.newestKeySet(storePath: storePath)
+    }
+
+    /// Keeps in `f` whom this device trusts at its newest set (after making or taking it up).
+    static func remember(
+        trusted: [String: DevicePublicKeys], removed: Set<String>, root: [UInt8], in f: inout KeybagFile
+    ) {
+        f.trustedDevices = trusted.filter { !removed.contains($0.key) }
+        f.removedDevices = removed.sorted()
+        f.storeCertify = Data(root).base64EncodedString()
     }
 
     /// The store certification key's seed escrowed in this keybag (nil: none escrowed here).
@@ -64,15 +93,22 @@ extension Keybag {
         return try openEscrow(Keybag.certifySlot, rwk: rwk)
     }
 
-    /// The store certification key's seed: the one escrowed in any keybag of the store that
-    /// the recovery key opens (only its holders can have written one), else a new one (a
-    /// store made before identities gets its key with its first identity).
-    static func certifySeed(storePath: String, recovery: RecoveryKey, preferring first: Keybag?) -> SecureKey {
+    /// The store certification key's seed: the one escrowed in the keybag of the store that
+    /// the recovery key opens and that holds the newest set (only its holders can have written
+    /// one), else a new one when no keybag has one at all (a store made before identities gets
+    /// its key with its first identity); refused when some have one and none opens.
+    static func certifySeed(storePath: String, recovery: RecoveryKey, preferring first: Keybag?) throws -> SecureKey {
         let others = StoreDevices.list(storePath: storePath).compactMap { d in
             d.keybag.flatMap { try? Keybag.load(storePath: storePath, relativePath: $0) }
         }
-        for kb in [first].compactMap({ $0 }) + others {
+        let all = ([first].compactMap { $0 } + others).sorted { $0.currentKeySet > $1.currentKeySet }
+        for kb in all {
             if let seed = try? kb.escrowedCertifySeed(recovery: recovery) { return seed }
+        }
+        guard !all.contains(where: { $0.file.wrapped["r" + certifySlot] != nil }) else {
+            throw KeybagError.corrupt(
+                "no keybag's escrow of the store's certification key opens with this recovery key (damaged or "
+                    + "replaced); nothing was changed")
         }
         return SecureKey(random: 32)
     }
@@ -80,15 +116,21 @@ extension Keybag {
     /// Gives `f` (a keybag being written with the recovery key at hand) fresh identity keys,
     /// the certification key's public half and its escrow; returns the certificate, signed
     /// with the certification key, that the caller writes once the keybag is saved.
+    /// Whom it trusts comes from the store's records, as far as `keys` (the store's keys, from
+    /// the recovery key) vouch for them (`DeviceTrust.bootstrap`).
     static func makeIdentity(
-        _ f: inout KeybagFile, classA0: SecureKey, deviceKey: SecureKey, certifySeed: SecureKey,
-        recovery: RecoveryKey, now: Double = Date().timeIntervalSince1970
+        _ f: inout KeybagFile, keys storeKeys: StoreKeys, storePath: String, deviceKey: SecureKey,
+        certifySeed: SecureKey, recovery: RecoveryKey, now: Double = Date().timeIntervalSince1970
     ) throws -> DeviceCertificate {
         guard let id = f.deviceID else { throw KeybagError.invalid("a keybag without a device id has no identity") }
         let keys = DeviceIdentityKeys.generate()
         defer { keys.wipe() }
-        try keys.store(into: &f, classA0: classA0, deviceKey: deviceKey)
-        f.storeCertify = Data(try Ed25519.publicKey(seed: certifySeed)).base64EncodedString()
+        try keys.store(into: &f, classA0: storeKeys.sets[0].classA, deviceKey: deviceKey)
+        let snapshot = DeviceTrust.bootstrap(
+            storePath: storePath, storeID: f.storeID, root: try Ed25519.publicKey(seed: certifySeed), keys: storeKeys)
+        var trusted = snapshot.trusted
+        trusted[id] = DevicePublicKeys(box: f.identityBox!, sign: f.identitySign!)
+        remember(trusted: trusted, removed: snapshot.removed, root: snapshot.root, in: &f)
         try writeEscrow(&f, keys: [(certifySlot, certifySeed)], recovery: recovery)
         return try DeviceCertificate.issue(
             storeID: f.storeID, deviceID: id, keys: keys, name: f.deviceName, keySet: f.keySet ?? 0,

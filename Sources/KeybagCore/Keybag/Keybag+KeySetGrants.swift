@@ -17,11 +17,11 @@ extension Keybag {
             throw KeybagError.corrupt("the recovery slots do not match this keybag (damaged or replaced)")
         }
         if file.deviceID == nil { file.deviceID = try DeviceIdentity.id(deviceKey: deviceKey, storeID: file.storeID) }
-        let certify = Keybag.certifySeed(storePath: storePath, recovery: recovery, preferring: self)
+        let certify = try Keybag.certifySeed(storePath: storePath, recovery: recovery, preferring: self)
         defer { certify.wipe() }
         var next = file
         let certificate = try Keybag.makeIdentity(
-            &next, classA0: keys.sets[0].classA, deviceKey: deviceKey, certifySeed: certify, recovery: recovery,
+            &next, keys: keys, storePath: storePath, deviceKey: deviceKey, certifySeed: certify, recovery: recovery,
             now: now)
         file = next
         try save()
@@ -29,9 +29,9 @@ extension Keybag {
     }
 
     /// The record of key set `keys.current`, just made by this device (`maker`), for every
-    /// device `trust` holds but `removed`: the set sealed to each, unsigned (see `sign`).
+    /// device `trust` holds but `removed`: the set sealed to each, unsigned (see `publishKeySet`).
     static func keySetRecord(
-        _ keys: StoreKeys, maker: KeySetRecord.DeviceKeys, makerID: String, storeID: String, removed: [String],
+        _ keys: StoreKeys, maker: DevicePublicKeys, makerID: String, storeID: String, removed: [String],
         trust: DeviceTrust, now: Double
     ) throws -> KeySetRecord {
         let n = keys.current
@@ -49,10 +49,51 @@ extension Keybag {
             signature: "")
     }
 
+    /// Makes key set `keys.current` (fresh keys, appended) known and saves it: its record for
+    /// every device `trust` holds but `removed`, with the escrow slots of `next`, its keys MAC,
+    /// signed by this device (and by `certify`, a rotation's new certification key), written
+    /// before this keybag's save (a cut in between: the maker's own grant gives the set back at
+    /// its next unlock); then this keybag with the set and whom it trusts now. A `removal` record
+    /// is signed and written after. Returns the record.
+    @discardableResult
+    mutating func publishKeySet(
+        _ keys: StoreKeys, removed: [String], trust: DeviceTrust, next: KeybagFile, certify: SecureKey?,
+        removal: DeviceRemoval?, passcode: SecureKey, deviceKey: SecureKey, now: Double
+    ) throws -> KeySetRecord {
+        guard let me = file.deviceID, let mine = ownDeviceKeys else {
+            throw KeybagError.invalid("this device has no identity")
+        }
+        let identity = try identityKeys(classA0: keys.sets[0].classA, deviceKey: deviceKey)
+        defer { identity.wipe() }
+        var record = try Keybag.keySetRecord(
+            keys, maker: mine, makerID: me, storeID: file.storeID, removed: removed, trust: trust, now: now)
+        if let certify { record.certify = Data(try Ed25519.publicKey(seed: certify)).base64EncodedString() }
+        record.escrow = next.wrapped.filter { $0.key.hasPrefix("r") }
+        record.keysMAC = try record.keysMAC(classA: keys.sets[keys.current].classA)
+        try record.sign(with: identity.signSeed)
+        if let certify {
+            record.certifySignature = Data(try Ed25519.sign(record.message, seed: certify)).base64EncodedString()
+        }
+        try record.write(storePath: storePath)
+        var next = next
+        Keybag.remember(
+            trusted: record.members, removed: trust.removed.union(removed), root: record.certifyKey ?? trust.root,
+            in: &next)
+        try saveKeySets(keys, into: next, passcode: passcode, deviceKey: deviceKey, recovery: nil, sealer: sealer)
+        if var removal {
+            removal.by = me
+            removal.signature = Data(try Ed25519.sign(removal.message, seed: identity.signSeed)).base64EncodedString()
+            try StoreDevices.makeFolder(storePath)
+            try Keybag.writeAtomically(
+                try JSONEncoder().encode(removal), to: storePath + "/" + StoreDevices.removalPath(removal.deviceID))
+        }
+        return record
+    }
+
     /// This device's public keys as a record lists them (nil: no identity).
-    var ownDeviceKeys: KeySetRecord.DeviceKeys? {
+    var ownDeviceKeys: DevicePublicKeys? {
         guard let box = file.identityBox, let sign = file.identitySign else { return nil }
-        return KeySetRecord.DeviceKeys(box: box, sign: sign)
+        return DevicePublicKeys(box: box, sign: sign)
     }
 
     /// Every escrow slot this keybag holds (`r` + slot name → wrapped key, base64).
@@ -81,15 +122,20 @@ extension Keybag {
             let identity = try identityKeys(classA0: keys.sets[0].classA, deviceKey: deviceKey)
             defer { identity.wipe() }
             for n in sets {
-                let (set, d) = try trust.records[n]!.openGrant(for: me, boxSecret: identity.boxSecret)
+                let record = trust.records[n]!
+                let (set, d) = try record.openGrant(for: me, boxSecret: identity.boxSecret)
                 keys.sets.append(set)
                 keys.classD.append(d)
+                guard record.hasKeysMAC(classA: set.classA) else {
+                    throw KeybagError.corrupt("the record of key set \(n) was not made with that set's keys")
+                }
             }
             // The maker's escrow (under the recovery key, every set) replaces this device's own.
             let escrow = trust.records[trust.newestSet]!.escrow
             if hasRecoveryKey, Keybag.isCompleteEscrow(escrow, sets: trust.newestSet) {
                 next.wrapped = next.wrapped.filter { !$0.key.hasPrefix("r") }.merging(escrow) { $1 }
             }
+            Keybag.remember(trusted: trust.trusted, removed: trust.removed, root: trust.root, in: &next)
             try saveKeySets(keys, into: next, passcode: passcode, deviceKey: deviceKey, recovery: nil, sealer: sealer)
         } catch {
             keys.wipe()
@@ -108,14 +154,6 @@ extension Keybag {
     }
 }
 
-extension KeySetRecord {
-    /// Fills in the maker's escrow slots (from its saved keybag) and signs.
-    mutating func seal(escrowFrom kb: Keybag, signSeed: SecureKey) throws {
-        escrow = kb.escrowSlots
-        try sign(with: signSeed)
-    }
-}
-
 extension Keybag {
     /// `recovery-key rotate` on a device with an identity: a new key set, a new store
     /// certification key and the new recovery key, handed to every device this one trusts in
@@ -125,32 +163,34 @@ extension Keybag {
         _ keys: StoreKeys, trust: DeviceTrust, passcode: SecureKey, deviceKey: SecureKey, now: Double,
         deliver: (RecoveryKey) throws -> Void
     ) throws -> RecoveryKey {
-        guard currentKeySet < Keybag.maxKeySet, let mine = ownDeviceKeys, let me = file.deviceID else {
+        guard currentKeySet < Keybag.maxKeySet else {
             throw KeybagError.invalid("this store has \(Keybag.maxKeySet + 1) key sets, the most it can have")
         }
+        try refuseWhileBehind(trust)
         var keys = keys
         try keys.addFreshSet()
         defer { keys.sets.last?.wipe(); keys.classD.last?.wipe() }
-        let identity = try identityKeys(classA0: keys.sets[0].classA, deviceKey: deviceKey)
-        defer { identity.wipe() }
         let certify = SecureKey(random: 32)
         defer { certify.wipe() }
-        var record = try Keybag.keySetRecord(
-            keys, maker: mine, makerID: me, storeID: file.storeID, removed: [], trust: trust, now: now)
-        record.certify = Data(try Ed25519.publicKey(seed: certify)).base64EncodedString()
         let recovery = RecoveryKey.generate()
         var next = file
         try Keybag.writeEscrow(&next, keys: [(Keybag.certifySlot, certify)] + keys.escrowEntries(), recovery: recovery)
         next.recoveryFailedAttempts = nil
         next.recoveryLockoutUntil = nil
         do { try deliver(recovery) } catch { recovery.wipe(); throw error }
-        // The record first: cut before this keybag's save, the set is still handed to this
-        // device too (its own grant), which takes it up at its next unlock.
-        record.escrow = next.wrapped.filter { $0.key.hasPrefix("r") }
-        try record.sign(with: identity.signSeed)
-        record.certifySignature = Data(try Ed25519.sign(record.message, seed: certify)).base64EncodedString()
-        try record.write(storePath: storePath)
-        try saveKeySets(keys, into: next, passcode: passcode, deviceKey: deviceKey, recovery: recovery, sealer: sealer)
+        try publishKeySet(
+            keys, removed: [], trust: trust, next: next, certify: certify, removal: nil, passcode: passcode,
+            deviceKey: deviceKey, now: now)
         return recovery
+    }
+
+    /// Refuses to make a key set, or to approve a device, while a device this one trusts made
+    /// a newer set than it holds (two sets of one number would split the store).
+    func refuseWhileBehind(_ trust: DeviceTrust) throws {
+        guard trust.newestSet <= currentKeySet else {
+            throw KeybagError.invalid(
+                "another device made key set \(trust.newestSet) and this device holds \(currentKeySet): unlock it once "
+                    + "to take the set up (or run `keybagfs recover`), then try again")
+        }
     }
 }

@@ -47,6 +47,10 @@ extension Keybag {
             field("identityBox", f.identityBox)
             field("identitySign", f.identitySign)
             field("storeCertify", f.storeCertify)
+            field(
+                "trustedDevices",
+                f.trustedDevices.map { t in t.keys.sorted().map { "\($0)=\(t[$0]!.joined)" }.joined(separator: ",") })
+            field("removedDevices", f.removedDevices.map { $0.sorted().joined(separator: ",") })
         }
         return msg
     }

@@ -92,8 +92,12 @@ public struct Keybag: Sendable {
             if format >= settingsFormat {  // a new store's certification key, and this device's identity
                 let certify = SecureKey(random: 32)
                 defer { certify.wipe() }
+                let keys = StoreKeys(
+                    sets: [UnlockedClassKeys(classA: a, classBSecret: bs, classBPublic: bp, classC: c)], classD: [d],
+                    volume: vol)  // the same key objects: wiped by the defers above
                 certificate = try makeIdentity(
-                    &file, classA0: a, deviceKey: deviceKey, certifySeed: certify, recovery: recovery)
+                    &file, keys: keys, storePath: storePath, deviceKey: deviceKey, certifySeed: certify,
+                    recovery: recovery)
             }
         }
         file.classBPublic = Data(bp).base64EncodedString()

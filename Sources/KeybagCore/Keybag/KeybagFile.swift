@@ -87,4 +87,10 @@ public struct KeybagFile: Codable, Sendable, Equatable {
     /// other devices' certificates by (`DeviceTrust`). Its private half is escrowed under the
     /// recovery key (slot `rcertify`).
     public var storeCertify: String? = nil
+    /// The devices this device trusts at its newest key set, with their public keys (itself
+    /// included): where its judgement of newer records starts (`DeviceTrust`), so that a
+    /// record deleted from the store takes nothing back.
+    public var trustedDevices: [String: DevicePublicKeys]? = nil
+    /// The devices this device has seen removed (by a record it verified, or by itself).
+    public var removedDevices: [String]? = nil
 }

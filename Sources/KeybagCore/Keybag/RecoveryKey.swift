@@ -277,10 +277,10 @@ extension Keybag {
         // Every set escrowed under the recovery key itself from now on (sealed slots too).
         try Keybag.writeEscrow(&next, keys: keys.escrowEntries(), recovery: recovery)
         // New identity keys, certified by the store's key (made here for a store without one).
-        let certify = Keybag.certifySeed(storePath: storePath, recovery: recovery, preferring: escrowFrom ?? self)
+        let certify = try Keybag.certifySeed(storePath: storePath, recovery: recovery, preferring: escrowFrom ?? self)
         defer { certify.wipe() }
         let certificate = try Keybag.makeIdentity(
-            &next, classA0: keys.sets[0].classA, deviceKey: deviceKey, certifySeed: certify, recovery: recovery,
+            &next, keys: keys, storePath: storePath, deviceKey: deviceKey, certifySeed: certify, recovery: recovery,
             now: now)
         next.failedAttempts = 0
         next.lockoutUntil = 0
