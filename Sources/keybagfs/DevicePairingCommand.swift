@@ -32,7 +32,7 @@ enum DevicePairingCommand {
             print("pairing code: \(code)")
             print(
                 "next: type it on the approving device (`keybagfs device approve STORE \(id) --code \(code)`); when it "
-                    + "accepts it, run this again with --code \(code)")
+                    + "accepts it, it shows a confirmation code: run this again with --code and that code")
         case .cancelled(let id):
             print("gave up the pairing of \(id): its request and secrets are gone")
         case .added(let id, let set):
@@ -90,10 +90,10 @@ extension DeviceCommand {
                 print(
                     "the pairing of \(id) is over (it joined, or was given up); this device's pairing files are removed"
                 )
-            case .approved(let set):
-                print(
-                    "approved device \(id): it holds key sets 0 to \(set) once it runs `device add --approval --code` again"
-                )
+            case .approved(let set, let confirmation):
+                print("approved device \(id) (key sets 0 to \(set))")
+                print("confirmation code: \(confirmation)")
+                print("next: on the new machine, `keybagfs device add STORE --approval --code \(confirmation)`")
             }
         }
     }

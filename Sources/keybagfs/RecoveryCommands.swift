@@ -234,7 +234,9 @@ struct RecoveryKeyCommand: ParsableCommand {
             abstract: "Make a new recovery key (the old one stops working); the store must not be mounted.",
             discussion:
                 "Needs the passcode (asked on the terminal, or one line of stdin with --passcode-stdin) and the "
-                + "device key. Also gives a recovery key to a store made without one."
+                + "device key, and on a store of several devices the current recovery key: the other devices take the "
+                + "new key set up at their next unlock, so the old key opens nothing written afterwards. Also gives a "
+                + "recovery key to a store made without one."
         )
 
         @OptionGroup var target: UnmountedStore
@@ -245,14 +247,19 @@ struct RecoveryKeyCommand: ParsableCommand {
         @Option(help: "Write the new recovery key to this new file (mode 0600) instead of printing it.")
         var recoveryKeyFile: String?
 
+        @Option(help: "The current recovery key's file (needed on a store of several devices).")
+        var currentRecoveryKeyFile: String?
+
         func run() throws {
             let lock = try lockUnmountedStore(target.store)
             defer { close(lock) }
             var (kb, dk) = try target.deviceKeybag()
             defer { dk.wipe() }
+            let current = try currentRecoveryKeyFile.map { try RecoveryKeyOutput.read(file: $0, fromStdin: false) }
+            defer { current?.wipe() }
             let passcode = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ")
             defer { passcode.wipe() }
-            let recovery = try kb.rotateRecoveryKey(passcode: passcode, deviceKey: dk) {
+            let recovery = try kb.rotateRecoveryKey(passcode: passcode, deviceKey: dk, current: current) {
                 try RecoveryKeyOutput.give($0, file: recoveryKeyFile)
             }
             defer { recovery.wipe() }

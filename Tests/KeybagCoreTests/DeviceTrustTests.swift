@@ -29,12 +29,16 @@ final class DeviceTrustTests: XCTestCase {
         return (DeviceCertificate.fileName(d.id), try JSONEncoder().encode(c))
     }
 
+    /// The certification key the records `record` makes are signed with (the set before's).
+    var certifiedBy: SecureKey?
+
     /// The record of set `n` made by `maker` for `members`, signed by `signer` (default the
-    /// maker), its keys MAC under `classA` when given.
+    /// maker) and (`byRoot`) by `certifiedBy`, its keys MAC under `classA` when given.
     func record(
         _ n: Int, maker: Dev, members: [Dev], removed: [String] = [], certify: SecureKey? = nil,
         signer: SecureKey? = nil,
-        classB: String = Data(repeating: 1, count: 32).base64EncodedString(), classA: SecureKey? = nil
+        classB: String = Data(repeating: 1, count: 32).base64EncodedString(), classA: SecureKey? = nil,
+        byRoot: Bool = true
     ) throws -> (String, Data) {
         var r = KeySetRecord(
             storeID: storeID, keySet: n, madeBy: maker.id, madeAt: 1, removed: removed,
@@ -43,6 +47,9 @@ final class DeviceTrustTests: XCTestCase {
         if let certify { r.certify = Data(try Ed25519.publicKey(seed: certify)).base64EncodedString() }
         if let classA { r.keysMAC = try r.keysMAC(classA: classA) }
         try r.sign(with: signer ?? maker.keys.signSeed)
+        if byRoot, let root = certifiedBy {
+            r.rootSignature = Data(try Ed25519.sign(r.message, seed: root)).base64EncodedString()
+        }
         if let certify { r.certifySignature = Data(try Ed25519.sign(r.message, seed: certify)).base64EncodedString() }
         return (r.fileName, try JSONEncoder().encode(r))
     }
@@ -63,6 +70,7 @@ final class DeviceTrustTests: XCTestCase {
 
     func testStoreCertifiedDevicesHoldAndAForgedCertificateIsNamed() throws {
         let root = SecureKey(random: 32), other = SecureKey(random: 32)
+        certifiedBy = root
         let (a, b, x) = (dev(1), dev(2), dev(3))
         let t = judge(
             [
@@ -76,6 +84,7 @@ final class DeviceTrustTests: XCTestCase {
 
     func testARecordHoldsOnlyWhenItsMakerWasTrustedAndSignedIt() throws {
         let root = SecureKey(random: 32)
+        certifiedBy = root
         let (a, b, c, x) = (dev(1), dev(2), dev(3), dev(4))
         let snap = try snapshot(0, root: root, trusted: [a, b, c])
         let good = judge([try record(1, maker: a, members: [a, c], removed: [b.id])], snap)
@@ -86,6 +95,7 @@ final class DeviceTrustTests: XCTestCase {
         for bad in [
             try record(1, maker: x, members: [x]), try record(1, maker: b, members: [a, b], removed: [b.id]),
             try record(1, maker: a, members: [a, b], removed: [c.id], signer: b.keys.signSeed),
+            try record(1, maker: a, members: [a, c], removed: [b.id], byRoot: false),
         ] {
             let t = judge([bad], snap)
             XCTAssertEqual(t.newestSet, 0)
@@ -99,6 +109,7 @@ final class DeviceTrustTests: XCTestCase {
     /// one dated after its removal has no trusted signer.
     func testARemovedDevicesApprovalsDoNotHold() throws {
         let root = SecureKey(random: 32)
+        certifiedBy = root
         let (a, r, c, p) = (dev(1), dev(2), dev(3), dev(4))
         let snap = try snapshot(0, root: root, trusted: [a, r, c])
         let removal = try record(1, maker: a, members: [a, c], removed: [r.id])
@@ -112,16 +123,25 @@ final class DeviceTrustTests: XCTestCase {
     }
 
     /// The removed device makes a record of the set that removes it, one of its own (it was
-    /// trusted at the set before): two records of one set are a fork, and neither is taken up.
-    func testTwoRecordsOfOneSetAreAForkAndNeitherHolds() throws {
+    /// trusted at the set before): without the certification key (the recovery key's) it holds
+    /// nothing, even where the real record is kept away; two records both signed by it (two
+    /// holders of the recovery key at once) are a fork, and neither is taken up.
+    func testARecordNeedsTheCertificationKeyAndTwoOfOneSetAreAFork() throws {
         let root = SecureKey(random: 32)
+        certifiedBy = root
         let (a, r, c) = (dev(1), dev(2), dev(3))
-        let t = judge(
-            [try record(1, maker: a, members: [a, c], removed: [r.id]), try record(1, maker: r, members: [r, c])],
-            try snapshot(0, root: root, trusted: [a, r, c]))
-        XCTAssertEqual(t.records.count, 0)
-        XCTAssertEqual(t.newestSet, 1, "a newer set exists: the device stops wrapping for the older one")
-        XCTAssertEqual(t.refused.filter { $0.contains("two devices made it") }.count, 2, "\(t.refused)")
+        let snap = try snapshot(0, root: root, trusted: [a, r, c])
+        let forged = try record(1, maker: r, members: [r, c], byRoot: false)
+        let alone = judge([forged], snap)
+        XCTAssertEqual(alone.newestSet, 0)
+        XCTAssertNotNil(alone.trusted[a.id])
+        XCTAssertTrue(alone.refused.contains { $0.hasPrefix("keyset-1.\(r.id)") }, "\(alone.refused)")
+        let real = try record(1, maker: a, members: [a, c], removed: [r.id])
+        XCTAssertEqual(Set(judge([real, forged], snap).trusted.keys), [a.id, c.id], "the real one holds")
+        let fork = judge([real, try record(1, maker: r, members: [r, c])], snap)
+        XCTAssertEqual(fork.records.count, 0)
+        XCTAssertEqual(fork.newestSet, 1, "a newer set exists: the device stops wrapping for the older one")
+        XCTAssertEqual(fork.refused.filter { $0.contains("two devices made it") }.count, 2, "\(fork.refused)")
     }
 
     /// What a device took up stays: deleting the record that removed a device, or the removal
@@ -129,6 +149,7 @@ final class DeviceTrustTests: XCTestCase {
     /// keys conflicts; a removal record on its own removes nobody.
     func testMemoryOutlivesDeletedAndForgedRecords() throws {
         let root = SecureKey(random: 32)
+        certifiedBy = root
         let (a, r, c, p) = (dev(1), dev(2), dev(3), dev(4))
         let held = try snapshot(
             1, root: root, trusted: [a, c], removed: [r.id],
@@ -153,6 +174,7 @@ final class DeviceTrustTests: XCTestCase {
 
     func testApprovalsChainWithinASet() throws {
         let root = SecureKey(random: 32)
+        certifiedBy = root
         let (a, n1, n2) = (dev(1), dev(2), dev(3))
         let t = judge(
             [
@@ -166,6 +188,7 @@ final class DeviceTrustTests: XCTestCase {
     /// for a device that saw the rotation and one certified after it alike.
     func testARotationRetiresTheOldCertificationKey() throws {
         let k0 = SecureKey(random: 32), k1 = SecureKey(random: 32)
+        certifiedBy = k0
         let (a, b, p, d) = (dev(1), dev(2), dev(3), dev(4))
         let files = [
             try record(1, maker: a, members: [a, b], certify: k1),
@@ -189,6 +212,7 @@ final class DeviceTrustTests: XCTestCase {
     /// newest set only when that record carries the MAC of that set's keys.
     func testBootstrapTakesOnlyARecordMadeWithTheSetsKeys() throws {
         let root = SecureKey(random: 32)
+        certifiedBy = root
         let (a, c, r) = (dev(1), dev(2), dev(3))
         func set(_ n: UInt8) throws -> UnlockedClassKeys {
             let b = SecureKey(random: 32)
@@ -222,6 +246,7 @@ final class DeviceTrustTests: XCTestCase {
     /// characters is shown without them.
     func testGarbageIsNamed() throws {
         let root = SecureKey(random: 32)
+        certifiedBy = root
         let a = dev(1)
         let t = judge(
             [

@@ -180,14 +180,48 @@ final class DeviceIdentityTests: XCTestCase {
         let rot = keybagfs(
             [
                 "recovery-key", "rotate", c.store, "--device-key", c.deviceKey, "--passcode-stdin",
-                "--recovery-key-file",
-                c.root + "/rk-c.txt",
+                "--recovery-key-file", c.root + "/rk-c.txt", "--current-recovery-key-file", rk,
             ], stdin: c.passcode + "\n")
         XCTAssertEqual(rot.code, 0, rot.stderr)
         let set3 =
             try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: recordPath(c, 3))))
             as? [String: Any]
         XCTAssertEqual(Set(((set3?["members"] as? [String: Any]) ?? [:]).keys), [id(a), idC], "never B")
+    }
+
+    /// A device added with the recovery key before the record of the newest set reached its
+    /// replica trusts nobody but itself at first; once the record is there, its next unlock
+    /// takes the record's list (checked with that set's keys), and it trusts A and C.
+    func testADeviceAddedBeforeTheRecordArrivedTakesItsListAtUnlock() throws {
+        let (a, b, c, rk) = try threeDevices()
+        defer { [a, b, c].forEach { $0.close() } }
+        let rm = keybagfs(
+            ["device", "remove", a.store, id(b), "--device-key", a.deviceKey, "--recovery-key-file", rk, "--stdin"],
+            stdin: a.passcode + "\n")
+        XCTAssertEqual(rm.code, 0, rm.stderr)
+        let d = try MountFixture(replicaOf: a, passcode: "host-d passcode")
+        defer { d.close() }
+        let record = recordPath(d, 2), aside = d.root + "/keyset-2.aside"
+        XCTAssertEqual(rename(record, aside), 0)
+        let add = keybagfs(
+            [
+                "device", "add", d.store, "--device-key", d.deviceKey, "--recovery-key-file", rk, "--stdin", "--kdf",
+                "interactive",
+            ], stdin: d.passcode + "\n")
+        XCTAssertEqual(add.code, 0, add.stderr)
+        func trusted() -> Set<String> {
+            let list = keybagfs(["device", "list", d.store, "--device-key", d.deviceKey, "--json"])
+            let t = (try? JSONSerialization.jsonObject(with: Data(list.stdout.utf8)) as? [String: Any])?["trust"]
+            return Set(((t as? [String: Any])?["trusted"] as? [String]) ?? [])
+        }
+        XCTAssertEqual(trusted(), [id(d)])
+        XCTAssertEqual(rename(aside, record), 0)
+        try d.mount()
+        d.unlock()
+        d.unmount()
+        XCTAssertEqual(trusted(), [id(a), id(c), id(d)])
+        let log = (try? String(contentsOfFile: d.root + "/daemon.log", encoding: .utf8)) ?? ""
+        XCTAssertTrue(log.contains("took the device list of key set 2"), log)
     }
 
     /// A pairing file a store writer swaps after the approver answered: its own challenge is
@@ -324,10 +358,21 @@ final class DeviceIdentityTests: XCTestCase {
         let oldKeybag = try Data(contentsOf: URL(fileURLWithPath: a.store + "/keybag"))
 
         let rk2 = a.root + "/recovery-2.txt"
-        let rot = keybagfs(
+        // A device alone cannot take the store's recovery key over: on a store of several devices
+        // the rotation needs the current one.
+        let alone = keybagfs(
             [
                 "recovery-key", "rotate", a.store, "--device-key", a.deviceKey, "--passcode-stdin",
                 "--recovery-key-file", rk2,
+            ],
+            stdin: a.passcode + "\n")
+        XCTAssertNotEqual(alone.code, 0)
+        XCTAssertTrue(alone.stderr.contains("current recovery key"), alone.stderr)
+        XCTAssertFalse(FileManager.default.fileExists(atPath: rk2), "no key is handed out when refused")
+        let rot = keybagfs(
+            [
+                "recovery-key", "rotate", a.store, "--device-key", a.deviceKey, "--passcode-stdin",
+                "--recovery-key-file", rk2, "--current-recovery-key-file", rk,
             ],
             stdin: a.passcode + "\n")
         XCTAssertEqual(rot.code, 0, rot.stderr)
@@ -434,9 +479,16 @@ final class DeviceIdentityTests: XCTestCase {
         XCTAssertFalse(FileManager.default.fileExists(atPath: a.store + "/devices/\(idN).grant"))
         let ok = approve(idN, ["--code", code, "--stdin"], stdin: a.passcode + "\n")
         XCTAssertEqual(ok.code, 0, ok.stderr)
+        let confirmation =
+            ok.stdout.range(of: "confirmation code: ").map { String(ok.stdout[$0.upperBound...].prefix(6)) } ?? ""
+        XCTAssertEqual(confirmation.count, 6, ok.stdout)
         carry(idN, "grant", from: a, to: n)
-        XCTAssertNotEqual(newcomer(["--code", wrongCode, "--stdin"], stdin: n.passcode + "\n").code, 0)
-        let done = newcomer(["--code", code, "--stdin"], stdin: n.passcode + "\n")
+        // The newcomer takes the grant only with the code the approver showed once it approved:
+        // not its own pairing code, not another.
+        for bad in [code, wrongCode] {
+            XCTAssertNotEqual(newcomer(["--code", bad, "--stdin"], stdin: n.passcode + "\n").code, 0, bad)
+        }
+        let done = newcomer(["--code", confirmation, "--stdin"], stdin: n.passcode + "\n")
         XCTAssertEqual(done.code, 0, done.stderr)
         XCTAssertFalse(done.stdout.contains(n.passcode) || done.stderr.contains(n.passcode))
 

@@ -19,6 +19,11 @@ final class SyncthingDevicesTests: XCTestCase {
             in: .whitespacesAndNewlines)
     }
 
+    private func storeID(_ m: MountFixture) -> String {
+        ((try? JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: m.store + "/keybag"))))
+            as? [String: Any])?["storeID"] as? String ?? ""
+    }
+
     private func exists(_ m: MountFixture, _ rel: String) -> Bool {
         FileManager.default.fileExists(atPath: m.store + "/" + rel)
     }
@@ -54,10 +59,12 @@ final class SyncthingDevicesTests: XCTestCase {
             ["device", "approve", a.store, idC, "--device-key", a.deviceKey, "--code", code, "--stdin"],
             stdin: a.passcode + "\n")
         XCTAssertEqual(ok.code, 0, ok.stderr)
+        let confirmation =
+            ok.stdout.range(of: "confirmation code: ").map { String(ok.stdout[$0.upperBound...].prefix(6)) } ?? ""
         XCTAssertTrue(waitUntil(60) { self.exists(c, "devices/\(idC).grant") }, diagnosis([a, c], sync))
         let done = keybagfs(
             [
-                "device", "add", c.store, "--device-key", c.deviceKey, "--approval", "--code", code, "--stdin",
+                "device", "add", c.store, "--device-key", c.deviceKey, "--approval", "--code", confirmation, "--stdin",
                 "--kdf", "interactive",
             ], stdin: c.passcode + "\n")
         XCTAssertEqual(done.code, 0, done.stderr)
@@ -167,7 +174,72 @@ final class SyncthingDevicesTests: XCTestCase {
         for cls in Self.classes { XCTAssertEqual(errnoOf(readFile(b.path("c-\(cls)"))), EACCES, cls) }
         XCTAssertNotEqual(writeFile(b.path("b-after"), bytes("x")), 0, "B wraps nothing new")
 
+        // A store writer deletes the removal record (the deletion reaches every replica) and adds
+        // a device of its own (a certificate and a keybag, neither the recovery key's nor an
+        // approval's): C still knows B is removed, names the device, and carries on.
+        unlink(c.store + "/devices/\(idB).removed")
+        let forger = "ffffffffffffffffffffffffffffff02"
+        let junk = Data(repeating: 9, count: 32).base64EncodedString()
+        let cert =
+            #"{"storeID":"\#(storeID(a))","deviceID":"\#(forger)","box":"\#(junk)","sign":"\#(junk)","keySet":2,"#
+            + #""by":"store","issuedAt":1,"signature":"\#(Data(repeating: 7, count: 64).base64EncodedString())"}"#
+        try Data(cert.utf8).write(to: URL(fileURLWithPath: c.store + "/devices/\(forger).identity"))
+        try FileManager.default.copyItem(
+            atPath: c.store + "/devices/\(idC).keybag", toPath: c.store + "/devices/\(forger).keybag")
+        for m in [a, b] {
+            XCTAssertTrue(
+                waitUntil(60) {
+                    !self.exists(m, "devices/\(idB).removed") && self.exists(m, "devices/\(forger).identity")
+                },
+                diagnosis([a, b, c], sync))
+        }
+        for m in [a, c] {
+            let refused = (m.status()["refusedRecords"] as? [String]) ?? []
+            XCTAssertTrue(refused.contains { $0.hasPrefix("\(forger).identity") }, "\(refused)")
+            XCTAssertEqual(m.status()["keySetBehind"] as? Bool, false)
+        }
+        XCTAssertEqual(writeFile(c.path("c-after-the-writer"), bytes("C carries on")), 0)
+
+        // A rotates the recovery key; C takes the new set up at its next unlock; a file C writes
+        // then opens with no key the old recovery key reaches.
+        a.unmount()
+        let rk2 = a.root + "/recovery-2.txt"
+        let rot = keybagfs(
+            [
+                "recovery-key", "rotate", a.store, "--device-key", a.deviceKey, "--passcode-stdin",
+                "--recovery-key-file", rk2, "--current-recovery-key-file", rk,
+            ],
+            stdin: a.passcode + "\n")
+        XCTAssertEqual(rot.code, 0, rot.stderr)
+        try a.mount()
+        a.unlock()
+        XCTAssertTrue(waitUntil(60) { c.status()["keySetBehind"] as? Bool == true }, diagnosis([a, b, c], sync))
+        c.lock()
+        c.unlock()
+        XCTAssertEqual(c.status()["keySet"] as? Int, 3, "\(c.status())")
+        for cls in Self.classes {
+            XCTAssertEqual(writeFile(c.path("r-\(cls)"), bytes("after the rotation \(cls)")), 0)
+            XCTAssertEqual(setXattr(c.path("r-\(cls)"), cls), 0)
+        }
+        XCTAssertTrue(
+            waitUntil(60) {
+                Self.classes.allSatisfy {
+                    (try? readFile(a.path("r-\($0)")).get()) == bytes("after the rotation \($0)")
+                }
+            }, diagnosis([a, b, c], sync))
         for m in [a, b, c] { m.unmount() }
+        // A thief with the old recovery key and C's replica (the writer's copy of a keybag gone
+        // again): no keybag's escrow opens with it now. (A keybag copy from before the rotation
+        // opens the older sets only: DeviceIdentityTests.)
+        for kind in ["identity", "keybag"] { unlink(c.store + "/devices/\(forger).\(kind)") }
+        let thief = try MountFixture(replicaOf: c, passcode: "thief passcode")
+        defer { thief.close() }
+        let rec = keybagfs(
+            [
+                "recover", thief.store, "--device-key", thief.deviceKey, "--new-device-key", "--recovery-key-file", rk,
+                "--stdin", "--first-device",
+            ], stdin: thief.passcode + "\n")
+        XCTAssertNotEqual(rec.code, 0, "the old recovery key: \(rec.stdout)")
         for m in [a, c] { XCTAssertEqual(m.fsck().code, 0, "\(m.fsck().out)") }
         // B's replica, checked with A's device key (B's own keybag is gone from it).
         let fsckB = keybagfs(

@@ -64,7 +64,7 @@ public final class StoreCheck {
         keybag = kb
         keyring = ClassKeyring(
             classD: try kb.classDKeys(deviceKey: deviceKey), current: UInt8(kb.currentKeySet),
-            behind: StoreDevices.newestKeySet(storePath: storePath) > kb.currentKeySet)
+            behind: kb.newestKeySetInStore() > kb.currentKeySet)
         let volume = try kb.unwrapDeviceKeySlot("volume", deviceKey: deviceKey)
         defer { volume.wipe() }
         names = try NameCipher(volumeKey: volume)

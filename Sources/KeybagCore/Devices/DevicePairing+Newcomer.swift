@@ -59,10 +59,11 @@ extension DevicePairing {
         let code = PairingMessages.code(mine, challenge, nonce: nonce)
         guard let grant = PairingMessages.read(PairingMessages.Grant.self, storePath, id, "grant"), let confirmedCode
         else { return .showCode(id: id, code: code) }
-        guard confirmedCode == code else {
+        guard confirmedCode == PairingMessages.confirmation(mine, challenge, nonce: nonce) else {
             throw KeybagError.invalid(
-                "the code you typed (\(confirmedCode.prefix(12))) is not this device's (\(code)): a typo, or the pairing "
-                    + "files were changed on the way (then give it up with --cancel); nothing was changed")
+                "\(confirmedCode.prefix(12)) is not the confirmation code of this pairing: a typo, or the approving "
+                    + "device did not approve this very pairing (the files were changed on the way: give it up with "
+                    + "--cancel); nothing was changed")
         }
         return try finish(
             storePath: storePath, cipher: any.file.cipher, request: mine, pending: pending, challenge: challenge,

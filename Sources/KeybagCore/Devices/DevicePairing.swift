@@ -27,8 +27,8 @@ public enum DevicePairing {
         case waitingForReveal
         /// The reveal is there: the approver needs the code the newcomer shows.
         case needCode
-        /// The grant is written.
-        case approved(keySet: Int)
+        /// The grant is written; the newcomer needs `confirmation`.
+        case approved(keySet: Int, confirmation: String)
         /// The newcomer is a device of the store now, or the pairing was given up: this device's
         /// pairing files are gone.
         case finished

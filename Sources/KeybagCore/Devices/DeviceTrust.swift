@@ -21,12 +21,13 @@ public struct TrustSnapshot: Sendable, Equatable {
 ///   certificate naming that set signed by that set's certification key or by a device it
 ///   trusts at that set (approvals may chain);
 /// - the record of the next set holds when exactly one record of that set is signed by a
-///   device trusted at the set before, lists its maker, does not remove it, and (a rotation)
-///   its new certification key signed it too; two such records are a fork, refused; then the
+///   device trusted at the set before and by the certification key of the set before, lists
+///   its maker, does not remove it, and (a rotation) its new certification key signed it too; two such records are a fork, refused; then the
 ///   devices trusted are exactly those the record lists, minus every device removed so far;
 /// - a record of a set the device holds that names another class B key conflicts, and is
 ///   refused; a removal record removes nobody (only key-set records do), but a signed one
 ///   from a trusted device tells of a newer set;
+/// - a removal record signed by a trusted device tells of the next set (no further);
 /// - everything else is refused, and named.
 public struct DeviceTrust: Sendable {
     /// The devices trusted at the newest set, with their keys.
@@ -83,11 +84,13 @@ public struct DeviceTrust: Sendable {
             if candidates.isEmpty { break }
             let holding = candidates.filter { r in
                 guard let maker = trusted[r.madeBy] else { return false }
-                return r.isSigned(by: maker.signKey) && r.members[r.madeBy] != nil && !r.removed.contains(r.madeBy)
-                    && (r.certify == nil || r.isSignedByItsCertifyKey)
+                return r.isSigned(by: maker.signKey) && r.isSigned(byRoot: root) && r.members[r.madeBy] != nil
+                    && !r.removed.contains(r.madeBy) && (r.certify == nil || r.isSignedByItsCertifyKey)
             }
             for r in candidates where !holding.contains(r) {
-                refused.append("\(r.fileName): not signed by a device this device trusts (forged or damaged)")
+                refused.append(
+                    "\(r.fileName): not signed by a device this device trusts and by the store's certification key "
+                        + "(forged or damaged)")
             }
             if holding.count > 1 {
                 for r in holding {
@@ -108,13 +111,8 @@ public struct DeviceTrust: Sendable {
             everTrusted.formUnion(trusted.keys)
             k += 1
         }
-        for (name, rem) in rems.sorted(by: { $0.key < $1.key }) {
-            if let by = rem.by, let signer = trusted[by], rem.isSigned(by: signer.signKey) {
-                newest = max(newest, rem.keySet)  // a newer set exists: its record is on the way
-            } else if rem.keySet > s.keySet {
-                refused.append("\(shown(name)): not signed by a device this device trusts (forged or damaged)")
-            }
-        }
+        newest = max(
+            newest, removalSignal(rems, trusted: trusted, newest: newest, holding: s.keySet, refused: &refused))
         for (id, c) in certs.sorted(by: { $0.key < $1.key })
         where !removed.contains(id) && !everTrusted.contains(id) && !s.trusted.keys.contains(id) {
             refused.append(
@@ -148,6 +146,29 @@ public struct DeviceTrust: Sendable {
         return TrustSnapshot(
             keySet: n, root: r.certifyKey ?? root, trusted: r.members.filter { !removed.contains($0.key) },
             removed: removed, classBPublics: classB)
+    }
+
+    /// The newest set the removal records tell of: a signed one from a trusted device names the
+    /// next set at most (its record is on the way); others claiming a set above `holding` are refused.
+    private static func removalSignal(
+        _ rems: [String: DeviceRemoval], trusted: [String: DevicePublicKeys], newest: Int, holding: Int,
+        refused: inout [String]
+    ) -> Int {
+        var signal = newest
+        for (name, rem) in rems.sorted(by: { $0.key < $1.key }) {
+            if let by = rem.by, let signer = trusted[by], rem.isSigned(by: signer.signKey), rem.keySet <= newest + 1 {
+                signal = max(signal, rem.keySet)
+            } else if rem.keySet > holding {
+                refused.append("\(shown(name)): not signed by a device this device trusts (forged or damaged)")
+            }
+        }
+        return signal
+    }
+
+    /// The key-set records of the store at `storePath` (well formed, of store `storeID`).
+    static func records(storePath: String, storeID: String) -> [KeySetRecord] {
+        var ignored: [String] = []
+        return parse(files(storePath: storePath), storeID: storeID, refused: &ignored).1
     }
 
     /// Adds to `trusted` every certificate naming set `k` signed by that set's certification

@@ -295,6 +295,29 @@ extension Keybag {
         return max(StoreDevices.newestKeySet(storePath: storePath), keybagSets.max() ?? 0)
     }
 
+    /// The last steps of removing `removedID`, which a record already removed: its signed
+    /// removal record where none is, and its keybag deleted (a wrong passcode is counted).
+    private mutating func finishRemoval(
+        _ removedID: String, keybag: String, trust: DeviceTrust, passcode: SecureKey, deviceKey: SecureKey, now: Double
+    ) throws {
+        if StoreDevices.removal(storePath: storePath, id: removedID) == nil {
+            let keys = try openAllCounted(passcode: passcode, deviceKey: deviceKey, now: now)
+            defer { keys.wipe() }
+            let identity = try identityKeys(classA0: keys.sets[0].classA, deviceKey: deviceKey)
+            defer { identity.wipe() }
+            let set = trust.records.values.first { $0.removed.contains(removedID) }?.keySet ?? currentKeySet
+            var removal = DeviceRemoval(deviceID: removedID, removedAt: now, keySet: set, by: file.deviceID)
+            removal.signature = Data(try Ed25519.sign(removal.message, seed: identity.signSeed)).base64EncodedString()
+            try StoreDevices.makeFolder(storePath)
+            try Keybag.writeAtomically(
+                try JSONEncoder().encode(removal), to: storePath + "/" + StoreDevices.removalPath(removedID))
+        }
+        if unlink(storePath + "/" + keybag) != 0 && errno != ENOENT {
+            throw KeybagError.system("cannot delete \(keybag)", errno)
+        }
+        DeviceKeyFile.syncFolder(of: storePath + "/" + keybag)
+    }
+
     /// Removes device `id` (a lost laptop; `first` names the store's first device): starts a
     /// new key set, so that nothing written from now on opens with the keys that device holds,
     /// records the removal and deletes its keybag from the store. Files written before stay
@@ -314,11 +337,13 @@ extension Keybag {
             throw KeybagError.corrupt("keybag \(keybag) names another device than its file name")
         }
         guard removedID != own else { throw KeybagError.invalid("a device cannot remove itself") }
-        if recovery != nil || hasIdentity {  // made earlier by another device: a record says so
-            guard !(deviceTrust()?.removed.contains(removedID) ?? false) else {
-                throw KeybagError.invalid("device \(removedID) was already removed")
-            }
-        } else if StoreDevices.removal(storePath: storePath, id: removedID) != nil {
+        if let trust = deviceTrust(), trust.removed.contains(removedID) {
+            // A record already removed it: finish what a cut run of this command left (the
+            // removal record, the keybag's deletion); nothing more.
+            try finishRemoval(
+                removedID, keybag: keybag, trust: trust, passcode: passcode, deviceKey: deviceKey, now: now)
+            return currentKeySet
+        } else if !hasIdentity && StoreDevices.removal(storePath: storePath, id: removedID) != nil {
             throw KeybagError.invalid("device \(removedID) was already removed")
         }
         let newest = try newestKeySet(recovery: recovery)
@@ -336,8 +361,10 @@ extension Keybag {
             defer { keys.wipe() }
             var next = file
             if let recovery { try Keybag.writeEscrow(&next, keys: keys.escrowEntries(), recovery: recovery) }
+            let root = try recovery.map { try Keybag.certifySeed(storePath: storePath, recovery: $0, preferring: self) }
+            defer { root?.wipe() }
             try publishKeySet(
-                keys, removed: [removedID], trust: trust, next: next, certify: nil,
+                keys, removed: [removedID], trust: trust, next: next, root: root, certify: nil,
                 removal: DeviceRemoval(deviceID: removedID, removedAt: now, keySet: keys.current), passcode: passcode,
                 deviceKey: deviceKey, now: now)
             set = keys.current

@@ -33,6 +33,9 @@ public struct KeySetRecord: Codable, Sendable, Equatable {
     public var certify: String? = nil
     /// The new certification key's signature of `message`, base64 (with `certify`).
     public var certifySignature: String? = nil
+    /// The signature of `message` by the certification key of the set before (base64): only a
+    /// holder of the recovery key, whose escrow holds that key, makes a set the others take up.
+    public var rootSignature: String? = nil
     /// Ed25519 signature of `message` by the maker, base64.
     public var signature: String
     /// Keyed BLAKE2b-256 of `message` under class A of the set (base64): only a holder of the
@@ -89,6 +92,12 @@ public struct KeySetRecord: Codable, Sendable, Equatable {
     /// The new certification key (nil: none, or malformed).
     public var certifyKey: [UInt8]? {
         certify.flatMap { Data(base64Encoded: $0) }.map([UInt8].init).flatMap { $0.count == 32 ? $0 : nil }
+    }
+
+    /// Whether `rootSignature` is `root`'s (the certification key of the set before).
+    public func isSigned(byRoot root: [UInt8]) -> Bool {
+        guard let sig = rootSignature.flatMap({ Data(base64Encoded: $0) }) else { return false }
+        return Ed25519.verify([UInt8](sig), of: message, publicKey: root)
     }
 
     /// Whether `certify` is there and signed the record itself.

@@ -118,6 +118,15 @@ public enum PairingMessages {
         return String(format: "%06d", Int(n % 1_000_000))
     }
 
+    /// The code the approver shows once it approved, which the newcomer must be given (it shows
+    /// it nowhere itself): so the newcomer takes a grant only after the user saw the approver
+    /// accept this very pairing.
+    public static func confirmation(_ request: Request, _ challenge: Challenge, nonce: [UInt8]) -> String {
+        let h = hash("keybagfs-pairing-confirm-v1", [hash("", [request.message]), challenge.message, nonce])
+        let n = h.prefix(8).reduce(UInt64(0)) { $0 << 8 | UInt64($1) }
+        return String(format: "%06d", Int(n % 1_000_000))
+    }
+
     /// The challenge's hash, as the newcomer pins the one it answered.
     public static func challengeHash(_ challenge: Challenge) -> String {
         Data(hash("", [challenge.message])).base64EncodedString()

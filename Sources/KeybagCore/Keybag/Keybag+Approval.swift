@@ -75,8 +75,8 @@ extension Keybag {
                 "that is not the code this pairing gives: the pairing files were changed on the way (or the code was "
                     + "mistyped); nothing was approved")
         }
-        return .approved(
-            keySet: try writeGrant(request, trust: trust, deviceKey: deviceKey, passcode: passcode(), now: now))
+        let set = try writeGrant(request, trust: trust, deviceKey: deviceKey, passcode: passcode(), now: now)
+        return .approved(keySet: set, confirmation: PairingMessages.confirmation(request, pin.challenge, nonce: nonce))
     }
 
     /// Answers `request` with a challenge of a fresh nonce, kept at `pinPath` first.

@@ -76,6 +76,28 @@ extension Keybag {
         return StoreDevices.newestKeySet(storePath: storePath)
     }
 
+    /// A device that started from nobody but itself (added or recovered before the record of
+    /// its newest set reached its replica) takes that record's list once it is there and
+    /// carries the MAC of the set's keys (`classA`, from an unlock); saves. Whether it did.
+    public mutating func adoptRecordOfHeldSet(classA: SecureKey) throws -> Bool {
+        guard let snap = trustSnapshot, let me = file.deviceID, currentKeySet > 0,
+            snap.trusted.keys.allSatisfy({ $0 == me })
+        else { return false }
+        let held = snap.classBPublics[currentKeySet]
+        let genuine = DeviceTrust.records(storePath: storePath, storeID: file.storeID).filter {
+            $0.keySet == currentKeySet && $0.classBPublic == held && $0.hasKeysMAC(classA: classA)
+        }
+        guard genuine.count == 1, let r = genuine.first else { return false }
+        var trusted = r.members
+        trusted[me] = snap.trusted[me]
+        var next = file
+        Keybag.remember(
+            trusted: trusted, removed: snap.removed.union(r.removed), root: r.certifyKey ?? snap.root, in: &next)
+        file = next
+        try save()
+        return true
+    }
+
     /// Keeps in `f` whom this device trusts at its newest set (after making or taking it up).
     static func remember(
         trusted: [String: DevicePublicKeys], removed: Set<String>, root: [UInt8], in f: inout KeybagFile

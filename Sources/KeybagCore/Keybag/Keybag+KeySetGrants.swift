@@ -51,14 +51,15 @@ extension Keybag {
 
     /// Makes key set `keys.current` (fresh keys, appended) known and saves it: its record for
     /// every device `trust` holds but `removed`, with the escrow slots of `next`, its keys MAC,
-    /// signed by this device (and by `certify`, a rotation's new certification key), written
+    /// signed by this device, by `root` (the certification key of the set before, which the
+    /// other devices require) and by `certify` (a rotation's new certification key), written
     /// before this keybag's save (a cut in between: the maker's own grant gives the set back at
     /// its next unlock); then this keybag with the set and whom it trusts now. A `removal` record
     /// is signed and written after. Returns the record.
     @discardableResult
     mutating func publishKeySet(
-        _ keys: StoreKeys, removed: [String], trust: DeviceTrust, next: KeybagFile, certify: SecureKey?,
-        removal: DeviceRemoval?, passcode: SecureKey, deviceKey: SecureKey, now: Double
+        _ keys: StoreKeys, removed: [String], trust: DeviceTrust, next: KeybagFile, root: SecureKey?,
+        certify: SecureKey?, removal: DeviceRemoval?, passcode: SecureKey, deviceKey: SecureKey, now: Double
     ) throws -> KeySetRecord {
         guard let me = file.deviceID, let mine = ownDeviceKeys else {
             throw KeybagError.invalid("this device has no identity")
@@ -71,6 +72,7 @@ extension Keybag {
         record.escrow = next.wrapped.filter { $0.key.hasPrefix("r") }
         record.keysMAC = try record.keysMAC(classA: keys.sets[keys.current].classA)
         try record.sign(with: identity.signSeed)
+        if let root { record.rootSignature = Data(try Ed25519.sign(record.message, seed: root)).base64EncodedString() }
         if let certify {
             record.certifySignature = Data(try Ed25519.sign(record.message, seed: certify)).base64EncodedString()
         }
@@ -160,13 +162,30 @@ extension Keybag {
     /// a record signed by it and by the new certification key. Files written from then on
     /// open with no key the old recovery key reaches, on any device that takes the set up.
     mutating func rotateForAll(
-        _ keys: StoreKeys, trust: DeviceTrust, passcode: SecureKey, deviceKey: SecureKey, now: Double,
-        deliver: (RecoveryKey) throws -> Void
+        _ keys: StoreKeys, trust: DeviceTrust, current: RecoveryKey?, passcode: SecureKey, deviceKey: SecureKey,
+        now: Double, deliver: (RecoveryKey) throws -> Void
     ) throws -> RecoveryKey {
         guard currentKeySet < Keybag.maxKeySet else {
             throw KeybagError.invalid("this store has \(Keybag.maxKeySet + 1) key sets, the most it can have")
         }
         try refuseWhileBehind(trust)
+        // With other devices, the rotation takes over their escrow: only the current key's holder may.
+        let alone = trust.trusted.keys.allSatisfy { $0 == file.deviceID }
+        guard alone || current != nil else {
+            throw KeybagError.invalid(
+                "this store has other devices: give the current recovery key too (--current-recovery-key-file), so "
+                    + "that a device alone cannot take the store's recovery key over")
+        }
+        var root: SecureKey?
+        if let current {
+            let escrowed = try escrowedKeysCounted(recovery: current, now: now)
+            defer { escrowed.wipe() }
+            guard try escrowed.sameKeys(as: keys) else {
+                throw KeybagError.corrupt("the recovery slots do not match this keybag (damaged or replaced)")
+            }
+            root = try Keybag.certifySeed(storePath: storePath, recovery: current, preferring: self)
+        }
+        defer { root?.wipe() }
         var keys = keys
         try keys.addFreshSet()
         defer { keys.sets.last?.wipe(); keys.classD.last?.wipe() }
@@ -179,7 +198,7 @@ extension Keybag {
         next.recoveryLockoutUntil = nil
         do { try deliver(recovery) } catch { recovery.wipe(); throw error }
         try publishKeySet(
-            keys, removed: [], trust: trust, next: next, certify: certify, removal: nil, passcode: passcode,
+            keys, removed: [], trust: trust, next: next, root: root, certify: certify, removal: nil, passcode: passcode,
             deviceKey: deviceKey, now: now)
         return recovery
     }

@@ -304,8 +304,8 @@ extension Keybag {
     /// saved: if it throws, the keybag and the old key stay as they were. Every key set is
     /// escrowed for the new key.
     public mutating func rotateRecoveryKey(
-        passcode: SecureKey, deviceKey: SecureKey, now: Double = Date().timeIntervalSince1970,
-        deliver: (RecoveryKey) throws -> Void = { _ in }
+        passcode: SecureKey, deviceKey: SecureKey, current: RecoveryKey? = nil,
+        now: Double = Date().timeIntervalSince1970, deliver: (RecoveryKey) throws -> Void = { _ in }
     ) throws -> RecoveryKey {
         // A wrong device key must fail here, not read as an edited counter below.
         try unwrapDeviceKeySlot("D", deviceKey: deviceKey).wipe()
@@ -313,7 +313,8 @@ extension Keybag {
         defer { keys.wipe() }
         if let trust = deviceTrust() {
             return try rotateForAll(
-                keys, trust: trust, passcode: passcode, deviceKey: deviceKey, now: now, deliver: deliver)
+                keys, trust: trust, current: current, passcode: passcode, deviceKey: deviceKey, now: now,
+                deliver: deliver)
         }
         let recovery = RecoveryKey.generate()
         var next = file

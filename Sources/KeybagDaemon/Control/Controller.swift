@@ -199,6 +199,7 @@ final class Controller: Sendable {
             switch verify(passcode) {
             case .refused(let refusal): return .failure(refusal)
             case .accepted(let keys):
+                adoptRecordOfHeldSet(keys)
                 keyring.install(keys)
                 takeUpGrantedKeySets(passcode)
                 let evs = machine.withLock { $0.unlocked() }
@@ -207,6 +208,20 @@ final class Controller: Sendable {
                 stateChanged(.unlocked)
                 return .success(StateReply(.unlocked))
             }
+        }
+    }
+
+    /// After an unlock: a device that trusts nobody but itself yet takes the list of the record
+    /// of its newest set, once that record is there (`Keybag.adoptRecordOfHeldSet`); logged.
+    private func adoptRecordOfHeldSet(_ keys: [UnlockedClassKeys]) {
+        var kb = keybag.withLock { $0 }
+        guard let newest = keys.last, Int(newest.keySet) == kb.currentKeySet else { return }
+        do {
+            guard try kb.adoptRecordOfHeldSet(classA: newest.classA) else { return }
+            keybag.withLock { $0 = kb }
+            MountDaemon.log("took the device list of key set \(kb.currentKeySet) from its record")
+        } catch {
+            MountDaemon.log("could not take the device list of key set \(kb.currentKeySet): \(error)")
         }
     }
 
