@@ -20,7 +20,6 @@ extension Keybag {
             throw bad("identity", "some of the device's identity keys are missing")
         }
         if f.identitySign != nil {
-            guard f.deviceID != nil else { throw bad("identity", "identity keys without a device id") }
             guard bytes(f.identityBox) == 32 else { throw bad("identityBox", "not a public key") }
             guard bytes(f.identitySign) == 32 else { throw bad("identitySign", "not a public key") }
             for slot in [DeviceIdentityKeys.boxSlot, DeviceIdentityKeys.signSlot]
