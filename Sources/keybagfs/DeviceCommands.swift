@@ -236,6 +236,13 @@ struct DeviceCommand: ParsableCommand {
             defer { passcode.wipe() }
             let set = try kb.removeDevice(id, passcode: passcode, deviceKey: dk, recovery: recovery)
             print("removed device \(id); files written from now on use key set \(set)")
+            // Devices it approved stay: name them, since a thief may have let its own in.
+            let trusted = kb.deviceTrust()?.trusted ?? [:]
+            for c in DeviceCertificate.all(storePath: target.store) where c.by == id && trusted[c.deviceID] != nil {
+                print(
+                    "note: \(id) approved device \(c.deviceID) (\(DeviceTrust.shown(c.name ?? "no name"))), which stays; "
+                        + "remove it too if you do not know it")
+            }
         }
     }
 }

@@ -235,6 +235,12 @@ final class DeviceTrustTests: XCTestCase {
             storePath: dir, storeID: storeID, root: try Ed25519.publicKey(seed: root), keys: keys)
         XCTAssertEqual(snap.trusted, [:])
         try FileManager.default.removeItem(atPath: dir + "/devices/" + KeySetRecord.fileName(1, maker: r.id))
+        // A device that holds set 1 (it can make the MAC) but not the certification key: nothing.
+        try put(try record(1, maker: r, members: [r], classB: pk1, classA: keys.sets[1].classA, byRoot: false))
+        snap = DeviceTrust.bootstrap(
+            storePath: dir, storeID: storeID, root: try Ed25519.publicKey(seed: root), keys: keys)
+        XCTAssertEqual(snap.trusted, [:])
+        try FileManager.default.removeItem(atPath: dir + "/devices/" + KeySetRecord.fileName(1, maker: r.id))
         try put(try record(1, maker: a, members: [a, c], removed: [r.id], classB: pk1, classA: keys.sets[1].classA))
         snap = DeviceTrust.bootstrap(
             storePath: dir, storeID: storeID, root: try Ed25519.publicKey(seed: root), keys: keys)

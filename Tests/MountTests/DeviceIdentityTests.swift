@@ -224,6 +224,32 @@ final class DeviceIdentityTests: XCTestCase {
         XCTAssertTrue(log.contains("took the device list of key set 2"), log)
     }
 
+    /// A device whose keybag a thief deleted from the store, or spoiled, is still removed by
+    /// its id, and the device it approved is named.
+    func testADeviceIsRemovedWhateverBecameOfItsKeybag() throws {
+        let (a, b, c, rk) = try threeDevices()
+        defer { [a, b, c].forEach { $0.close() } }
+        for (m, how) in [(b, "deleted"), (c, "spoiled")] {
+            let path = a.store + "/devices/\(id(m)).keybag"
+            if how == "deleted" {
+                XCTAssertEqual(unlink(path), 0)
+            } else {
+                try Data("{}".utf8).write(to: URL(fileURLWithPath: path))
+            }
+            let rm = keybagfs(
+                [
+                    "device", "remove", a.store, id(m), "--device-key", a.deviceKey, "--recovery-key-file", rk,
+                    "--stdin",
+                ],
+                stdin: a.passcode + "\n")
+            XCTAssertEqual(rm.code, 0, "\(how): \(rm.stderr)")
+            XCTAssertFalse(FileManager.default.fileExists(atPath: path))
+        }
+        let list = keybagfs(["device", "list", a.store, "--device-key", a.deviceKey, "--json"])
+        let t = (try? JSONSerialization.jsonObject(with: Data(list.stdout.utf8)) as? [String: Any])?["trust"]
+        XCTAssertEqual(Set(((t as? [String: Any])?["removed"] as? [String]) ?? []), [id(b), id(c)], list.stdout)
+    }
+
     /// A pairing file a store writer swaps after the approver answered: its own challenge is
     /// put back (it never takes another for its own), and a changed request is refused.
     func testTheApproverKeepsItsOwnChallengeAndRefusesAChangedRequest() throws {

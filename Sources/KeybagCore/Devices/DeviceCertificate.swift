@@ -69,6 +69,15 @@ public struct DeviceCertificate: Codable, Sendable, Equatable {
         return Ed25519.verify([UInt8](sig), of: message, publicKey: signer)
     }
 
+    /// The certificates in the store's devices folder that decode (unverified: for naming).
+    public static func all(storePath: String) -> [DeviceCertificate] {
+        StoreDevices.entries(storePath).filter { $0.hasSuffix(".identity") }.compactMap { name in
+            FileManager.default.contents(atPath: storePath + "/" + StoreDevices.dirName + "/" + name).flatMap {
+                try? JSONDecoder().decode(DeviceCertificate.self, from: $0)
+            }
+        }
+    }
+
     /// Writes it as `devices/ID.identity` in the store (atomically).
     public func write(storePath: String) throws {
         try StoreDevices.makeFolder(storePath)

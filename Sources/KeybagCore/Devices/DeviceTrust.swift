@@ -125,10 +125,11 @@ public struct DeviceTrust: Sendable {
             root: root)
     }
 
-    /// The snapshot of a device that got the store's keys from the recovery key (`device add`,
-    /// `recover`): the devices the record of the newest set lists, when exactly one record of
-    /// that set carries the keys MAC only that set's keys give (a record a store writer made or
-    /// kept from before cannot); else none but those certified at that set.
+    /// The snapshot of a device that got the store's keys and the certification key `root`
+    /// from the recovery key (`device add`, `recover`): the devices the record of the newest set
+    /// lists, when exactly one record of that set is vouched for by `root`, its maker and the
+    /// set's keys (`KeySetRecord.isVouched`); else none but those certified at that set. The
+    /// root is always the escrow's, never a record's.
     public static func bootstrap(storePath: String, storeID: String, root: [UInt8], keys: StoreKeys) -> TrustSnapshot {
         var ignored: [String] = []
         let (_, recs, _) = parse(files(storePath: storePath), storeID: storeID, refused: &ignored)
@@ -137,15 +138,15 @@ public struct DeviceTrust: Sendable {
         var classB: [Int: String] = [:]
         for (i, set) in keys.sets.enumerated() { classB[i] = Data(set.classBPublic).base64EncodedString() }
         let genuine = recs.filter {
-            $0.keySet == n && $0.classBPublic == pk && $0.hasKeysMAC(classA: keys.sets[n].classA)
+            $0.keySet == n && $0.classBPublic == pk && $0.isVouched(byRoot: root, classA: keys.sets[n].classA)
         }
         guard n > 0, genuine.count == 1, let r = genuine.first else {
             return TrustSnapshot(keySet: n, root: root, trusted: [:], removed: [], classBPublics: classB)
         }
         let removed = Set(r.removed)
         return TrustSnapshot(
-            keySet: n, root: r.certifyKey ?? root, trusted: r.members.filter { !removed.contains($0.key) },
-            removed: removed, classBPublics: classB)
+            keySet: n, root: root, trusted: r.members.filter { !removed.contains($0.key) }, removed: removed,
+            classBPublics: classB)
     }
 
     /// The newest set the removal records tell of: a signed one from a trusted device names the
@@ -192,7 +193,7 @@ public struct DeviceTrust: Sendable {
 
     /// A file name as a message may show it: control characters as `?`, at most 100 characters
     /// (a store writer chooses names; a log line must stay one line).
-    static func shown(_ name: String) -> String {
+    public static func shown(_ name: String) -> String {
         String(
             String.UnicodeScalarView(
                 name.unicodeScalars.prefix(100).map { $0.value < 0x20 || (0x7f..<0xa0).contains($0.value) ? "?" : $0 }))

@@ -277,6 +277,9 @@ extension Keybag {
         if (try? Keybag.load(storePath: storePath, relativePath: Keybag.fileName))?.file.deviceID == id {
             return Keybag.fileName
         }
+        // A device this one trusts is removed by its id, whatever became of its keybag (a thief
+        // may delete or spoil it in the store): its keybag's path, which may hold nothing.
+        if deviceTrust()?.trusted[id] != nil { return StoreDevices.keybagPath(id) }
         throw KeybagError.invalid("no device \(id) in this store (`keybagfs device list` shows them)")
     }
 
@@ -330,10 +333,12 @@ extension Keybag {
     ) throws -> Int {
         let own = try DeviceIdentity.id(deviceKey: deviceKey, storeID: file.storeID)
         let keybag = try keybagOfDevice(id, own: own)
-        let target = try Keybag.load(storePath: storePath, relativePath: keybag)
-        // The record's name comes from the argument, never from the (store-written) keybag.
-        let removedID = id == "first" ? (target.file.deviceID ?? "first") : id
-        guard id == "first" || target.file.deviceID == id else {
+        // The record's name comes from the argument, never from the (store-written) keybag; the
+        // keybag is read only to learn the first device's id, or to refuse one that names another.
+        let target = try? Keybag.load(storePath: storePath, relativePath: keybag)
+        if id == "first" && target == nil { _ = try Keybag.load(storePath: storePath, relativePath: keybag) }
+        let removedID = id == "first" ? (target?.file.deviceID ?? "first") : id
+        guard id == "first" || target == nil || target?.file.deviceID == id else {
             throw KeybagError.corrupt("keybag \(keybag) names another device than its file name")
         }
         guard removedID != own else { throw KeybagError.invalid("a device cannot remove itself") }

@@ -100,6 +100,17 @@ public struct KeySetRecord: Codable, Sendable, Equatable {
         return Ed25519.verify([UInt8](sig), of: message, publicKey: root)
     }
 
+    /// Whether the record is vouched for by the certification key `root` that a device holds
+    /// for this record's set (from the recovery key's escrow, or its own memory): signed by it
+    /// as the key of the set before, or (a rotation) naming it as the new key and signed by it;
+    /// and signed by its maker as the record lists the maker, and made with the set's keys
+    /// (`classA`). What a device that starts at this set takes its list from.
+    func isVouched(byRoot root: [UInt8], classA: SecureKey) -> Bool {
+        let rootOK = isSigned(byRoot: root) || (certifyKey == root && isSignedByItsCertifyKey)
+        guard rootOK, let maker = members[madeBy], isSigned(by: maker.signKey) else { return false }
+        return hasKeysMAC(classA: classA)
+    }
+
     /// Whether `certify` is there and signed the record itself.
     public var isSignedByItsCertifyKey: Bool {
         guard let key = certifyKey, let sig = certifySignature.flatMap({ Data(base64Encoded: $0) }) else {

@@ -76,22 +76,22 @@ extension Keybag {
     }
 
     /// A device that started from nobody but itself (added or recovered before the record of
-    /// its newest set reached its replica) takes that record's list once it is there and
-    /// carries the MAC of the set's keys (`classA`, from an unlock); saves. Whether it did.
+    /// its newest set reached its replica) takes that record's list once it is there and is
+    /// vouched for by its certification key, its maker and the set's keys (`classA`, from an
+    /// unlock); the certification key stays its own. Saves. Whether it did.
     public mutating func adoptRecordOfHeldSet(classA: SecureKey) throws -> Bool {
         guard let snap = trustSnapshot, let me = file.deviceID, currentKeySet > 0,
             snap.trusted.keys.allSatisfy({ $0 == me })
         else { return false }
         let held = snap.classBPublics[currentKeySet]
         let genuine = DeviceTrust.records(storePath: storePath, storeID: file.storeID).filter {
-            $0.keySet == currentKeySet && $0.classBPublic == held && $0.hasKeysMAC(classA: classA)
+            $0.keySet == currentKeySet && $0.classBPublic == held && $0.isVouched(byRoot: snap.root, classA: classA)
         }
         guard genuine.count == 1, let r = genuine.first else { return false }
         var trusted = r.members
         trusted[me] = snap.trusted[me]
         var next = file
-        Keybag.remember(
-            trusted: trusted, removed: snap.removed.union(r.removed), root: r.certifyKey ?? snap.root, in: &next)
+        Keybag.remember(trusted: trusted, removed: snap.removed.union(r.removed), root: snap.root, in: &next)
         file = next
         try save()
         return true

@@ -170,7 +170,9 @@ extension Keybag {
         }
         try refuseWhileBehind(trust)
         // With other devices, the rotation takes over their escrow: only the current key's holder may.
-        let alone = trust.trusted.keys.allSatisfy { $0 == file.deviceID }
+        let alone =
+            trust.trusted.keys.allSatisfy { $0 == file.deviceID }
+            && StoreDevices.list(storePath: storePath).allSatisfy { $0.removedAt != nil || $0.id == file.deviceID }
         guard alone || current != nil else {
             throw KeybagError.invalid(
                 "this store has other devices: give the current recovery key too (--current-recovery-key-file), so "
