@@ -151,6 +151,12 @@ struct Status: ParsableCommand {
         print("open files: \(reply.openFiles)")
         print("grace: \(seconds(reply.grace)) s")
         if reply.retryAfter > 0 { print("unlock throttled: retry in \(reply.retryAfter) s") }
+        if reply.keySetBehind {
+            print(
+                "key set: behind (another device made a newer one): new files and class changes are refused until this "
+                    + "device takes it up (lock and unlock) or runs `keybagfs recover`")
+        }
+        for r in reply.refusedRecords { print("refused in devices/: \(r)") }
         let tpm = reply.tpm2
         if tpm.inUse {
             if let e = tpm.error { print("TPM: in use; \(e)"); return }

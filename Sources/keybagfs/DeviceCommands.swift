@@ -209,8 +209,8 @@ struct DeviceCommand: ParsableCommand {
                 store's recovery key (it must cover the new keys): from --recovery-key-file, or the first line of \
                 stdin with --stdin (the passcode is then the second line), or asked on the terminal. New class \
                 keys are made for files written from now on; the removed device keeps what it could already \
-                read. Other devices take up the new keys with `keybagfs recover`; until then they refuse new \
-                files. Also remove the device from the sync engine.
+                read. The devices this one trusts take the new keys up at their next unlock (others with \
+                `keybagfs recover`); until then they refuse new files. Also remove the device from the sync engine.
                 """)
 
         @OptionGroup var target: UnmountedStore
@@ -238,10 +238,17 @@ struct DeviceCommand: ParsableCommand {
             print("removed device \(id); files written from now on use key set \(set)")
             // Devices it approved stay: name them, since a thief may have let its own in.
             let trusted = kb.deviceTrust()?.trusted ?? [:]
-            for c in DeviceCertificate.all(storePath: target.store) where c.by == id && trusted[c.deviceID] != nil {
+            let certs = DeviceCertificate.all(storePath: target.store)
+            var approvers: Set<String> = [id], named: Set<String> = []
+            while let c = certs.first(where: {
+                approvers.contains($0.by) && trusted[$0.deviceID] != nil && !named.contains($0.deviceID)
+            }) {
+                named.insert(c.deviceID)
+                approvers.insert(c.deviceID)
                 print(
-                    "note: \(id) approved device \(c.deviceID) (\(DeviceTrust.shown(c.name ?? "no name"))), which stays; "
-                        + "remove it too if you do not know it")
+                    "note: \(c.deviceID) (\(DeviceTrust.shown(c.name ?? "no name"))) was approved by \(c.by), which "
+                        + "\(c.by == id ? "is removed" : "it approved in turn"); it stays: remove it too if you do not know it"
+                )
             }
         }
     }

@@ -172,6 +172,27 @@ final class DeviceTrustTests: XCTestCase {
         XCTAssertNotNil(u.trusted[c.id])
     }
 
+    /// A trusted device certifies its own keys under another device's id: refused where this
+    /// device already knows that id's keys, and where the device's own keybag names other keys.
+    func testACertificateNeverGivesAKnownIdOtherKeys() throws {
+        let root = SecureKey(random: 32)
+        certifiedBy = root
+        let (a, t, h) = (dev(1), dev(2), dev(3))
+        let thief = Dev(id: a.id, keys: DeviceIdentityKeys.generate())  // the thief's keys, A's id
+        let squat = try cert(thief, keySet: 0, by: t.id, signer: t.keys.signSeed)
+        let known = judge([squat], try snapshot(0, root: root, trusted: [a, t]))
+        XCTAssertEqual(known.trusted[a.id], a.pub)
+        XCTAssertTrue(
+            known.refused.contains { $0.contains("other keys than the device this device knows") }, "\(known.refused)")
+        // H, certified since the last set (not remembered yet): its keybag names its real keys.
+        let hThief = Dev(id: h.id, keys: DeviceIdentityKeys.generate())
+        let t2 = DeviceTrust.evaluate(
+            files: Dictionary(uniqueKeysWithValues: [try cert(hThief, keySet: 0, by: t.id, signer: t.keys.signSeed)]),
+            storeID: storeID, snapshot: try snapshot(0, root: root, trusted: [a, t]), keybags: [h.id: h.pub])
+        XCTAssertNil(t2.trusted[h.id])
+        XCTAssertTrue(t2.refused.contains { $0.contains("keybag names") }, "\(t2.refused)")
+    }
+
     func testApprovalsChainWithinASet() throws {
         let root = SecureKey(random: 32)
         certifiedBy = root

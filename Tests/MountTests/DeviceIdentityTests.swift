@@ -295,6 +295,31 @@ final class DeviceIdentityTests: XCTestCase {
         XCTAssertFalse(FileManager.default.fileExists(atPath: challengePath))
     }
 
+    /// A request under the id of a device of the store (a thief's keys for B's id) is never
+    /// approved: only a new device is.
+    func testTheApproverApprovesOnlyANewDevice() throws {
+        let (a, b, c, _) = try threeDevices()
+        defer { [a, b, c].forEach { $0.close() } }
+        let m = try MountFixture(replicaOf: a, passcode: "mallory passcode")
+        defer { m.close() }
+        let first = keybagfs(
+            ["device", "add", m.store, "--device-key", m.deviceKey, "--approval", "--kdf", "interactive", "--stdin"],
+            stdin: m.passcode + "\n")
+        XCTAssertEqual(first.code, 0, first.stderr)
+        for victim in [id(b), id(a)] {
+            var req =
+                try JSONSerialization.jsonObject(
+                    with: Data(contentsOf: URL(fileURLWithPath: m.store + "/devices/\(id(m)).request")))
+                as! [String: Any]
+            req["deviceID"] = victim
+            try JSONSerialization.data(withJSONObject: req).write(
+                to: URL(fileURLWithPath: a.store + "/devices/\(victim).request"))
+            let r = keybagfs(["device", "approve", a.store, victim, "--device-key", a.deviceKey])
+            XCTAssertFalse(r.stdout.contains("answered"), r.stdout)  // B: its pairing is over; A: not another device
+            XCTAssertFalse(FileManager.default.fileExists(atPath: a.store + "/devices/\(victim).challenge"))
+        }
+    }
+
     /// The fields of a challenge file, as a test compares them.
     struct PairingChallenge: Codable, Equatable {
         var deviceID: String, approver: String, approverSign: String, nonce: String, request: String

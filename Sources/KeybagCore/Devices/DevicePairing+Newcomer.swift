@@ -131,7 +131,8 @@ extension DevicePairing {
         Keybag.remember(
             trusted: trusted, removed: Set(grant.removed),
             root: Data(base64Encoded: grant.storeCertify).map([UInt8].init) ?? [], in: &file)
-        if Keybag.isCompleteEscrow(grant.escrow, sets: keys.current) { file.wrapped.merge(grant.escrow) { $1 } }
+        let escrow = grant.escrow.filter { $0.key.hasPrefix("r") }
+        if Keybag.isCompleteEscrow(escrow, sets: keys.current) { file.wrapped.merge(escrow) { $1 } }
         try StoreDevices.makeFolder(storePath)
         let kb = Keybag(
             storePath: storePath, file: file, counterKey: try Keybag.counterKey(deviceKey),
@@ -156,7 +157,8 @@ extension DevicePairing {
             cert.sign == request.sign, cert.by == challenge.approver, cert.isSigned(by: approver),
             cert.keySet == grant.keySet, Data(base64Encoded: grant.storeCertify)?.count == 32,
             grant.members.allSatisfy({ DeviceIdentity.isWellFormed($0.key) && $0.value.isWellFormed }),
-            grant.members[challenge.approver]?.sign == challenge.approverSign
+            grant.members[challenge.approver]?.sign == challenge.approverSign,
+            !grant.removed.contains(challenge.approver), !grant.removed.contains(request.deviceID)
         else {
             throw KeybagError.corrupt(
                 "the grant is not signed by the approving device the code covers, or certifies other keys: nothing "

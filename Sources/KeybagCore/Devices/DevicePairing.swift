@@ -34,12 +34,13 @@ public enum DevicePairing {
         case finished
     }
 
-    /// The payload a grant seals: the number of sets, then A, B, C, D of each, then the volume key.
+    /// The payload a grant seals: the number of sets (u16 LE), then A, B, C, D of each, then the volume key.
     static func payload(_ keys: StoreKeys) throws -> SecureKey {
         let n = keys.sets.count
-        return try SecureKey(count: 1 + 128 * n + 32) { out in
-            out[0] = UInt8(n)
-            var at = 1
+        return try SecureKey(count: 2 + 128 * n + 32) { out in
+            out[0] = UInt8(n & 0xff)
+            out[1] = UInt8(n >> 8)
+            var at = 2
             for (i, s) in keys.sets.enumerated() {
                 for k in [s.classA, s.classBSecret, s.classC, keys.classD[i]] {
                     try k.withBytes { (out.baseAddress! + at).copyMemory(from: $0.baseAddress!, byteCount: 32) }
@@ -53,14 +54,16 @@ public enum DevicePairing {
     /// The keys of a payload; `corrupt` when malformed.
     static func keys(ofPayload p: SecureKey) throws -> StoreKeys {
         try p.withBytes { b in
-            let n = Int(b[0])
-            guard n >= 1, b.count == 1 + 128 * n + 32 else { throw KeybagError.corrupt("a grant of the wrong size") }
+            let n = Int(b[0]) | Int(b[1]) << 8
+            guard n >= 1, n <= Keybag.maxKeySet + 1, b.count == 2 + 128 * n + 32 else {
+                throw KeybagError.corrupt("a grant of the wrong size")
+            }
             func key(_ at: Int) -> SecureKey {
                 SecureKey(count: 32) { $0.baseAddress!.copyMemory(from: b.baseAddress! + at, byteCount: 32) }
             }
             var sets: [UnlockedClassKeys] = [], classD: [SecureKey] = []
             for i in 0..<n {
-                let base = 1 + 128 * i
+                let base = 2 + 128 * i
                 let bs = key(base + 32)
                 sets.append(
                     UnlockedClassKeys(
@@ -68,7 +71,7 @@ public enum DevicePairing {
                         classC: key(base + 64), keySet: UInt8(i)))
                 classD.append(key(base + 96))
             }
-            return StoreKeys(sets: sets, classD: classD, volume: key(1 + 128 * n))
+            return StoreKeys(sets: sets, classD: classD, volume: key(2 + 128 * n))
         }
     }
 

@@ -61,22 +61,51 @@ public struct DeviceTrust: Sendable {
         return files
     }
 
-    /// Judges the devices folder of the store at `storePath` from `snapshot`.
-    public static func evaluate(storePath: String, storeID: String, snapshot: TrustSnapshot) -> DeviceTrust {
-        evaluate(files: files(storePath: storePath), storeID: storeID, snapshot: snapshot)
+    /// Records of sets the device holds that name another class B key than it holds.
+    private static func conflicts(_ recs: [KeySetRecord], _ s: TrustSnapshot) -> [String] {
+        recs.filter { r in r.keySet <= s.keySet && s.classBPublics[r.keySet].map { $0 != r.classBPublic } ?? false }
+            .map { "\($0.fileName): conflicts with key set \($0.keySet) this device holds" }
     }
 
-    /// Judges `files` (name in the devices folder → contents) of store `storeID` from `snapshot`.
-    public static func evaluate(files: [String: Data], storeID: String, snapshot s: TrustSnapshot) -> DeviceTrust {
+    /// The identity keys each keybag of the store at `storePath` names, by device id (a
+    /// certificate must name the same: `addCertified`).
+    static func keybagIdentities(storePath: String) -> [String: DevicePublicKeys] {
+        struct Names: Decodable { var deviceID: String?, identityBox: String?, identitySign: String? }
+        var out: [String: DevicePublicKeys] = [:]
+        let paths =
+            [Keybag.fileName]
+            + StoreDevices.entries(storePath).filter { $0.hasSuffix(".keybag") }.map { StoreDevices.dirName + "/" + $0 }
+        for rel in paths {
+            guard let d = FileManager.default.contents(atPath: storePath + "/" + rel),
+                let n = try? JSONDecoder().decode(Names.self, from: d), let id = n.deviceID, let box = n.identityBox,
+                let sign = n.identitySign
+            else { continue }
+            out[id] = DevicePublicKeys(box: box, sign: sign)
+        }
+        return out
+    }
+
+    /// Judges the devices folder of the store at `storePath` from `snapshot`.
+    public static func evaluate(storePath: String, storeID: String, snapshot: TrustSnapshot) -> DeviceTrust {
+        evaluate(
+            files: files(storePath: storePath), storeID: storeID, snapshot: snapshot,
+            keybags: keybagIdentities(storePath: storePath))
+    }
+
+    /// Judges `files` (name in the devices folder → contents) of store `storeID` from `snapshot`;
+    /// `keybags`: the identity keys the store's keybags name, by device id.
+    public static func evaluate(
+        files: [String: Data], storeID: String, snapshot s: TrustSnapshot, keybags: [String: DevicePublicKeys] = [:]
+    ) -> DeviceTrust {
         var refused: [String] = []
         let (certs, recs, rems) = parse(files, storeID: storeID, refused: &refused)
         var removed = s.removed, root = s.root, newest = s.keySet
         var trusted = s.trusted.filter { !removed.contains($0.key) }
         var verified: [Int: KeySetRecord] = [:]
-        for r in recs where r.keySet <= s.keySet && s.classBPublics[r.keySet].map({ $0 != r.classBPublic }) ?? false {
-            refused.append("\(r.fileName): conflicts with key set \(r.keySet) this device holds")
-        }
-        addCertified(at: s.keySet, certs: certs, to: &trusted, removed: removed, certifyKey: root)
+        refused += conflicts(recs, s)
+        addCertified(
+            at: s.keySet, certs: certs, to: &trusted, removed: removed, certifyKey: root, keybags: keybags,
+            refused: &refused)
         var everTrusted = Set(trusted.keys)
         var k = s.keySet + 1
         while k <= Keybag.maxKeySet {
@@ -107,22 +136,30 @@ public struct DeviceTrust: Sendable {
             removed.formUnion(r.removed)
             trusted = r.members.filter { !removed.contains($0.key) }
             if let key = r.certifyKey { root = key }
-            addCertified(at: k, certs: certs, to: &trusted, removed: removed, certifyKey: root)
+            addCertified(
+                at: k, certs: certs, to: &trusted, removed: removed, certifyKey: root, keybags: keybags,
+                refused: &refused)
             everTrusted.formUnion(trusted.keys)
             k += 1
         }
         newest = max(
             newest, removalSignal(rems, trusted: trusted, newest: newest, holding: s.keySet, refused: &refused))
-        for (id, c) in certs.sorted(by: { $0.key < $1.key })
-        where !removed.contains(id) && !everTrusted.contains(id) && !s.trusted.keys.contains(id) {
-            refused.append(
-                c.keySet >= s.keySet
-                    ? "\(DeviceCertificate.fileName(id)): not certified by the store's key or by a device this device trusts"
-                    : "\(DeviceCertificate.fileName(id)): certified at key set \(c.keySet), and no newer set lists it")
-        }
+        refused += untrusted(certs, ever: everTrusted.union(s.trusted.keys), removed: removed, holding: s.keySet)
         return DeviceTrust(
-            trusted: trusted, records: verified, removed: removed, refused: refused.sorted(), newestSet: newest,
-            root: root)
+            trusted: trusted, records: verified, removed: removed, refused: Array(Set(refused)).sorted(),
+            newestSet: newest, root: root)
+    }
+
+    /// What is said of the certificates of devices never trusted (and not removed).
+    private static func untrusted(
+        _ certs: [String: DeviceCertificate], ever: Set<String>, removed: Set<String>, holding: Int
+    ) -> [String] {
+        certs.sorted(by: { $0.key < $1.key }).filter { !removed.contains($0.key) && !ever.contains($0.key) }.map {
+            (id, c) in
+            c.keySet >= holding
+                ? "\(DeviceCertificate.fileName(id)): not certified by the store's key or by a device this device trusts"
+                : "\(DeviceCertificate.fileName(id)): certified at key set \(c.keySet), and no newer set lists it"
+        }
     }
 
     /// The snapshot of a device that got the store's keys and the certification key `root`
@@ -174,17 +211,31 @@ public struct DeviceTrust: Sendable {
 
     /// Adds to `trusted` every certificate naming set `k` signed by that set's certification
     /// key or by a device trusted at it, until no more hold (approvals may chain).
+    /// A certificate never gives a device id other keys than those this device already knows
+    /// for it, or than the device's own keybag names (a trusted device could otherwise certify
+    /// its own keys under another device's id, and receive that device's key sets).
     private static func addCertified(
         at k: Int, certs: [String: DeviceCertificate], to trusted: inout [String: DevicePublicKeys],
-        removed: Set<String>, certifyKey: [UInt8]
+        removed: Set<String>, certifyKey: [UInt8], keybags: [String: DevicePublicKeys], refused: inout [String]
     ) {
+        for (id, c) in certs.sorted(by: { $0.key < $1.key }) where !removed.contains(id) {
+            let keys = DevicePublicKeys(box: c.box, sign: c.sign)
+            if let known = trusted[id], known != keys {
+                refused.append(
+                    "\(DeviceCertificate.fileName(id)): other keys than the device this device knows by that id")
+            } else if trusted[id] == nil, let own = keybags[id], own != keys {
+                refused.append("\(DeviceCertificate.fileName(id)): other keys than the device's own keybag names")
+            }
+        }
         var changed = true
         while changed {
             changed = false
             for (id, c) in certs where trusted[id] == nil && c.keySet == k && !removed.contains(id) && c.by != id {
+                let keys = DevicePublicKeys(box: c.box, sign: c.sign)
+                if let own = keybags[id], own != keys { continue }
                 let signer = c.by == DeviceCertificate.byStore ? certifyKey : trusted[c.by]?.signKey
                 if let signer, c.isSigned(by: signer) {
-                    trusted[id] = DevicePublicKeys(box: c.box, sign: c.sign)
+                    trusted[id] = keys
                     changed = true
                 }
             }

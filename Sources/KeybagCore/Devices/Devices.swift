@@ -200,7 +200,7 @@ extension Keybag {
             d.wipe()
             return first.file.deviceID ?? id
         }
-        return StoreDevices.list(storePath: storePath).contains { $0.id == id } ? id : nil
+        return StoreDevices.list(storePath: storePath).contains { $0.id == id && $0.keybag != nil } ? id : nil
     }
 
     /// Adds the device holding `deviceKey` to the store with the recovery key: a keybag of
@@ -359,7 +359,7 @@ extension Keybag {
         }
         if let recovery { try ensureIdentity(passcode: passcode, deviceKey: deviceKey, recovery: recovery, now: now) }
         let set: Int
-        if let trust = deviceTrust() {
+        if let trust = try rememberCertified(deviceKey: deviceKey) {
             // The devices that stay get the new set sealed to them, in a record this device signs.
             try refuseWhileBehind(trust)
             let keys = try keysWithFreshSet(passcode: passcode, deviceKey: deviceKey, recovery: recovery, now: now)

@@ -24,7 +24,7 @@ extension Keybag {
         _ deviceID: String, code: String?, deviceKey: SecureKey, cancel: Bool = false,
         passcode: () throws -> SecureKey, now: Double = Date().timeIntervalSince1970
     ) throws -> DevicePairing.ApproverStep {
-        guard let me = file.deviceID, let trust = deviceTrust(), let mine = ownDeviceKeys else {
+        guard let me = file.deviceID, let trust = try rememberCertified(deviceKey: deviceKey), let mine = ownDeviceKeys else {
             throw KeybagError.invalid(
                 "this device has no identity yet: run `keybagfs recover` on it once, or add the new device with the "
                     + "recovery key")
@@ -43,6 +43,7 @@ extension Keybag {
         }
         try refuseWhileBehind(trust)
         guard !trust.removed.contains(deviceID) else { throw KeybagError.invalid("device \(deviceID) was removed") }
+        try refuseKnownDevice(deviceID, trust: trust)
         guard let request = PairingMessages.read(PairingMessages.Request.self, storePath, deviceID, "request"),
             request.storeID == file.storeID, request.deviceID == deviceID,
             Data(base64Encoded: request.box)?.count == 32, Data(base64Encoded: request.sign)?.count == 32
@@ -77,6 +78,20 @@ extension Keybag {
         }
         let set = try writeGrant(request, trust: trust, deviceKey: deviceKey, passcode: passcode(), now: now)
         return .approved(keySet: set, confirmation: PairingMessages.confirmation(request, pin.challenge, nonce: nonce))
+    }
+
+    /// Refuses to approve an id that is not a new device's: one this device trusts, the first
+    /// device's, or one with a keybag or a certificate in the store.
+    private func refuseKnownDevice(_ deviceID: String, trust: DeviceTrust) throws {
+        let firstID = (try? Keybag.load(storePath: storePath, relativePath: Keybag.fileName))?.file.deviceID
+        guard trust.trusted[deviceID] == nil, firstID != deviceID,
+            !FileManager.default.fileExists(atPath: storePath + "/" + StoreDevices.keybagPath(deviceID)),
+            !FileManager.default.fileExists(
+                atPath: storePath + "/" + StoreDevices.dirName + "/" + DeviceCertificate.fileName(deviceID))
+        else {
+            throw KeybagError.invalid(
+                "device \(deviceID) is already a device of this store: only a new one is approved")
+        }
     }
 
     /// Answers `request` with a challenge of a fresh nonce, kept at `pinPath` first.

@@ -97,6 +97,22 @@ extension Keybag {
         return true
     }
 
+    /// Judges the store's records and keeps, for good, the devices certified at this device's
+    /// newest set that it did not know yet (with their keys), so that a certificate replaced
+    /// later cannot give their ids other keys; saves when it learnt one. Returns the judgement
+    /// (nil: no identity).
+    @discardableResult
+    public mutating func rememberCertified(deviceKey: SecureKey? = nil) throws -> DeviceTrust? {
+        guard let trust = deviceTrust(), let known = file.trustedDevices else { return nil }
+        let new = trust.trusted.filter { known[$0.key] == nil && !trust.removed.contains($0.key) }
+        guard trust.newestSet == currentKeySet, !new.isEmpty else { return trust }
+        if counterKey == nil, let deviceKey { _ = try authenticate(deviceKey: deviceKey) }
+        guard counterKey != nil else { return trust }  // a command without the device key: next time
+        file.trustedDevices = known.merging(new) { old, _ in old }
+        try save()
+        return deviceTrust()
+    }
+
     /// Keeps in `f` whom this device trusts at its newest set (after making or taking it up).
     static func remember(
         trusted: [String: DevicePublicKeys], removed: Set<String>, root: [UInt8], in f: inout KeybagFile

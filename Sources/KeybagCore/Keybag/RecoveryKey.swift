@@ -311,7 +311,7 @@ extension Keybag {
         try unwrapDeviceKeySlot("D", deviceKey: deviceKey).wipe()
         let keys = try openAllCounted(passcode: passcode, deviceKey: deviceKey, now: now)
         defer { keys.wipe() }
-        if let trust = deviceTrust() {
+        if let trust = try rememberCertified(deviceKey: deviceKey) {
             return try rotateForAll(
                 keys, trust: trust, current: current, passcode: passcode, deviceKey: deviceKey, now: now,
                 deliver: deliver)

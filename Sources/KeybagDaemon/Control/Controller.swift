@@ -202,6 +202,7 @@ final class Controller: Sendable {
                 adoptRecordOfHeldSet(keys)
                 keyring.install(keys)
                 takeUpGrantedKeySets(passcode)
+                rememberCertified()
                 let evs = machine.withLock { $0.unlocked() }
                 relockDeadline.withLock { $0 = nil }
                 for e in evs { events.publish(e, state: .unlocked) }
@@ -250,6 +251,18 @@ final class Controller: Sendable {
                 "took up key set \(keys.current) (\(made.joined(separator: "; "))): new files are wrapped again")
         } catch {
             MountDaemon.log("could not take up key set \(trust.newestSet): \(error)")
+        }
+    }
+
+    /// After an unlock: keeps the devices certified at this device's set that it did not know
+    /// yet (`Keybag.rememberCertified`), so a certificate replaced later gives nothing.
+    private func rememberCertified() {
+        var kb = keybag.withLock { $0 }
+        do {
+            try kb.rememberCertified()
+            keybag.withLock { $0 = kb }
+        } catch {
+            MountDaemon.log("could not keep the devices this device trusts: \(error)")
         }
     }
 
