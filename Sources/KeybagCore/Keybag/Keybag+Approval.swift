@@ -24,7 +24,8 @@ extension Keybag {
         _ deviceID: String, code: String?, deviceKey: SecureKey, cancel: Bool = false,
         passcode: () throws -> SecureKey, now: Double = Date().timeIntervalSince1970
     ) throws -> DevicePairing.ApproverStep {
-        guard let me = file.deviceID, let trust = try rememberCertified(deviceKey: deviceKey), let mine = ownDeviceKeys else {
+        guard let me = file.deviceID, let trust = try rememberCertified(deviceKey: deviceKey), let mine = ownDeviceKeys
+        else {
             throw KeybagError.invalid(
                 "this device has no identity yet: run `keybagfs recover` on it once, or add the new device with the "
                     + "recovery key")
