@@ -224,6 +224,9 @@ struct DeviceCommand: ParsableCommand {
         @Flag(help: "Read the recovery key (unless --recovery-key-file) and then the passcode as lines from stdin.")
         var stdin = false
 
+        @Option(help: "A device the removed one approved that stays (by default they go with it); repeatable.")
+        var keep: [String] = []
+
         func run() throws {
             let lock = try lockUnmountedStore(target.store)
             defer { close(lock) }
@@ -234,21 +237,17 @@ struct DeviceCommand: ParsableCommand {
             defer { recovery?.wipe() }
             let passcode = try PasscodeInput.read(fromStdin: stdin, prompt: "Passcode: ")
             defer { passcode.wipe() }
-            let set = try kb.removeDevice(id, passcode: passcode, deviceKey: dk, recovery: recovery)
+            let keepSet = Set(keep)
+            let chain = kb.deviceTrust().map { kb.approvalChain(of: id, trust: $0, keep: keepSet) } ?? []
+            let names = Dictionary(
+                DeviceCertificate.all(storePath: target.store).map { ($0.deviceID, $0.name ?? "no name") },
+                uniquingKeysWith: { a, _ in a })
+            let set = try kb.removeDevice(id, passcode: passcode, deviceKey: dk, recovery: recovery, keep: keepSet)
             print("removed device \(id); files written from now on use key set \(set)")
-            // Devices it approved stay: name them, since a thief may have let its own in.
-            let trusted = kb.deviceTrust()?.trusted ?? [:]
-            let certs = DeviceCertificate.all(storePath: target.store)
-            var approvers: Set<String> = [id], named: Set<String> = []
-            while let c = certs.first(where: {
-                approvers.contains($0.by) && trusted[$0.deviceID] != nil && !named.contains($0.deviceID)
-            }) {
-                named.insert(c.deviceID)
-                approvers.insert(c.deviceID)
+            for d in chain {
                 print(
-                    "note: \(c.deviceID) (\(DeviceTrust.shown(c.name ?? "no name"))) was approved by \(c.by), which "
-                        + "\(c.by == id ? "is removed" : "it approved in turn"); it stays: remove it too if you do not know it"
-                )
+                    "also removed \(d) (\(DeviceTrust.shown(names[d] ?? "no name"))): approved by \(id) or by a device it "
+                        + "approved; keep such a device with --keep ID")
             }
         }
     }

@@ -145,6 +145,7 @@ final class ControlGoldenTests: XCTestCase {
             open files: 3
             grace: 0.25 s
             unlock throttled: retry in 60 s
+            key set: behind (another device made a newer one): new files and class changes are refused until this device takes it up (lock and unlock) or runs `keybagfs recover`
             TPM: in use; lockout counter 1 of 32 tries, one forgiven every 600 s
 
             """

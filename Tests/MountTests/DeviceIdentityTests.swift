@@ -320,6 +320,70 @@ final class DeviceIdentityTests: XCTestCase {
         }
     }
 
+    /// `n` joins by `approver`'s approval, the files carried by copying; its id.
+    private func addByApproval(_ n: MountFixture, approver a: MountFixture) -> String {
+        func step(_ m: MountFixture, _ args: [String], stdin: String? = nil) -> ToolResult {
+            let r = keybagfs(args, stdin: stdin)
+            XCTAssertEqual(r.code, 0, "\(args): \(r.stderr)")
+            return r
+        }
+        let add = ["device", "add", n.store, "--device-key", n.deviceKey, "--approval", "--kdf", "interactive"]
+        let approve = { (idN: String) in ["device", "approve", a.store, idN, "--device-key", a.deviceKey] }
+        _ = step(n, add + ["--stdin"], stdin: n.passcode + "\n")
+        let idN = id(n)
+        carry(idN, "request", from: n, to: a)
+        _ = step(a, approve(idN))
+        carry(idN, "challenge", from: a, to: n)
+        let code = pairingCode(step(n, add).stdout)
+        carry(idN, "reveal", from: n, to: a)
+        let ok = step(a, approve(idN) + ["--code", code, "--stdin"], stdin: a.passcode + "\n")
+        let confirmation = ok.stdout.range(of: "confirmation code: ").map {
+            String(ok.stdout[$0.upperBound...].prefix(6))
+        }
+        carry(idN, "grant", from: a, to: n)
+        _ = step(n, add + ["--code", confirmation ?? "", "--stdin"], stdin: n.passcode + "\n")
+        return idN
+    }
+
+    /// A thief's device approves a puppet, which every device remembers at its next unlock;
+    /// the thief then deletes the puppet's certificate and keybag from the store. Removing the
+    /// thief's device removes the puppet with it: the new set goes to neither.
+    func testRemovingADeviceRemovesWhatItApprovedEvenWhenItsCertificatesAreGone() throws {
+        let (a, b, c, rk) = try threeDevices()
+        defer { [a, b, c].forEach { $0.close() } }
+        let p = try MountFixture(replicaOf: b, passcode: "puppet passcode")
+        defer { p.close() }
+        let idP = addByApproval(p, approver: b)
+        for kind in ["identity", "keybag"] {
+            XCTAssertEqual(
+                MountFixture.run("/bin/cp", ["-a", p.store + "/devices/\(idP).\(kind)", a.store + "/devices/"]).code, 0)
+        }
+        try a.mount()
+        a.unlock()  // A learns of the puppet, approved by B
+        a.unmount()
+        for kind in ["identity", "keybag"] { unlink(a.store + "/devices/\(idP).\(kind)") }
+        let rm = keybagfs(
+            ["device", "remove", a.store, id(b), "--device-key", a.deviceKey, "--recovery-key-file", rk, "--stdin"],
+            stdin: a.passcode + "\n")
+        XCTAssertEqual(rm.code, 0, rm.stderr)
+        let record =
+            try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: recordPath(a, 2))))
+            as? [String: Any] ?? [:]
+        XCTAssertEqual(Set((record["removed"] as? [String]) ?? []), [id(b), idP], rm.stdout)
+        XCTAssertEqual(Set(((record["members"] as? [String: Any]) ?? [:]).keys), [id(a), id(c)])
+        // On C's replica a store writer puts B's keybag in the first device's place: `device
+        // remove first` would remove B, not the first device; it refuses, and removes nobody.
+        let first = c.store + "/keybag"
+        try FileManager.default.removeItem(atPath: first)
+        try FileManager.default.copyItem(atPath: c.store + "/devices/\(id(b)).keybag", toPath: first)
+        let swapped = keybagfs(
+            ["device", "remove", c.store, "first", "--device-key", c.deviceKey, "--recovery-key-file", rk, "--stdin"],
+            stdin: c.passcode + "\n")
+        XCTAssertNotEqual(swapped.code, 0)
+        XCTAssertTrue(swapped.stderr.contains("has a keybag of its own"), swapped.stderr)
+        XCTAssertFalse(FileManager.default.fileExists(atPath: c.store + "/devices/\(id(b)).removed"))
+    }
+
     /// The fields of a challenge file, as a test compares them.
     struct PairingChallenge: Codable, Equatable {
         var deviceID: String, approver: String, approverSign: String, nonce: String, request: String

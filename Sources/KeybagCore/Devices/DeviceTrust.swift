@@ -43,6 +43,9 @@ public struct DeviceTrust: Sendable {
     public let newestSet: Int
     /// The certification key at the newest set that holds.
     public let root: [UInt8]
+    /// Who approved each device trusted by its certificate here (device id → approver id, or
+    /// "store"); devices known from a record or the snapshot are not in it.
+    public var approvedBy: [String: String] = [:]
 
     /// The files of the devices folder of the store at `storePath` that trust reads
     /// (anything larger than a record, or not a plain file, reads as empty).
@@ -72,13 +75,16 @@ public struct DeviceTrust: Sendable {
     static func keybagIdentities(storePath: String) -> [String: DevicePublicKeys] {
         struct Names: Decodable { var deviceID: String?, identityBox: String?, identitySign: String? }
         var out: [String: DevicePublicKeys] = [:]
+        // Only `devices/ID.keybag` naming ID, and the first device's (which names its own id).
         let paths =
-            [Keybag.fileName]
-            + StoreDevices.entries(storePath).filter { $0.hasSuffix(".keybag") }.map { StoreDevices.dirName + "/" + $0 }
-        for rel in paths {
+            StoreDevices.entries(storePath).filter { $0.hasSuffix(".keybag") }.map {
+                (StoreDevices.dirName + "/" + $0, String($0.dropLast(7)) as String?)
+            } + [(Keybag.fileName, nil)]
+        for (rel, named) in paths {
             guard let d = FileManager.default.contents(atPath: storePath + "/" + rel),
-                let n = try? JSONDecoder().decode(Names.self, from: d), let id = n.deviceID, let box = n.identityBox,
-                let sign = n.identitySign
+                let n = try? JSONDecoder().decode(Names.self, from: d), let id = n.deviceID,
+                named == nil || named == id,
+                out[id] == nil, let box = n.identityBox, let sign = n.identitySign
             else { continue }
             out[id] = DevicePublicKeys(box: box, sign: sign)
         }
@@ -101,11 +107,11 @@ public struct DeviceTrust: Sendable {
         let (certs, recs, rems) = parse(files, storeID: storeID, refused: &refused)
         var removed = s.removed, root = s.root, newest = s.keySet
         var trusted = s.trusted.filter { !removed.contains($0.key) }
-        var verified: [Int: KeySetRecord] = [:]
+        var verified: [Int: KeySetRecord] = [:], approvedBy: [String: String] = [:]
         refused += conflicts(recs, s)
         addCertified(
             at: s.keySet, certs: certs, to: &trusted, removed: removed, certifyKey: root, keybags: keybags,
-            refused: &refused)
+            refused: &refused, approvedBy: &approvedBy)
         var everTrusted = Set(trusted.keys)
         var k = s.keySet + 1
         while k <= Keybag.maxKeySet {
@@ -138,7 +144,7 @@ public struct DeviceTrust: Sendable {
             if let key = r.certifyKey { root = key }
             addCertified(
                 at: k, certs: certs, to: &trusted, removed: removed, certifyKey: root, keybags: keybags,
-                refused: &refused)
+                refused: &refused, approvedBy: &approvedBy)
             everTrusted.formUnion(trusted.keys)
             k += 1
         }
@@ -147,7 +153,7 @@ public struct DeviceTrust: Sendable {
         refused += untrusted(certs, ever: everTrusted.union(s.trusted.keys), removed: removed, holding: s.keySet)
         return DeviceTrust(
             trusted: trusted, records: verified, removed: removed, refused: Array(Set(refused)).sorted(),
-            newestSet: newest, root: root)
+            newestSet: newest, root: root, approvedBy: approvedBy.filter { trusted[$0.key] != nil })
     }
 
     /// What is said of the certificates of devices never trusted (and not removed).
@@ -216,7 +222,8 @@ public struct DeviceTrust: Sendable {
     /// its own keys under another device's id, and receive that device's key sets).
     private static func addCertified(
         at k: Int, certs: [String: DeviceCertificate], to trusted: inout [String: DevicePublicKeys],
-        removed: Set<String>, certifyKey: [UInt8], keybags: [String: DevicePublicKeys], refused: inout [String]
+        removed: Set<String>, certifyKey: [UInt8], keybags: [String: DevicePublicKeys], refused: inout [String],
+        approvedBy: inout [String: String]
     ) {
         for (id, c) in certs.sorted(by: { $0.key < $1.key }) where !removed.contains(id) {
             let keys = DevicePublicKeys(box: c.box, sign: c.sign)
@@ -236,6 +243,7 @@ public struct DeviceTrust: Sendable {
                 let signer = c.by == DeviceCertificate.byStore ? certifyKey : trusted[c.by]?.signKey
                 if let signer, c.isSigned(by: signer) {
                     trusted[id] = keys
+                    approvedBy[id] = c.by
                     changed = true
                 }
             }

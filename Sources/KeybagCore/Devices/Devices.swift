@@ -321,6 +321,29 @@ extension Keybag {
         DeviceKeyFile.syncFolder(of: storePath + "/" + keybag)
     }
 
+    /// A removal on a device with an identity: a new set handed, in a record this device signs,
+    /// to the devices that stay; the removed device and what it approved (but `keep`) go.
+    private mutating func removeWithRecord(
+        _ removedID: String, trust: DeviceTrust, keep: Set<String>, passcode: SecureKey, deviceKey: SecureKey,
+        recovery: RecoveryKey?, now: Double
+    ) throws -> Int {
+        try refuseWhileBehind(trust)
+        let keys = try keysWithFreshSet(passcode: passcode, deviceKey: deviceKey, recovery: recovery, now: now)
+        defer { keys.wipe() }
+        var next = file
+        if let recovery { try Keybag.writeEscrow(&next, keys: keys.escrowEntries(), recovery: recovery) }
+        let root = try recovery.map { try Keybag.certifySeed(storePath: storePath, recovery: $0, preferring: self) }
+        defer { root?.wipe() }
+        // The devices it approved go with it (and those they approved), but those kept.
+        let removed = [removedID] + approvalChain(of: removedID, trust: trust, keep: keep)
+        try publishKeySet(
+            keys, removed: removed, trust: trust, next: next, root: root, certify: nil,
+            removals: removed.map { DeviceRemoval(deviceID: $0, removedAt: now, keySet: keys.current) },
+            passcode: passcode, deviceKey: deviceKey, now: now)
+        for other in removed.dropFirst() { unlink(storePath + "/" + StoreDevices.keybagPath(other)) }
+        return keys.current
+    }
+
     /// Removes device `id` (a lost laptop; `first` names the store's first device): starts a
     /// new key set, so that nothing written from now on opens with the keys that device holds,
     /// records the removal and deletes its keybag from the store. Files written before stay
@@ -328,7 +351,7 @@ extension Keybag {
     /// store has one, the recovery key. Refused while this device lacks a newer key set
     /// another device made (two sets of one number would split the store). Returns the new set.
     public mutating func removeDevice(
-        _ id: String, passcode: SecureKey, deviceKey: SecureKey, recovery: RecoveryKey?,
+        _ id: String, passcode: SecureKey, deviceKey: SecureKey, recovery: RecoveryKey?, keep: Set<String> = [],
         now: Double = Date().timeIntervalSince1970
     ) throws -> Int {
         let own = try DeviceIdentity.id(deviceKey: deviceKey, storeID: file.storeID)
@@ -340,6 +363,16 @@ extension Keybag {
         let removedID = id == "first" ? (target?.file.deviceID ?? "first") : id
         guard id == "first" || target == nil || target?.file.deviceID == id else {
             throw KeybagError.corrupt("keybag \(keybag) names another device than its file name")
+        }
+        // The store's first keybag can be replaced by a store writer: it must not name a device
+        // that has a keybag of its own (it would turn `remove first` against that device).
+        guard
+            id != "first"
+                || !FileManager.default.fileExists(atPath: storePath + "/" + StoreDevices.keybagPath(removedID))
+        else {
+            throw KeybagError.corrupt(
+                "the store's first keybag names device \(removedID), which has a keybag of its own (the first keybag "
+                    + "was replaced?): remove devices by their id")
         }
         guard removedID != own else { throw KeybagError.invalid("a device cannot remove itself") }
         if let trust = deviceTrust(), trust.removed.contains(removedID) {
@@ -360,19 +393,9 @@ extension Keybag {
         if let recovery { try ensureIdentity(passcode: passcode, deviceKey: deviceKey, recovery: recovery, now: now) }
         let set: Int
         if let trust = try rememberCertified(deviceKey: deviceKey) {
-            // The devices that stay get the new set sealed to them, in a record this device signs.
-            try refuseWhileBehind(trust)
-            let keys = try keysWithFreshSet(passcode: passcode, deviceKey: deviceKey, recovery: recovery, now: now)
-            defer { keys.wipe() }
-            var next = file
-            if let recovery { try Keybag.writeEscrow(&next, keys: keys.escrowEntries(), recovery: recovery) }
-            let root = try recovery.map { try Keybag.certifySeed(storePath: storePath, recovery: $0, preferring: self) }
-            defer { root?.wipe() }
-            try publishKeySet(
-                keys, removed: [removedID], trust: trust, next: next, root: root, certify: nil,
-                removal: DeviceRemoval(deviceID: removedID, removedAt: now, keySet: keys.current), passcode: passcode,
-                deviceKey: deviceKey, now: now)
-            set = keys.current
+            set = try removeWithRecord(
+                removedID, trust: trust, keep: keep, passcode: passcode, deviceKey: deviceKey, recovery: recovery,
+                now: now)
         } else {  // a store without a recovery key, whose devices have no identities
             set = try startKeySet(passcode: passcode, deviceKey: deviceKey, recovery: recovery, now: now)
             try StoreDevices.makeFolder(storePath)

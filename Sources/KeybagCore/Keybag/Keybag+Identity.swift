@@ -36,6 +36,11 @@ extension Keybag {
         for id in f.removedDevices ?? [] where !DeviceIdentity.isWellFormed(id) && id != "first" {
             throw bad("removedDevices", "not a device id: \(id.prefix(40))")
         }
+        for (id, by) in f.approvals ?? [:]
+        where !DeviceIdentity.isWellFormed(id) || !(DeviceIdentity.isWellFormed(by) || by == DeviceCertificate.byStore)
+        {
+            throw bad("approvals", "not a device id and its approver: \(id.prefix(40))")
+        }
         if f.storeCertify != nil, bytes(f.storeCertify) != 32 { throw bad("storeCertify", "not a public key") }
         if let w = f.wrapped["r" + certifySlot], bytes(w) != 32 + KeyWrap.overhead {
             throw bad("wrapped.r\(certifySlot)", "not a wrapped key")
@@ -109,8 +114,25 @@ extension Keybag {
         if counterKey == nil, let deviceKey { _ = try authenticate(deviceKey: deviceKey) }
         guard counterKey != nil else { return trust }  // a command without the device key: next time
         file.trustedDevices = known.merging(new) { old, _ in old }
+        file.approvals = (file.approvals ?? [:]).merging(trust.approvedBy.filter { new[$0.key] != nil }) { old, _ in old
+        }
         try save()
         return deviceTrust()
+    }
+
+    /// The devices `id` approved, and those they approved in turn, as this device remembers
+    /// them and as the certificates it accepted say (not counting `keep`).
+    public func approvalChain(of id: String, trust: DeviceTrust, keep: Set<String> = []) -> [String] {
+        let by = (file.approvals ?? [:]).merging(trust.approvedBy) { old, _ in old }
+        var chain: [String] = [], frontier = [id]
+        while let a = frontier.popLast() {
+            for (d, approver) in by.sorted(by: { $0.key < $1.key })
+            where approver == a && d != id && !chain.contains(d) && !keep.contains(d) && d != file.deviceID {
+                chain.append(d)
+                frontier.append(d)
+            }
+        }
+        return chain
     }
 
     /// Keeps in `f` whom this device trusts at its newest set (after making or taking it up).
@@ -120,6 +142,7 @@ extension Keybag {
         f.trustedDevices = trusted.filter { !removed.contains($0.key) }
         f.removedDevices = removed.sorted()
         f.storeCertify = Data(root).base64EncodedString()
+        if let a = f.approvals { f.approvals = a.filter { f.trustedDevices?[$0.key] != nil } }
     }
 
     /// The store certification key's seed escrowed in this keybag (nil: none escrowed here).

@@ -54,12 +54,12 @@ extension Keybag {
     /// signed by this device, by `root` (the certification key of the set before, which the
     /// other devices require) and by `certify` (a rotation's new certification key), written
     /// before this keybag's save (a cut in between: the maker's own grant gives the set back at
-    /// its next unlock); then this keybag with the set and whom it trusts now. A `removal` record
-    /// is signed and written after. Returns the record.
+    /// its next unlock); then this keybag with the set and whom it trusts now. The `removals`
+    /// records are signed and written after. Returns the record.
     @discardableResult
     mutating func publishKeySet(
         _ keys: StoreKeys, removed: [String], trust: DeviceTrust, next: KeybagFile, root: SecureKey?,
-        certify: SecureKey?, removal: DeviceRemoval?, passcode: SecureKey, deviceKey: SecureKey, now: Double
+        certify: SecureKey?, removals: [DeviceRemoval], passcode: SecureKey, deviceKey: SecureKey, now: Double
     ) throws -> KeySetRecord {
         guard let me = file.deviceID, let mine = ownDeviceKeys else {
             throw KeybagError.invalid("this device has no identity")
@@ -82,7 +82,7 @@ extension Keybag {
             trusted: record.members, removed: trust.removed.union(removed), root: record.certifyKey ?? trust.root,
             in: &next)
         try saveKeySets(keys, into: next, passcode: passcode, deviceKey: deviceKey, recovery: nil, sealer: sealer)
-        if var removal {
+        for var removal in removals {
             removal.by = me
             removal.signature = Data(try Ed25519.sign(removal.message, seed: identity.signSeed)).base64EncodedString()
             try StoreDevices.makeFolder(storePath)
@@ -200,7 +200,7 @@ extension Keybag {
         next.recoveryLockoutUntil = nil
         do { try deliver(recovery) } catch { recovery.wipe(); throw error }
         try publishKeySet(
-            keys, removed: [], trust: trust, next: next, root: root, certify: certify, removal: nil, passcode: passcode,
+            keys, removed: [], trust: trust, next: next, root: root, certify: certify, removals: [], passcode: passcode,
             deviceKey: deviceKey, now: now)
         return recovery
     }

@@ -51,6 +51,9 @@ extension Keybag {
                 "trustedDevices",
                 f.trustedDevices.map { t in t.keys.sorted().map { "\($0)=\(t[$0]!.joined)" }.joined(separator: ",") })
             field("removedDevices", f.removedDevices.map { $0.sorted().joined(separator: ",") })
+            if let a = f.approvals {  // keybags without approvals keep their message
+                field("approvals", a.keys.sorted().map { "\($0)=\(a[$0]!)" }.joined(separator: ","))
+            }
         }
         return msg
     }

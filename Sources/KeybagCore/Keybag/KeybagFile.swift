@@ -93,4 +93,7 @@ public struct KeybagFile: Codable, Sendable, Equatable {
     public var trustedDevices: [String: DevicePublicKeys]? = nil
     /// The devices this device has seen removed (by a record it verified, or by itself).
     public var removedDevices: [String]? = nil
+    /// Who approved each device this device learnt of by its certificate (device id → the
+    /// approving device's id, or "store"): removing a device removes what it approved.
+    public var approvals: [String: String]? = nil
 }
