@@ -384,6 +384,42 @@ final class DeviceIdentityTests: XCTestCase {
         XCTAssertFalse(FileManager.default.fileExists(atPath: c.store + "/devices/\(id(b)).removed"))
     }
 
+    /// Who approved whom travels with the trust itself: W, approved by A after A learnt of B's
+    /// puppet, removes B and the puppet goes too, though its certificate is gone from W's replica.
+    func testAnApprovedDeviceKnowsWhatTheOthersApproved() throws {
+        let (a, b, c, rk) = try threeDevices()
+        defer { [a, b, c].forEach { $0.close() } }
+        let p = try MountFixture(replicaOf: b, passcode: "puppet passcode")
+        defer { p.close() }
+        let idP = addByApproval(p, approver: b)
+        for kind in ["identity", "keybag"] {
+            XCTAssertEqual(
+                MountFixture.run("/bin/cp", ["-a", p.store + "/devices/\(idP).\(kind)", a.store + "/devices/"]).code, 0)
+        }
+        let w = try MountFixture(replicaOf: a, passcode: "host-w passcode")
+        defer { w.close() }
+        _ = addByApproval(w, approver: a)
+        for kind in ["identity", "keybag"] { unlink(w.store + "/devices/\(idP).\(kind)") }
+        let rm = keybagfs(
+            ["device", "remove", w.store, id(b), "--device-key", w.deviceKey, "--recovery-key-file", rk, "--stdin"],
+            stdin: w.passcode + "\n")
+        XCTAssertEqual(rm.code, 0, rm.stderr)
+        let record =
+            try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: recordPath(w, 2))))
+            as? [String: Any] ?? [:]
+        XCTAssertEqual(Set((record["removed"] as? [String]) ?? []), [id(b), idP], rm.stdout)
+        XCTAssertNil((record["grants"] as? [String: Any])?[idP])
+        // --keep names only devices W knew before: not one a store writer just showed it.
+        let x = "ffffffffffffffffffffffffffffff03"
+        let keep = keybagfs(
+            [
+                "device", "remove", w.store, id(c), "--device-key", w.deviceKey, "--recovery-key-file", rk, "--stdin",
+                "--keep", x,
+            ], stdin: w.passcode + "\n")
+        XCTAssertNotEqual(keep.code, 0)
+        XCTAssertTrue(keep.stderr.contains("knew before"), keep.stderr)
+    }
+
     /// The fields of a challenge file, as a test compares them.
     struct PairingChallenge: Codable, Equatable {
         var deviceID: String, approver: String, approverSign: String, nonce: String, request: String

@@ -128,6 +128,11 @@ extension DevicePairing {
         try identity.store(into: &file, classA0: keys.sets[0].classA, deviceKey: deviceKey)
         var trusted = grant.members
         trusted[request.deviceID] = DevicePublicKeys(box: request.box, sign: request.sign)
+        var approvals = (grant.approvals ?? [:]).filter {
+            DeviceIdentity.isWellFormed($0.key) && (DeviceIdentity.isWellFormed($0.value) || $0.value == "store")
+        }
+        approvals[request.deviceID] = grant.approver
+        file.approvals = approvals
         Keybag.remember(
             trusted: trusted, removed: Set(grant.removed),
             root: Data(base64Encoded: grant.storeCertify).map([UInt8].init) ?? [], in: &file)

@@ -13,6 +13,8 @@ public struct TrustSnapshot: Sendable, Equatable {
     public var removed: Set<String>
     /// The class B public key (base64) of each set it holds, to spot a record that conflicts.
     public var classBPublics: [Int: String]
+    /// Who approved whom, as the record it started from says (bootstrap only).
+    public var approvals: [String: String] = [:]
 }
 
 /// Which devices, key-set records and removal records of a store hold, as one device judges
@@ -189,7 +191,7 @@ public struct DeviceTrust: Sendable {
         let removed = Set(r.removed)
         return TrustSnapshot(
             keySet: n, root: root, trusted: r.members.filter { !removed.contains($0.key) }, removed: removed,
-            classBPublics: classB)
+            classBPublics: classB, approvals: r.approvals ?? [:])
     }
 
     /// The newest set the removal records tell of: a signed one from a trusted device names the

@@ -324,9 +324,15 @@ extension Keybag {
     /// A removal on a device with an identity: a new set handed, in a record this device signs,
     /// to the devices that stay; the removed device and what it approved (but `keep`) go.
     private mutating func removeWithRecord(
-        _ removedID: String, trust: DeviceTrust, keep: Set<String>, passcode: SecureKey, deviceKey: SecureKey,
-        recovery: RecoveryKey?, now: Double
+        _ removedID: String, trust: DeviceTrust, keep: Set<String>, knownBefore: [String: DevicePublicKeys],
+        passcode: SecureKey, deviceKey: SecureKey, recovery: RecoveryKey?, now: Double
     ) throws -> Int {
+        // Kept devices must be ones this device knew before (a keybag in the store can lie about keys).
+        for k in keep where knownBefore[k] == nil {
+            throw KeybagError.invalid(
+                "--keep \(k.prefix(40)): not a device this device knew before this removal; check it on its own "
+                    + "machine, or let it go and add it again")
+        }
         try refuseWhileBehind(trust)
         let keys = try keysWithFreshSet(passcode: passcode, deviceKey: deviceKey, recovery: recovery, now: now)
         defer { keys.wipe() }
@@ -392,10 +398,11 @@ extension Keybag {
         }
         if let recovery { try ensureIdentity(passcode: passcode, deviceKey: deviceKey, recovery: recovery, now: now) }
         let set: Int
+        let knownBefore = file.trustedDevices ?? [:]
         if let trust = try rememberCertified(deviceKey: deviceKey) {
             set = try removeWithRecord(
-                removedID, trust: trust, keep: keep, passcode: passcode, deviceKey: deviceKey, recovery: recovery,
-                now: now)
+                removedID, trust: trust, keep: keep, knownBefore: knownBefore, passcode: passcode, deviceKey: deviceKey,
+                recovery: recovery, now: now)
         } else {  // a store without a recovery key, whose devices have no identities
             set = try startKeySet(passcode: passcode, deviceKey: deviceKey, recovery: recovery, now: now)
             try StoreDevices.makeFolder(storePath)

@@ -42,6 +42,9 @@ public struct KeySetRecord: Codable, Sendable, Equatable {
     /// set's keys made it, which a device given the keys by the recovery key checks before it
     /// takes `members` as the devices to trust (`DeviceTrust.bootstrap`).
     public var keysMAC: String = ""
+    /// Who approved each member the maker learnt of by a certificate (device id → approver
+    /// id, or "store"), so a device that takes the set up still removes what a device approved.
+    public var approvals: [String: String]? = nil
 
     /// The devices the set was made for.
     public var roster: [String] { members.keys.sorted() }
@@ -73,6 +76,7 @@ public struct KeySetRecord: Codable, Sendable, Equatable {
         for (k, v) in members.sorted(by: { $0.key < $1.key }) { m.add("member." + k, v.joined) }
         m.add("classBPublic", classBPublic)
         m.add("certify", certify ?? "")
+        for (k, v) in (approvals ?? [:]).sorted(by: { $0.key < $1.key }) { m.add("approval." + k, v) }
         for (k, v) in grants.sorted(by: { $0.key < $1.key }) { m.add("grant." + k, v) }
         for (k, v) in escrow.sorted(by: { $0.key < $1.key }) { m.add("escrow." + k, v) }
         return m.bytes

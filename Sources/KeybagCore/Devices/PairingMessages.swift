@@ -77,6 +77,8 @@ public enum PairingMessages {
         public var members: [String: DevicePublicKeys]
         /// The devices the approver knows were removed.
         public var removed: [String]
+        /// Who approved whom, as the approver knows it.
+        public var approvals: [String: String]? = nil
         /// Ed25519 signature of `message` by the approver (base64).
         public var signature: String
 
@@ -92,6 +94,7 @@ public enum PairingMessages {
             for (k, v) in escrow.sorted(by: { $0.key < $1.key }) { m.add("escrow." + k, v) }
             for (k, v) in members.sorted(by: { $0.key < $1.key }) { m.add("member." + k, v.joined) }
             for id in removed { m.add("removed", id) }
+            for (k, v) in (approvals ?? [:]).sorted(by: { $0.key < $1.key }) { m.add("approval." + k, v) }
             return m.bytes
         }
     }

@@ -129,7 +129,7 @@ extension Keybag {
             keys: Data(try SealedBox.seal(payload, to: [UInt8](Data(base64Encoded: request.box)!)))
                 .base64EncodedString(),
             escrow: escrowSlots, storeCertify: Data(trust.root).base64EncodedString(), members: trust.trusted,
-            removed: trust.removed.sorted(), signature: "")
+            removed: trust.removed.sorted(), approvals: knownApprovals(trust), signature: "")
         grant.signature = Data(try Ed25519.sign(grant.message, seed: identity.signSeed)).base64EncodedString()
         try PairingMessages.write(grant, storePath, request.deviceID, "grant")
         return keys.current

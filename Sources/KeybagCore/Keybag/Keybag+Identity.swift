@@ -96,6 +96,7 @@ extension Keybag {
         var trusted = r.members
         trusted[me] = snap.trusted[me]
         var next = file
+        next.approvals = (next.approvals ?? [:]).merging(r.approvals ?? [:]) { old, _ in old }
         Keybag.remember(trusted: trusted, removed: snap.removed.union(r.removed), root: snap.root, in: &next)
         file = next
         try save()
@@ -120,10 +121,15 @@ extension Keybag {
         return deviceTrust()
     }
 
+    /// Who approved whom, as this device knows it: what it remembers and what `trust` says.
+    func knownApprovals(_ trust: DeviceTrust) -> [String: String] {
+        (file.approvals ?? [:]).merging(trust.approvedBy) { old, _ in old }
+    }
+
     /// The devices `id` approved, and those they approved in turn, as this device remembers
     /// them and as the certificates it accepted say (not counting `keep`).
     public func approvalChain(of id: String, trust: DeviceTrust, keep: Set<String> = []) -> [String] {
-        let by = (file.approvals ?? [:]).merging(trust.approvedBy) { old, _ in old }
+        let by = knownApprovals(trust)
         var chain: [String] = [], frontier = [id]
         while let a = frontier.popLast() {
             for (d, approver) in by.sorted(by: { $0.key < $1.key })
@@ -190,6 +196,7 @@ extension Keybag {
             storePath: storePath, storeID: f.storeID, root: try Ed25519.publicKey(seed: certifySeed), keys: storeKeys)
         var trusted = snapshot.trusted
         trusted[id] = DevicePublicKeys(box: f.identityBox!, sign: f.identitySign!)
+        f.approvals = snapshot.approvals
         remember(trusted: trusted, removed: snapshot.removed, root: snapshot.root, in: &f)
         try writeEscrow(&f, keys: [(certifySlot, certifySeed)], recovery: recovery)
         return try DeviceCertificate.issue(

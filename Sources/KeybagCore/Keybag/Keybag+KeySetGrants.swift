@@ -69,6 +69,8 @@ extension Keybag {
         var record = try Keybag.keySetRecord(
             keys, maker: mine, makerID: me, storeID: file.storeID, removed: removed, trust: trust, now: now)
         if let certify { record.certify = Data(try Ed25519.publicKey(seed: certify)).base64EncodedString() }
+        let approvals = knownApprovals(trust).filter { record.members[$0.key] != nil }
+        record.approvals = approvals.isEmpty ? nil : approvals
         record.escrow = next.wrapped.filter { $0.key.hasPrefix("r") }
         record.keysMAC = try record.keysMAC(classA: keys.sets[keys.current].classA)
         try record.sign(with: identity.signSeed)
@@ -78,6 +80,7 @@ extension Keybag {
         }
         try record.write(storePath: storePath)
         var next = next
+        next.approvals = approvals
         Keybag.remember(
             trusted: record.members, removed: trust.removed.union(removed), root: record.certifyKey ?? trust.root,
             in: &next)
@@ -137,6 +140,9 @@ extension Keybag {
             if hasRecoveryKey, Keybag.isCompleteEscrow(escrow, sets: trust.newestSet) {
                 next.wrapped = next.wrapped.filter { !$0.key.hasPrefix("r") }.merging(escrow) { $1 }
             }
+            var approvals = knownApprovals(trust)
+            for n in sets { approvals.merge(trust.records[n]?.approvals ?? [:]) { old, _ in old } }
+            next.approvals = approvals
             Keybag.remember(trusted: trust.trusted, removed: trust.removed, root: trust.root, in: &next)
             try saveKeySets(keys, into: next, passcode: passcode, deviceKey: deviceKey, recovery: nil, sealer: sealer)
         } catch {
