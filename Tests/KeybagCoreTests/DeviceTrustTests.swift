@@ -24,8 +24,11 @@ final class DeviceTrustTests: XCTestCase {
 
     /// The certificate of `d` for `keySet`, signed by `signer` (store key or approver seed).
     func cert(_ d: Dev, keySet: Int, by: String, signer: SecureKey) throws -> (String, Data) {
-        let c = try DeviceCertificate.issue(
+        var c = try DeviceCertificate.issue(
             storeID: storeID, deviceID: d.id, keys: d.keys, name: nil, keySet: keySet, by: by, signer: signer)
+        if by != DeviceCertificate.byStore {  // an approved device signs its certificate too
+            c.selfSignature = Data(try Ed25519.sign(c.message, seed: d.keys.signSeed)).base64EncodedString()
+        }
         return (DeviceCertificate.fileName(d.id), try JSONEncoder().encode(c))
     }
 
@@ -191,6 +194,26 @@ final class DeviceTrustTests: XCTestCase {
             storeID: storeID, snapshot: try snapshot(0, root: root, trusted: [a, t]), keybags: [h.id: h.pub])
         XCTAssertNil(t2.trusted[h.id])
         XCTAssertTrue(t2.refused.contains { $0.contains("keybag names") }, "\(t2.refused)")
+    }
+
+    /// A trusted device cannot claim to have approved another device (with that device's own
+    /// keys): without the approved device's own signature the claim holds nothing.
+    func testAnApprovalNeedsTheApprovedDevicesOwnSignature() throws {
+        let root = SecureKey(random: 32)
+        certifiedBy = root
+        let (a, t, h) = (dev(1), dev(2), dev(3))
+        var claim = try DeviceCertificate.issue(
+            storeID: storeID, deviceID: h.id, keys: h.keys, name: nil, keySet: 0, by: t.id, signer: t.keys.signSeed)
+        let forged = judge(
+            [(DeviceCertificate.fileName(h.id), try JSONEncoder().encode(claim))],
+            try snapshot(0, root: root, trusted: [a, t]))
+        XCTAssertNil(forged.trusted[h.id])
+        XCTAssertNil(forged.approvedBy[h.id])
+        claim.selfSignature = Data(try Ed25519.sign(claim.message, seed: h.keys.signSeed)).base64EncodedString()
+        let real = judge(
+            [(DeviceCertificate.fileName(h.id), try JSONEncoder().encode(claim))],
+            try snapshot(0, root: root, trusted: [a, t]))
+        XCTAssertEqual(real.approvedBy[h.id], t.id)
     }
 
     func testApprovalsChainWithinASet() throws {

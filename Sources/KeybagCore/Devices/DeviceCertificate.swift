@@ -23,6 +23,9 @@ public struct DeviceCertificate: Codable, Sendable, Equatable {
     public var issuedAt: Double
     /// Ed25519 signature of `message`, base64.
     public var signature: String
+    /// The device's own signature of `message` (base64), with its own key: required where a
+    /// device approved it, so that no other device can claim to have approved it.
+    public var selfSignature: String? = nil
 
     /// What `by` says of a certificate signed with the store's certification key.
     public static let byStore = "store"
@@ -61,6 +64,12 @@ public struct DeviceCertificate: Codable, Sendable, Equatable {
             issuedAt: now.rounded(), signature: "")
         c.signature = Data(try Ed25519.sign(c.message, seed: signer)).base64EncodedString()
         return c
+    }
+
+    /// Whether the device signed it itself, with the key it certifies.
+    public var isSelfSigned: Bool {
+        guard let sig = selfSignature.flatMap({ Data(base64Encoded: $0) }) else { return false }
+        return Ed25519.verify([UInt8](sig), of: message, publicKey: signKey)
     }
 
     /// Whether the signature is `signer`'s.

@@ -103,8 +103,12 @@ extension DevicePairing {
         defer { identity.wipe() }
         let keys = try openGrant(grant, challenge: challenge, request: request, identity: identity)
         defer { keys.wipe() }
-        // The certificate first: a keybag without it would be a device nobody trusts.
-        try grant.certificate.write(storePath: storePath)
+        // The certificate first (a keybag without it would be a device nobody trusts), signed
+        // by this device too: no other device can claim to have approved it.
+        var certificate = grant.certificate
+        certificate.selfSignature = Data(try Ed25519.sign(certificate.message, seed: identity.signSeed))
+            .base64EncodedString()
+        try certificate.write(storePath: storePath)
         let kb = try makeKeybag(
             storePath: storePath, cipher: cipher, request: request, pending: pending, grant: grant, keys: keys,
             identity: identity, passcode: pass, deviceKey: deviceKey)
@@ -128,9 +132,7 @@ extension DevicePairing {
         try identity.store(into: &file, classA0: keys.sets[0].classA, deviceKey: deviceKey)
         var trusted = grant.members
         trusted[request.deviceID] = DevicePublicKeys(box: request.box, sign: request.sign)
-        var approvals = (grant.approvals ?? [:]).filter {
-            DeviceIdentity.isWellFormed($0.key) && (DeviceIdentity.isWellFormed($0.value) || $0.value == "store")
-        }
+        var approvals = Keybag.wellFormed(grant.approvals ?? [:])
         approvals[request.deviceID] = grant.approver
         file.approvals = approvals
         Keybag.remember(

@@ -243,7 +243,8 @@ public struct DeviceTrust: Sendable {
                 let keys = DevicePublicKeys(box: c.box, sign: c.sign)
                 if let own = keybags[id], own != keys { continue }
                 let signer = c.by == DeviceCertificate.byStore ? certifyKey : trusted[c.by]?.signKey
-                if let signer, c.isSigned(by: signer) {
+                // An approval holds only with the approved device's own signature too.
+                if let signer, c.isSigned(by: signer), c.by == DeviceCertificate.byStore || c.isSelfSigned {
                     trusted[id] = keys
                     approvedBy[id] = c.by
                     changed = true

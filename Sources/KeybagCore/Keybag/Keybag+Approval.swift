@@ -38,8 +38,7 @@ extension Keybag {
             trust.trusted[deviceID] != nil
             && FileManager.default.fileExists(atPath: storePath + "/" + StoreDevices.keybagPath(deviceID))
         if cancel || joined {
-            for kind in ["challenge", "grant"] { unlink(PairingMessages.path(storePath, deviceID, kind)) }
-            unlink(pinPath)
+            try endPairing(deviceID, pinPath: pinPath, forget: cancel && !joined, deviceKey: deviceKey)
             return .finished
         }
         try refuseWhileBehind(trust)
@@ -79,6 +78,18 @@ extension Keybag {
         }
         let set = try writeGrant(request, trust: trust, deviceKey: deviceKey, passcode: passcode(), now: now)
         return .approved(keySet: set, confirmation: PairingMessages.confirmation(request, pin.challenge, nonce: nonce))
+    }
+
+    /// Removes this device's pairing files for `deviceID`; with `forget` (given up after this
+    /// device approved it) also what it remembered of that device.
+    private mutating func endPairing(_ deviceID: String, pinPath: String, forget: Bool, deviceKey: SecureKey) throws {
+        for kind in ["challenge", "grant"] { unlink(PairingMessages.path(storePath, deviceID, kind)) }
+        unlink(pinPath)
+        guard forget, let me = file.deviceID, file.approvals?[deviceID] == me else { return }
+        if counterKey == nil { _ = try authenticate(deviceKey: deviceKey) }
+        file.trustedDevices?[deviceID] = nil
+        file.approvals?[deviceID] = nil
+        try save()
     }
 
     /// Refuses to approve an id that is not a new device's: one this device trusts, the first
@@ -131,6 +142,10 @@ extension Keybag {
             escrow: escrowSlots, storeCertify: Data(trust.root).base64EncodedString(), members: trust.trusted,
             removed: trust.removed.sorted(), approvals: knownApprovals(trust), signature: "")
         grant.signature = Data(try Ed25519.sign(grant.message, seed: identity.signSeed)).base64EncodedString()
+        // This device remembers whom it approved, with its keys, before anyone can claim otherwise.
+        file.trustedDevices?[request.deviceID] = DevicePublicKeys(box: request.box, sign: request.sign)
+        file.approvals = (file.approvals ?? [:]).merging([request.deviceID: me]) { _, new in new }
+        try save()
         try PairingMessages.write(grant, storePath, request.deviceID, "grant")
         return keys.current
     }

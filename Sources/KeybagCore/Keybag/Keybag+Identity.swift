@@ -96,7 +96,7 @@ extension Keybag {
         var trusted = r.members
         trusted[me] = snap.trusted[me]
         var next = file
-        next.approvals = (next.approvals ?? [:]).merging(r.approvals ?? [:]) { old, _ in old }
+        next.approvals = (next.approvals ?? [:]).merging(Keybag.wellFormed(r.approvals ?? [:])) { _, new in new }
         Keybag.remember(trusted: trusted, removed: snap.removed.union(r.removed), root: snap.root, in: &next)
         file = next
         try save()
@@ -124,6 +124,14 @@ extension Keybag {
     /// Who approved whom, as this device knows it: what it remembers and what `trust` says.
     func knownApprovals(_ trust: DeviceTrust) -> [String: String] {
         (file.approvals ?? [:]).merging(trust.approvedBy) { old, _ in old }
+    }
+
+    /// The entries of `approvals` that are a device id and an approver (a device id, or "store").
+    static func wellFormed(_ approvals: [String: String]) -> [String: String] {
+        approvals.filter {
+            DeviceIdentity.isWellFormed($0.key)
+                && (DeviceIdentity.isWellFormed($0.value) || $0.value == DeviceCertificate.byStore)
+        }
     }
 
     /// The devices `id` approved, and those they approved in turn, as this device remembers
@@ -196,7 +204,7 @@ extension Keybag {
             storePath: storePath, storeID: f.storeID, root: try Ed25519.publicKey(seed: certifySeed), keys: storeKeys)
         var trusted = snapshot.trusted
         trusted[id] = DevicePublicKeys(box: f.identityBox!, sign: f.identitySign!)
-        f.approvals = snapshot.approvals
+        f.approvals = wellFormed(snapshot.approvals)
         remember(trusted: trusted, removed: snapshot.removed, root: snapshot.root, in: &f)
         try writeEscrow(&f, keys: [(certifySlot, certifySeed)], recovery: recovery)
         return try DeviceCertificate.issue(

@@ -140,8 +140,9 @@ extension Keybag {
             if hasRecoveryKey, Keybag.isCompleteEscrow(escrow, sets: trust.newestSet) {
                 next.wrapped = next.wrapped.filter { !$0.key.hasPrefix("r") }.merging(escrow) { $1 }
             }
+            // What the records say (signed with the certification key) wins, newest last.
             var approvals = knownApprovals(trust)
-            for n in sets { approvals.merge(trust.records[n]?.approvals ?? [:]) { old, _ in old } }
+            for n in sets { approvals.merge(Keybag.wellFormed(trust.records[n]?.approvals ?? [:])) { _, new in new } }
             next.approvals = approvals
             Keybag.remember(trusted: trust.trusted, removed: trust.removed, root: trust.root, in: &next)
             try saveKeySets(keys, into: next, passcode: passcode, deviceKey: deviceKey, recovery: nil, sealer: sealer)
