@@ -110,14 +110,10 @@ final class DeviceIdentityTests: XCTestCase {
         a.unmount()
         let keepB = try Data(contentsOf: URL(fileURLWithPath: b.store + "/devices/\(idB).keybag"))
 
-        let rm = keybagfs(
-            ["device", "remove", a.store, idB, "--device-key", a.deviceKey, "--recovery-key-file", rk, "--stdin"],
-            stdin: a.passcode + "\n")
+        let rm = remove(idB, on: a, rk: rk)
         XCTAssertEqual(rm.code, 0, rm.stderr)
         let record =
-            try JSONSerialization.jsonObject(
-                with: Data(contentsOf: URL(fileURLWithPath: recordPath(a, 2))))
-            as? [String: Any] ?? [:]
+            try recordJSON(of: a, 2)
         XCTAssertEqual(
             Set(((record["members"] as? [String: Any]) ?? [:]).keys), [id(a), idC], "B is not handed the set")
         XCTAssertNil((record["grants"] as? [String: Any])?[idB])
@@ -184,9 +180,8 @@ final class DeviceIdentityTests: XCTestCase {
             ], stdin: c.passcode + "\n")
         XCTAssertEqual(rot.code, 0, rot.stderr)
         let set3 =
-            try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: recordPath(c, 3))))
-            as? [String: Any]
-        XCTAssertEqual(Set(((set3?["members"] as? [String: Any]) ?? [:]).keys), [id(a), idC], "never B")
+            try recordJSON(of: c, 3)
+        XCTAssertEqual(Set(((set3["members"] as? [String: Any]) ?? [:]).keys), [id(a), idC], "never B")
     }
 
     /// A device added with the recovery key before the record of the newest set reached its
@@ -195,9 +190,7 @@ final class DeviceIdentityTests: XCTestCase {
     func testADeviceAddedBeforeTheRecordArrivedTakesItsListAtUnlock() throws {
         let (a, b, c, rk) = try threeDevices()
         defer { [a, b, c].forEach { $0.close() } }
-        let rm = keybagfs(
-            ["device", "remove", a.store, id(b), "--device-key", a.deviceKey, "--recovery-key-file", rk, "--stdin"],
-            stdin: a.passcode + "\n")
+        let rm = remove(id(b), on: a, rk: rk)
         XCTAssertEqual(rm.code, 0, rm.stderr)
         let d = try MountFixture(replicaOf: a, passcode: "host-d passcode")
         defer { d.close() }
@@ -236,12 +229,7 @@ final class DeviceIdentityTests: XCTestCase {
             } else {
                 try Data("{}".utf8).write(to: URL(fileURLWithPath: path))
             }
-            let rm = keybagfs(
-                [
-                    "device", "remove", a.store, id(m), "--device-key", a.deviceKey, "--recovery-key-file", rk,
-                    "--stdin",
-                ],
-                stdin: a.passcode + "\n")
+            let rm = remove(id(m), on: a, rk: rk)
             XCTAssertEqual(rm.code, 0, "\(how): \(rm.stderr)")
             XCTAssertFalse(FileManager.default.fileExists(atPath: path))
         }
@@ -354,21 +342,15 @@ final class DeviceIdentityTests: XCTestCase {
         let p = try MountFixture(replicaOf: b, passcode: "puppet passcode")
         defer { p.close() }
         let idP = addByApproval(p, approver: b)
-        for kind in ["identity", "keybag"] {
-            XCTAssertEqual(
-                MountFixture.run("/bin/cp", ["-a", p.store + "/devices/\(idP).\(kind)", a.store + "/devices/"]).code, 0)
-        }
+        carryDevice(idP, from: p, to: a)
         try a.mount()
         a.unlock()  // A learns of the puppet, approved by B
         a.unmount()
         for kind in ["identity", "keybag"] { unlink(a.store + "/devices/\(idP).\(kind)") }
-        let rm = keybagfs(
-            ["device", "remove", a.store, id(b), "--device-key", a.deviceKey, "--recovery-key-file", rk, "--stdin"],
-            stdin: a.passcode + "\n")
+        let rm = remove(id(b), on: a, rk: rk)
         XCTAssertEqual(rm.code, 0, rm.stderr)
         let record =
-            try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: recordPath(a, 2))))
-            as? [String: Any] ?? [:]
+            try recordJSON(of: a, 2)
         XCTAssertEqual(Set((record["removed"] as? [String]) ?? []), [id(b), idP], rm.stdout)
         XCTAssertEqual(Set(((record["members"] as? [String: Any]) ?? [:]).keys), [id(a), id(c)])
         // On C's replica a store writer puts B's keybag in the first device's place: `device
@@ -376,9 +358,7 @@ final class DeviceIdentityTests: XCTestCase {
         let first = c.store + "/keybag"
         try FileManager.default.removeItem(atPath: first)
         try FileManager.default.copyItem(atPath: c.store + "/devices/\(id(b)).keybag", toPath: first)
-        let swapped = keybagfs(
-            ["device", "remove", c.store, "first", "--device-key", c.deviceKey, "--recovery-key-file", rk, "--stdin"],
-            stdin: c.passcode + "\n")
+        let swapped = remove("first", on: c, rk: rk)
         XCTAssertNotEqual(swapped.code, 0)
         XCTAssertTrue(swapped.stderr.contains("has a keybag of its own"), swapped.stderr)
         XCTAssertFalse(FileManager.default.fileExists(atPath: c.store + "/devices/\(id(b)).removed"))
@@ -392,30 +372,20 @@ final class DeviceIdentityTests: XCTestCase {
         let p = try MountFixture(replicaOf: b, passcode: "puppet passcode")
         defer { p.close() }
         let idP = addByApproval(p, approver: b)
-        for kind in ["identity", "keybag"] {
-            XCTAssertEqual(
-                MountFixture.run("/bin/cp", ["-a", p.store + "/devices/\(idP).\(kind)", a.store + "/devices/"]).code, 0)
-        }
+        carryDevice(idP, from: p, to: a)
         let w = try MountFixture(replicaOf: a, passcode: "host-w passcode")
         defer { w.close() }
         _ = addByApproval(w, approver: a)
         for kind in ["identity", "keybag"] { unlink(w.store + "/devices/\(idP).\(kind)") }
-        let rm = keybagfs(
-            ["device", "remove", w.store, id(b), "--device-key", w.deviceKey, "--recovery-key-file", rk, "--stdin"],
-            stdin: w.passcode + "\n")
+        let rm = remove(id(b), on: w, rk: rk)
         XCTAssertEqual(rm.code, 0, rm.stderr)
         let record =
-            try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: recordPath(w, 2))))
-            as? [String: Any] ?? [:]
+            try recordJSON(of: w, 2)
         XCTAssertEqual(Set((record["removed"] as? [String]) ?? []), [id(b), idP], rm.stdout)
         XCTAssertNil((record["grants"] as? [String: Any])?[idP])
         // --keep names only devices W knew before: not one a store writer just showed it.
         let x = "ffffffffffffffffffffffffffffff03"
-        let keep = keybagfs(
-            [
-                "device", "remove", w.store, id(c), "--device-key", w.deviceKey, "--recovery-key-file", rk, "--stdin",
-                "--keep", x,
-            ], stdin: w.passcode + "\n")
+        let keep = remove(id(c), on: w, rk: rk, keep: x)
         XCTAssertNotEqual(keep.code, 0)
         XCTAssertTrue(keep.stderr.contains("knew before"), keep.stderr)
     }
@@ -481,14 +451,10 @@ final class DeviceIdentityTests: XCTestCase {
         for m in [a, c] {
             unlink(m.store + "/devices/keyset-2.\(idA).json"); unlink(m.store + "/devices/\(idB).removed")
         }
-        let rm = keybagfs(
-            ["device", "remove", a.store, idB, "--device-key", a.deviceKey, "--recovery-key-file", rk, "--stdin"],
-            stdin: a.passcode + "\n")
+        let rm = remove(idB, on: a, rk: rk)
         XCTAssertEqual(rm.code, 0, rm.stderr)
         let record =
-            try JSONSerialization.jsonObject(
-                with: Data(contentsOf: URL(fileURLWithPath: recordPath(a, 2))))
-            as? [String: Any] ?? [:]
+            try recordJSON(of: a, 2)
         XCTAssertEqual(Set(((record["members"] as? [String: Any]) ?? [:]).keys), [idA, idC])
         mirror("devices", from: a, to: c)
         try c.mount()
@@ -584,6 +550,25 @@ final class DeviceIdentityTests: XCTestCase {
     private func pairingCode(_ out: String) -> String {
         guard let r = out.range(of: "pairing code: ") else { return "" }
         return String(out[r.upperBound...].prefix(6))
+    }
+
+    /// `device remove TARGET` on `m`'s replica with the recovery key `rk` (and `--keep`).
+    private func remove(_ target: String, on m: MountFixture, rk: String, keep: String? = nil) -> ToolResult {
+        keybagfs(
+            ["device", "remove", m.store, target, "--device-key", m.deviceKey, "--recovery-key-file", rk, "--stdin"]
+                + (keep.map { ["--keep", $0] } ?? []), stdin: m.passcode + "\n")
+    }
+
+    /// The record of key set `n` in `m`'s replica, as JSON.
+    private func recordJSON(of m: MountFixture, _ n: Int) throws -> [String: Any] {
+        try JSONSerialization.jsonObject(with: Data(contentsOf: URL(fileURLWithPath: recordPath(m, n))))
+            as? [String: Any]
+            ?? [:]
+    }
+
+    /// Copies device `id`'s certificate and keybag from one replica to another.
+    private func carryDevice(_ id: String, from src: MountFixture, to dst: MountFixture) {
+        for kind in ["identity", "keybag"] { carry(id, kind, from: src, to: dst) }
     }
 
     /// The path of the record of key set `n` in `m`'s replica (its maker's id in its name).

@@ -65,16 +65,7 @@ echo "# device remove on a store of $FILES files"
 mkdir -p "$W/m-three"
 kb mount "$W/three" "$W/m-three" --device-key "$W/dk-a" --socket "$W/sock-three"
 printf 'pw\n' | ctl --socket "$W/sock-three" unlock --passcode-stdin
-python3 - "$W/m-three" "$FILES" <<'PY'
-import os, sys
-root, n = sys.argv[1], int(sys.argv[2])
-per = 1000
-for d in range((n + per - 1) // per):
-    os.mkdir(f"{root}/d{d}")
-    for f in range(min(per, n - d * per)):
-        with open(f"{root}/d{d}/f{f}", "wb") as fh:
-            fh.write(b"x" * 100)
-PY
+python3 scripts/bench/make-tree.py "$W/m-three" "$FILES"
 fusermount3 -u "$W/m-three"
 sync
 idb=$(kb device id "$W/three" --device-key "$W/dk-b")

@@ -37,16 +37,7 @@ printf 'pw\n' | "$BIN/keybagfs" init "$W/s" --passcode-stdin --device-key "$W/dk
 mkdir "$W/m"
 "$BIN/keybagfs" mount "$W/s" "$W/m" --device-key "$W/dk" --socket "$W/sock"
 printf 'pw\n' | "$BIN/keybagctl" --socket "$W/sock" unlock --passcode-stdin
-python3 - "$W/m" "$FILES" <<'PY'
-import os, sys
-root, n = sys.argv[1], int(sys.argv[2])
-per = 1000
-for d in range((n + per - 1) // per):
-    os.mkdir(f"{root}/d{d}")
-    for f in range(min(per, n - d * per)):
-        with open(f"{root}/d{d}/f{f}", "wb") as fh:
-            fh.write(b"x" * 100)
-PY
+python3 scripts/bench/make-tree.py "$W/m" "$FILES"
 fusermount3 -u "$W/m"
 sleep 1
 sync
