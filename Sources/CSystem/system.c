@@ -103,6 +103,11 @@ int kbfs_reports_holes(int fd) {
 
 int kbfs_syncfs(int fd) { return syncfs(fd); }
 
+int kbfs_write_and_wait(int fd, long long offset, long long len) {
+    return sync_file_range(fd, offset, len,
+                           SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER);
+}
+
 int kbfs_mount_device(const char *path, unsigned int *major, unsigned int *minor) {
     struct statx stx;
     /* AT_STATX_DONT_SYNC: FUSE answers from the inode it has, without a GETATTR request

@@ -171,7 +171,7 @@ public enum MountDaemon {
         let fs = try Filesystem(
             dataFD: data, targetsFD: targets, xattrsFD: xattrs, names: names, keyring: keyring,
             cipher: cipher, defaultClass: cfg.defaultClass, policy: cfg.policy,
-            threads: cfg.threads, kernel: KernelNotifier())
+            threads: cfg.threads, kernel: KernelNotifier(), journaling: openJournal(cfg, keybag, deviceKey))
         _ = try fs.meta(of: fs.table.root)  // the root's name IV exists before the first request
         let mountpoint = URL(fileURLWithPath: cfg.mountpoint).standardizedFileURL.path
         let owner = cfg.owner ?? getuid()
@@ -216,6 +216,25 @@ public enum MountDaemon {
         }
         return StoreWatcher.start(fs: fs, storePath: cfg.store, full: full) { [controller] in
             controller.keySetStanding()
+        }
+    }
+
+    /// The store's overwrite journal, its live records (a power cut, a kill) replayed into
+    /// their files first; nil, logged, where it cannot be made (blocks are then rewritten in
+    /// place and a power cut can tear one).
+    private static func openJournal(_ cfg: MountConfiguration, _ kb: Keybag, _ deviceKey: SecureKey) -> Journaling? {
+        if ProcessInfo.processInfo.environment["KEYBAGFS_DEBUG_NO_JOURNAL"] == "1" { return nil }
+        do {
+            let id = try DeviceIdentity.id(deviceKey: deviceKey, storeID: kb.file.storeID)
+            var fs = statvfs()
+            let bytes = statvfs(cfg.store, &fs) == 0 ? Int(fs.f_blocks) * Int(fs.f_frsize) : 0
+            let journal = try JournalReplay.open(
+                storePath: cfg.store, deviceID: id, ringSize: OverwriteJournal.ringSize(storeBytes: bytes)
+            ) { log($0) }
+            return Journaling(journal: journal, storePath: cfg.store)
+        } catch {
+            log("no overwrite journal (\(error)): blocks are rewritten in place, and a power cut can tear one")
+            return nil
         }
     }
 
@@ -391,6 +410,9 @@ public enum MountDaemon {
         fuse_loop_cfg_destroy(loopCfg)
 
         s.watcher?.stop()
+        do { try s.fs.journaling?.journal.checkpoint() } catch {
+            log("the overwrite journal could not be emptied (\(error)): it is replayed at the next mount")
+        }
         // Every request is answered and nothing writes the store any more: the next daemon
         // (`umount` then `mount` at once) may take it while this one wipes and exits.
         close(s.storeLock)

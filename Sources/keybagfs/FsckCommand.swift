@@ -41,6 +41,10 @@ struct Fsck: ParsableCommand {
         let kb = try Keybag.load(storePath: target.store)
         let dk = try DeviceKeyFile.load(from: target.deviceKeyPath(kb))
         defer { dk.wipe() }
+        // What a power cut left in the overwrite journal goes into its files first, as at a mount.
+        try JournalReplay.replay(
+            storePath: target.store, deviceID: DeviceIdentity.id(deviceKey: dk, storeID: kb.file.storeID)
+        ) { FileHandle.standardError.write(Data(("keybagfs: " + $0 + "\n").utf8)) }
         let passcode: SecureKey? =
             passcodeStdin || askPasscode ? try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ") : nil
         defer { passcode?.wipe() }

@@ -56,6 +56,9 @@ long long kbfs_next_hole(int fd, long long from);
 int kbfs_reports_holes(int fd);
 /* syncfs(2): commits the filesystem holding fd. */
 int kbfs_syncfs(int fd);
+/* sync_file_range(2) with WAIT_BEFORE | WRITE | WAIT_AFTER: the range's dirty pages are written
+   to the device and waited for (no cache flush, no metadata). */
+int kbfs_write_and_wait(int fd, long long offset, long long len);
 
 /* The device number of the filesystem mounted at `path` (statx with AT_STATX_DONT_SYNC:
    no request reaches a FUSE daemon that has not answered INIT yet). 0 or -1 with errno. */

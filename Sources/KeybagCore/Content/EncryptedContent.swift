@@ -26,16 +26,35 @@ public struct EncryptedContent: Sendable {
 
     /// Reads up to `out.count` plaintext bytes at `offset`; returns the count (0 at EOF).
     /// A read of `parallelBlocks` blocks or more decrypts its two halves on two threads.
-    public func read(fd: Int32, key: FileContentKey, offset: Int, into out: UnsafeMutableRawBufferPointer) throws -> Int
-    {
+    /// With `journal`, blocks still pending in the store's journal are read from there.
+    public func read(
+        fd: Int32, key: FileContentKey, offset: Int, into out: UnsafeMutableRawBufferPointer,
+        journal: JournaledFile? = nil
+    ) throws -> Int {
         defer { kbfs_scrub_stack() }  // cipher locals left below this frame
+        guard let journal else { return try read(fd: fd, key: key, offset: offset, into: out, pending: nil) }
+        return try journal.journal.withPending(journal.id.key) {
+            try read(fd: fd, key: key, offset: offset, into: out, pending: $0)
+        }
+    }
+
+    /// `read`, with the file's pending journaled blocks laid over what the backing file holds.
+    private func read(
+        fd: Int32, key: FileContentKey, offset: Int, into out: UnsafeMutableRawBufferPointer,
+        pending: [Int: JournalState.Chunk]?
+    ) throws -> Int {
         let size = try plainSize(fd: fd)
         guard offset < size, out.count > 0 else { return 0 }
         let range = PlainRange(offset: offset, end: min(offset + out.count, size))
         let first = range.blocks.lowerBound, last = range.blocks.upperBound
         let sealed = layout.cipherRange(of: range.blocks, inFileOf: size)
         return try ScratchBuffers.shared.withBlock(sealed.count) { cbuf, plain in
-            let got = try Self.preadFull(fd, cbuf, offset: sealed.lowerBound)
+            var got = try Self.preadFull(fd, cbuf, offset: sealed.lowerBound)
+            if let pending {
+                got = JournaledFile.overlay(
+                    pending, onto: UnsafeMutableRawBufferPointer(rebasing: cbuf[0..<sealed.count]),
+                    offset: sealed.lowerBound, got: got, stride: layout.cipherBlockSize)
+            }
             let span = BlockSpan(first: first, range: range, size: size, got: got)
             guard last - first + 1 >= Self.parallelBlocks else {
                 return try openBlocks(first...last, of: span, key: key, cbuf: cbuf, out: out, plain: plain).written
@@ -122,22 +141,27 @@ public struct EncryptedContent: Sendable {
     /// inside the file); a partial one is re-sealed full first: in the same `pwrite` as the
     /// new data when adjacent, else before it (so a crash in between leaves a cut end that
     /// `fsck` re-seals, never a block of the wrong length).
-    public func write(fd: Int32, key: FileContentKey, offset: Int, data: UnsafeRawBufferPointer) throws {
+    public func write(
+        fd: Int32, key: FileContentKey, offset: Int, data: UnsafeRawBufferPointer, journal: JournaledFile? = nil
+    ) throws {
         var noneKnown = 0
-        try write(fd: fd, key: key, offset: offset, data: data, allocated: &noneKnown)
+        try write(fd: fd, key: key, offset: offset, data: data, allocated: &noneKnown, journal: journal)
     }
 
     /// `write`, given `allocated`: how many backing bytes from the file's start are known to
     /// hold no hole (0: none known). A write whose sealed blocks all lie below it overwrites
     /// blocks the file has, and reserves nothing first; a reservation that continues the
-    /// known part moves it on. Returns whether space was reserved.
+    /// known part moves it on. Returns whether space was reserved. With `journal`, sealed
+    /// blocks that replace bytes the file has go through the store's journal
+    /// (`JournaledFile.store`).
     @discardableResult
     public func write(
-        fd: Int32, key: FileContentKey, offset: Int, data: UnsafeRawBufferPointer, allocated: inout Int
+        fd: Int32, key: FileContentKey, offset: Int, data: UnsafeRawBufferPointer, allocated: inout Int,
+        journal: JournaledFile? = nil
     ) throws -> Bool {
         defer { kbfs_scrub_stack() }  // cipher locals left below this frame
         guard data.count > 0 else { return false }
-        let size = try plainSize(fd: fd)
+        let (size, backing) = try sizes(fd: fd)
         // What is known holds only within the file as it is now (another writer may have cut it).
         allocated = min(allocated, layout.backingSize(plainSize: size))
         let range = PlainRange(offset: offset, end: offset + data.count)
@@ -154,14 +178,16 @@ public struct EncryptedContent: Sendable {
         reserved =
             try reserve(fd: fd, blocks: dataFirst...dataLast, newSize: newSize, allocated: &allocated) || reserved
         if oldLastGrows && oldLast < dataFirst - 1 {
+            let sink = BlockSink(fd: fd, journal: journal, backingSize: backing)
             try sealAndWrite(
                 fd: fd, key: key, blocks: oldLast...oldLast, size: size, newSize: newSize, newLast: newLast,
-                data: NewData(range: nil, bytes: nil))
+                data: NewData(range: nil, bytes: nil), sink: sink)
         }
         let first = oldLastGrows && oldLast == dataFirst - 1 ? oldLast : dataFirst
+        let sink = BlockSink(fd: fd, journal: journal, backingSize: try sizes(fd: fd).backing)
         try sealAndWrite(
             fd: fd, key: key, blocks: first...dataLast, size: size, newSize: newSize, newLast: newLast,
-            data: NewData(range: range, bytes: data))
+            data: NewData(range: range, bytes: data), sink: sink)
         return reserved
     }
 
@@ -199,13 +225,14 @@ public struct EncryptedContent: Sendable {
     /// `parallelBlocks` blocks on, the two halves are sealed on two threads.
     private func sealAndWrite(
         fd: Int32, key: FileContentKey, blocks: ClosedRange<Int>, size: Int, newSize: Int, newLast: Int,
-        data: NewData
+        data: NewData, sink: BlockSink
     ) throws {
         let geometry = SealSpan(first: blocks.lowerBound, size: size, newSize: newSize, newLast: newLast)
         try ScratchBuffers.shared.withBlock(blocks.count * layout.cipherBlockSize) { out, plain in
             var outLen = 0
             if blocks.count < Self.parallelBlocks {
-                outLen = try sealBlocks(blocks, of: geometry, fd: fd, key: key, data: data, out: out, plain: plain)
+                outLen = try sealBlocks(
+                    blocks, of: geometry, fd: fd, key: key, data: data, out: out, plain: plain, journal: sink.journal)
             } else {
                 let mid = blocks.lowerBound + blocks.count / 2
                 let lengths = UnsafeMutableBufferPointer<Result<Int, any Error>>.allocate(capacity: 2)
@@ -217,12 +244,12 @@ public struct EncryptedContent: Sendable {
                         if i == 0 {
                             return try sealBlocks(
                                 blocks.lowerBound...(mid - 1), of: geometry, fd: fd, key: key, data: data,
-                                out: shared.out, plain: shared.plain)
+                                out: shared.out, plain: shared.plain, journal: sink.journal)
                         }
                         return try ScratchBuffers.shared.withBlock(0) { _, plain2 in
                             try sealBlocks(
                                 mid...blocks.upperBound, of: geometry, fd: fd, key: key, data: data, out: shared.out,
-                                plain: plain2)
+                                plain: plain2, journal: sink.journal)
                         }
                     }
                     (shared.results.baseAddress! + i).initialize(to: r)
@@ -230,9 +257,9 @@ public struct EncryptedContent: Sendable {
                 defer { _ = lengths.baseAddress!.deinitialize(count: 2) }
                 outLen = try lengths[0].get() + lengths[1].get()
             }
-            try Self.pwriteFull(
-                fd, UnsafeRawBufferPointer(rebasing: out[0..<outLen]),
-                offset: layout.cipherOffset(ofBlock: blocks.lowerBound))
+            try sink.put(
+                UnsafeRawBufferPointer(rebasing: out[0..<outLen]), at: layout.cipherOffset(ofBlock: blocks.lowerBound),
+                stride: layout.cipherBlockSize)
         }
     }
 
@@ -254,7 +281,7 @@ public struct EncryptedContent: Sendable {
     /// A block the new bytes cover whole is sealed straight from them.
     private func sealBlocks(
         _ blocks: ClosedRange<Int>, of span: SealSpan, fd: Int32, key: FileContentKey, data: NewData,
-        out: UnsafeMutableRawBufferPointer, plain: UnsafeMutableRawBufferPointer
+        out: UnsafeMutableRawBufferPointer, plain: UnsafeMutableRawBufferPointer, journal: JournaledFile?
     ) throws -> Int {
         let oldLast = BlockLayout.lastBlock(ofSize: span.size)
         var outLen = 0
@@ -272,7 +299,8 @@ public struct EncryptedContent: Sendable {
                 continue
             }
             if existing > 0 && !(slice.map { $0.0 == 0 && $0.1 >= existing } ?? false) {
-                let n = try readBlock(fd: fd, key: key, block: b, length: existing, last: b == oldLast, into: plain)
+                let n = try readBlock(
+                    fd: fd, key: key, block: b, length: existing, last: b == oldLast, into: plain, journal: journal)
                 guard n == existing else { throw KeybagError.corrupt("block \(b) short") }
             }
             if newLen > existing { memset(plain.baseAddress! + existing, 0, newLen - existing) }
@@ -283,78 +311,6 @@ public struct EncryptedContent: Sendable {
             outLen += newLen + layout.overhead
         }
         return outLen
-    }
-
-    /// Sets the plaintext size. Shrinking keeps the new last block intact on disk until
-    /// its re-sealed copy replaces it (cut after it first, then rewrite it in place); growing
-    /// writes a sealed last block, so the end is never a hole.
-    public func truncate(fd: Int32, key: FileContentKey, to newSize: Int) throws {
-        defer { kbfs_scrub_stack() }  // cipher locals left below this frame
-        let size = try plainSize(fd: fd)
-        if newSize < size {
-            let oldLast = BlockLayout.lastBlock(ofSize: size), newLast = BlockLayout.lastBlock(ofSize: newSize)
-            guard newLast >= 0 else {
-                guard ftruncate(fd, off_t(FileHeader.size)) == 0 else { throw KeybagError.system("ftruncate", errno) }
-                return
-            }
-            let keepLen = BlockLayout.length(ofBlock: newLast, inFileOf: newSize)
-            let oldLen = BlockLayout.length(ofBlock: newLast, inFileOf: size)
-            if keepLen == oldLen && !key.sealsEnd {
-                // Block-aligned cut of a file whose end is not sealed: nothing to re-seal.
-                guard ftruncate(fd, off_t(layout.backingSize(plainSize: newSize))) == 0 else {
-                    throw KeybagError.system("ftruncate", errno)
-                }
-                return
-            }
-            try ScratchBuffers.shared.withBlock(keepLen + layout.overhead) { sealed, plain in
-                let n = try readBlock(
-                    fd: fd, key: key, block: newLast, length: oldLen, last: newLast == oldLast, into: plain)
-                guard n == oldLen else { throw KeybagError.corrupt("block \(newLast) short") }
-                try key.seal(
-                    UnsafeRawBufferPointer(rebasing: plain[0..<keepLen]), block: UInt64(newLast), last: true,
-                    into: sealed)
-                let blockStart = layout.cipherOffset(ofBlock: newLast)
-                guard ftruncate(fd, off_t(blockStart + oldLen + layout.overhead)) == 0 else {
-                    throw KeybagError.system("ftruncate", errno)
-                }
-                try Self.pwriteFull(fd, UnsafeRawBufferPointer(sealed), offset: blockStart)
-                guard ftruncate(fd, off_t(layout.backingSize(plainSize: newSize))) == 0 else {
-                    throw KeybagError.system("ftruncate", errno)
-                }
-            }
-        } else if newSize > size {
-            // Write zeros over the part of the new last block beyond the old end.
-            let from = max(size, BlockLayout.lastBlock(ofSize: newSize) * BlockLayout.plainBlockSize)
-            try ScratchBuffers.shared.with(newSize - from) { z in
-                memset(z.baseAddress!, 0, z.count)
-                try write(fd: fd, key: key, offset: from, data: UnsafeRawBufferPointer(z))
-            }
-        }
-    }
-
-    /// Makes the plaintext range [offset, offset+length) read as zeros (within the current
-    /// size): whole blocks inside the file become backing holes (all zero bytes read as
-    /// zeros), the partial blocks at the edges and a sealed last block are re-sealed with zeros.
-    public func zeroRange(fd: Int32, key: FileContentKey, offset: Int, length: Int, punch: (Int, Int) -> Bool) throws {
-        defer { kbfs_scrub_stack() }  // cipher locals left below this frame
-        let size = try plainSize(fd: fd)
-        let end = min(offset + length, size)
-        guard offset < end else { return }
-        let range = PlainRange(offset: offset, end: end)
-        let fileLast = BlockLayout.lastBlock(ofSize: size)
-        for b in range.blocks {
-            let part = range.part(ofBlock: b)
-            let bLen = BlockLayout.length(ofBlock: b, inFileOf: size)
-            if part.coversAll(ofLength: bLen) && !(key.sealsEnd && b == fileLast)
-                && punch(layout.cipherOffset(ofBlock: b), bLen + layout.overhead)
-            {
-                continue
-            }
-            let zeros = [UInt8](repeating: 0, count: part.count)
-            try zeros.withUnsafeBytes {
-                try write(fd: fd, key: key, offset: b * BlockLayout.plainBlockSize + part.lo, data: $0)
-            }
-        }
     }
 
     /// How every block of the file checks (`fsck`).
@@ -399,15 +355,43 @@ public struct EncryptedContent: Sendable {
         }
     }
 
-    /// Decrypts block `block` of `length` plaintext bytes (`last`: the file's last) into `plain`.
-    private func readBlock(
-        fd: Int32, key: FileContentKey, block: Int, length: Int, last: Bool, into plain: UnsafeMutableRawBufferPointer
+    /// Decrypts block `block` of `length` plaintext bytes (`last`: the file's last) into `plain`;
+    /// with `journal`, from the journal where the block is pending there.
+    func readBlock(
+        fd: Int32, key: FileContentKey, block: Int, length: Int, last: Bool, into plain: UnsafeMutableRawBufferPointer,
+        journal: JournaledFile? = nil
     ) throws -> Int {
         try ScratchBuffers.shared.with(length + layout.overhead) { buffer in
             let sealed = UnsafeMutableRawBufferPointer(rebasing: buffer[0..<(length + layout.overhead)])
-            let got = try Self.preadFull(fd, sealed, offset: layout.cipherOffset(ofBlock: block))
+            let at = layout.cipherOffset(ofBlock: block)
+            var got = try Self.preadFull(fd, sealed, offset: at)
+            if let journal {
+                got = journal.journal.withPending(journal.id.key) { pending in
+                    pending.map {
+                        JournaledFile.overlay($0, onto: sealed, offset: at, got: got, stride: layout.cipherBlockSize)
+                    } ?? got
+                }
+            }
             guard got == sealed.count else { throw KeybagError.corrupt("block \(block) truncated") }
             return try key.open(UnsafeRawBufferPointer(sealed), block: UInt64(block), last: last, into: plain)
+        }
+    }
+
+    /// The plaintext and backing sizes of the file behind `fd`.
+    func sizes(fd: Int32) throws -> (plain: Int, backing: Int) {
+        var st = stat()
+        guard fstat(fd, &st) == 0 else { throw KeybagError.system("fstat", errno) }
+        return (layout.plainSize(backingSize: Int(st.st_size)), Int(st.st_size))
+    }
+
+    /// Where a write's sealed blocks go: through the journal when there is one, else in place.
+    struct BlockSink {
+        let fd: Int32, journal: JournaledFile?, backingSize: Int
+
+        /// Stores `sealed` at backing offset `offset`.
+        func put(_ sealed: UnsafeRawBufferPointer, at offset: Int, stride: Int) throws {
+            guard let journal else { return try EncryptedContent.pwriteFull(fd, sealed, offset: offset) }
+            try journal.store(sealed, at: offset, fd: fd, backingSize: backingSize, stride: stride)
         }
     }
 }

@@ -25,8 +25,12 @@ extension Filesystem {
             try withContentKey(h.node, .write) { key in
                 let size = try content.plainSize(fd: h.fd)
                 let end = offset + length
+                let journal = journaling?.file(h.node, h.file, fd: h.fd, key: key)
+                journal.map { $0.journal.noteInPlace($0.id.key) }
                 if mode & (punchHole | zeroRange) != 0 {
-                    try content.zeroRange(fd: h.fd, key: key, offset: offset, length: length) { off, len in
+                    try content.zeroRange(
+                        fd: h.fd, key: key, offset: offset, length: length, journal: journal
+                    ) { off, len in
                         guard kbfs_fallocate(h.fd, punchHole | keepSize, Int64(off), Int64(len)) == 0 else {
                             return false
                         }
@@ -35,7 +39,7 @@ extension Filesystem {
                     }
                 }
                 if mode & keepSize == 0 && end > size {
-                    try content.truncate(fd: h.fd, key: key, to: end)
+                    try content.truncate(fd: h.fd, key: key, to: end, journal: journal)
                 }
                 if mode & (punchHole | zeroRange) == 0 {
                     // Reserve backing space for the range (best effort where the backing fs cannot).

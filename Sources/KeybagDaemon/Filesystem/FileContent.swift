@@ -90,7 +90,8 @@ extension Filesystem {
                 if flags & O_TRUNC != 0 && writable {
                     // Forgotten before the cut: a cut that fails half-way leaves holes too.
                     file.noteHole(at: content.layout.backingSize(plainSize: 0))
-                    do { try content.truncate(fd: fd, key: key, to: 0) } catch {
+                    let journal = journaling?.file(n, file, fd: fd, key: key)
+                    do { try content.truncate(fd: fd, key: key, to: 0, journal: journal) } catch {
                         _ = st.release(keyring: keyring); throw error
                     }
                 }
@@ -320,9 +321,12 @@ extension Filesystem {
         }
         openFiles.subtract(1, ordering: .relaxed)
         // The last close of a file unlinked while open takes its xattr set with it.
-        if lastClose, let header, hasStoredXattrs {
+        if lastClose {
             var st = stat()
-            if fstat(h.fd, &st) == 0 && st.st_nlink == 0 { dropXattrs(Base64URL.encode(header.fileID)) }
+            if fstat(h.fd, &st) == 0 && st.st_nlink == 0 {
+                if let header, hasStoredXattrs { dropXattrs(Base64URL.encode(header.fileID)) }
+                journaling?.journal.forgetDeleted(ino: UInt64(st.st_ino))
+            }
         }
     }
 
@@ -334,7 +338,8 @@ extension Filesystem {
         if offset >= Self.maxFileSize { return reply(0) }
         try withContentKey(h.node, .read) { key in
             let n: Int
-            do { n = try content.read(fd: h.fd, key: key, offset: offset, into: buf) } catch {
+            let journal = journaling?.file(h.node, h.file, fd: h.fd, key: key)
+            do { n = try content.read(fd: h.fd, key: key, offset: offset, into: buf, journal: journal) } catch {
                 Self.wipe(UnsafeRawBufferPointer(buf))
                 throw error
             }
@@ -354,7 +359,9 @@ extension Filesystem {
                 // Under `io` taken alone: the known hole-free start of the file moves on here only.
                 var allocated = allocatedStart(of: h)
                 defer { h.file.allocated.store(allocated, ordering: .relaxed) }
-                let reserved = try content.write(fd: h.fd, key: key, offset: offset, data: data, allocated: &allocated)
+                let journal = journaling?.file(h.node, h.file, fd: h.fd, key: key)
+                let reserved = try content.write(
+                    fd: h.fd, key: key, offset: offset, data: data, allocated: &allocated, journal: journal)
                 // Blocks written out of order leave the known start behind what the file has:
                 // every 64 writes that reserve, the store is asked again from there.
                 if reserved && storeReportsHoles && !underneath.anotherWriterExpected
@@ -410,15 +417,22 @@ extension Filesystem {
             try withContentKey(n, .write) { key in
                 // Forgotten before the cut: a cut that fails half-way leaves holes too.
                 n.file?.noteHole(at: content.layout.backingSize(plainSize: size))
-                try content.truncate(fd: fd, key: key, to: size)
+                let journal = n.file.flatMap { f in journaling?.file(n, f, fd: fd, key: key) }
+                try content.truncate(fd: fd, key: key, to: size, journal: journal)
             }
         }
     }
 
     /// fsync of a handle: the file, then its xattr set when that changed since it was last
     /// made durable (as ext4's fsync covers a file's xattrs).
+    /// Through the journal when the file was written through it (`OverwriteJournal.fsync`).
     func fsync(_ h: OpenFile, dataOnly: Bool) throws {
-        try check(dataOnly ? fdatasync(h.fd) : Glibc.fsync(h.fd))
+        if let journaling, let header = h.file.io.read({ $0.header }) {
+            let journal = journaling.file(h.node, h.file, fd: h.fd, fileID: header.fileID)
+            do { try journal.journal.fsync(journal, fd: h.fd, dataOnly: dataOnly) } catch { throw FSError(error) }
+        } else {
+            try check(dataOnly ? fdatasync(h.fd) : Glibc.fsync(h.fd))
+        }
         if xattrs.changedSinceSync, let header = h.file.io.read({ $0.header }) {
             try xattrs.makeDurable(Base64URL.encode(header.fileID))
         }

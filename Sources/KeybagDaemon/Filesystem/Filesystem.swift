@@ -68,12 +68,15 @@ final class Filesystem: Sendable {
     /// Whether the store's file system reports holes exactly (`kbfs_reports_holes`): writes
     /// below a file's first hole then reserve no space (`FileState.allocated`).
     let storeReportsHoles: Bool
+    /// The store's overwrite journal (nil: blocks are rewritten in place, as before it).
+    let journaling: Journaling?
 
     init(
         dataFD: Int32, targetsFD: Int32, xattrsFD: Int32, names: NameCipher, keyring: ClassKeyring,
         cipher: ContentCipher, defaultClass: ProtectionClass,
-        policy: ClassPolicy = ClassPolicy(), threads: Int = 16, kernel: KernelNotifier
+        policy: ClassPolicy = ClassPolicy(), threads: Int = 16, kernel: KernelNotifier, journaling: Journaling? = nil
     ) throws {
+        self.journaling = journaling
         table = try NodeTable(rootFD: dataFD)
         self.kernel = kernel
         space = StoreSpace(storeFD: dataFD, threads: threads) { [keyring] in keyring.access.canOpen(.complete) }

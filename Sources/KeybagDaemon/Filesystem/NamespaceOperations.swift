@@ -157,6 +157,9 @@ extension Filesystem {
             }
         }
         try check(unlinkat(p.fd, e.name, 0))
+        if statted, (st.st_mode & S_IFMT) == S_IFREG, st.st_nlink == 1 {
+            journaling?.nameRemoved(ino: UInt64(st.st_ino), table: table, dev: UInt64(st.st_dev))
+        }
         removeSideFile(p, e)
         if let longTarget { unlinkat(targetsFD, longTarget, 0) }
         if let xattrID { dropXattrs(xattrID) }
@@ -199,6 +202,8 @@ extension Filesystem {
         let exchange = flags & kbfs_RENAME_EXCHANGE != 0, noReplace = flags & kbfs_RENAME_NOREPLACE != 0
         let created = try ensureSideFile(np, dst)
         let replacedXattrs = exchange || noReplace ? nil : xattrIDOfReplaced(p, src.name, np, dst.name)
+        var replaced = stat()
+        let replacing = !exchange && !noReplace && fstatat(np.fd, dst.name, &replaced, AT_SYMLINK_NOFOLLOW) == 0
         var rc = kbfs_renameat2(p.fd, src.name, np.fd, dst.name, flags)
         if rc != 0 && (errno == ENOTEMPTY || errno == EEXIST) && !exchange && !noReplace {
             // The target is a directory; one holding only the store's own files is empty.
@@ -210,6 +215,9 @@ extension Filesystem {
             throw FSError(e)
         }
         if let replacedXattrs { dropXattrs(replacedXattrs) }
+        if replacing, (replaced.st_mode & S_IFMT) == S_IFREG, replaced.st_nlink == 1 {
+            journaling?.nameRemoved(ino: UInt64(replaced.st_ino), table: table, dev: UInt64(replaced.st_dev))
+        }
         classes.changed()  // a moved directory may inherit differently
         let same = p.id == np.id && src.name == dst.name
         if !exchange && flags & kbfs_RENAME_WHITEOUT == 0 && !same { removeSideFile(p, src) }

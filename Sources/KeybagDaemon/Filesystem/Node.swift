@@ -39,6 +39,8 @@ final class FileState: Sendable {
     let allocated = Atomic<Int>(-1)
     /// Writes that reserved space since the store was last asked where the first hole is.
     let reservesSinceProbe = Atomic<Int>(0)
+    /// The file's identity in overwrite-journal records, once written through the journal.
+    let journalID = Locked<JournalFileID?>(nil)
 
     /// After a cut or a punched hole at backing offset `offset`: nothing past it is known.
     func noteHole(at offset: Int) {

@@ -1,0 +1,130 @@
+import CCrypto
+import CSystem
+import Glibc
+
+/// Growing, shrinking and zeroing a file's plaintext (the offset math in `EncryptedContent`).
+extension EncryptedContent {
+    /// Sets the plaintext size. Shrinking keeps the new last block intact on disk until
+    /// its re-sealed copy replaces it (cut after it first, then rewrite it in place); growing
+    /// writes a sealed last block, so the end is never a hole.
+    /// With `journal`, see `shrinkJournaled`.
+    public func truncate(fd: Int32, key: FileContentKey, to newSize: Int, journal: JournaledFile? = nil) throws {
+        defer { kbfs_scrub_stack() }  // cipher locals left below this frame
+        let size = try plainSize(fd: fd)
+        if newSize < size, let journal {
+            try shrinkJournaled(fd: fd, key: key, from: size, to: newSize, journal: journal)
+        } else if newSize < size {
+            let oldLast = BlockLayout.lastBlock(ofSize: size), newLast = BlockLayout.lastBlock(ofSize: newSize)
+            guard newLast >= 0 else {
+                guard ftruncate(fd, off_t(FileHeader.size)) == 0 else { throw KeybagError.system("ftruncate", errno) }
+                return
+            }
+            let keepLen = BlockLayout.length(ofBlock: newLast, inFileOf: newSize)
+            let oldLen = BlockLayout.length(ofBlock: newLast, inFileOf: size)
+            if keepLen == oldLen && !key.sealsEnd {
+                // Block-aligned cut of a file whose end is not sealed: nothing to re-seal.
+                guard ftruncate(fd, off_t(layout.backingSize(plainSize: newSize))) == 0 else {
+                    throw KeybagError.system("ftruncate", errno)
+                }
+                return
+            }
+            try ScratchBuffers.shared.withBlock(keepLen + layout.overhead) { sealed, plain in
+                let n = try readBlock(
+                    fd: fd, key: key, block: newLast, length: oldLen, last: newLast == oldLast, into: plain)
+                guard n == oldLen else { throw KeybagError.corrupt("block \(newLast) short") }
+                try key.seal(
+                    UnsafeRawBufferPointer(rebasing: plain[0..<keepLen]), block: UInt64(newLast), last: true,
+                    into: sealed)
+                let blockStart = layout.cipherOffset(ofBlock: newLast)
+                guard ftruncate(fd, off_t(blockStart + oldLen + layout.overhead)) == 0 else {
+                    throw KeybagError.system("ftruncate", errno)
+                }
+                try Self.pwriteFull(fd, UnsafeRawBufferPointer(sealed), offset: blockStart)
+                guard ftruncate(fd, off_t(layout.backingSize(plainSize: newSize))) == 0 else {
+                    throw KeybagError.system("ftruncate", errno)
+                }
+            }
+        } else if newSize > size {
+            // Write zeros over the part of the new last block beyond the old end.
+            let from = max(size, BlockLayout.lastBlock(ofSize: newSize) * BlockLayout.plainBlockSize)
+            try ScratchBuffers.shared.with(newSize - from) { z in
+                memset(z.baseAddress!, 0, z.count)
+                try write(fd: fd, key: key, offset: from, data: UnsafeRawBufferPointer(z), journal: journal)
+            }
+        }
+    }
+
+
+    /// Shrinks a file whose overwrites go through the journal, so that a power cut at any
+    /// point leaves the new last block whole: its re-sealed copy goes to the journal as a
+    /// record replayed only where the file ends right after it, and is on the device before
+    /// the cut; the cut is synced, then a plain record of it follows and it is written in
+    /// place. Earlier records of the file are made void first (their blocks durable in place),
+    /// so none is replayed over what the file grows back into.
+    func shrinkJournaled(fd: Int32, key: FileContentKey, from size: Int, to newSize: Int, journal: JournaledFile) throws {
+        let oldLast = BlockLayout.lastBlock(ofSize: size), newLast = BlockLayout.lastBlock(ofSize: newSize)
+        let keepLen = newLast >= 0 ? BlockLayout.length(ofBlock: newLast, inFileOf: newSize) : 0
+        let oldLen = newLast >= 0 ? BlockLayout.length(ofBlock: newLast, inFileOf: size) : 0
+        let reseal = newLast >= 0 && !(keepLen == oldLen && !key.sealsEnd)
+        let cut = newLast >= 0 ? layout.backingSize(plainSize: newSize) : FileHeader.size
+        let blockStart = newLast >= 0 ? layout.cipherOffset(ofBlock: newLast) : cut
+        let j = journal.journal
+        guard reseal else {
+            if try j.endRecords(of: journal, fd: fd) { try j.waitWritten() }
+            guard ftruncate(fd, off_t(cut)) == 0 else { throw KeybagError.system("ftruncate", errno) }
+            j.noteInPlace(journal.id.key)
+            return
+        }
+        try ScratchBuffers.shared.withBlock(keepLen + layout.overhead) { sealed, plain in
+            let n = try readBlock(
+                fd: fd, key: key, block: newLast, length: oldLen, last: newLast == oldLast, into: plain, journal: journal)
+            guard n == oldLen else { throw KeybagError.corrupt("block \(newLast) short") }
+            try key.seal(
+                UnsafeRawBufferPointer(rebasing: plain[0..<keepLen]), block: UInt64(newLast), last: true, into: sealed)
+            let bytes = UnsafeRawBufferPointer(sealed)
+            try j.endRecords(of: journal, fd: fd)
+            try j.append(journal, fd: fd, offset: blockStart, bytes: bytes, stride: bytes.count, pending: false, exactEnd: true)
+            try j.waitWritten()
+            guard ftruncate(fd, off_t(cut)) == 0 else { throw KeybagError.system("ftruncate", errno) }
+            guard fdatasync(fd) == 0 else { throw KeybagError.system("fdatasync", errno) }
+            try j.append(journal, fd: fd, offset: blockStart, bytes: bytes, stride: bytes.count, pending: false)
+            try j.waitWritten()
+            try Self.pwriteFull(fd, bytes, offset: blockStart)
+        }
+    }
+
+    /// Makes the plaintext range [offset, offset+length) read as zeros (within the current
+    /// size): whole blocks inside the file become backing holes (all zero bytes read as
+    /// zeros), the partial blocks at the edges and a sealed last block are re-sealed with zeros.
+    /// With `journal`, the file's journaled blocks are put in place and its earlier records
+    /// made void before anything is punched (`OverwriteJournal.endRecords`).
+    public func zeroRange(
+        fd: Int32, key: FileContentKey, offset: Int, length: Int, journal: JournaledFile? = nil,
+        punch: (Int, Int) -> Bool
+    ) throws {
+        defer { kbfs_scrub_stack() }  // cipher locals left below this frame
+        let size = try plainSize(fd: fd)
+        let end = min(offset + length, size)
+        guard offset < end else { return }
+        let range = PlainRange(offset: offset, end: end)
+        if let journal {
+            if try journal.journal.endRecords(of: journal, fd: fd) {
+                try journal.journal.waitWritten()
+            }
+        }
+        let fileLast = BlockLayout.lastBlock(ofSize: size)
+        for b in range.blocks {
+            let part = range.part(ofBlock: b)
+            let bLen = BlockLayout.length(ofBlock: b, inFileOf: size)
+            if part.coversAll(ofLength: bLen) && !(key.sealsEnd && b == fileLast)
+                && punch(layout.cipherOffset(ofBlock: b), bLen + layout.overhead)
+            {
+                continue
+            }
+            let zeros = [UInt8](repeating: 0, count: part.count)
+            try zeros.withUnsafeBytes {
+                try write(fd: fd, key: key, offset: b * BlockLayout.plainBlockSize + part.lo, data: $0, journal: journal)
+            }
+        }
+    }
+}

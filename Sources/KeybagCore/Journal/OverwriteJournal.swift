@@ -1,0 +1,281 @@
+import CSystem
+import Glibc
+
+/// The store's overwrite journal while it is mounted (docs/FORMAT.md, "Overwrites"): every
+/// sealed block that replaces bytes a backing file already has is first appended here and
+/// written in place only once the journal is durable, so a power cut leaves each block whole
+/// in one of the two places. Lock order: `appendLock`, `syncLock`, `applyLock`, `state`; the
+/// journal takes no inode lock.
+public final class OverwriteJournal: Sendable {
+    /// The ring's size in new journal files.
+    public static let defaultRingSize = 16 << 20
+
+    /// The ring for a store of `bytes` (its file system's size; 0 when it reports none):
+    /// 1/64 of it, between 256 KiB and `defaultRingSize`.
+    public static func ringSize(storeBytes bytes: Int) -> Int {
+        guard bytes > 0 else { return defaultRingSize }
+        return min(defaultRingSize, max(256 << 10, bytes / 64 / 4096 * 4096))
+    }
+    /// Records larger than this are split (a quarter of the ring).
+    var largestRecord: Int { ringSize / 4 }
+
+    /// The journal file (read-write) and its ring's size.
+    let fd: Int32
+    let ringSize: Int
+    /// The records' checksum key (from the superblock).
+    let key: [UInt8]
+    /// Held while a record is placed and written, and through a checkpoint.
+    let appendLock = Locked<Void>(())
+    /// Held while the journal is made durable.
+    let syncLock = Locked<Void>(())
+    /// Held while journaled blocks are written in place, and by readers of files with some.
+    let applyLock = Locked<Void>(())
+    /// Positions, what is durable, the files with live records and the blocks not yet in place.
+    let state: Locked<JournalState>
+
+    /// A journal whose superblock says `superblock` (its records replayed before).
+    public init(fd: Int32, superblock: JournalSuperblock) {
+        self.fd = fd
+        ringSize = superblock.ringSize
+        key = superblock.key
+        state = Locked(JournalState(tailPos: superblock.tailPos, tailSeq: superblock.tailSeq))
+    }
+
+    deinit {
+        state.withLock { $0.closeFiles() }
+        close(fd)
+    }
+
+    // MARK: appending
+
+    /// Appends `bytes`, the sealed blocks of `file` from backing `offset` on, each `stride`
+    /// bytes (the last may be shorter); they stay pending (read from here) until the journal
+    /// is durable and they are written in place. `exactEnd`: see `JournalRecord.Kind`.
+    public func append(
+        _ file: JournaledFile, fd fileFD: Int32, offset: Int, bytes: UnsafeRawBufferPointer, stride: Int,
+        pending: Bool = true, exactEnd: Bool = false
+    ) throws {
+        var at = 0
+        let piece = max(stride, largestRecord / stride * stride)
+        while at < bytes.count {
+            let n = min(piece, bytes.count - at)
+            let part = UnsafeRawBufferPointer(rebasing: bytes[at..<(at + n)])
+            try appendRecord(
+                exactEnd ? .exactEnd : .bytes, file, fd: fileFD, offset: offset + at, data: part, stride: stride,
+                pending: pending)
+            at += n
+        }
+    }
+
+    /// Appends a record that makes `file`'s earlier records void.
+    func appendVoid(_ file: JournaledFile, fd fileFD: Int32) throws {
+        try appendRecord(.void, file, fd: fileFD, offset: 0, data: nil, stride: 1, pending: false)
+    }
+
+    /// Places one record at the head (after a checkpoint when the ring is full), writes it and
+    /// notes its pending blocks.
+    private func appendRecord(
+        _ kind: JournalRecord.Kind, _ file: JournaledFile, fd fileFD: Int32, offset: Int,
+        data: UnsafeRawBufferPointer?, stride: Int, pending: Bool
+    ) throws {
+        let total = JournalRecord.encodedLength(pathLength: file.id.path.utf8.count, count: data?.count ?? 0)
+        try appendLock.withLock { _ in
+            if !state.withLock({ $0.fits(total, ringSize: ringSize) }) { try checkpointHoldingAppend() }
+            try wrapIfNeeded(total)
+            let (pos, seq) = state.withLock { ($0.headPos, $0.nextSeq) }
+            var buffer = [UInt8](repeating: 0, count: total)
+            let record = JournalRecord(kind: kind, seq: seq, file: file.id, offset: offset)
+            _ = buffer.withUnsafeMutableBytes { record.encode(into: $0, key: key, data: data) }
+            try buffer.withUnsafeBytes { try EncryptedContent.pwriteFull(fd, $0, offset: JournalSuperblock.ringStart + pos) }
+            let dataAt = JournalRecord.headerSize + file.id.path.utf8.count
+            try state.withLock { st in
+                try st.noteAppended(total, seq: seq, ino: file.id.key, fd: fileFD, data: kind != .void)
+                guard pending, let count = data?.count else { return }
+                var o = 0
+                while o < count {
+                    let n = min(stride, count - o)
+                    let chunk = JournalState.Chunk(seq: seq, bytes: buffer[(dataAt + o)..<(dataAt + o + n)])
+                    if st.pending[file.id.key, default: [:]].updateValue(chunk, forKey: offset + o) == nil {
+                        st.pendingBlocks += 1
+                    }
+                    o += n
+                }
+            }
+        }
+    }
+
+    /// Ends the ring's lap when `total` bytes do not fit before its end (a wrap record where
+    /// there is room for one).
+    private func wrapIfNeeded(_ total: Int) throws {
+        let (pos, seq) = state.withLock { ($0.headPos, $0.nextSeq) }
+        guard pos + total > ringSize else { return }
+        if ringSize - pos >= JournalRecord.encodedLength(pathLength: 0, count: 0) {
+            var b = [UInt8](repeating: 0, count: JournalRecord.encodedLength(pathLength: 0, count: 0))
+            let r = JournalRecord(kind: .wrap, seq: seq, file: JournalFileID(ino: 0, fileID: [], path: ""))
+            _ = b.withUnsafeMutableBytes { r.encode(into: $0, key: key) }
+            try b.withUnsafeBytes { try EncryptedContent.pwriteFull(fd, $0, offset: JournalSuperblock.ringStart + pos) }
+            state.withLock { $0.nextSeq += 1 }
+        }
+        state.withLock { st in
+            st.used += ringSize - st.headPos
+            st.headPos = 0
+        }
+    }
+
+    /// Writes the journal's dirty pages to the device and waits (no cache flush): a later
+    /// flush of the same device, such as the commit that makes a file's new size durable,
+    /// then carries them.
+    public func waitWritten() throws {
+        guard kbfs_write_and_wait(fd, Int64(JournalSuperblock.ringStart), Int64(ringSize)) == 0 else {
+            throw KeybagError.system("sync_file_range journal", errno)
+        }
+    }
+
+    // MARK: reading
+
+    /// Runs `body` with `ino`'s pending blocks (backing offset → sealed bytes), nil when it
+    /// has none; while it runs no pending block of it is moved in place.
+    public func withPending<R>(_ ino: JournalFileKey, _ body: ([Int: JournalState.Chunk]?) throws -> R) rethrows -> R {
+        if state.withLock({ $0.pending[ino]?.isEmpty ?? true }) { return try body(nil) }
+        return try applyLock.withLock { _ in try body(state.withLock { $0.pending[ino] }) }
+    }
+
+    /// Whether `ino` has records with bytes the journal has not retired or made void.
+    public func hasLiveData(_ ino: JournalFileKey) -> Bool { state.withLock { $0.files[ino]?.hasData ?? false } }
+
+    /// Forgets the files of inode `ino` that no name reaches any more (deleted, or replaced by
+    /// a rename): their pending blocks are dropped and their descriptors closed, so their space
+    /// comes back. Their records stay in the ring; a replay finds no file for them.
+    public func forgetDeleted(ino: UInt64) {
+        try? applyLock.withLock { _ in
+            state.withLock { st in
+                for (key, tracked) in st.files where key.ino == ino {
+                    var s = stat()
+                    guard fstat(tracked.fd, &s) == 0, s.st_nlink == 0 else { continue }
+                    st.pendingBlocks -= st.pending[key]?.count ?? 0
+                    st.pending[key] = nil
+                    st.inPlace[key] = nil
+                    close(tracked.fd)
+                    st.files[key] = nil
+                }
+            }
+        }
+    }
+
+    /// Notes a write in place into `key`'s file (its next `fsync` syncs it).
+    public func noteInPlace(_ key: JournalFileKey) {
+        state.withLock { $0.inPlace[key, default: (0, 0)].written += 1 }
+    }
+
+    /// Blocks not yet in place, in all files.
+    public var pendingBlocks: Int { state.withLock { $0.pendingBlocks } }
+}
+
+// MARK: durability
+extension OverwriteJournal {
+    /// Makes every record appended so far durable (one `fdatasync` for all waiting callers).
+    public func sync() throws {
+        try syncLock.withLock { _ in
+            let target = state.withLock { $0.nextSeq &- 1 }
+            if state.withLock({ $0.syncedSeq >= target }) { return }
+            guard fdatasync(fd) == 0 else { throw KeybagError.system("fdatasync journal", errno) }
+            state.withLock { $0.syncedSeq = max($0.syncedSeq, target) }
+        }
+    }
+
+    /// The `fsync` of a file: its journaled blocks (the journal), and the file itself where it
+    /// was written in place since its last sync or `dataOnly` is false. Both at once take one
+    /// cache flush: the journal's pages are written first, and the file's sync flushes them.
+    /// Blocks whose records are then durable go in place.
+    public func fsync(_ file: JournaledFile, fd fileFD: Int32, dataOnly: Bool) throws {
+        let ino = file.id.key
+        let needJournal = state.withLock { st in (st.files[ino]?.lastSeq).map { $0 > st.syncedSeq } ?? false }
+        let counts = state.withLock { $0.inPlace[ino] }
+        let needFile = !dataOnly || counts.map { $0.written != $0.synced } ?? true
+        if needJournal && needFile {
+            try syncLock.withLock { _ in
+                let target = state.withLock { $0.nextSeq &- 1 }
+                try waitWritten()
+                try Self.sync(fileFD, dataOnly: dataOnly)
+                state.withLock { $0.syncedSeq = max($0.syncedSeq, target) }
+            }
+        } else if needJournal {
+            try sync()
+        } else if needFile {
+            try Self.sync(fileFD, dataOnly: dataOnly)
+        }
+        if needFile {
+            state.withLock { st in
+                let seen = counts?.written ?? 0
+                if let now = st.inPlace[ino] {
+                    st.inPlace[ino]!.synced = max(now.synced, seen)
+                } else {
+                    if st.inPlace.count >= 65536 { st.inPlace = [:] }
+                    st.inPlace[ino] = (0, 0)
+                }
+            }
+        }
+        if needJournal { try apply() }
+    }
+
+    /// fsync or fdatasync of a backing file.
+    static func sync(_ fd: Int32, dataOnly: Bool) throws {
+        guard (dataOnly ? fdatasync(fd) : Glibc.fsync(fd)) == 0 else { throw KeybagError.system("fsync", errno) }
+    }
+
+    /// Writes in place every pending block whose record is durable.
+    public func apply() throws {
+        try applyLock.withLock { _ in
+            let work = state.withLock { $0.durablePending() }
+            var failure: (any Error)?
+            for w in work {
+                do {
+                    try w.chunk.bytes.withUnsafeBytes { try EncryptedContent.pwriteFull(w.fd, $0, offset: w.offset) }
+                    state.withLock { $0.forgetApplied(ino: w.ino, offset: w.offset, seq: w.chunk.seq) }
+                } catch { failure = failure ?? error }
+            }
+            if let failure { throw failure }
+        }
+    }
+
+    /// Retires every record: the journal durable, its blocks in place and their files
+    /// synced, then the superblock moves the tail to the head.
+    public func checkpoint() throws {
+        try appendLock.withLock { _ in try checkpointHoldingAppend() }
+    }
+
+    /// `checkpoint` with `appendLock` held.
+    func checkpointHoldingAppend() throws {
+        try sync()
+        try apply()
+        let fds = state.withLock { $0.files.values.map(\.fd) }
+        for f in fds where fdatasync(f) != 0 { throw KeybagError.system("fdatasync", errno) }
+        let sb = try state.withLock { st -> JournalSuperblock in
+            guard st.pendingBlocks == 0 else { throw KeybagError.system("journal blocks not in place", EIO) }
+            return JournalSuperblock(ringSize: ringSize, tailPos: st.headPos, tailSeq: st.nextSeq, key: key)
+        }
+        try sb.encoded().withUnsafeBytes { try EncryptedContent.pwriteFull(fd, $0, offset: 0) }
+        guard fdatasync(fd) == 0 else { throw KeybagError.system("fdatasync journal", errno) }
+        state.withLock { st in
+            st.closeFiles()
+            st.tailPos = st.headPos
+            st.tailSeq = st.nextSeq
+            st.used = 0
+        }
+    }
+
+    /// Before a cut or a punched hole in `file` (under its inode lock): where it has live
+    /// records, its blocks are made durable in place and a void record ends them, so none is
+    /// replayed over what the cut leaves or the file grows back into. Returns whether a void
+    /// record was written (the caller then waits for it before the cut).
+    @discardableResult
+    public func endRecords(of file: JournaledFile, fd fileFD: Int32) throws -> Bool {
+        let ino = file.id.key
+        guard hasLiveData(ino) else { return false }
+        try sync()
+        try apply()
+        guard fdatasync(fileFD) == 0 else { throw KeybagError.system("fdatasync", errno) }
+        try appendVoid(file, fd: fileFD)
+        return true
+    }
+}

@@ -1,0 +1,50 @@
+import Glibc
+import KeybagCore
+
+/// The store's overwrite journal as the file operations use it: each file's identity in its
+/// records (inode, file id, path in the store as a hint) made once per inode.
+final class Journaling: Sendable {
+    let journal: OverwriteJournal
+    /// The store's path with a trailing slash (path hints are relative to it).
+    let storePrefix: String
+
+    init(journal: OverwriteJournal, storePath: String) {
+        self.journal = journal
+        var buf = [CChar](repeating: 0, count: Int(PATH_MAX) + 1)
+        let real = realpath(storePath, &buf) != nil ? String(cString: buf) : storePath
+        storePrefix = real.hasSuffix("/") ? real : real + "/"
+    }
+
+    /// `node`'s file as the journal writes it, through descriptor `fd`.
+    func file(_ node: Node, _ state: FileState, fd: Int32, key: FileContentKey) -> JournaledFile {
+        file(node, state, fd: fd, fileID: key.fileID)
+    }
+
+    /// `node`'s file (of header file id `fileID`) as the journal writes it, through `fd`.
+    func file(_ node: Node, _ state: FileState, fd: Int32, fileID: [UInt8]) -> JournaledFile {
+        let id = state.journalID.withLock { id -> JournalFileID in
+            if let id, id.fileID == fileID { return id }
+            let made = JournalFileID(ino: node.backingIno, fileID: fileID, path: pathHint(fd))
+            id = made
+            return made
+        }
+        return JournaledFile(journal: journal, id: id)
+    }
+
+    /// After a name of a regular file (inode `ino`) went: where no handle has the file open,
+    /// the journal lets a deleted file go (its space comes back); an open one goes at its
+    /// last release.
+    func nameRemoved(ino: UInt64, table: NodeTable, dev: UInt64) {
+        if let n = table.node(dev: dev, ino: ino), let f = n.file, !f.openFDs.withLock({ $0.isEmpty }) { return }
+        journal.forgetDeleted(ino: ino)
+    }
+
+    /// The backing file's path relative to the store ("" when it is elsewhere).
+    private func pathHint(_ fd: Int32) -> String {
+        var buf = [CChar](repeating: 0, count: Int(PATH_MAX) + 1)
+        let n = readlink("/proc/self/fd/\(fd)", &buf, buf.count - 1)
+        guard n > 0 else { return "" }
+        let path = String(decoding: buf[0..<n].map { UInt8(bitPattern: $0) }, as: UTF8.self)
+        return path.hasPrefix(storePrefix) ? String(path.dropFirst(storePrefix.count)) : ""
+    }
+}
