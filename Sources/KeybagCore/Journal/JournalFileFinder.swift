@@ -2,11 +2,11 @@ import Glibc
 
 /// Finds the files a replay writes into: by the path a record names, else (renamed since) by
 /// its inode number in the store's `data/` tree; only a file whose header carries the
-/// record's file id counts.
+/// record's file id counts (an inode number may have been another file's before).
 struct JournalFileFinder {
     let storePath: String
-    private var opened: [UInt64: (fd: Int32, size: Int)] = [:]
-    private var gone: Set<UInt64> = []
+    private var opened: [JournalFileKey: (fd: Int32, size: Int)] = [:]
+    private var gone: Set<JournalFileKey> = []
     private var byInode: [UInt64: String]?
     /// Files no longer in the store (deleted, or replaced by another file).
     private(set) var missing = 0
@@ -15,14 +15,14 @@ struct JournalFileFinder {
 
     /// A read-write descriptor of the record's file and its backing size, nil when it is gone.
     mutating func open(_ id: JournalFileID) -> (Int32, Int)? {
-        if let f = opened[id.ino] { return (f.fd, f.size) }
-        if gone.contains(id.ino) { return nil }
+        if let f = opened[id.key] { return (f.fd, f.size) }
+        if gone.contains(id.key) { return nil }
         let hint = Self.isInsideData(id.path) ? Self.check(storePath + "/" + id.path, id) : nil
         if let f = hint ?? byInodeScan(id) {
-            opened[id.ino] = f
+            opened[id.key] = f
             return (f.fd, f.size)
         }
-        gone.insert(id.ino)
+        gone.insert(id.key)
         missing += 1
         return nil
     }

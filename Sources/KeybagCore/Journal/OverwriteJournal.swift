@@ -215,7 +215,7 @@ extension OverwriteJournal {
                 }
             }
         }
-        if needJournal { try apply() }
+        if needJournal || pendingBlocks > 0 { try apply() }
     }
 
     /// fsync or fdatasync of a backing file.
