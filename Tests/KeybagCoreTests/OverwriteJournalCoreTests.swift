@@ -17,7 +17,8 @@ final class OverwriteJournalCoreTests: TempDirTestCase {
         mkdir(dir + "/data", 0o700)
         let fd = open(dir + "/data/f", O_RDWR | O_CREAT | O_TRUNC, 0o600)
         let raw = SecureKey(random: 32)
-        let h = try FileHeader.create(fileKey: raw, class: .none, cipher: cipher, using: .symmetric(SecureKey(random: 32)))
+        let h = try FileHeader.create(
+            fileKey: raw, class: .none, cipher: cipher, using: .symmetric(SecureKey(random: 32)))
         try EncryptedContent.writeNewHeader(fd: fd, h)
         let key = try FileContentKey(key: raw, header: h)
         let c = EncryptedContent(layout: BlockLayout(cipher: cipher))

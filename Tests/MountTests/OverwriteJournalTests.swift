@@ -50,7 +50,8 @@ final class OverwriteJournalTests: XCTestCase {
         addTeardownBlock { m.close() }
         m.unlock()
         let path = m.path("db.bin")
-        XCTAssertTrue(FileManager.default.createFile(atPath: path, contents: Data(repeating: 0x11, count: 3 * Self.block)))
+        XCTAssertTrue(
+            FileManager.default.createFile(atPath: path, contents: Data(repeating: 0x11, count: 3 * Self.block)))
         try writeSynced(path, [UInt8](repeating: 0x11, count: 3 * Self.block), at: 0)
         let backing = m.backing("db.bin")
         let old = try backingBlock(backing, 1)
@@ -85,10 +86,12 @@ final class OverwriteJournalTests: XCTestCase {
         let before = try [UInt8](Data(contentsOf: URL(fileURLWithPath: backing)))
         // Rewritten without fsync (close sends the kernel's dirty pages to the daemon).
         let fd = open(path, O_WRONLY)
-        XCTAssertEqual(pwrite(fd, [UInt8](repeating: 0x32, count: Self.block), Self.block, off_t(2 * Self.block)), Self.block)
+        XCTAssertEqual(
+            pwrite(fd, [UInt8](repeating: 0x32, count: Self.block), Self.block, off_t(2 * Self.block)), Self.block)
         close(fd)
         XCTAssertEqual(
-            try [UInt8](Data(contentsOf: URL(fileURLWithPath: path)))[2 * Self.block], 0x32, "the mount shows the rewrite")
+            try [UInt8](Data(contentsOf: URL(fileURLWithPath: path)))[2 * Self.block], 0x32,
+            "the mount shows the rewrite")
         let journals = try FileManager.default.contentsOfDirectory(atPath: m.store).filter {
             $0.hasPrefix(".kbfs-journal-")
         }

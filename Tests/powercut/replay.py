@@ -11,11 +11,13 @@ States (each a disk image the kernel could have left at a power cut):
   - reordered states: every entry up to a flush, then a random subset of the writes of the window
     before the next flush (the disk may write them in any order);
   - torn states: the same window with one write cut at a 512-byte or a 4 KiB boundary.
-For each: the ext4 mounts (its journal replays) and e2fsck -fn is clean; the store mounts and
-unlocks with the passcode in force; every fact of every mark the state includes reads back (a path
-an operation in flight changes may read as before or after, and a block being rewritten in place
-may read EIO: counted, the next issue makes it old-or-new); `keybagfs fsck --json` lists only kinds
-docs/FORMAT.md allows after a crash, and `fsck --repair` then leaves it clean.
+For each: the ext4 mounts (its journal replays) and e2fsck -fn is clean; the store mounts (its
+overwrite journal replays) and unlocks with the passcode in force; every fact of every mark the
+state includes reads back (a path an operation in flight changes may read as before or after; a
+file of blocks rewritten in place reads, block by block, as acknowledged or as a write since
+made it); no read fails with EIO (a block torn by the cut: issue "Overwrites a power cut cannot
+tear"; counted in the summary too); `keybagfs fsck --json` lists only kinds docs/FORMAT.md allows
+after a crash, and `fsck --repair` then leaves it clean.
 """
 import argparse
 import hashlib

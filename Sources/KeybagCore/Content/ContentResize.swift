@@ -54,14 +54,14 @@ extension EncryptedContent {
         }
     }
 
-
     /// Shrinks a file whose overwrites go through the journal, so that a power cut at any
     /// point leaves the new last block whole: its re-sealed copy goes to the journal as a
     /// record replayed only where the file ends right after it, and is on the device before
     /// the cut; the cut is synced, then a plain record of it follows and it is written in
     /// place. Earlier records of the file are made void first (their blocks durable in place),
     /// so none is replayed over what the file grows back into.
-    func shrinkJournaled(fd: Int32, key: FileContentKey, from size: Int, to newSize: Int, journal: JournaledFile) throws {
+    func shrinkJournaled(fd: Int32, key: FileContentKey, from size: Int, to newSize: Int, journal: JournaledFile) throws
+    {
         let oldLast = BlockLayout.lastBlock(ofSize: size), newLast = BlockLayout.lastBlock(ofSize: newSize)
         let keepLen = newLast >= 0 ? BlockLayout.length(ofBlock: newLast, inFileOf: newSize) : 0
         let oldLen = newLast >= 0 ? BlockLayout.length(ofBlock: newLast, inFileOf: size) : 0
@@ -77,13 +77,15 @@ extension EncryptedContent {
         }
         try ScratchBuffers.shared.withBlock(keepLen + layout.overhead) { sealed, plain in
             let n = try readBlock(
-                fd: fd, key: key, block: newLast, length: oldLen, last: newLast == oldLast, into: plain, journal: journal)
+                fd: fd, key: key, block: newLast, length: oldLen, last: newLast == oldLast, into: plain,
+                journal: journal)
             guard n == oldLen else { throw KeybagError.corrupt("block \(newLast) short") }
             try key.seal(
                 UnsafeRawBufferPointer(rebasing: plain[0..<keepLen]), block: UInt64(newLast), last: true, into: sealed)
             let bytes = UnsafeRawBufferPointer(sealed)
             try j.endRecords(of: journal, fd: fd)
-            try j.append(journal, fd: fd, offset: blockStart, bytes: bytes, stride: bytes.count, pending: false, exactEnd: true)
+            try j.append(
+                journal, fd: fd, offset: blockStart, bytes: bytes, stride: bytes.count, pending: false, exactEnd: true)
             try j.waitWritten()
             guard ftruncate(fd, off_t(cut)) == 0 else { throw KeybagError.system("ftruncate", errno) }
             guard fdatasync(fd) == 0 else { throw KeybagError.system("fdatasync", errno) }
@@ -123,7 +125,8 @@ extension EncryptedContent {
             }
             let zeros = [UInt8](repeating: 0, count: part.count)
             try zeros.withUnsafeBytes {
-                try write(fd: fd, key: key, offset: b * BlockLayout.plainBlockSize + part.lo, data: $0, journal: journal)
+                try write(
+                    fd: fd, key: key, offset: b * BlockLayout.plainBlockSize + part.lo, data: $0, journal: journal)
             }
         }
     }

@@ -79,7 +79,9 @@ struct JournalFileFinder {
         guard depth < 256, let d = opendir(dir) else { return }
         defer { closedir(d) }
         while let e = readdir(d) {
-            let name = withUnsafeBytes(of: e.pointee.d_name) { String(cString: $0.bindMemory(to: CChar.self).baseAddress!) }
+            let name = withUnsafeBytes(of: e.pointee.d_name) {
+                String(cString: $0.bindMemory(to: CChar.self).baseAddress!)
+            }
             if name == "." || name == ".." { continue }
             let path = dir + "/" + name
             var st = stat()

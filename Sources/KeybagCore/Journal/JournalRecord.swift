@@ -71,7 +71,8 @@ public struct JournalRecord: Sendable, Equatable {
 
     /// Writes the record into `out` (at least `encodedLength` bytes) with its checksum under
     /// `key`; the data comes from `data` (the record's own `bytes` are ignored when given).
-    public func encode(into out: UnsafeMutableRawBufferPointer, key: [UInt8], data: UnsafeRawBufferPointer? = nil) -> Int
+    public func encode(into out: UnsafeMutableRawBufferPointer, key: [UInt8], data: UnsafeRawBufferPointer? = nil)
+        -> Int
     {
         let path = Array(file.path.utf8)
         let count = data?.count ?? bytes.count
@@ -114,7 +115,9 @@ public struct JournalRecord: Sendable, Equatable {
             return nil
         }
         var want = [UInt8](repeating: 0, count: tagSize)
-        want.withUnsafeMutableBytes { tag(UnsafeRawBufferPointer(rebasing: b[0..<(total - tagSize)]), key: key, into: $0.baseAddress!) }
+        want.withUnsafeMutableBytes {
+            tag(UnsafeRawBufferPointer(rebasing: b[0..<(total - tagSize)]), key: key, into: $0.baseAddress!)
+        }
         guard sodium_memcmp(want, b.baseAddress! + total - tagSize, tagSize) == 0 else { return nil }
         let at = headerSize + pathLength
         let file = JournalFileID(

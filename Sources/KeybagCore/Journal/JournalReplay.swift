@@ -137,7 +137,9 @@ public enum JournalReplay {
         var at = 0
         while at < JournalSuperblock.ringStart + ringSize {
             let n = min(page.count, JournalSuperblock.ringStart + ringSize - at)
-            try page.withUnsafeBytes { try EncryptedContent.pwriteFull(fd, UnsafeRawBufferPointer(rebasing: $0[0..<n]), offset: at) }
+            try page.withUnsafeBytes {
+                try EncryptedContent.pwriteFull(fd, UnsafeRawBufferPointer(rebasing: $0[0..<n]), offset: at)
+            }
             if at == 0 { page.replaceSubrange(0..<512, with: [UInt8](repeating: 0, count: 512)) }
             at += n
         }

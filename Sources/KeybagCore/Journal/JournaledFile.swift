@@ -20,7 +20,8 @@ public struct JournaledFile: Sendable {
     public func store(
         _ sealed: UnsafeRawBufferPointer, at offset: Int, fd: Int32, backingSize: Int, stride: Int
     ) throws {
-        let journaled = offset >= backingSize ? 0 : min(sealed.count, (backingSize - offset + stride - 1) / stride * stride)
+        let journaled =
+            offset >= backingSize ? 0 : min(sealed.count, (backingSize - offset + stride - 1) / stride * stride)
         if journaled > 0 {
             try journal.append(
                 self, fd: fd, offset: offset, bytes: UnsafeRawBufferPointer(rebasing: sealed[0..<journaled]),
@@ -60,7 +61,8 @@ public struct JournaledFile: Sendable {
             let lo = max(start, offset), hi = min(start + chunk.bytes.count, offset + buffer.count)
             guard hi > lo else { continue }
             chunk.bytes.withUnsafeBytes { src in
-                (buffer.baseAddress! + (lo - offset)).copyMemory(from: src.baseAddress! + (lo - start), byteCount: hi - lo)
+                (buffer.baseAddress! + (lo - offset)).copyMemory(
+                    from: src.baseAddress! + (lo - start), byteCount: hi - lo)
             }
             got = max(got, hi - offset)
         }

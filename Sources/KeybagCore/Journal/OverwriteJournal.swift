@@ -86,7 +86,9 @@ public final class OverwriteJournal: Sendable {
             var buffer = [UInt8](repeating: 0, count: total)
             let record = JournalRecord(kind: kind, seq: seq, file: file.id, offset: offset)
             _ = buffer.withUnsafeMutableBytes { record.encode(into: $0, key: key, data: data) }
-            try buffer.withUnsafeBytes { try EncryptedContent.pwriteFull(fd, $0, offset: JournalSuperblock.ringStart + pos) }
+            try buffer.withUnsafeBytes {
+                try EncryptedContent.pwriteFull(fd, $0, offset: JournalSuperblock.ringStart + pos)
+            }
             let dataAt = JournalRecord.headerSize + file.id.path.utf8.count
             try state.withLock { st in
                 try st.noteAppended(total, seq: seq, ino: file.id.key, fd: fileFD, data: kind != .void)

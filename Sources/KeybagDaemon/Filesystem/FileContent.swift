@@ -427,15 +427,14 @@ extension Filesystem {
     /// made durable (as ext4's fsync covers a file's xattrs).
     /// Through the journal when the file was written through it (`OverwriteJournal.fsync`).
     func fsync(_ h: OpenFile, dataOnly: Bool) throws {
-        if let journaling, let header = h.file.io.read({ $0.header }) {
+        let header = h.file.io.read { $0.header }
+        if let journaling, let header {
             let journal = journaling.file(h.node, h.file, fd: h.fd, fileID: header.fileID)
-            do { try journal.journal.fsync(journal, fd: h.fd, dataOnly: dataOnly) } catch { throw FSError(error) }
+            try journal.journal.fsync(journal, fd: h.fd, dataOnly: dataOnly)
         } else {
             try check(dataOnly ? fdatasync(h.fd) : Glibc.fsync(h.fd))
         }
-        if xattrs.changedSinceSync, let header = h.file.io.read({ $0.header }) {
-            try xattrs.makeDurable(Base64URL.encode(header.fileID))
-        }
+        if xattrs.changedSinceSync, let header { try xattrs.makeDurable(Base64URL.encode(header.fileID)) }
     }
 
     /// fsync of a directory: its backing folder (the entries of the names in it, long names'

@@ -45,6 +45,8 @@ final class Journaling: Sendable {
         let n = readlink("/proc/self/fd/\(fd)", &buf, buf.count - 1)
         guard n > 0 else { return "" }
         let path = String(decoding: buf[0..<n].map { UInt8(bitPattern: $0) }, as: UTF8.self)
-        return path.hasPrefix(storePrefix) ? String(path.dropFirst(storePrefix.count)) : ""
+        // A file made unnamed (O_TMPFILE) and linked keeps its "/#INO (deleted)" name here.
+        guard path.hasPrefix(storePrefix), !path.hasSuffix(" (deleted)") else { return "" }
+        return String(path.dropFirst(storePrefix.count))
     }
 }
