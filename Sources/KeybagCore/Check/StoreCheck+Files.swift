@@ -69,6 +69,15 @@ extension StoreCheck {
                 try writeFreshHeader(fd, dirClass)
             }
         }
+        if Self.allZero(fd, size: size) {
+            // Created, never synced: the size reached the disk, the bytes did not (ext4 shows a
+            // preallocated block whose write was cut off as zeros). No key was ever stored.
+            let detail = "a file of \(size) zero bytes without header (a crash after create, before its first sync)"
+            return fix("no-header", path, name, detail, losesData: false) {
+                guard ftruncate(fd, 0) == 0 else { throw KeybagError.system("ftruncate", errno) }
+                try writeFreshHeader(fd, dirClass)
+            }
+        }
         guard let header = readHeader(fd: fd, path: path, name: name) else { return }
         xattrIDs.insert(Base64URL.encode(header.fileID))
         guard header.cipher.sharesLayout(with: keybag.cipher) else {
@@ -140,5 +149,17 @@ extension StoreCheck {
             }
         }
         if options.repair { _ = fsync(fd) }
+    }
+
+    /// Whether the first `size` bytes of `fd` are all zero (read in 64 KiB pieces).
+    static func allZero(_ fd: Int32, size: Int) -> Bool {
+        var buf = [UInt8](repeating: 0, count: min(size, 1 << 16))
+        var at = 0
+        while at < size {
+            let n = buf.withUnsafeMutableBytes { pread(fd, $0.baseAddress!, min($0.count, size - at), off_t(at)) }
+            guard n > 0, buf[0..<n].allSatisfy({ $0 == 0 }) else { return false }
+            at += n
+        }
+        return true
     }
 }
