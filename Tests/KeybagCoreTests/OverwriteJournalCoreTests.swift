@@ -143,6 +143,31 @@ final class OverwriteJournalCoreTests: TempDirTestCase {
         XCTAssertEqual(try read(c, fd, key, nil), want)
     }
 
+    /// A write into zeros (a gap the kernel's write-back left, a hole) goes in place with no
+    /// record; cut off by a power cut (one 512-byte sector still zero) it reads as zeros, its old
+    /// version, where it read EIO before.
+    func testAWriteIntoZerosGoesInPlaceAndATornOneReadsAsZeros() throws {
+        let journal = try JournalReplay.open(storePath: dir, deviceID: "dev", ringSize: 1 << 20) { _ in }
+        let (fd, key, c, j) = try makeFile(blocks: 1, fill: 7, journal: journal)
+        defer { close(fd) }
+        let last = [UInt8](repeating: 8, count: 4096)
+        try last.withUnsafeBytes { try c.write(fd: fd, key: key, offset: 3 * 4096, data: $0, journal: j) }  // a gap
+        let fill = [UInt8](repeating: 9, count: 4096)
+        try fill.withUnsafeBytes { try c.write(fd: fd, key: key, offset: 4096, data: $0, journal: j) }
+        XCTAssertEqual(journal.pendingBlocks, 0, "the gap was zeros: written in place")
+        XCTAssertEqual(Array(try read(c, fd, key, j)[4096..<8192]), fill)
+        // The fill torn: its first whole sector of the store back to zeros.
+        let off = c.layout.cipherOffset(ofBlock: 1)
+        let sector = (off + 511) / 512 * 512
+        XCTAssertEqual(pwrite(fd, [UInt8](repeating: 0, count: 512), 512, off_t(sector)), 512)
+        let got = try read(c, fd, key, j)
+        XCTAssertEqual(Array(got[4096..<8192]), [UInt8](repeating: 0, count: 4096), "old version: zeros")
+        XCTAssertEqual(Array(got[0..<4096]), [UInt8](repeating: 7, count: 4096))
+        // A block torn without a zero sector is damage, as before.
+        XCTAssertEqual(pwrite(fd, [UInt8](repeating: 1, count: 512), 512, off_t(sector)), 512)
+        XCTAssertThrowsError(try read(c, fd, key, j))
+    }
+
     /// The superblock's sector of a journal.
     static func sector(_ fd: Int32) -> [UInt8] {
         var b = [UInt8](repeating: 0, count: 512)

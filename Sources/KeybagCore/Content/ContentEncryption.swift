@@ -217,8 +217,9 @@ public final class FileContentKey: Sendable {
         } else if try decrypt(sealed, block: block, last: last, into: out) {
             return plainLen
         }
-        // Not authentic: a hole (all zero bytes, never produced by sealing), a cut end, or damage.
-        if !(sealsEnd && last) && FileContentKey.isAllZero(sealed) {
+        // Not authentic: a hole (all zero bytes, never produced by sealing) or a write into one
+        // cut off by a power cut (a zero sector left: its old version, zeros), a cut end, or damage.
+        if !(sealsEnd && last) && FileContentKey.isHoleOrTornFill(sealed, block: block, nonceSize: ns) {
             memset(out.baseAddress!, 0, plainLen)
             return plainLen
         }
@@ -260,7 +261,9 @@ public final class FileContentKey: Sendable {
         if sealsEnd && !last && (try? decrypt(sealed, block: block, last: true, into: scratch)) == true {
             return .authentic
         }
-        if !(sealsEnd && last) && FileContentKey.isAllZero(sealed) { return .hole }
+        if !(sealsEnd && last) && FileContentKey.isHoleOrTornFill(sealed, block: block, nonceSize: cipher.nonceSize) {
+            return .hole
+        }
         if sealsEnd && last && (try? decrypt(sealed, block: block, last: false, into: scratch)) == true {
             return .wrongEnd
         }
@@ -296,6 +299,20 @@ public final class FileContentKey: Sendable {
         }
         if rc < -1 { throw KeybagError.corrupt("the AES library failed") }
         return rc == 0
+    }
+
+    /// True for a hole (every byte zero) and for a write into zeros that a power cut tore: a
+    /// 512-byte sector of the store inside the block is all zero, which sealed bytes never are
+    /// (2^-4096). Its old version was zeros, so it reads as zeros (docs/FORMAT.md, "Overwrites").
+    static func isHoleOrTornFill(_ b: UnsafeRawBufferPointer, block: UInt64, nonceSize: Int) -> Bool {
+        if isAllZero(b) { return true }
+        let start = FileHeader.size + Int(block) * (BlockLayout.plainBlockSize + nonceSize + BlockLayout.tagSize)
+        var at = (512 - start % 512) % 512
+        while at + 512 <= b.count {
+            if isAllZero(UnsafeRawBufferPointer(rebasing: b[at..<(at + 512)])) { return true }
+            at += 512
+        }
+        return false
     }
 
     /// True when every byte is zero (a sparse hole in the backing file).

@@ -20,15 +20,20 @@ public struct JournaledFile: Sendable {
     public func store(
         _ sealed: UnsafeRawBufferPointer, at offset: Int, fd: Int32, backingSize: Int, stride: Int
     ) throws {
-        let journaled =
+        var journaled =
             offset >= backingSize ? 0 : min(sealed.count, (backingSize - offset + stride - 1) / stride * stride)
+        // Blocks filling a hole (all zero bytes: a gap left by write-back that came out of
+        // order) replace no sealed version; with no live record of the file, none is pending.
+        if journaled > 0 && !journal.hasLiveData(id.key) && Self.allZero(fd, offset: offset, count: journaled) {
+            journaled = 0
+        }
         if journaled > 0 {
             try journal.append(
                 self, fd: fd, offset: offset, bytes: UnsafeRawBufferPointer(rebasing: sealed[0..<journaled]),
                 stride: stride)
         }
         let end = offset + sealed.count
-        guard end > backingSize else { return }
+        guard end > backingSize || journaled == 0 else { return }
         if journaled > 0 { try journal.waitWritten() }
         if journaled < sealed.count {
             try EncryptedContent.pwriteFull(
@@ -37,6 +42,21 @@ public struct JournaledFile: Sendable {
             throw KeybagError.system("ftruncate", errno)
         }
         journal.noteInPlace(id.key)
+    }
+
+    /// Whether the backing bytes [offset, offset + count) are all zero (a hole, or never
+    /// written), read in pieces of 64 KiB.
+    static func allZero(_ fd: Int32, offset: Int, count: Int) -> Bool {
+        var buf = [UInt8](repeating: 0, count: min(count, 1 << 16))
+        var at = 0
+        while at < count {
+            let n = buf.withUnsafeMutableBytes {
+                pread(fd, $0.baseAddress!, min($0.count, count - at), off_t(offset + at))
+            }
+            guard n > 0, buf[0..<n].allSatisfy({ $0 == 0 }) else { return n == 0 }
+            at += n
+        }
+        return true
     }
 
     /// Lays this file's pending blocks over the sealed bytes just read from backing `offset`

@@ -1,5 +1,6 @@
 import CSystem
 import Glibc
+import Synchronization
 
 /// The store's overwrite journal while it is mounted (docs/FORMAT.md, "Overwrites"): every
 /// sealed block that replaces bytes a backing file already has is first appended here and
@@ -32,6 +33,8 @@ public final class OverwriteJournal: Sendable {
     let applyLock = Locked<Void>(())
     /// Positions, what is durable, the files with live records and the blocks not yet in place.
     let state: Locked<JournalState>
+    /// `state.pendingBlocks`, readable without the lock (reads skip the journal when 0).
+    let pendingCount = Atomic<Int>(0)
 
     /// A journal whose superblock says `superblock` (its records replayed before).
     public init(fd: Int32, superblock: JournalSuperblock) {
@@ -100,6 +103,7 @@ public final class OverwriteJournal: Sendable {
                     if st.pending[file.id.key, default: [:]].updateValue(chunk, forKey: offset + o) == nil {
                         st.pendingBlocks += 1
                     }
+                    pendingCount.store(st.pendingBlocks, ordering: .releasing)
                     o += n
                 }
             }
@@ -137,9 +141,13 @@ public final class OverwriteJournal: Sendable {
 
     /// Runs `body` with `ino`'s pending blocks (backing offset → sealed bytes), nil when it
     /// has none; while it runs no pending block of it is moved in place.
+    /// The snapshot is taken before the caller reads the store: a block written in place
+    /// meanwhile is either still in the snapshot or already in place when it reads (it is
+    /// forgotten only after its in-place write returned), and no newer one can come while the
+    /// caller holds the inode's lock.
     public func withPending<R>(_ ino: JournalFileKey, _ body: ([Int: JournalState.Chunk]?) throws -> R) rethrows -> R {
-        if state.withLock({ $0.pending[ino]?.isEmpty ?? true }) { return try body(nil) }
-        return try applyLock.withLock { _ in try body(state.withLock { $0.pending[ino] }) }
+        if pendingCount.load(ordering: .acquiring) == 0 { return try body(nil) }
+        return try body(state.withLock { $0.pending[ino] })
     }
 
     /// Whether `ino` has records with bytes the journal has not retired or made void.
@@ -149,12 +157,13 @@ public final class OverwriteJournal: Sendable {
     /// a rename): their pending blocks are dropped and their descriptors closed, so their space
     /// comes back. Their records stay in the ring; a replay finds no file for them.
     public func forgetDeleted(ino: UInt64) {
-        try? applyLock.withLock { _ in
+        applyLock.withLock { _ in
             state.withLock { st in
                 for (key, tracked) in st.files where key.ino == ino {
                     var s = stat()
                     guard fstat(tracked.fd, &s) == 0, s.st_nlink == 0 else { continue }
                     st.pendingBlocks -= st.pending[key]?.count ?? 0
+                    pendingCount.store(st.pendingBlocks, ordering: .releasing)
                     st.pending[key] = nil
                     st.inPlace[key] = nil
                     close(tracked.fd)
@@ -170,7 +179,7 @@ public final class OverwriteJournal: Sendable {
     }
 
     /// Blocks not yet in place, in all files.
-    public var pendingBlocks: Int { state.withLock { $0.pendingBlocks } }
+    public var pendingBlocks: Int { pendingCount.load(ordering: .acquiring) }
 }
 
 // MARK: durability
@@ -233,7 +242,10 @@ extension OverwriteJournal {
             for w in work {
                 do {
                     try w.chunk.bytes.withUnsafeBytes { try EncryptedContent.pwriteFull(w.fd, $0, offset: w.offset) }
-                    state.withLock { $0.forgetApplied(ino: w.ino, offset: w.offset, seq: w.chunk.seq) }
+                    state.withLock { st in
+                        st.forgetApplied(ino: w.ino, offset: w.offset, seq: w.chunk.seq)
+                        pendingCount.store(st.pendingBlocks, ordering: .releasing)
+                    }
                 } catch { failure = failure ?? error }
             }
             if let failure { throw failure }

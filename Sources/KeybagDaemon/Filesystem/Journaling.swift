@@ -1,3 +1,4 @@
+import Foundation
 import Glibc
 import KeybagCore
 
@@ -10,8 +11,7 @@ final class Journaling: Sendable {
 
     init(journal: OverwriteJournal, storePath: String) {
         self.journal = journal
-        var buf = [CChar](repeating: 0, count: Int(PATH_MAX) + 1)
-        let real = realpath(storePath, &buf) != nil ? String(cString: buf) : storePath
+        let real = URL(fileURLWithPath: storePath).resolvingSymlinksInPath().path
         storePrefix = real.hasSuffix("/") ? real : real + "/"
     }
 
