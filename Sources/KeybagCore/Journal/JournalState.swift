@@ -23,6 +23,8 @@ public struct JournalState: Sendable {
     var headPos: Int, nextSeq: UInt64
     /// Ring bytes between the tail and the head (records and the ends of laps).
     var used = 0
+    /// Every record up to this one is written to the file.
+    var writtenSeq: UInt64
     /// Every record up to this one is durable.
     var syncedSeq: UInt64
     var files: [JournalFileKey: Tracked] = [:]
@@ -39,6 +41,7 @@ public struct JournalState: Sendable {
         headPos = tailPos
         nextSeq = tailSeq
         syncedSeq = tailSeq &- 1
+        writtenSeq = tailSeq &- 1
     }
 
     /// Whether a record of `total` bytes fits without overwriting live ones (counting the

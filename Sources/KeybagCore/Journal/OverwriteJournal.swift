@@ -25,8 +25,11 @@ public final class OverwriteJournal: Sendable {
     let ringSize: Int
     /// The records' checksum key (from the superblock).
     let key: [UInt8]
-    /// Held while a record is placed and written, and through a checkpoint.
-    let appendLock = Locked<Void>(())
+    /// Held while a record is placed, while placed records are written out, and through a
+    /// checkpoint; its value: the records placed and not yet written to the file.
+    let appendLock = Locked<UnwrittenRecords>(UnwrittenRecords())
+    /// Placed records are written out together once this many bytes wait (or at any sync).
+    static let writeOutBytes = 256 << 10
     /// Held while the journal is made durable.
     let syncLock = Locked<Void>(())
     /// Held while journaled blocks are written in place, and by readers of files with some.
@@ -82,16 +85,15 @@ public final class OverwriteJournal: Sendable {
         data: UnsafeRawBufferPointer?, stride: Int, pending: Bool
     ) throws {
         let total = JournalRecord.encodedLength(pathLength: file.id.path.utf8.count, count: data?.count ?? 0)
-        try appendLock.withLock { _ in
-            if !state.withLock({ $0.fits(total, ringSize: ringSize) }) { try checkpointHoldingAppend() }
-            try wrapIfNeeded(total)
+        try appendLock.withLock { unwritten in
+            if !state.withLock({ $0.fits(total, ringSize: ringSize) }) { try checkpointHoldingAppend(&unwritten) }
+            wrapIfNeeded(total, &unwritten)
             let (pos, seq) = state.withLock { ($0.headPos, $0.nextSeq) }
             var buffer = [UInt8](repeating: 0, count: total)
             let record = JournalRecord(kind: kind, seq: seq, file: file.id, offset: offset)
             _ = buffer.withUnsafeMutableBytes { record.encode(into: $0, key: key, data: data) }
-            try buffer.withUnsafeBytes {
-                try EncryptedContent.pwriteFull(fd, $0, offset: JournalSuperblock.ringStart + pos)
-            }
+            unwritten.records.append((pos, buffer))
+            unwritten.bytes += total
             let dataAt = JournalRecord.headerSize + file.id.path.utf8.count
             try state.withLock { st in
                 try st.noteAppended(total, seq: seq, ino: file.id.key, fd: fileFD, data: kind != .void)
@@ -107,19 +109,40 @@ public final class OverwriteJournal: Sendable {
                     o += n
                 }
             }
+            if unwritten.bytes >= Self.writeOutBytes { try writeOut(&unwritten) }
         }
+    }
+
+    /// Writes the placed records to the file (each run of adjacent ones with one `pwrite`);
+    /// every record placed so far is then written.
+    func writeOut(_ unwritten: inout UnwrittenRecords) throws {
+        var i = 0
+        let records = unwritten.records
+        while i < records.count {
+            var j = i
+            while j + 1 < records.count && records[j + 1].pos == records[j].pos + records[j].bytes.count { j += 1 }
+            let run = i == j ? records[i].bytes : records[i...j].flatMap { $0.bytes }
+            try run.withUnsafeBytes {
+                try EncryptedContent.pwriteFull(fd, $0, offset: JournalSuperblock.ringStart + records[i].pos)
+            }
+            i = j + 1
+        }
+        unwritten.records.removeAll(keepingCapacity: true)
+        unwritten.bytes = 0
+        state.withLock { $0.writtenSeq = $0.nextSeq &- 1 }
     }
 
     /// Ends the ring's lap when `total` bytes do not fit before its end (a wrap record where
     /// there is room for one).
-    private func wrapIfNeeded(_ total: Int) throws {
+    private func wrapIfNeeded(_ total: Int, _ unwritten: inout UnwrittenRecords) {
         let (pos, seq) = state.withLock { ($0.headPos, $0.nextSeq) }
         guard pos + total > ringSize else { return }
         if ringSize - pos >= JournalRecord.encodedLength(pathLength: 0, count: 0) {
             var b = [UInt8](repeating: 0, count: JournalRecord.encodedLength(pathLength: 0, count: 0))
             let r = JournalRecord(kind: .wrap, seq: seq, file: JournalFileID(ino: 0, fileID: [], path: ""))
             _ = b.withUnsafeMutableBytes { r.encode(into: $0, key: key) }
-            try b.withUnsafeBytes { try EncryptedContent.pwriteFull(fd, $0, offset: JournalSuperblock.ringStart + pos) }
+            unwritten.records.append((pos, b))
+            unwritten.bytes += b.count
             state.withLock { $0.nextSeq += 1 }
         }
         state.withLock { st in
@@ -132,6 +155,12 @@ public final class OverwriteJournal: Sendable {
     /// flush of the same device, such as the commit that makes a file's new size durable,
     /// then carries them.
     public func waitWritten() throws {
+        try appendLock.withLock { try writeOut(&$0) }
+        try waitWrittenOut()
+    }
+
+    /// `waitWritten` for records already written out.
+    func waitWrittenOut() throws {
         guard kbfs_write_and_wait(fd, Int64(JournalSuperblock.ringStart), Int64(ringSize)) == 0 else {
             throw KeybagError.system("sync_file_range journal", errno)
         }
@@ -186,8 +215,14 @@ public final class OverwriteJournal: Sendable {
 extension OverwriteJournal {
     /// Makes every record appended so far durable (one `fdatasync` for all waiting callers).
     public func sync() throws {
+        try appendLock.withLock { try writeOut(&$0) }
+        try syncWrittenOut()
+    }
+
+    /// `sync` for records already written out.
+    func syncWrittenOut() throws {
         try syncLock.withLock { _ in
-            let target = state.withLock { $0.nextSeq &- 1 }
+            let target = state.withLock { $0.writtenSeq }
             if state.withLock({ $0.syncedSeq >= target }) { return }
             guard fdatasync(fd) == 0 else { throw KeybagError.system("fdatasync journal", errno) }
             state.withLock { $0.syncedSeq = max($0.syncedSeq, target) }
@@ -204,9 +239,10 @@ extension OverwriteJournal {
         let counts = state.withLock { $0.inPlace[ino] }
         let needFile = !dataOnly || counts.map { $0.written != $0.synced } ?? true
         if needJournal && needFile {
+            try appendLock.withLock { try writeOut(&$0) }
             try syncLock.withLock { _ in
-                let target = state.withLock { $0.nextSeq &- 1 }
-                try waitWritten()
+                let target = state.withLock { $0.writtenSeq }
+                try waitWrittenOut()
                 try Self.sync(fileFD, dataOnly: dataOnly)
                 state.withLock { $0.syncedSeq = max($0.syncedSeq, target) }
             }
@@ -255,12 +291,13 @@ extension OverwriteJournal {
     /// Retires every record: the journal durable, its blocks in place and their files
     /// synced, then the superblock moves the tail to the head.
     public func checkpoint() throws {
-        try appendLock.withLock { _ in try checkpointHoldingAppend() }
+        try appendLock.withLock { try checkpointHoldingAppend(&$0) }
     }
 
-    /// `checkpoint` with `appendLock` held.
-    func checkpointHoldingAppend() throws {
-        try sync()
+    /// `checkpoint` with `appendLock` held (its placed records are written out first).
+    func checkpointHoldingAppend(_ unwritten: inout UnwrittenRecords) throws {
+        try writeOut(&unwritten)
+        try syncWrittenOut()
         try apply()
         let fds = state.withLock { $0.files.values.map(\.fd) }
         for f in fds where fdatasync(f) != 0 { throw KeybagError.system("fdatasync", errno) }
@@ -292,4 +329,10 @@ extension OverwriteJournal {
         try appendVoid(file, fd: fileFD)
         return true
     }
+}
+
+/// Journal records placed in the ring but not yet written to its file (`appendLock`'s value).
+struct UnwrittenRecords: Sendable {
+    var records: [(pos: Int, bytes: [UInt8])] = []
+    var bytes = 0
 }
