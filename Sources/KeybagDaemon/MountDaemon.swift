@@ -171,7 +171,7 @@ public enum MountDaemon {
         let fs = try Filesystem(
             dataFD: data, targetsFD: targets, xattrsFD: xattrs, names: names, keyring: keyring,
             cipher: cipher, defaultClass: cfg.defaultClass, policy: cfg.policy,
-            threads: cfg.threads, kernel: KernelNotifier(), journaling: openJournal(cfg, keybag, deviceKey))
+            threads: cfg.threads, kernel: KernelNotifier(), journaling: try openJournal(cfg, keybag, deviceKey))
         _ = try fs.meta(of: fs.table.root)  // the root's name IV exists before the first request
         let mountpoint = URL(fileURLWithPath: cfg.mountpoint).standardizedFileURL.path
         let owner = cfg.owner ?? getuid()
@@ -220,12 +220,19 @@ public enum MountDaemon {
     }
 
     /// The store's overwrite journal, its live records (a power cut, a kill) replayed into
-    /// their files first; nil, logged, where it cannot be made (blocks are then rewritten in
-    /// place and a power cut can tear one).
-    private static func openJournal(_ cfg: MountConfiguration, _ kb: Keybag, _ deviceKey: SecureKey) -> Journaling? {
-        if ProcessInfo.processInfo.environment["KEYBAGFS_DEBUG_NO_JOURNAL"] == "1" { return nil }
+    /// their files first. A journal that cannot be replayed refuses the mount (writing in
+    /// place meanwhile, the records would later be replayed over newer data); one that cannot
+    /// be made (a full or read-only store) leaves blocks rewritten in place, logged.
+    private static func openJournal(_ cfg: MountConfiguration, _ kb: Keybag, _ deviceKey: SecureKey) throws
+        -> Journaling?
+    {
+        let id = try DeviceIdentity.id(deviceKey: deviceKey, storeID: kb.file.storeID)
+        do { try JournalReplay.replay(storePath: cfg.store, deviceID: id) { log($0) } } catch {
+            throw StartFailure(
+                message: "the overwrite journal \(JournalReplay.fileName(deviceID: id)) could not be replayed "
+                    + "(\(error)); nothing was mounted: free space or fix the error, then mount again")
+        }
         do {
-            let id = try DeviceIdentity.id(deviceKey: deviceKey, storeID: kb.file.storeID)
             var fs = statvfs()
             let bytes = statvfs(cfg.store, &fs) == 0 ? Int(fs.f_blocks) * Int(fs.f_frsize) : 0
             let journal = try JournalReplay.open(
@@ -410,6 +417,7 @@ public enum MountDaemon {
         fuse_loop_cfg_destroy(loopCfg)
 
         s.watcher?.stop()
+        s.fs.journaling?.committing.withLock { $0 = false }
         do { try s.fs.journaling?.journal.checkpoint() } catch {
             log("the overwrite journal could not be emptied (\(error)): it is replayed at the next mount")
         }

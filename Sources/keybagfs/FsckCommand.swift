@@ -41,7 +41,9 @@ struct Fsck: ParsableCommand {
         let kb = try Keybag.load(storePath: target.store)
         let dk = try DeviceKeyFile.load(from: target.deviceKeyPath(kb))
         defer { dk.wipe() }
-        // What a power cut left in the overwrite journal goes into its files first, as at a mount.
+        // What a power cut left in the overwrite journal goes into its files first, as at a mount
+        // (each file written into stays open until the end).
+        _ = kbfs_raise_nofile()
         try JournalReplay.replay(
             storePath: target.store, deviceID: DeviceIdentity.id(deviceKey: dk, storeID: kb.file.storeID)
         ) { FileHandle.standardError.write(Data(("keybagfs: " + $0 + "\n").utf8)) }

@@ -301,16 +301,19 @@ public final class FileContentKey: Sendable {
         return rc == 0
     }
 
-    /// True for a hole (every byte zero) and for a write into zeros that a power cut tore: a
-    /// 512-byte sector of the store inside the block is all zero, which sealed bytes never are
-    /// (2^-4096). Its old version was zeros, so it reads as zeros (docs/FORMAT.md, "Overwrites").
+    /// True for a hole (every byte zero) and for a write into zeros that a power cut tore: the
+    /// block's piece of some 512-byte sector of the store (32 bytes or more: edge pieces count,
+    /// so a page's few hundred bytes left unwritten do too) is all zero, which sealed bytes
+    /// never are (2^-256). Its old version was zeros, so it reads as zeros (docs/FORMAT.md,
+    /// "Overwrites").
     static func isHoleOrTornFill(_ b: UnsafeRawBufferPointer, block: UInt64, nonceSize: Int) -> Bool {
         if isAllZero(b) { return true }
         let start = FileHeader.size + Int(block) * (BlockLayout.plainBlockSize + nonceSize + BlockLayout.tagSize)
-        var at = (512 - start % 512) % 512
-        while at + 512 <= b.count {
-            if isAllZero(UnsafeRawBufferPointer(rebasing: b[at..<(at + 512)])) { return true }
-            at += 512
+        var at = 0
+        while at < b.count {
+            let end = min(b.count, at + 512 - (start + at) % 512)
+            if end - at >= 32 && isAllZero(UnsafeRawBufferPointer(rebasing: b[at..<end])) { return true }
+            at = end
         }
         return false
     }

@@ -84,14 +84,23 @@ extension EncryptedContent {
                 UnsafeRawBufferPointer(rebasing: plain[0..<keepLen]), block: UInt64(newLast), last: true, into: sealed)
             let bytes = UnsafeRawBufferPointer(sealed)
             try j.endRecords(of: journal, fd: fd)
-            try j.append(
-                journal, fd: fd, offset: blockStart, bytes: bytes, stride: bytes.count, pending: false, exactEnd: true)
-            try j.waitWritten()
-            guard ftruncate(fd, off_t(cut)) == 0 else { throw KeybagError.system("ftruncate", errno) }
-            guard fdatasync(fd) == 0 else { throw KeybagError.system("fdatasync", errno) }
-            try j.append(journal, fd: fd, offset: blockStart, bytes: bytes, stride: bytes.count, pending: false)
-            try j.waitWritten()
-            try Self.pwriteFull(fd, bytes, offset: blockStart)
+            // Appends held throughout: no checkpoint may retire the exactEnd record before the
+            // cut is durable, nor the plain one before the block is in place.
+            try j.appendLock.withLock { u in
+                try j.appendHolding(
+                    &u, .exactEnd, journal, fd: fd, offset: blockStart, data: bytes, stride: bytes.count, pending: false
+                )
+                try j.writeOut(&u)
+                try j.waitWrittenOut()
+                guard ftruncate(fd, off_t(cut)) == 0 else { throw KeybagError.system("ftruncate", errno) }
+                guard fdatasync(fd) == 0 else { throw KeybagError.system("fdatasync", errno) }
+                try j.appendHolding(
+                    &u, .bytes, journal, fd: fd, offset: blockStart, data: bytes, stride: bytes.count, pending: false)
+                try j.writeOut(&u)
+                try j.waitWrittenOut()
+                try Self.pwriteFull(fd, bytes, offset: blockStart)
+            }
+            j.noteInPlace(journal.id.key)
         }
     }
 

@@ -364,14 +364,13 @@ public struct EncryptedContent: Sendable {
         try ScratchBuffers.shared.with(length + layout.overhead) { buffer in
             let sealed = UnsafeMutableRawBufferPointer(rebasing: buffer[0..<(length + layout.overhead)])
             let at = layout.cipherOffset(ofBlock: block)
-            var got = try Self.preadFull(fd, sealed, offset: at)
-            if let journal {
-                got = journal.journal.withPending(journal.id.key) { pending in
-                    pending.map {
-                        JournaledFile.overlay($0, onto: sealed, offset: at, got: got, stride: layout.cipherBlockSize)
-                    } ?? got
-                }
-            }
+            // The pending snapshot first, then the store (see `OverwriteJournal.withPending`).
+            let got =
+                try (journal.map { j in j.journal.withPending(j.id.key) { $0 } } ?? nil).map { pending in
+                    JournaledFile.overlay(
+                        pending, onto: sealed, offset: at, got: try Self.preadFull(fd, sealed, offset: at),
+                        stride: layout.cipherBlockSize)
+                } ?? Self.preadFull(fd, sealed, offset: at)
             guard got == sealed.count else { throw KeybagError.corrupt("block \(block) truncated") }
             return try key.open(UnsafeRawBufferPointer(sealed), block: UInt64(block), last: last, into: plain)
         }

@@ -1,3 +1,4 @@
+import Foundation
 import Glibc
 
 /// Finds the files a replay writes into: by the path a record names, else (renamed since) by
@@ -11,14 +12,25 @@ struct JournalFileFinder {
     /// Files no longer in the store (deleted, or replaced by another file).
     private(set) var missing = 0
 
-    init(storePath: String) { self.storePath = storePath }
+    /// The store's `data/` folder, symlinks resolved, with a trailing slash: no file outside
+    /// it is ever written (a record's path through a symlinked folder is refused).
+    let dataPrefix: String
+
+    init(storePath: String) {
+        self.storePath = storePath
+        dataPrefix =
+            URL(fileURLWithPath: storePath + "/" + Keybag.dataDirName).resolvingSymlinksInPath().path + "/"
+    }
 
     /// A read-write descriptor of the record's file and its backing size, nil when it is gone.
-    mutating func open(_ id: JournalFileID) -> (Int32, Int)? {
+    /// Throws when a file cannot be looked at for another reason than being gone (its
+    /// records must not be dropped then).
+    mutating func open(_ id: JournalFileID) throws -> (Int32, Int)? {
         if let f = opened[id.key] { return (f.fd, f.size) }
         if gone.contains(id.key) { return nil }
-        let hint = Self.isInsideData(id.path) ? Self.check(storePath + "/" + id.path, id) : nil
-        if let f = hint ?? byInodeScan(id) {
+        // By its path the file id alone must match (a copy of the store has other inode numbers).
+        let hint = Self.isInsideData(id.path) ? try check(storePath + "/" + id.path, id, sameInode: false) : nil
+        if let f = try hint ?? byInodeScan(id) {
             opened[id.key] = f
             return (f.fd, f.size)
         }
@@ -47,14 +59,25 @@ struct JournalFileFinder {
             && !parts.contains { $0 == ".." || $0 == "." || $0.isEmpty }
     }
 
-    /// The file at `path` when it is the record's (inode and file id).
-    static func check(_ path: String, _ id: JournalFileID) -> (fd: Int32, size: Int)? {
+    /// The file at `path` when it is the record's (its file id, and its inode number when
+    /// `sameInode`) and lies in `data/`; nil when it is not or is gone.
+    func check(_ path: String, _ id: JournalFileID, sameInode: Bool) throws -> (fd: Int32, size: Int)? {
         let fd = Glibc.open(path, O_RDWR | O_NOFOLLOW | O_CLOEXEC)
-        guard fd >= 0 else { return nil }
+        guard fd >= 0 else {
+            if [ENOENT, ENOTDIR, ELOOP].contains(errno) { return nil }
+            throw KeybagError.system("open \(path) to replay the overwrite journal", errno)
+        }
+        var buf = [CChar](repeating: 0, count: Int(PATH_MAX) + 1)
+        let n = readlink("/proc/self/fd/\(fd)", &buf, buf.count - 1)
+        let real = n > 0 ? String(decoding: buf[0..<n].map { UInt8(bitPattern: $0) }, as: UTF8.self) : ""
+        guard real.hasPrefix(dataPrefix) else {
+            close(fd)
+            return nil
+        }
         var st = stat()
         var header = [UInt8](repeating: 0, count: FileHeader.size)
         let got = header.withUnsafeMutableBytes { (try? EncryptedContent.preadFull(fd, $0, offset: 0)) ?? 0 }
-        guard fstat(fd, &st) == 0, UInt64(st.st_ino) == id.ino, (st.st_mode & S_IFMT) == S_IFREG,
+        guard fstat(fd, &st) == 0, !sameInode || UInt64(st.st_ino) == id.ino, (st.st_mode & S_IFMT) == S_IFREG,
             got == FileHeader.size, (try? FileHeader.parse(header))?.fileID == id.fileID
         else {
             close(fd)
@@ -64,14 +87,14 @@ struct JournalFileFinder {
     }
 
     /// The file found by inode number in `data/` (the tree is walked once).
-    private mutating func byInodeScan(_ id: JournalFileID) -> (fd: Int32, size: Int)? {
+    private mutating func byInodeScan(_ id: JournalFileID) throws -> (fd: Int32, size: Int)? {
         if byInode == nil {
             var map: [UInt64: String] = [:]
             Self.walk(storePath + "/" + Keybag.dataDirName, into: &map, depth: 0)
             byInode = map
         }
         guard let path = byInode?[id.ino] else { return nil }
-        return Self.check(path, id)
+        return try check(path, id, sameInode: true)
     }
 
     /// Regular files under `dir` by inode number.

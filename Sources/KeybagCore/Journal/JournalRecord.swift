@@ -111,9 +111,10 @@ public struct JournalRecord: Sendable, Equatable {
         else { return nil }
         let pathLength = Int(UInt16(littleEndian: b.loadUnaligned(fromByteOffset: 20, as: UInt16.self)))
         let count = UInt64(littleEndian: b.loadUnaligned(fromByteOffset: 56, as: UInt64.self))
-        guard count <= UInt64(total), encodedLength(pathLength: pathLength, count: Int(count)) == total else {
-            return nil
-        }
+        let offset = UInt64(littleEndian: b.loadUnaligned(fromByteOffset: 48, as: UInt64.self))
+        guard count <= UInt64(total), encodedLength(pathLength: pathLength, count: Int(count)) == total,
+            offset < 1 << 62, kind == .void || kind == .wrap || offset >= UInt64(FileHeader.size)
+        else { return nil }
         var want = [UInt8](repeating: 0, count: tagSize)
         want.withUnsafeMutableBytes {
             tag(UnsafeRawBufferPointer(rebasing: b[0..<(total - tagSize)]), key: key, into: $0.baseAddress!)
@@ -125,7 +126,7 @@ public struct JournalRecord: Sendable, Equatable {
             fileID: Array(b[32..<48]), path: String(decoding: b[headerSize..<at], as: UTF8.self))
         return JournalRecord(
             kind: kind, seq: seq, file: file,
-            offset: Int(UInt64(littleEndian: b.loadUnaligned(fromByteOffset: 48, as: UInt64.self))),
+            offset: Int(offset),
             bytes: Array(b[at..<(at + Int(count))]))
     }
 

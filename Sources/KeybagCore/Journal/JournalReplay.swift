@@ -35,7 +35,10 @@ public enum JournalReplay {
     public static func replay(storePath: String, deviceID: String, log: (String) -> Void) throws -> JournalSuperblock? {
         let path = storePath + "/" + fileName(deviceID: deviceID)
         let fd = Glibc.open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW)
-        guard fd >= 0 else { return nil }
+        guard fd >= 0 else {
+            if errno == ENOENT { return nil }  // any other failure must not let a new journal replace it
+            throw KeybagError.system("open \(fileName(deviceID: deviceID))", errno)
+        }
         defer { close(fd) }
         var head = [UInt8](repeating: 0, count: 512)
         guard try head.withUnsafeMutableBytes({ try EncryptedContent.preadFull(fd, $0, offset: 0) }) == 512,
@@ -106,7 +109,7 @@ public enum JournalReplay {
                 summary.skipped += 1
                 continue
             }
-            guard let (fd, size) = files.open(r.file) else {
+            guard let (fd, size) = try files.open(r.file) else {
                 summary.skipped += 1
                 continue
             }

@@ -57,7 +57,7 @@ public struct JournalState: Sendable {
         used += total
         nextSeq = seq + 1
         if files[ino] == nil {
-            let own = dup(fd)
+            let own = fcntl(fd, F_DUPFD_CLOEXEC, 0)
             guard own >= 0 else { throw KeybagError.system("dup", errno) }
             files[ino] = Tracked(fd: own, lastSeq: seq, hasData: data)
         } else {

@@ -45,12 +45,16 @@ public struct JournalSuperblock: Sendable, Equatable {
             guard UInt32(littleEndian: p.loadUnaligned(fromByteOffset: 4, as: UInt32.self)) == version else {
                 return nil
             }
-            let ring = Int(UInt64(littleEndian: p.loadUnaligned(fromByteOffset: 8, as: UInt64.self)))
-            let tail = Int(UInt64(littleEndian: p.loadUnaligned(fromByteOffset: 16, as: UInt64.self)))
-            guard ring > 0, ring % 4096 == 0, tail >= 0, tail < ring else { return nil }
+            let ring64 = UInt64(littleEndian: p.loadUnaligned(fromByteOffset: 8, as: UInt64.self))
+            let tail64 = UInt64(littleEndian: p.loadUnaligned(fromByteOffset: 16, as: UInt64.self))
+            let seq = UInt64(littleEndian: p.loadUnaligned(fromByteOffset: 24, as: UInt64.self))
+            guard ring64 > 0, ring64 <= 1 << 32, ring64 % 4096 == 0, tail64 < ring64, seq > 0, seq < 1 << 62 else {
+                return nil
+            }
+            let ring = Int(ring64), tail = Int(tail64)
             return JournalSuperblock(
                 ringSize: ring, tailPos: tail,
-                tailSeq: UInt64(littleEndian: p.loadUnaligned(fromByteOffset: 24, as: UInt64.self)),
+                tailSeq: seq,
                 key: Array(b[32..<64]))
         }
     }

@@ -84,8 +84,19 @@ public final class OverwriteJournal: Sendable {
         _ kind: JournalRecord.Kind, _ file: JournaledFile, fd fileFD: Int32, offset: Int,
         data: UnsafeRawBufferPointer?, stride: Int, pending: Bool
     ) throws {
-        let total = JournalRecord.encodedLength(pathLength: file.id.path.utf8.count, count: data?.count ?? 0)
         try appendLock.withLock { unwritten in
+            try appendHolding(
+                &unwritten, kind, file, fd: fileFD, offset: offset, data: data, stride: stride, pending: pending)
+        }
+    }
+
+    /// `appendRecord` with `appendLock` held.
+    func appendHolding(
+        _ unwritten: inout UnwrittenRecords, _ kind: JournalRecord.Kind, _ file: JournaledFile, fd fileFD: Int32,
+        offset: Int, data: UnsafeRawBufferPointer?, stride: Int, pending: Bool
+    ) throws {
+        let total = JournalRecord.encodedLength(pathLength: file.id.path.utf8.count, count: data?.count ?? 0)
+        do {
             if !state.withLock({ $0.fits(total, ringSize: ringSize) }) { try checkpointHoldingAppend(&unwritten) }
             wrapIfNeeded(total, &unwritten)
             let (pos, seq) = state.withLock { ($0.headPos, $0.nextSeq) }
@@ -299,8 +310,11 @@ extension OverwriteJournal {
         try writeOut(&unwritten)
         try syncWrittenOut()
         try apply()
-        let fds = state.withLock { $0.files.values.map(\.fd) }
-        for f in fds where fdatasync(f) != 0 { throw KeybagError.system("fdatasync", errno) }
+        // Under applyLock: `forgetDeleted` closes descriptors only while holding it.
+        try applyLock.withLock { _ in
+            let fds = state.withLock { $0.files.values.map(\.fd) }
+            for f in fds where fdatasync(f) != 0 { throw KeybagError.system("fdatasync", errno) }
+        }
         let sb = try state.withLock { st -> JournalSuperblock in
             guard st.pendingBlocks == 0 else { throw KeybagError.system("journal blocks not in place", EIO) }
             return JournalSuperblock(ringSize: ringSize, tailPos: st.headPos, tailSeq: st.nextSeq, key: key)

@@ -9,8 +9,27 @@ final class Journaling: Sendable {
     /// The store's path with a trailing slash (path hints are relative to it).
     let storePrefix: String
 
+    /// Every `commitInterval`, blocks still pending (written, never synced) are made durable
+    /// and put in place, so the store's own copy of a file is whole again soon after a write;
+    /// false stops it (at unmount).
+    let committing = Locked(true)
+    static let commitInterval: UInt32 = 2_000_000
+
     init(journal: OverwriteJournal, storePath: String) {
         self.journal = journal
+        Thread.detachNewThread { [journal, committing] in
+            var slept: UInt32 = 0
+            while committing.withLock({ $0 }) {
+                usleep(100_000)
+                slept += 100_000
+                guard slept >= Self.commitInterval, journal.pendingBlocks > 0 else { continue }
+                slept = 0
+                do {
+                    try journal.sync()
+                    try journal.apply()
+                } catch { MountDaemon.log("overwrite journal: pending blocks not put in place yet: \(error)") }
+            }
+        }
         let real = URL(fileURLWithPath: storePath).resolvingSymlinksInPath().path
         storePrefix = real.hasSuffix("/") ? real : real + "/"
     }
