@@ -33,10 +33,11 @@ public final class OverwriteJournal: Sendable {
     /// in memory, a ThreadSanitizer run lost unsynced class A writes across a lock and a
     /// restart; not diagnosed further).
     static let writeOutBytes = 0
-    /// Held while the journal is made durable.
-    let syncLock = Locked<Void>(())
+    /// Held while the journal is made durable. (An Int, not Void: ThreadSanitizer reported
+    /// an access race at the address of a zero-sized locked value, past the object's end.)
+    let syncLock = Locked<Int>(0)
     /// Held while journaled blocks are written in place, and by readers of files with some.
-    let applyLock = Locked<Void>(())
+    let applyLock = Locked<Int>(0)
     /// Positions, what is durable, the files with live records and the blocks not yet in place.
     let state: Locked<JournalState>
     /// `state.pendingBlocks`, readable without the lock (reads skip the journal when 0).
