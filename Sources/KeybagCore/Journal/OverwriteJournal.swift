@@ -201,6 +201,7 @@ public final class OverwriteJournal: Sendable {
     /// a rename): their pending blocks are dropped and their descriptors closed, so their space
     /// comes back. Their records stay in the ring; a replay finds no file for them.
     public func forgetDeleted(ino: UInt64) {
+        guard state.withLock({ $0.files.keys.contains { $0.ino == ino } }) else { return }
         applyLock.withLock { _ in
             let gone = state.withLock { st -> [Int32] in
                 var fds: [Int32] = []
