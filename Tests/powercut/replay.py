@@ -417,6 +417,8 @@ class Checker:
             r = subprocess.run([self.a.kbin + "/keybagfs", "fsck", store, "--device-key", self.a.device_key,
                                 "--passcode-stdin", "--json"], input=codes[0] + "\n", capture_output=True, text=True)
             left = json.loads(r.stdout)["problems"] if r.stdout.strip().startswith("{") else ["no report"]
+            # What --repair leaves by design: a torn tail of a write never synced (cut only by --yes).
+            left = [p for p in left if not isinstance(p, dict) or p["kind"] not in ("torn-tail", "end-not-sealed")]
             if left:
                 problems.append(f"fsck --repair left: {json.dumps(left)[:300]}")
         return problems
