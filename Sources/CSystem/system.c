@@ -7,6 +7,9 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/fanotify.h>
+#include <sys/ioctl.h>
+#include <linux/fs.h>
+#include <linux/openat2.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -172,4 +175,22 @@ int kbfs_fanotify_next(const unsigned char *buf, long len, long *offset, struct 
     }
     *offset = end;
     return 1;
+}
+
+int kbfs_open_beneath(int dirfd, const char *path) {
+    struct open_how how;
+    memset(&how, 0, sizeof how);
+    how.flags = O_PATH | O_CLOEXEC | O_NOFOLLOW;
+    how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
+    return (int)syscall(SYS_openat2, dirfd, path, &how, sizeof how);
+}
+
+unsigned long long kbfs_inode_stamp(int fd) {
+    int generation = 0;
+    if (ioctl(fd, FS_IOC_GETVERSION, &generation) == 0 && generation != 0)
+        return (unsigned long long)(unsigned int)generation;
+    struct statx stx;
+    if (statx(fd, "", AT_EMPTY_PATH | AT_STATX_DONT_SYNC, STATX_BTIME, &stx) == 0 && (stx.stx_mask & STATX_BTIME))
+        return (1ULL << 63) | ((unsigned long long)stx.stx_btime.tv_sec * 1000000000ULL + stx.stx_btime.tv_nsec);
+    return 0;
 }

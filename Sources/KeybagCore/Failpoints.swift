@@ -34,6 +34,10 @@ public enum Failpoint: String, Sendable {
     /// In `tpm2 enroll`, after the keybag bound to the TPM is saved and before the TPM's lockout is taken.
     case enrollBeforeLockout = "enroll-before-lockout"
 
+    /// A switch: the overwrite journal's background commit puts pending blocks in place but
+    /// retires no record, so a test can tear a block on the store and see it replayed.
+    case journalKeepsRecords = "journal-keeps-records"
+
     /// What a failpoint does when reached.
     enum Action: Sendable, Equatable { case sleep(UInt32), stop, on }
 

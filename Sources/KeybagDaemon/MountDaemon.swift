@@ -227,7 +227,8 @@ public enum MountDaemon {
         -> Journaling?
     {
         let id = try DeviceIdentity.id(deviceKey: deviceKey, storeID: kb.file.storeID)
-        do { try JournalReplay.replay(storePath: cfg.store, deviceID: id) { log($0) } } catch {
+        let replayed: JournalSuperblock?
+        do { replayed = try JournalReplay.replay(storePath: cfg.store, deviceID: id) { log($0) } } catch {
             throw StartFailure(
                 message: "the overwrite journal \(JournalReplay.fileName(deviceID: id)) could not be replayed "
                     + "(\(error)); nothing was mounted: free space or fix the error, then mount again")
@@ -236,7 +237,8 @@ public enum MountDaemon {
             var fs = statvfs()
             let bytes = statvfs(cfg.store, &fs) == 0 ? Int(fs.f_blocks) * Int(fs.f_frsize) : 0
             let journal = try JournalReplay.open(
-                storePath: cfg.store, deviceID: id, ringSize: OverwriteJournal.ringSize(storeBytes: bytes)
+                storePath: cfg.store, deviceID: id, ringSize: OverwriteJournal.ringSize(storeBytes: bytes),
+                replayed: .some(replayed)
             ) { log($0) }
             return Journaling(journal: journal, storePath: cfg.store)
         } catch {

@@ -35,6 +35,23 @@ struct Fsck: ParsableCommand {
     @Flag(help: "Print the result as JSON.")
     var json = false
 
+    /// Replays the store's overwrite journal, as a mount would; with `--repair` a journal whose
+    /// superblock is damaged is set aside (its records are lost; the next mount makes a new one).
+    func replayJournal(_ kb: Keybag, _ dk: SecureKey) throws {
+        let deviceID = try DeviceIdentity.id(deviceKey: dk, storeID: kb.file.storeID)
+        let say = { (line: String) in FileHandle.standardError.write(Data(("keybagfs: " + line + "\n").utf8)) }
+        do {
+            try JournalReplay.replay(storePath: target.store, deviceID: deviceID, log: say)
+        } catch KeybagError
+            .corrupt(let why) where repair
+        {
+            // A journal whose superblock is damaged: set aside (its records are lost), the next
+            // mount makes a new one.
+            try JournalReplay.setAside(storePath: target.store, deviceID: deviceID)
+            say("\(why): set aside as \(JournalReplay.fileName(deviceID: deviceID)).damaged")
+        }
+    }
+
     func run() throws {
         let lock = try lockUnmountedStore(target.store)
         defer { close(lock) }
@@ -44,9 +61,7 @@ struct Fsck: ParsableCommand {
         // What a power cut left in the overwrite journal goes into its files first, as at a mount
         // (each file written into stays open until the end).
         _ = kbfs_raise_nofile()
-        try JournalReplay.replay(
-            storePath: target.store, deviceID: DeviceIdentity.id(deviceKey: dk, storeID: kb.file.storeID)
-        ) { FileHandle.standardError.write(Data(("keybagfs: " + $0 + "\n").utf8)) }
+        try replayJournal(kb, dk)
         let passcode: SecureKey? =
             passcodeStdin || askPasscode ? try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ") : nil
         defer { passcode?.wipe() }

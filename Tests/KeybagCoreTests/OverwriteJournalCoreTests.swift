@@ -32,7 +32,7 @@ final class OverwriteJournalCoreTests: TempDirTestCase {
 
     /// The file's plaintext.
     func read(_ c: EncryptedContent, _ fd: Int32, _ key: FileContentKey, _ j: JournaledFile?) throws -> [UInt8] {
-        var out = [UInt8](repeating: 0, count: 1 << 16)
+        var out = [UInt8](repeating: 0, count: 1 << 18)
         let n = try out.withUnsafeMutableBytes { try c.read(fd: fd, key: key, offset: 0, into: $0, journal: j) }
         return Array(out[0..<n])
     }
@@ -74,8 +74,9 @@ final class OverwriteJournalCoreTests: TempDirTestCase {
         // Torn in place: the block's first page new garbage, as a cut during its write leaves it.
         let off = c.layout.cipherOffset(ofBlock: 1)
         XCTAssertEqual(pwrite(fd, [UInt8](repeating: 0xee, count: 100), 100, off_t(off)), 100)
+        let sb = try XCTUnwrap(JournalSuperblock.decode(Self.sector(journal.fd)))
         let summary = try JournalReplay.write(
-            try JournalReplay.scan(journal.fd, JournalSuperblock.decode(Self.sector(journal.fd))!).0, storePath: dir)
+            try JournalReplay.scan(journal.fd, sb).0, from: journal.fd, sb, storePath: dir)
         XCTAssertEqual(summary.written, 1)
         XCTAssertEqual(Array(try read(c, fd, key, nil)[4096..<8192]), new, "replayed over the torn block")
         try journal.fsync(j, fd: fd, dataOnly: true)

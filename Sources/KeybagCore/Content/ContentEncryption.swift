@@ -220,6 +220,11 @@ public final class FileContentKey: Sendable {
         // Not authentic: a hole (all zero bytes, never produced by sealing) or a write into one
         // cut off by a power cut (a zero sector left: its old version, zeros), a cut end, or damage.
         if !(sealsEnd && last) && FileContentKey.isHoleOrTornFill(sealed, block: block, nonceSize: ns) {
+            if try holdsShorterVersion(sealed, block: block, into: out) {
+                sodium_memzero(out.baseAddress!, plainLen)
+                throw KeybagError.corrupt(
+                    "block \(block) holds an older, shorter version and zeros: its new one is not in place")
+            }
             memset(out.baseAddress!, 0, plainLen)
             return plainLen
         }
@@ -262,7 +267,7 @@ public final class FileContentKey: Sendable {
             return .authentic
         }
         if !(sealsEnd && last) && FileContentKey.isHoleOrTornFill(sealed, block: block, nonceSize: cipher.nonceSize) {
-            return .hole
+            return (try? holdsShorterVersion(sealed, block: block, into: scratch)) == false ? .hole : .damaged
         }
         if sealsEnd && last && (try? decrypt(sealed, block: block, last: false, into: scratch)) == true {
             return .wrongEnd
@@ -302,18 +307,42 @@ public final class FileContentKey: Sendable {
     }
 
     /// True for a hole (every byte zero) and for a write into zeros that a power cut tore: the
-    /// block's piece of some 512-byte sector of the store (32 bytes or more: edge pieces count,
-    /// so a page's few hundred bytes left unwritten do too) is all zero, which sealed bytes
-    /// never are (2^-256). Its old version was zeros, so it reads as zeros (docs/FORMAT.md,
-    /// "Overwrites").
+    /// block's piece of some 512-byte sector of the store (`tornPieceMinimum` bytes or more:
+    /// edge pieces count, so a page's few bytes left unwritten at a block's edge do too) is all
+    /// zero, which sealed bytes are with a chance of 2^-64 at most. Its old version was zeros,
+    /// so it reads as zeros (docs/FORMAT.md, "Overwrites"), unless `holdsShorterVersion`.
     static func isHoleOrTornFill(_ b: UnsafeRawBufferPointer, block: UInt64, nonceSize: Int) -> Bool {
         if isAllZero(b) { return true }
         let start = FileHeader.size + Int(block) * (BlockLayout.plainBlockSize + nonceSize + BlockLayout.tagSize)
         var at = 0
         while at < b.count {
             let end = min(b.count, at + 512 - (start + at) % 512)
-            if end - at >= 32 && isAllZero(UnsafeRawBufferPointer(rebasing: b[at..<end])) { return true }
+            if end - at >= tornPieceMinimum && isAllZero(UnsafeRawBufferPointer(rebasing: b[at..<end])) { return true }
             at = end
+        }
+        return false
+    }
+
+    /// The shortest zero piece of a sector taken for a torn fill: 8 bytes (blocks start 8-byte
+    /// aligned with the 24-byte nonces, so every edge piece of a whole block is 8 bytes or more).
+    static let tornPieceMinimum = 8
+
+    /// Whether the block's bytes before its trailing zeros open as a shorter block at this
+    /// place: the old partial last block of a file that grew, whose new version has not gone
+    /// in place (the store's copy while it is pending, or after a cut); that is not a torn
+    /// fill, and reads `EIO`, never zeros. Tries the lengths that leave up to three of the
+    /// old tag's last bytes zero.
+    func holdsShorterVersion(_ sealed: UnsafeRawBufferPointer, block: UInt64, into out: UnsafeMutableRawBufferPointer)
+        throws -> Bool
+    {
+        var end = sealed.count
+        while end > 0 && sealed[end - 1] == 0 { end -= 1 }
+        let minimum = cipher.nonceSize + BlockLayout.tagSize + 1
+        guard end > 0, end < sealed.count else { return false }  // a hole, or no zeros at the end
+        for length in max(end, minimum)..<min(sealed.count, max(end, minimum) + 4) {
+            let prefix = UnsafeRawBufferPointer(rebasing: sealed[0..<length])
+            if try decrypt(prefix, block: block, last: true, into: out) { return true }
+            if try decrypt(prefix, block: block, last: false, into: out) { return true }
         }
         return false
     }

@@ -87,6 +87,8 @@ extension EncryptedContent {
             // Appends held throughout: no checkpoint may retire the exactEnd record before the
             // cut is durable, nor the plain one before the block is in place.
             try j.appendLock.withLock { u in
+                let total = JournalRecord.encodedLength(pathLength: journal.id.path.utf8.count, count: bytes.count)
+                try j.makeRoom(for: [total, total], &u)
                 try j.appendHolding(
                     &u, .exactEnd, journal, fd: fd, offset: blockStart, data: bytes, stride: bytes.count, pending: false
                 )

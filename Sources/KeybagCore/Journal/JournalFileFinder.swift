@@ -1,25 +1,29 @@
+import CSystem
 import Foundation
 import Glibc
 
-/// Finds the files a replay writes into: by the path a record names, else (renamed since) by
-/// its inode number in the store's `data/` tree; only a file whose header carries the
-/// record's file id counts (an inode number may have been another file's before).
+/// Finds the files a replay writes into, below the store's `data/` folder only (never through
+/// a symlink, never anything but a regular file): by the path a record names, else (renamed
+/// since) by its inode number. Only a file whose header carries the record's file id counts;
+/// in the store the records were written in (`sameStore`), also only the inode they were
+/// written into (its number and stamp), so another version of the file (a sync engine's
+/// rename over it, a new file on a reused inode number) never takes its records; in a copy of
+/// the store (other inode numbers) the path and file id decide.
 struct JournalFileFinder {
     let storePath: String
+    let sameStore: Bool
     private var opened: [JournalFileKey: (fd: Int32, size: Int)] = [:]
     private var gone: Set<JournalFileKey> = []
     private var byInode: [UInt64: String]?
     /// Files no longer in the store (deleted, or replaced by another file).
     private(set) var missing = 0
+    /// An `O_PATH` descriptor of the store's `data/` folder (-1: there is none).
+    private let dataFD: Int32
 
-    /// The store's `data/` folder, symlinks resolved, with a trailing slash: no file outside
-    /// it is ever written (a record's path through a symlinked folder is refused).
-    let dataPrefix: String
-
-    init(storePath: String) {
+    init(storePath: String, sameStore: Bool) {
         self.storePath = storePath
-        dataPrefix =
-            URL(fileURLWithPath: storePath + "/" + Keybag.dataDirName).resolvingSymlinksInPath().path + "/"
+        self.sameStore = sameStore
+        dataFD = Glibc.open(storePath + "/" + Keybag.dataDirName, kbfs_O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
     }
 
     /// A read-write descriptor of the record's file and its backing size, nil when it is gone.
@@ -28,8 +32,8 @@ struct JournalFileFinder {
     mutating func open(_ id: JournalFileID) throws -> (Int32, Int)? {
         if let f = opened[id.key] { return (f.fd, f.size) }
         if gone.contains(id.key) { return nil }
-        // By its path the file id alone must match (a copy of the store has other inode numbers).
-        let hint = Self.isInsideData(id.path) ? try check(storePath + "/" + id.path, id, sameInode: false) : nil
+        let prefix = Keybag.dataDirName + "/"
+        let hint = Self.isInsideData(id.path) ? try check(String(id.path.dropFirst(prefix.count)), id) : nil
         if let f = try hint ?? byInodeScan(id) {
             opened[id.key] = f
             return (f.fd, f.size)
@@ -49,6 +53,7 @@ struct JournalFileFinder {
     mutating func closeAll() {
         for f in opened.values { close(f.fd) }
         opened = [:]
+        if dataFD >= 0 { close(dataFD) }
     }
 
     /// Whether a record's path names a file below `data/` (no `..`, not absolute): a record
@@ -59,25 +64,27 @@ struct JournalFileFinder {
             && !parts.contains { $0 == ".." || $0 == "." || $0.isEmpty }
     }
 
-    /// The file at `path` when it is the record's (its file id, and its inode number when
-    /// `sameInode`) and lies in `data/`; nil when it is not or is gone.
-    func check(_ path: String, _ id: JournalFileID, sameInode: Bool) throws -> (fd: Int32, size: Int)? {
-        let fd = Glibc.open(path, O_RDWR | O_NOFOLLOW | O_CLOEXEC)
-        guard fd >= 0 else {
-            if [ENOENT, ENOTDIR, ELOOP].contains(errno) { return nil }
-            throw KeybagError.system("open \(path) to replay the overwrite journal", errno)
+    /// The file at `rel` (below `data/`) when it is the record's; nil when it is not, is not
+    /// a regular file, lies through a symlink, or is gone. Nothing but a regular file found
+    /// below `data/` is ever opened for reading or writing.
+    func check(_ rel: String, _ id: JournalFileID) throws -> (fd: Int32, size: Int)? {
+        guard dataFD >= 0 else { return nil }
+        let pathFD = kbfs_open_beneath(dataFD, rel)
+        guard pathFD >= 0 else {
+            if [ENOENT, ENOTDIR, ELOOP, EXDEV, ENAMETOOLONG].contains(errno) { return nil }
+            throw KeybagError.system("open data/\(rel) to replay the overwrite journal", errno)
         }
-        var buf = [CChar](repeating: 0, count: Int(PATH_MAX) + 1)
-        let n = readlink("/proc/self/fd/\(fd)", &buf, buf.count - 1)
-        let real = n > 0 ? String(decoding: buf[0..<n].map { UInt8(bitPattern: $0) }, as: UTF8.self) : ""
-        guard real.hasPrefix(dataPrefix) else {
-            close(fd)
-            return nil
-        }
+        defer { close(pathFD) }
         var st = stat()
+        guard fstat(pathFD, &st) == 0, (st.st_mode & S_IFMT) == S_IFREG,
+            !sameStore || UInt64(st.st_ino) == id.ino
+        else { return nil }
+        let fd = Glibc.open("/proc/self/fd/\(pathFD)", O_RDWR | O_CLOEXEC | O_NONBLOCK)
+        guard fd >= 0 else { throw KeybagError.system("open data/\(rel) to replay the overwrite journal", errno) }
         var header = [UInt8](repeating: 0, count: FileHeader.size)
-        let got = header.withUnsafeMutableBytes { (try? EncryptedContent.preadFull(fd, $0, offset: 0)) ?? 0 }
-        guard fstat(fd, &st) == 0, !sameInode || UInt64(st.st_ino) == id.ino, (st.st_mode & S_IFMT) == S_IFREG,
+        let got = header.withUnsafeMutableBytes { (try? FullIO.preadFull(fd, $0, offset: 0)) ?? 0 }
+        guard fstat(fd, &st) == 0, (st.st_mode & S_IFMT) == S_IFREG,
+            !sameStore || id.stamp == 0 || kbfs_inode_stamp(fd) == id.stamp,
             got == FileHeader.size, (try? FileHeader.parse(header))?.fileID == id.fileID
         else {
             close(fd)
@@ -86,19 +93,21 @@ struct JournalFileFinder {
         return (fd, Int(st.st_size))
     }
 
-    /// The file found by inode number in `data/` (the tree is walked once).
+    /// The file found by inode number in `data/` (the tree is walked once; in the store the
+    /// records were written in only: elsewhere inode numbers name other files).
     private mutating func byInodeScan(_ id: JournalFileID) throws -> (fd: Int32, size: Int)? {
+        guard sameStore else { return nil }
         if byInode == nil {
             var map: [UInt64: String] = [:]
-            Self.walk(storePath + "/" + Keybag.dataDirName, into: &map, depth: 0)
+            Self.walk(storePath + "/" + Keybag.dataDirName, rel: "", into: &map, depth: 0)
             byInode = map
         }
-        guard let path = byInode?[id.ino] else { return nil }
-        return try check(path, id, sameInode: true)
+        guard let rel = byInode?[id.ino] else { return nil }
+        return try check(rel, id)
     }
 
-    /// Regular files under `dir` by inode number.
-    static func walk(_ dir: String, into map: inout [UInt64: String], depth: Int) {
+    /// Regular files under `dir` by inode number, with their paths relative to `data/`.
+    static func walk(_ dir: String, rel: String, into map: inout [UInt64: String], depth: Int) {
         guard depth < 256, let d = opendir(dir) else { return }
         defer { closedir(d) }
         while let e = readdir(d) {
@@ -107,12 +116,13 @@ struct JournalFileFinder {
             }
             if name == "." || name == ".." { continue }
             let path = dir + "/" + name
+            let sub = rel.isEmpty ? name : rel + "/" + name
             var st = stat()
             guard lstat(path, &st) == 0 else { continue }
             if (st.st_mode & S_IFMT) == S_IFDIR {
-                walk(path, into: &map, depth: depth + 1)
+                walk(path, rel: sub, into: &map, depth: depth + 1)
             } else if (st.st_mode & S_IFMT) == S_IFREG {
-                map[UInt64(st.st_ino)] = path
+                map[UInt64(st.st_ino)] = sub
             }
         }
     }

@@ -1,28 +1,33 @@
 import CSodium
 import Glibc
 
-/// Which backing file a journal record is about: its inode number, the file id of its header
-/// (checked before anything is replayed into it) and its path in the store when written (a
-/// hint: a renamed file is found again by its inode number).
+/// Which backing file a journal record is about: its inode number and that inode's stamp
+/// (generation or birth time: which file the number names), the file id of its header
+/// (checked before anything is replayed into it) and its path in the store when written (how
+/// a copy of the store, with other inode numbers, finds it).
 public struct JournalFileID: Hashable, Sendable {
     public let ino: UInt64
+    /// `kbfs_inode_stamp` of the file (0: its file system offers none).
+    public let stamp: UInt64
     public let fileID: [UInt8]
     public let path: String
 
-    public init(ino: UInt64, fileID: [UInt8], path: String) {
+    public init(ino: UInt64, stamp: UInt64 = 0, fileID: [UInt8], path: String) {
         self.ino = ino
+        self.stamp = stamp
         self.fileID = fileID
         self.path = path
     }
 
     /// What tells two files apart in the live journal: an inode number may be reused by a
-    /// new file after a delete, its file id not.
-    public var key: JournalFileKey { JournalFileKey(ino: ino, fileID: fileID) }
+    /// new file after a delete, with another stamp; a replaced version has another inode.
+    public var key: JournalFileKey { JournalFileKey(ino: ino, stamp: stamp, fileID: fileID) }
 }
 
-/// A file's key in the live journal's tables: inode number and file id.
+/// A file's key in the live journal's tables: inode number, its stamp and file id.
 public struct JournalFileKey: Hashable, Sendable {
     public let ino: UInt64
+    public let stamp: UInt64
     public let fileID: [UInt8]
 }
 
@@ -44,8 +49,15 @@ public struct JournalRecord: Sendable, Equatable {
     }
 
     public static let magic: [UInt8] = Array("KBJR".utf8)
-    /// Header bytes before the path.
-    public static let headerSize = 64
+    /// Header bytes before the path (journal version 2; version 1 had 64, without the stamp).
+    public static let headerSize = 80
+    /// The header size of a journal version's records.
+    public static func headerSize(version: UInt32) -> Int { version == 1 ? 64 : headerSize }
+    /// The largest record a reader accepts (the writer splits at a quarter of the ring, at
+    /// most `largestData` data bytes): a longer one ends the journal, so a crafted length
+    /// never makes a reader allocate more.
+    public static let largestData = 4 << 20
+    public static let largestRecord = largestData + 64 << 10
     /// The checksum at the end of every record.
     public static let tagSize = 16
 
@@ -64,8 +76,8 @@ public struct JournalRecord: Sendable, Equatable {
     }
 
     /// The encoded length of a record with a path of `pathLength` bytes and `count` data bytes.
-    public static func encodedLength(pathLength: Int, count: Int) -> Int {
-        let body = headerSize + pathLength + count
+    public static func encodedLength(pathLength: Int, count: Int, version: UInt32 = 2) -> Int {
+        let body = headerSize(version: version) + pathLength + count
         return (body + 15) / 16 * 16 + tagSize
     }
 
@@ -88,8 +100,10 @@ public struct JournalRecord: Sendable, Equatable {
         UnsafeMutableRawBufferPointer(rebasing: out[32..<48]).copyBytes(from: file.fileID.prefix(16))
         out.storeBytes(of: UInt64(offset).littleEndian, toByteOffset: 48, as: UInt64.self)
         out.storeBytes(of: UInt64(count).littleEndian, toByteOffset: 56, as: UInt64.self)
-        UnsafeMutableRawBufferPointer(rebasing: out[64..<(64 + path.count)]).copyBytes(from: path)
-        let at = 64 + path.count
+        out.storeBytes(of: file.stamp.littleEndian, toByteOffset: 64, as: UInt64.self)
+        let h = Self.headerSize
+        UnsafeMutableRawBufferPointer(rebasing: out[h..<(h + path.count)]).copyBytes(from: path)
+        let at = h + path.count
         if let data {
             UnsafeMutableRawBufferPointer(rebasing: out[at..<(at + count)]).copyMemory(from: data)
         } else {
@@ -101,18 +115,22 @@ public struct JournalRecord: Sendable, Equatable {
 
     /// Parses the record at the start of `b` (seq `seq` expected, checksum under `key`): nil
     /// when it is not that record whole (a torn or stale one ends the journal).
-    public static func decode(_ b: UnsafeRawBufferPointer, seq: UInt64, key: [UInt8]) -> JournalRecord? {
+    public static func decode(_ b: UnsafeRawBufferPointer, seq: UInt64, key: [UInt8], version: UInt32 = 2)
+        -> JournalRecord?
+    {
+        let headerSize = headerSize(version: version)
         guard b.count >= headerSize + tagSize, Array(b[0..<4]) == magic, let kind = Kind(rawValue: b[4]) else {
             return nil
         }
         let total = Int(UInt32(littleEndian: b.loadUnaligned(fromByteOffset: 16, as: UInt32.self)))
         guard UInt64(littleEndian: b.loadUnaligned(fromByteOffset: 8, as: UInt64.self)) == seq,
-            total >= headerSize + tagSize, total <= b.count, total % 16 == 0
+            total >= headerSize + tagSize, total <= b.count, total <= largestRecord, total % 16 == 0
         else { return nil }
         let pathLength = Int(UInt16(littleEndian: b.loadUnaligned(fromByteOffset: 20, as: UInt16.self)))
         let count = UInt64(littleEndian: b.loadUnaligned(fromByteOffset: 56, as: UInt64.self))
         let offset = UInt64(littleEndian: b.loadUnaligned(fromByteOffset: 48, as: UInt64.self))
-        guard count <= UInt64(total), encodedLength(pathLength: pathLength, count: Int(count)) == total,
+        guard count <= UInt64(total),
+            encodedLength(pathLength: pathLength, count: Int(count), version: version) == total,
             offset < 1 << 62, kind == .void || kind == .wrap || offset >= UInt64(FileHeader.size)
         else { return nil }
         var want = [UInt8](repeating: 0, count: tagSize)
@@ -123,6 +141,7 @@ public struct JournalRecord: Sendable, Equatable {
         let at = headerSize + pathLength
         let file = JournalFileID(
             ino: UInt64(littleEndian: b.loadUnaligned(fromByteOffset: 24, as: UInt64.self)),
+            stamp: version == 1 ? 0 : UInt64(littleEndian: b.loadUnaligned(fromByteOffset: 64, as: UInt64.self)),
             fileID: Array(b[32..<48]), path: String(decoding: b[headerSize..<at], as: UTF8.self))
         return JournalRecord(
             kind: kind, seq: seq, file: file,
@@ -132,7 +151,7 @@ public struct JournalRecord: Sendable, Equatable {
 
     /// The record's length as its header states it (before the whole record is checked).
     public static func statedLength(_ header: UnsafeRawBufferPointer) -> Int? {
-        guard header.count >= headerSize, Array(header[0..<4]) == magic else { return nil }
+        guard header.count >= 20, Array(header[0..<4]) == magic else { return nil }
         return Int(UInt32(littleEndian: header.loadUnaligned(fromByteOffset: 16, as: UInt32.self)))
     }
 

@@ -23,6 +23,8 @@ public struct JournalState: Sendable {
     var headPos: Int, nextSeq: UInt64
     /// Ring bytes between the tail and the head (records and the ends of laps).
     var used = 0
+    /// How many times the tail moved (a retirement begun before one is void).
+    var checkpoints = 0
     /// Every record up to this one is written to the file.
     var writtenSeq: UInt64
     /// Every record up to this one is durable.
@@ -44,11 +46,30 @@ public struct JournalState: Sendable {
         writtenSeq = tailSeq &- 1
     }
 
-    /// Whether a record of `total` bytes fits without overwriting live ones (counting the
-    /// rest of the lap when it must wrap).
-    func fits(_ total: Int, ringSize: Int) -> Bool {
-        let waste = headPos + total > ringSize ? ringSize - headPos : 0
-        return used + waste + total <= ringSize
+    /// Whether records of `totals` bytes, placed one after another, fit without overwriting
+    /// live ones (counting the rest of a lap where one must wrap).
+    func fits(_ totals: [Int], ringSize: Int) -> Bool {
+        var head = headPos, taken = used
+        for total in totals {
+            if head + total > ringSize {
+                taken += ringSize - head
+                head = 0
+            }
+            taken += total
+            head += total
+        }
+        return taken <= ringSize
+    }
+
+    /// Stops tracking the files whose records all came before `seq` and that have no block
+    /// pending; returns their descriptors, to be closed.
+    mutating func letGo(before seq: UInt64) -> [Int32] {
+        var fds: [Int32] = []
+        for (key, tracked) in files where tracked.lastSeq < seq && pending[key] == nil {
+            files[key] = nil
+            fds.append(tracked.fd)
+        }
+        return fds
     }
 
     /// Notes a record written at the head; `ino`'s file is tracked from here on.

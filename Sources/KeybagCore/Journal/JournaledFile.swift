@@ -36,7 +36,7 @@ public struct JournaledFile: Sendable {
         guard end > backingSize || journaled == 0 else { return }
         if journaled > 0 { try journal.waitWritten() }
         if journaled < sealed.count {
-            try EncryptedContent.pwriteFull(
+            try FullIO.pwriteFull(
                 fd, UnsafeRawBufferPointer(rebasing: sealed[journaled...]), offset: offset + journaled)
         } else if ftruncate(fd, off_t(end)) != 0 {
             throw KeybagError.system("ftruncate", errno)

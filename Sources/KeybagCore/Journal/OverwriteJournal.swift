@@ -17,14 +17,15 @@ public final class OverwriteJournal: Sendable {
         guard bytes > 0 else { return defaultRingSize }
         return min(defaultRingSize, max(256 << 10, bytes / 64 / 4096 * 4096))
     }
-    /// Records larger than this are split (a quarter of the ring).
-    var largestRecord: Int { ringSize / 4 }
+    /// Records larger than this are split (a quarter of the ring, at most what a reader takes).
+    var largestRecord: Int { min(ringSize / 4, JournalRecord.largestData) }
 
     /// The journal file (read-write) and its ring's size.
     let fd: Int32
     let ringSize: Int
-    /// The records' checksum key (from the superblock).
+    /// The records' checksum key and the journal file's identity (from the superblock).
     let key: [UInt8]
+    let identity: (ino: UInt64, stamp: UInt64)
     /// Held while a record is placed, while placed records are written out, and through a
     /// checkpoint; its value: the records placed and not yet written to the file.
     let appendLock = Locked<UnwrittenRecords>(UnwrittenRecords())
@@ -48,6 +49,7 @@ public final class OverwriteJournal: Sendable {
         self.fd = fd
         ringSize = superblock.ringSize
         key = superblock.key
+        identity = (superblock.journalIno, superblock.journalStamp)
         state = Locked(JournalState(tailPos: superblock.tailPos, tailSeq: superblock.tailSeq))
     }
 
@@ -101,7 +103,7 @@ public final class OverwriteJournal: Sendable {
     ) throws {
         let total = JournalRecord.encodedLength(pathLength: file.id.path.utf8.count, count: data?.count ?? 0)
         do {
-            if !state.withLock({ $0.fits(total, ringSize: ringSize) }) { try checkpointHoldingAppend(&unwritten) }
+            if !state.withLock({ $0.fits([total], ringSize: ringSize) }) { try checkpointHoldingAppend(&unwritten) }
             wrapIfNeeded(total, &unwritten)
             let (pos, seq) = state.withLock { ($0.headPos, $0.nextSeq) }
             var buffer = [UInt8](repeating: 0, count: total)
@@ -138,7 +140,7 @@ public final class OverwriteJournal: Sendable {
             while j + 1 < records.count && records[j + 1].pos == records[j].pos + records[j].bytes.count { j += 1 }
             let run = i == j ? records[i].bytes : records[i...j].flatMap { $0.bytes }
             try run.withUnsafeBytes {
-                try EncryptedContent.pwriteFull(fd, $0, offset: JournalSuperblock.ringStart + records[i].pos)
+                try FullIO.pwriteFull(fd, $0, offset: JournalSuperblock.ringStart + records[i].pos)
             }
             i = j + 1
         }
@@ -297,7 +299,7 @@ extension OverwriteJournal {
             var failure: (any Error)?
             for w in work {
                 do {
-                    try w.chunk.bytes.withUnsafeBytes { try EncryptedContent.pwriteFull(w.fd, $0, offset: w.offset) }
+                    try w.chunk.bytes.withUnsafeBytes { try FullIO.pwriteFull(w.fd, $0, offset: w.offset) }
                     state.withLock { st in
                         st.forgetApplied(ino: w.ino, offset: w.offset, seq: w.chunk.seq)
                         pendingCount.store(st.pendingBlocks, ordering: .releasing)
@@ -326,16 +328,79 @@ extension OverwriteJournal {
         }
         let sb = try state.withLock { st -> JournalSuperblock in
             guard st.pendingBlocks == 0 else { throw KeybagError.system("journal blocks not in place", EIO) }
-            return JournalSuperblock(ringSize: ringSize, tailPos: st.headPos, tailSeq: st.nextSeq, key: key)
+            return superblock(tailPos: st.headPos, tailSeq: st.nextSeq)
         }
-        try sb.encoded().withUnsafeBytes { try EncryptedContent.pwriteFull(fd, $0, offset: 0) }
+        try sb.encoded().withUnsafeBytes { try FullIO.pwriteFull(fd, $0, offset: 0) }
         guard fdatasync(fd) == 0 else { throw KeybagError.system("fdatasync journal", errno) }
         state.withLock { st in
             st.closeFiles()
-            st.tailPos = st.headPos
-            st.tailSeq = st.nextSeq
+            st.tailPos = sb.tailPos
+            st.tailSeq = sb.tailSeq
             st.used = 0
+            st.checkpoints += 1
         }
+    }
+
+    /// The superblock of this journal with its live part starting at `tailPos` (taken modulo
+    /// the ring: a record that ends exactly at the ring's end leaves the head there).
+    func superblock(tailPos: Int, tailSeq: UInt64) -> JournalSuperblock {
+        var sb = JournalSuperblock(ringSize: ringSize, tailPos: tailPos % ringSize, tailSeq: tailSeq, key: key)
+        (sb.journalIno, sb.journalStamp) = identity
+        return sb
+    }
+
+    /// Retires the records whose blocks are durable in place, without holding appends for
+    /// the flushes: the records up to now are made durable, their blocks go in place, the
+    /// files with records are synced, and the superblock moves the tail past them; files
+    /// with no record left are let go. A checkpoint meanwhile (the ring full) makes it a no-op.
+    /// Run every `commitInterval` by the daemon, so no record outlives its blocks' durability
+    /// for long (a file a sync engine replaces later never meets them at a replay).
+    public func retire() throws {
+        let mark = try appendLock.withLock { u -> (pos: Int, seq: UInt64, used: Int, epoch: Int)? in
+            try writeOut(&u)
+            return state.withLock { st in st.used == 0 ? nil : (st.headPos, st.nextSeq, st.used, st.checkpoints) }
+        }
+        guard let mark else { return }
+        try syncWrittenOut()
+        try apply()
+        try applyLock.withLock { _ in
+            let fds = state.withLock { $0.files.values.map(\.fd) }
+            for f in fds where fdatasync(f) != 0 { throw KeybagError.system("fdatasync", errno) }
+        }
+        let sb = superblock(tailPos: mark.pos, tailSeq: mark.seq)
+        let wrote = try appendLock.withLock { _ -> Bool in
+            let current = state.withLock { st in
+                st.checkpoints == mark.epoch && !st.pending.values.contains { $0.values.contains { $0.seq < mark.seq } }
+            }
+            guard current else { return false }
+            try sb.encoded().withUnsafeBytes { try FullIO.pwriteFull(fd, $0, offset: 0) }
+            return true
+        }
+        guard wrote else { return }
+        guard fdatasync(fd) == 0 else { throw KeybagError.system("fdatasync journal", errno) }
+        appendLock.withLock { _ in
+            applyLock.withLock { _ in
+                let gone = state.withLock { st -> [Int32] in
+                    guard st.checkpoints == mark.epoch else { return [] }
+                    st.tailPos = sb.tailPos
+                    st.tailSeq = sb.tailSeq
+                    st.used -= mark.used
+                    st.checkpoints += 1
+                    return st.letGo(before: mark.seq)
+                }
+                for f in gone { close(f) }
+            }
+        }
+    }
+
+    /// Whether the ring holds live records.
+    public var hasLiveRecords: Bool { state.withLock { $0.used > 0 } }
+
+    /// Places nothing, but makes room now (a checkpoint, with `appendLock` held) for records of
+    /// `totals` bytes to follow one another without one, so no checkpoint can come between
+    /// them (a shrink's two records).
+    func makeRoom(for totals: [Int], _ unwritten: inout UnwrittenRecords) throws {
+        if !state.withLock({ $0.fits(totals, ringSize: ringSize) }) { try checkpointHoldingAppend(&unwritten) }
     }
 
     /// Before a cut or a punched hole in `file` (under its inode lock): where it has live

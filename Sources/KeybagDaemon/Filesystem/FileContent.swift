@@ -161,7 +161,9 @@ extension Filesystem {
             let pathFD = try check(openat(p.fd, entry.name, kbfs_O_PATH | O_NOFOLLOW | O_CLOEXEC))
             var st = stat()
             try check(fstat(pathFD, &st))
-            return try adopt(file, node: table.remember(fd: pathFD, stat: st), stat: st, class: cls, epoch: epoch)
+            let named = journaling?.path(of: pathFD)  // before the node table takes (and may close) pathFD
+            return try adopt(
+                file, node: table.remember(fd: pathFD, stat: st), stat: st, class: cls, epoch: epoch, named: named)
         } catch {
             if linked { unlinkat(p.fd, entry.name, 0) }
             if sideCreated && (error as? FSError)?.errno != EEXIST { removeSideFile(p, entry) }
@@ -236,8 +238,9 @@ extension Filesystem {
     }
 
     /// Gives a new file's key to its node and opens the creator's handle on it.
+    /// `named`: its path in the store, for the journal (a new file's own descriptor is unnamed).
     private func adopt(
-        _ file: NewFile, node n: Node, stat st: stat, class cls: ProtectionClass, epoch: UInt64
+        _ file: NewFile, node n: Node, stat st: stat, class cls: ProtectionClass, epoch: UInt64, named: String? = nil
     ) throws -> (Node, stat, OpenFile) {
         let state: FileState
         do {
@@ -249,6 +252,9 @@ extension Filesystem {
         } catch {
             table.forget(n.id, count: 1)  // the kernel never learns of this node
             throw error
+        }
+        if let named {
+            journaling?.created(state, ino: UInt64(st.st_ino), fd: file.fd, fileID: file.key.fileID, path: named)
         }
         openFiles.add(1, ordering: .relaxed)
         return (
@@ -277,35 +283,6 @@ extension Filesystem {
         let e = rc == 0 ? 0 : errno
         if let temp { unlinkat(dirFD, temp, 0) }
         return e
-    }
-
-    /// A regular backing file of 0 bytes has no header: left by a crash of a version that
-    /// created the name before writing the header. It becomes an empty file of the
-    /// directory's class (a fresh file key; there is no data to lose). Needs that class's
-    /// wrapping key now; otherwise the file stays as it is (EIO) until it can.
-    func giveHeaderToEmptyFile(_ n: Node, parent p: Node) {
-        guard let file = n.file, let cls = try? inheritedClass(p),
-            let (wrapKey, _, keySet) = keyring.wrappingKey(for: cls)
-        else { return }
-        file.io.write { st in
-            guard st.header == nil else { return }
-            let fd = n.open(O_RDWR)
-            guard fd >= 0 else { return }
-            defer { close(fd) }
-            var s = stat()
-            guard fstat(fd, &s) == 0, s.st_size == 0 else { return }
-            let raw = SecureKey(random: 32)
-            defer { raw.wipe() }
-            do {
-                try EncryptedContent.writeNewHeader(
-                    fd: fd,
-                    try FileHeader.create(fileKey: raw, class: cls, cipher: cipher, using: wrapKey, keySet: keySet))
-                MountDaemon.log(
-                    "inode \(n.backingIno) had no header (0 bytes, left by a crash): now an empty \(cls.name) file")
-            } catch {
-                MountDaemon.log("could not give the empty inode \(n.backingIno) a header: \(error)")
-            }
-        }
     }
 
     /// The last close of a handle: class B file keys die with the last handle once locked,

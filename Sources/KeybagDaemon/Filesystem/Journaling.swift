@@ -1,3 +1,4 @@
+import CSystem
 import Foundation
 import Glibc
 import KeybagCore
@@ -10,8 +11,8 @@ final class Journaling: Sendable {
     let storePrefix: String
 
     /// Every `commitInterval`, blocks still pending (written, never synced) are made durable
-    /// and put in place, so the store's own copy of a file is whole again soon after a write;
-    /// false stops it (at unmount).
+    /// and put in place, so the store's own copy of a file is whole again soon after a write,
+    /// and the records of blocks durable in place are retired; false stops it (at unmount).
     let committing = Locked(true)
     static let commitInterval: UInt32 = 2_000_000
 
@@ -22,12 +23,20 @@ final class Journaling: Sendable {
             while committing.withLock({ $0 }) {
                 usleep(100_000)
                 slept += 100_000
-                guard slept >= Self.commitInterval, journal.pendingBlocks > 0 else { continue }
+                guard slept >= Self.commitInterval, journal.pendingBlocks > 0 || journal.hasLiveRecords else {
+                    continue
+                }
                 slept = 0
                 do {
-                    try journal.sync()
-                    try journal.apply()
-                } catch { MountDaemon.log("overwrite journal: pending blocks not put in place yet: \(error)") }
+                    if Failpoint.journalKeepsRecords.isOn {
+                        try journal.sync()
+                        try journal.apply()
+                    } else {
+                        try journal.retire()
+                    }
+                } catch {
+                    MountDaemon.log("overwrite journal: pending blocks not put in place yet: \(error)")
+                }
             }
         }
         let real = URL(fileURLWithPath: storePath).resolvingSymlinksInPath().path
@@ -39,15 +48,45 @@ final class Journaling: Sendable {
         file(node, state, fd: fd, fileID: key.fileID)
     }
 
-    /// `node`'s file (of header file id `fileID`) as the journal writes it, through `fd`.
+    /// `node`'s file (of header file id `fileID`) as the journal writes it, through `fd`. Its
+    /// path in the store is the descriptor's, else (a file made unnamed and linked: its
+    /// descriptor keeps the unnamed name) the node's own; it is kept once known.
     func file(_ node: Node, _ state: FileState, fd: Int32, fileID: [UInt8]) -> JournaledFile {
         let id = state.journalID.withLock { id -> JournalFileID in
-            if let id, id.fileID == fileID { return id }
-            let made = JournalFileID(ino: node.backingIno, fileID: fileID, path: pathHint(fd))
+            if let id, id.fileID == fileID, !id.path.isEmpty { return id }
+            var path = pathHint(fd)
+            if path.isEmpty {
+                let f = node.open(kbfs_O_PATH)
+                if f >= 0 {
+                    path = pathHint(f)
+                    close(f)
+                }
+            }
+            let made = JournalFileID(
+                ino: node.backingIno, stamp: id?.fileID == fileID ? id!.stamp : kbfs_inode_stamp(fd), fileID: fileID,
+                path: path)
             id = made
             return made
         }
         return JournaledFile(journal: journal, id: id)
+    }
+
+    /// A file just created under the name `path` (its creator's descriptor `fd` is unnamed):
+    /// its identity in records, with that path.
+    func created(_ state: FileState, ino: UInt64, fd: Int32, fileID: [UInt8], path: String) {
+        guard !path.isEmpty else { return }
+        let id = JournalFileID(ino: ino, stamp: kbfs_inode_stamp(fd), fileID: fileID, path: path)
+        state.journalID.withLock { $0 = id }
+    }
+
+    /// The store-relative path of the backing object of `fd` ("" when it is elsewhere).
+    func path(of fd: Int32) -> String { pathHint(fd) }
+
+    /// After `node` was renamed: its path in records is looked up again at its next write.
+    func renamed(_ state: FileState) {
+        state.journalID.withLock { id in
+            if let old = id { id = JournalFileID(ino: old.ino, stamp: old.stamp, fileID: old.fileID, path: "") }
+        }
     }
 
     /// After a name of a regular file (inode `ino`) went: where no handle has the file open,

@@ -134,4 +134,33 @@ extension Filesystem {
         case .failure(let problem): throw KeybagError.corrupt(problem.message(backing))
         }
     }
+
+    /// A regular backing file of 0 bytes has no header: left by a crash of a version that
+    /// created the name before writing the header. It becomes an empty file of the
+    /// directory's class (a fresh file key; there is no data to lose). Needs that class's
+    /// wrapping key now; otherwise the file stays as it is (EIO) until it can.
+    func giveHeaderToEmptyFile(_ n: Node, parent p: Node) {
+        guard let file = n.file, let cls = try? inheritedClass(p),
+            let (wrapKey, _, keySet) = keyring.wrappingKey(for: cls)
+        else { return }
+        file.io.write { st in
+            guard st.header == nil else { return }
+            let fd = n.open(O_RDWR)
+            guard fd >= 0 else { return }
+            defer { close(fd) }
+            var s = stat()
+            guard fstat(fd, &s) == 0, s.st_size == 0 else { return }
+            let raw = SecureKey(random: 32)
+            defer { raw.wipe() }
+            do {
+                try EncryptedContent.writeNewHeader(
+                    fd: fd,
+                    try FileHeader.create(fileKey: raw, class: cls, cipher: cipher, using: wrapKey, keySet: keySet))
+                MountDaemon.log(
+                    "inode \(n.backingIno) had no header (0 bytes, left by a crash): now an empty \(cls.name) file")
+            } catch {
+                MountDaemon.log("could not give the empty inode \(n.backingIno) a header: \(error)")
+            }
+        }
+    }
 }

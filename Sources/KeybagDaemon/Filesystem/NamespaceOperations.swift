@@ -218,6 +218,13 @@ extension Filesystem {
         if replacing, (replaced.st_mode & S_IFMT) == S_IFREG, replaced.st_nlink == 1 {
             journaling?.nameRemoved(ino: UInt64(replaced.st_ino), table: table, dev: UInt64(replaced.st_dev))
         }
+        var moved = stat()
+        if let journaling, fstatat(np.fd, dst.name, &moved, AT_SYMLINK_NOFOLLOW) == 0,
+            (moved.st_mode & S_IFMT) == S_IFREG,
+            let f = table.node(dev: UInt64(moved.st_dev), ino: UInt64(moved.st_ino))?.file
+        {
+            journaling.renamed(f)
+        }
         classes.changed()  // a moved directory may inherit differently
         let same = p.id == np.id && src.name == dst.name
         if !exchange && flags & kbfs_RENAME_WHITEOUT == 0 && !same { removeSideFile(p, src) }

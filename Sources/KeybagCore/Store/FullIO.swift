@@ -1,7 +1,7 @@
 import Glibc
 
-/// Whole-buffer positional I/O on a backing file (short reads and EINTR retried).
-extension EncryptedContent {
+/// Whole-buffer positional I/O on a store file (short reads and EINTR retried).
+public enum FullIO {
     /// pread until `buf` is full or EOF; returns bytes read.
     public static func preadFull(_ fd: Int32, _ buf: UnsafeMutableRawBufferPointer, offset: Int) throws -> Int {
         var done = 0
@@ -22,5 +22,18 @@ extension EncryptedContent {
             if n < 0 { if errno == EINTR { continue }; throw KeybagError.system("pwrite", errno) }
             done += n
         }
+    }
+}
+
+/// The content layer's names for `FullIO`.
+extension EncryptedContent {
+    /// `FullIO.preadFull`.
+    public static func preadFull(_ fd: Int32, _ buf: UnsafeMutableRawBufferPointer, offset: Int) throws -> Int {
+        try FullIO.preadFull(fd, buf, offset: offset)
+    }
+
+    /// `FullIO.pwriteFull`.
+    public static func pwriteFull(_ fd: Int32, _ buf: UnsafeRawBufferPointer, offset: Int) throws {
+        try FullIO.pwriteFull(fd, buf, offset: offset)
     }
 }
