@@ -62,7 +62,11 @@ chmod +x "$W/initrd/init"
 # The run folder the guest writes its journal into, and the two disks.
 mkdir -p "$W/run"
 cp Tests/powercut/guest-workload.sh Tests/powercut/workload.py "$W/run/"
-echo "KBIN=$KBIN" >"$W/run/config.sh"
+# The guest mounts tmpfs over /tmp, /run, /var/tmp and /mnt of the host's root: binaries from a
+# clone under one of them would be out of its reach, so it runs copies in the run folder.
+mkdir -p "$W/run/bin"
+for b in keybagfs keybagctl; do cp -l "$KBIN/$b" "$W/run/bin/" 2>/dev/null || cp "$KBIN/$b" "$W/run/bin/"; done
+echo "KBIN=/tmp/run-dir/bin" >"$W/run/config.sh"
 truncate -s 1G "$W/log.img"
 truncate -s 96M "$W/data.img"
 echo "# power-cut guest: Debian $kver under TCG, workload running" >&2
