@@ -7,12 +7,12 @@ extension EncryptedContent {
     /// Sets the plaintext size. Shrinking keeps the new last block intact on disk until
     /// its re-sealed copy replaces it (cut after it first, then rewrite it in place); growing
     /// writes a sealed last block, so the end is never a hole.
-    /// With `journal`, see `shrinkJournaled`.
-    public func truncate(fd: Int32, key: FileContentKey, to newSize: Int, journal: JournaledFile? = nil) throws {
+    /// With `journal` (staged overwrites), see `shrinkStaged`.
+    public func truncate(fd: Int32, key: FileContentKey, to newSize: Int, journal: (any StagedBlocks)? = nil) throws {
         defer { kbfs_scrub_stack() }  // cipher locals left below this frame
         let size = try plainSize(fd: fd)
         if newSize < size, let journal {
-            try shrinkJournaled(fd: fd, key: key, from: size, to: newSize, journal: journal)
+            try shrinkStaged(fd: fd, key: key, from: size, to: newSize, journal: journal)
         } else if newSize < size {
             let oldLast = BlockLayout.lastBlock(ofSize: size), newLast = BlockLayout.lastBlock(ofSize: newSize)
             guard newLast >= 0 else {
@@ -54,27 +54,19 @@ extension EncryptedContent {
         }
     }
 
-    /// Shrinks a file whose overwrites go through the journal, so that a power cut at any
-    /// point leaves the new last block whole: its re-sealed copy goes to the journal as a
-    /// record replayed only where the file ends right after it, and is on the device before
-    /// the cut; the cut is synced, then a plain record of it follows and it is written in
-    /// place. Earlier records of the file are made void first (their blocks durable in place),
-    /// so none is replayed over what the file grows back into.
-    func shrinkJournaled(fd: Int32, key: FileContentKey, from size: Int, to newSize: Int, journal: JournaledFile) throws
-    {
+    /// Shrinks a file whose overwrites are staged: its new last block is re-sealed (read with
+    /// its staged version) and `StagedBlocks.shrink` puts the cut and the block in place so
+    /// that a power cut leaves the old block whole or the new one.
+    func shrinkStaged(
+        fd: Int32, key: FileContentKey, from size: Int, to newSize: Int, journal: any StagedBlocks
+    ) throws {
         let oldLast = BlockLayout.lastBlock(ofSize: size), newLast = BlockLayout.lastBlock(ofSize: newSize)
         let keepLen = newLast >= 0 ? BlockLayout.length(ofBlock: newLast, inFileOf: newSize) : 0
         let oldLen = newLast >= 0 ? BlockLayout.length(ofBlock: newLast, inFileOf: size) : 0
         let reseal = newLast >= 0 && !(keepLen == oldLen && !key.sealsEnd)
         let cut = newLast >= 0 ? layout.backingSize(plainSize: newSize) : FileHeader.size
         let blockStart = newLast >= 0 ? layout.cipherOffset(ofBlock: newLast) : cut
-        let j = journal.journal
-        guard reseal else {
-            if try j.endRecords(of: journal, fd: fd) { try j.waitWritten() }
-            guard ftruncate(fd, off_t(cut)) == 0 else { throw KeybagError.system("ftruncate", errno) }
-            j.noteInPlace(journal.id.key)
-            return
-        }
+        guard reseal else { return try journal.shrink(fd: fd, to: cut, newLast: nil, at: blockStart) }
         try ScratchBuffers.shared.withBlock(keepLen + layout.overhead) { sealed, plain in
             let n = try readBlock(
                 fd: fd, key: key, block: newLast, length: oldLen, last: newLast == oldLast, into: plain,
@@ -82,37 +74,16 @@ extension EncryptedContent {
             guard n == oldLen else { throw KeybagError.corrupt("block \(newLast) short") }
             try key.seal(
                 UnsafeRawBufferPointer(rebasing: plain[0..<keepLen]), block: UInt64(newLast), last: true, into: sealed)
-            let bytes = UnsafeRawBufferPointer(sealed)
-            try j.endRecords(of: journal, fd: fd)
-            // Appends held throughout: no checkpoint may retire the exactEnd record before the
-            // cut is durable, nor the plain one before the block is in place.
-            try j.appendLock.withLock { u in
-                let total = JournalRecord.encodedLength(pathLength: journal.id.path.utf8.count, count: bytes.count)
-                try j.makeRoom(for: [total, total], &u)
-                try j.appendHolding(
-                    &u, .exactEnd, journal, fd: fd, offset: blockStart, data: bytes, stride: bytes.count, pending: false
-                )
-                try j.writeOut(&u)
-                try j.waitWrittenOut()
-                guard ftruncate(fd, off_t(cut)) == 0 else { throw KeybagError.system("ftruncate", errno) }
-                guard fdatasync(fd) == 0 else { throw KeybagError.system("fdatasync", errno) }
-                try j.appendHolding(
-                    &u, .bytes, journal, fd: fd, offset: blockStart, data: bytes, stride: bytes.count, pending: false)
-                try j.writeOut(&u)
-                try j.waitWrittenOut()
-                try Self.pwriteFull(fd, bytes, offset: blockStart)
-            }
-            j.noteInPlace(journal.id.key)
+            try journal.shrink(fd: fd, to: cut, newLast: UnsafeRawBufferPointer(sealed), at: blockStart)
         }
     }
 
     /// Makes the plaintext range [offset, offset+length) read as zeros (within the current
     /// size): whole blocks inside the file become backing holes (all zero bytes read as
     /// zeros), the partial blocks at the edges and a sealed last block are re-sealed with zeros.
-    /// With `journal`, the file's journaled blocks are put in place and its earlier records
-    /// made void before anything is punched (`OverwriteJournal.endRecords`).
+    /// With `journal`, its staged blocks are settled in place before anything is punched.
     public func zeroRange(
-        fd: Int32, key: FileContentKey, offset: Int, length: Int, journal: JournaledFile? = nil,
+        fd: Int32, key: FileContentKey, offset: Int, length: Int, journal: (any StagedBlocks)? = nil,
         punch: (Int, Int) -> Bool
     ) throws {
         defer { kbfs_scrub_stack() }  // cipher locals left below this frame
@@ -120,11 +91,7 @@ extension EncryptedContent {
         let end = min(offset + length, size)
         guard offset < end else { return }
         let range = PlainRange(offset: offset, end: end)
-        if let journal {
-            if try journal.journal.endRecords(of: journal, fd: fd) {
-                try journal.journal.waitWritten()
-            }
-        }
+        try journal?.settleBeforeCut(fd: fd)
         let fileLast = BlockLayout.lastBlock(ofSize: size)
         for b in range.blocks {
             let part = range.part(ofBlock: b)

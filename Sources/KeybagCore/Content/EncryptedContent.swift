@@ -26,22 +26,19 @@ public struct EncryptedContent: Sendable {
 
     /// Reads up to `out.count` plaintext bytes at `offset`; returns the count (0 at EOF).
     /// A read of `parallelBlocks` blocks or more decrypts its two halves on two threads.
-    /// With `journal`, blocks still pending in the store's journal are read from there.
+    /// With `journal`, blocks not yet in place are read from there.
     public func read(
         fd: Int32, key: FileContentKey, offset: Int, into out: UnsafeMutableRawBufferPointer,
-        journal: JournaledFile? = nil
+        journal: (any StagedBlocks)? = nil
     ) throws -> Int {
         defer { kbfs_scrub_stack() }  // cipher locals left below this frame
-        guard let journal else { return try read(fd: fd, key: key, offset: offset, into: out, pending: nil) }
-        return try journal.journal.withPending(journal.id.key) {
-            try read(fd: fd, key: key, offset: offset, into: out, pending: $0)
-        }
+        return try read(fd: fd, key: key, offset: offset, into: out, pending: journal?.pendingBlocks())
     }
 
     /// `read`, with the file's pending journaled blocks laid over what the backing file holds.
     private func read(
         fd: Int32, key: FileContentKey, offset: Int, into out: UnsafeMutableRawBufferPointer,
-        pending: [Int: JournalState.Chunk]?
+        pending: [Int: PendingBlock]?
     ) throws -> Int {
         let size = try plainSize(fd: fd)
         guard offset < size, out.count > 0 else { return 0 }
@@ -51,7 +48,7 @@ public struct EncryptedContent: Sendable {
         return try ScratchBuffers.shared.withBlock(sealed.count) { cbuf, plain in
             var got = try Self.preadFull(fd, cbuf, offset: sealed.lowerBound)
             if let pending {
-                got = JournaledFile.overlay(
+                got = PendingBlock.overlay(
                     pending, onto: UnsafeMutableRawBufferPointer(rebasing: cbuf[0..<sealed.count]),
                     offset: sealed.lowerBound, got: got, stride: layout.cipherBlockSize)
             }
@@ -142,7 +139,7 @@ public struct EncryptedContent: Sendable {
     /// new data when adjacent, else before it (so a crash in between leaves a cut end that
     /// `fsck` re-seals, never a block of the wrong length).
     public func write(
-        fd: Int32, key: FileContentKey, offset: Int, data: UnsafeRawBufferPointer, journal: JournaledFile? = nil
+        fd: Int32, key: FileContentKey, offset: Int, data: UnsafeRawBufferPointer, journal: (any StagedBlocks)? = nil
     ) throws {
         var noneKnown = 0
         try write(fd: fd, key: key, offset: offset, data: data, allocated: &noneKnown, journal: journal)
@@ -153,11 +150,11 @@ public struct EncryptedContent: Sendable {
     /// blocks the file has, and reserves nothing first; a reservation that continues the
     /// known part moves it on. Returns whether space was reserved. With `journal`, sealed
     /// blocks that replace bytes the file has go through the store's journal
-    /// (`JournaledFile.store`).
+    /// (`StagedBlocks.store`).
     @discardableResult
     public func write(
         fd: Int32, key: FileContentKey, offset: Int, data: UnsafeRawBufferPointer, allocated: inout Int,
-        journal: JournaledFile? = nil
+        journal: (any StagedBlocks)? = nil
     ) throws -> Bool {
         defer { kbfs_scrub_stack() }  // cipher locals left below this frame
         guard data.count > 0 else { return false }
@@ -281,7 +278,7 @@ public struct EncryptedContent: Sendable {
     /// A block the new bytes cover whole is sealed straight from them.
     private func sealBlocks(
         _ blocks: ClosedRange<Int>, of span: SealSpan, fd: Int32, key: FileContentKey, data: NewData,
-        out: UnsafeMutableRawBufferPointer, plain: UnsafeMutableRawBufferPointer, journal: JournaledFile?
+        out: UnsafeMutableRawBufferPointer, plain: UnsafeMutableRawBufferPointer, journal: (any StagedBlocks)?
     ) throws -> Int {
         let oldLast = BlockLayout.lastBlock(ofSize: span.size)
         var outLen = 0
@@ -359,15 +356,15 @@ public struct EncryptedContent: Sendable {
     /// with `journal`, from the journal where the block is pending there.
     func readBlock(
         fd: Int32, key: FileContentKey, block: Int, length: Int, last: Bool, into plain: UnsafeMutableRawBufferPointer,
-        journal: JournaledFile? = nil
+        journal: (any StagedBlocks)? = nil
     ) throws -> Int {
         try ScratchBuffers.shared.with(length + layout.overhead) { buffer in
             let sealed = UnsafeMutableRawBufferPointer(rebasing: buffer[0..<(length + layout.overhead)])
             let at = layout.cipherOffset(ofBlock: block)
-            // The pending snapshot first, then the store (see `OverwriteJournal.withPending`).
+            // The pending snapshot first, then the store (see `StagedBlocks.pendingBlocks`).
             let got =
-                try (journal.map { j in j.journal.withPending(j.id.key) { $0 } } ?? nil).map { pending in
-                    JournaledFile.overlay(
+                try journal?.pendingBlocks().map { pending in
+                    PendingBlock.overlay(
                         pending, onto: sealed, offset: at, got: try Self.preadFull(fd, sealed, offset: at),
                         stride: layout.cipherBlockSize)
                 } ?? Self.preadFull(fd, sealed, offset: at)
@@ -383,9 +380,9 @@ public struct EncryptedContent: Sendable {
         return (layout.plainSize(backingSize: Int(st.st_size)), Int(st.st_size))
     }
 
-    /// Where a write's sealed blocks go: through the journal when there is one, else in place.
+    /// Where a write's sealed blocks go: staged (the journal) when there is one, else in place.
     struct BlockSink {
-        let fd: Int32, journal: JournaledFile?, backingSize: Int
+        let fd: Int32, journal: (any StagedBlocks)?, backingSize: Int
 
         /// Stores `sealed` at backing offset `offset`.
         func put(_ sealed: UnsafeRawBufferPointer, at offset: Int, stride: Int) throws {

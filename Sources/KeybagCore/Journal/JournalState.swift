@@ -3,13 +3,6 @@ import Glibc
 /// What the live journal knows, under its `state` lock: where its ring's live part starts and
 /// ends, what is durable, the files with live records and the blocks not yet in place.
 public struct JournalState: Sendable {
-    /// A journaled block not yet written in place: its record's sequence number and bytes
-    /// (a slice of the record as it was written).
-    public struct Chunk: Sendable {
-        public let seq: UInt64
-        public let bytes: ArraySlice<UInt8>
-    }
-
     /// A file with live records: a descriptor of its own (to write blocks in place and make
     /// them durable at a checkpoint, whatever the handles do) and its newest record.
     struct Tracked: Sendable {
@@ -31,7 +24,7 @@ public struct JournalState: Sendable {
     var syncedSeq: UInt64
     var files: [JournalFileKey: Tracked] = [:]
     /// Per inode: backing offset → the newest journaled block there not yet in place.
-    var pending: [JournalFileKey: [Int: Chunk]] = [:]
+    var pending: [JournalFileKey: [Int: PendingBlock]] = [:]
     var pendingBlocks = 0
     /// Per file: writes in place counted, and how many of them its last sync covered. A
     /// file missing here has an unknown past: its next `fsync` syncs it.
@@ -88,8 +81,8 @@ public struct JournalState: Sendable {
     }
 
     /// Every pending block whose record is durable, by file, in offset order.
-    func durablePending() -> [(fd: Int32, ino: JournalFileKey, offset: Int, chunk: Chunk)] {
-        var out: [(fd: Int32, ino: JournalFileKey, offset: Int, chunk: Chunk)] = []
+    func durablePending() -> [(fd: Int32, ino: JournalFileKey, offset: Int, chunk: PendingBlock)] {
+        var out: [(fd: Int32, ino: JournalFileKey, offset: Int, chunk: PendingBlock)] = []
         for (ino, blocks) in pending {
             guard let fd = files[ino]?.fd else { continue }
             for (offset, chunk) in blocks where chunk.seq <= syncedSeq { out.append((fd, ino, offset, chunk)) }

@@ -1,9 +1,9 @@
 import CSystem
 import Glibc
 
-/// One backing file as the content layer writes it through the journal: the store's journal,
+/// One backing file whose overwrites the store's journal stages (`StagedBlocks`): the journal,
 /// and the file's identity in records.
-public struct JournaledFile: Sendable {
+public struct JournaledFile: StagedBlocks {
     public let journal: OverwriteJournal
     public let id: JournalFileID
 
@@ -59,33 +59,48 @@ public struct JournaledFile: Sendable {
         return true
     }
 
-    /// Lays this file's pending blocks over the sealed bytes just read from backing `offset`
-    /// (`got` of them); returns the count with the pending blocks (they may reach further).
-    public static func overlay(
-        _ pending: [Int: JournalState.Chunk], onto buffer: UnsafeMutableRawBufferPointer, offset: Int, got: Int,
-        stride: Int
-    ) -> Int {
-        var got = got
-        var candidates: [Int] = []
-        if pending.count <= buffer.count / stride + 1 {
-            candidates = pending.keys.filter { $0 < offset + buffer.count && $0 + stride > offset }
-        } else {  // blocks start every `stride` bytes after the header
-            var b = FileHeader.size + max(0, offset - FileHeader.size) / stride * stride
-            while b < offset + buffer.count {
-                candidates.append(b)
-                b += stride
-            }
-        }
-        for start in candidates {
-            guard let chunk = pending[start] else { continue }
-            let lo = max(start, offset), hi = min(start + chunk.bytes.count, offset + buffer.count)
-            guard hi > lo else { continue }
-            chunk.bytes.withUnsafeBytes { src in
-                (buffer.baseAddress! + (lo - offset)).copyMemory(
-                    from: src.baseAddress! + (lo - start), byteCount: hi - lo)
-            }
-            got = max(got, hi - offset)
-        }
-        return got
+    /// This file's blocks not yet in place.
+    public func pendingBlocks() -> [Int: PendingBlock]? { journal.pending(of: id.key) }
+
+    /// Before a punched hole or a cut: where the file has live records, its blocks are made
+    /// durable in place and a void record ends them, on the device before the caller goes on.
+    public func settleBeforeCut(fd: Int32) throws {
+        if try journal.endRecords(of: self, fd: fd) { try journal.waitWritten() }
     }
+
+    /// A shrink: earlier records ended (`settleBeforeCut`); the new last block goes out as an
+    /// `exactEnd` record and reaches the device before the cut, the cut is synced, then the
+    /// block goes out as a plain record and in place. Appends are held throughout (room for
+    /// both records made first), so no checkpoint retires either midway.
+    public func shrink(fd: Int32, to cut: Int, newLast: UnsafeRawBufferPointer?, at blockStart: Int) throws {
+        guard let bytes = newLast else {
+            try settleBeforeCut(fd: fd)
+            guard ftruncate(fd, off_t(cut)) == 0 else { throw KeybagError.system("ftruncate", errno) }
+            return journal.noteInPlace(id.key)
+        }
+        try journal.endRecords(of: self, fd: fd)
+        let j = journal
+        try j.appendLock.withLock { u in
+            let total = JournalRecord.encodedLength(pathLength: id.path.utf8.count, count: bytes.count)
+            try j.makeRoom(for: [total, total], &u)
+            try j.appendHolding(
+                &u, .exactEnd, self, fd: fd, offset: blockStart, data: bytes, stride: bytes.count, pending: false)
+            try j.writeOut(&u)
+            try j.waitWrittenOut()
+            guard ftruncate(fd, off_t(cut)) == 0 else { throw KeybagError.system("ftruncate", errno) }
+            guard fdatasync(fd) == 0 else { throw KeybagError.system("fdatasync", errno) }
+            try j.appendHolding(
+                &u, .bytes, self, fd: fd, offset: blockStart, data: bytes, stride: bytes.count, pending: false)
+            try j.writeOut(&u)
+            try j.waitWrittenOut()
+            try FullIO.pwriteFull(fd, bytes, offset: blockStart)
+        }
+        journal.noteInPlace(id.key)
+    }
+
+    /// Notes a write in place that went around the journal (its next `fsync` syncs the file).
+    public func noteInPlace() { journal.noteInPlace(id.key) }
+
+    /// The `fsync` of this file through the journal (`OverwriteJournal.fsync`).
+    public func fsync(fd: Int32, dataOnly: Bool) throws { try journal.fsync(self, fd: fd, dataOnly: dataOnly) }
 }

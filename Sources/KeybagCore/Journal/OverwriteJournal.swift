@@ -118,7 +118,7 @@ public final class OverwriteJournal: Sendable {
                 var o = 0
                 while o < count {
                     let n = min(stride, count - o)
-                    let chunk = JournalState.Chunk(seq: seq, bytes: buffer[(dataAt + o)..<(dataAt + o + n)])
+                    let chunk = PendingBlock(seq: seq, bytes: buffer[(dataAt + o)..<(dataAt + o + n)])
                     if st.pending[file.id.key, default: [:]].updateValue(chunk, forKey: offset + o) == nil {
                         st.pendingBlocks += 1
                     }
@@ -185,15 +185,13 @@ public final class OverwriteJournal: Sendable {
 
     // MARK: reading
 
-    /// Runs `body` with `ino`'s pending blocks (backing offset → sealed bytes), nil when it
-    /// has none; while it runs no pending block of it is moved in place.
-    /// The snapshot is taken before the caller reads the store: a block written in place
-    /// meanwhile is either still in the snapshot or already in place when it reads (it is
-    /// forgotten only after its in-place write returned), and no newer one can come while the
-    /// caller holds the inode's lock.
-    public func withPending<R>(_ ino: JournalFileKey, _ body: ([Int: JournalState.Chunk]?) throws -> R) rethrows -> R {
-        if pendingCount.load(ordering: .acquiring) == 0 { return try body(nil) }
-        return try body(state.withLock { $0.pending[ino] })
+    /// `ino`'s pending blocks (backing offset → sealed bytes), nil when it has none: a snapshot
+    /// taken before the caller reads the store, so a block written in place meanwhile is either
+    /// still in it or already in place when it reads (it is forgotten only after its in-place
+    /// write returned), and no newer one can come while the caller holds the inode's lock.
+    public func pending(of ino: JournalFileKey) -> [Int: PendingBlock]? {
+        if pendingCount.load(ordering: .acquiring) == 0 { return nil }
+        return state.withLock { $0.pending[ino] }
     }
 
     /// Whether `ino` has records with bytes the journal has not retired or made void.

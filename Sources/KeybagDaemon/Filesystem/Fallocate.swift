@@ -26,7 +26,7 @@ extension Filesystem {
                 let size = try content.plainSize(fd: h.fd)
                 let end = offset + length
                 let journal = journaling?.file(h.node, h.file, fd: h.fd, key: key)
-                journal.map { $0.journal.noteInPlace($0.id.key) }
+                journal?.noteInPlace()
                 if mode & (punchHole | zeroRange) != 0 {
                     try content.zeroRange(
                         fd: h.fd, key: key, offset: offset, length: length, journal: journal

@@ -407,7 +407,7 @@ extension Filesystem {
         let header = h.file.io.read { $0.header }
         if let journaling, let header {
             let journal = journaling.file(h.node, h.file, fd: h.fd, fileID: header.fileID)
-            try journal.journal.fsync(journal, fd: h.fd, dataOnly: dataOnly)
+            try journal.fsync(fd: h.fd, dataOnly: dataOnly)
         } else {
             try check(dataOnly ? fdatasync(h.fd) : Glibc.fsync(h.fd))
         }
