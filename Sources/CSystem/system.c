@@ -194,3 +194,31 @@ unsigned long long kbfs_inode_stamp(int fd) {
         return (1ULL << 63) | ((unsigned long long)stx.stx_btime.tv_sec * 1000000000ULL + stx.stx_btime.tv_nsec);
     return 0;
 }
+
+#if defined(__x86_64__)
+#include <nmmintrin.h>
+__attribute__((target("sse4.2"))) static unsigned int crc32c_sse42(unsigned int crc, const unsigned char *p, unsigned long n) {
+    unsigned long long c = ~crc & 0xffffffffu;
+    for (; n >= 8; p += 8, n -= 8) {
+        unsigned long long v;
+        memcpy(&v, p, 8);
+        c = _mm_crc32_u64(c, v);
+    }
+    unsigned int c32 = (unsigned int)c;
+    while (n--) c32 = _mm_crc32_u8(c32, *p++);
+    return ~c32;
+}
+#endif
+
+unsigned int kbfs_crc32c(unsigned int crc, const void *data, unsigned long n) {
+    const unsigned char *p = data;
+#if defined(__x86_64__)
+    if (__builtin_cpu_supports("sse4.2")) return crc32c_sse42(crc, p, n);
+#endif
+    unsigned int c = ~crc;
+    while (n--) {
+        c ^= *p++;
+        for (int k = 0; k < 8; k++) c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1u)));
+    }
+    return ~c;
+}

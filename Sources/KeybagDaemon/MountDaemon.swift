@@ -144,8 +144,11 @@ public enum MountDaemon {
         _ = kbfs_set_nondumpable()
         _ = kbfs_raise_nofile()
         _ = kbfs_limit_malloc_arenas(2)  // 16 loop threads with an arena each inflate RSS
-        // request buffers of exiting loop threads go back by munmap
-        _ = kbfs_fix_malloc_thresholds(128 * 1024, 1 << 20)
+        // Request buffers of exiting loop threads go back by munmap (the mmap threshold). The
+        // trim threshold holds two retirements of overwrite-journal records (pending blocks,
+        // sealed): freed after each retirement and allocated again, trimmed they were faulted
+        // back in page by page (sysmalloc and page faults: ~8 % of a random write's CPU).
+        _ = kbfs_fix_malloc_thresholds(128 * 1024, Int32(OverwriteJournal.defaultRingSize / 2))
         umask(0)
         Sodium.ensureInitialized()
         HardwareAES.start()  // OpenSSL's allocator must be in place before its first allocation

@@ -95,4 +95,8 @@ int kbfs_open_beneath(int dirfd, const char *path);
    reused: the file system's inode generation (FS_IOC_GETVERSION: ext4, XFS, btrfs), else its
    birth time in nanoseconds (statx), else 0 when the file system offers neither. */
 unsigned long long kbfs_inode_stamp(int fd);
+/* CRC32C (Castagnoli, as jbd2 and iSCSI) of `n` bytes continuing from `crc` (0 to start):
+   the SSE4.2 instruction where the CPU has it, else bit by bit. A checksum against torn and
+   stale writes, not a MAC. */
+unsigned int kbfs_crc32c(unsigned int crc, const void *p, unsigned long n);
 #endif

@@ -181,7 +181,9 @@ public struct EncryptedContent: Sendable {
                 data: NewData(range: nil, bytes: nil), sink: sink)
         }
         let first = oldLastGrows && oldLast == dataFirst - 1 ? oldLast : dataFirst
-        let sink = BlockSink(fd: fd, journal: journal, backingSize: try sizes(fd: fd).backing)
+        // The backing size as it is now: the old last block's growth above changed it.
+        let now = oldLastGrows && oldLast < dataFirst - 1 ? try sizes(fd: fd).backing : backing
+        let sink = BlockSink(fd: fd, journal: journal, backingSize: now)
         try sealAndWrite(
             fd: fd, key: key, blocks: first...dataLast, size: size, newSize: newSize, newLast: newLast,
             data: NewData(range: range, bytes: data), sink: sink)

@@ -1,4 +1,5 @@
 import CSodium
+import CSystem
 import Glibc
 
 /// Which backing file a journal record is about: its inode number and that inode's stamp
@@ -29,6 +30,13 @@ public struct JournalFileKey: Hashable, Sendable {
     public let ino: UInt64
     public let stamp: UInt64
     public let fileID: [UInt8]
+
+    /// The fields' bytes at once (an array's own hash feeds the hasher byte by byte).
+    public func hash(into hasher: inout Hasher) {
+        hasher.combine(ino)
+        hasher.combine(stamp)
+        fileID.withUnsafeBytes { hasher.combine(bytes: $0) }
+    }
 }
 
 /// One record of the overwrite journal (docs/FORMAT.md, "Overwrites"): sealed bytes to be
@@ -90,7 +98,9 @@ public struct JournalRecord: Sendable, Equatable {
         let count = data?.count ?? bytes.count
         let total = Self.encodedLength(pathLength: path.count, count: count)
         let base = out.baseAddress!
-        memset(base, 0, total)
+        memset(base, 0, Self.headerSize)  // the data is copied in below, then the padding zeroed
+        memset(
+            base + Self.headerSize + path.count + count, 0, total - Self.tagSize - Self.headerSize - path.count - count)
         out.copyBytes(from: Self.magic)
         out[4] = kind.rawValue
         out.storeBytes(of: seq.littleEndian, toByteOffset: 8, as: UInt64.self)
@@ -109,7 +119,8 @@ public struct JournalRecord: Sendable, Equatable {
         } else {
             UnsafeMutableRawBufferPointer(rebasing: out[at..<(at + count)]).copyBytes(from: bytes)
         }
-        Self.tag(UnsafeRawBufferPointer(rebasing: out[0..<(total - Self.tagSize)]), key: key, into: base + total - 16)
+        out.storeBytes(of: Self.session(key).littleEndian, toByteOffset: 72, as: UInt64.self)
+        Self.check(UnsafeRawBufferPointer(rebasing: out[0..<(total - Self.tagSize)]), into: base + total - 16)
         return total
     }
 
@@ -135,9 +146,12 @@ public struct JournalRecord: Sendable, Equatable {
         else { return nil }
         var want = [UInt8](repeating: 0, count: tagSize)
         want.withUnsafeMutableBytes {
-            tag(UnsafeRawBufferPointer(rebasing: b[0..<(total - tagSize)]), key: key, into: $0.baseAddress!)
+            let body = UnsafeRawBufferPointer(rebasing: b[0..<(total - tagSize)])
+            if version == 1 { tag(body, key: key, into: $0.baseAddress!) } else { check(body, into: $0.baseAddress!) }
         }
         guard sodium_memcmp(want, b.baseAddress! + total - tagSize, tagSize) == 0 else { return nil }
+        guard version == 1 || b.loadUnaligned(fromByteOffset: 72, as: UInt64.self) == session(key).littleEndian
+        else { return nil }  // written in another session: the records behind a torn one
         let at = headerSize + pathLength
         let file = JournalFileID(
             ino: UInt64(littleEndian: b.loadUnaligned(fromByteOffset: 24, as: UInt64.self)),
@@ -155,7 +169,22 @@ public struct JournalRecord: Sendable, Equatable {
         return Int(UInt32(littleEndian: header.loadUnaligned(fromByteOffset: 16, as: UInt32.self)))
     }
 
-    /// The checksum: Poly1305 (libsodium `crypto_onetimeauth`) under the journal's key. It
+    /// The session a record was written in: the first 8 bytes of the superblock's key, which
+    /// every replay makes anew (so records of a crashed session never read as whole later).
+    static func session(_ key: [UInt8]) -> UInt64 {
+        key.withUnsafeBytes { $0.loadUnaligned(as: UInt64.self) }
+    }
+
+    /// The check of a version 2 record: CRC32C of everything before it (u32 LE, then 12 zero
+    /// bytes), as jbd2's; it tells a whole record from a torn or stale one. What makes the
+    /// replayed bytes authentic is each sealed block's own AEAD tag.
+    static func check(_ msg: UnsafeRawBufferPointer, into out: UnsafeMutableRawPointer) {
+        memset(out, 0, tagSize)
+        let crc = kbfs_crc32c(0, msg.baseAddress, UInt(msg.count))
+        out.storeBytes(of: crc.littleEndian, as: UInt32.self)
+    }
+
+    /// The check of a version 1 record: Poly1305 (libsodium `crypto_onetimeauth`) under the journal's key. It
     /// tells a whole record from a torn or stale one; it is not what makes replayed bytes
     /// authentic (each sealed block still opens only under its file key).
     static func tag(_ msg: UnsafeRawBufferPointer, key: [UInt8], into out: UnsafeMutableRawPointer) {

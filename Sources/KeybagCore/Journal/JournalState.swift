@@ -18,6 +18,8 @@ public struct JournalState: Sendable {
     var used = 0
     /// How many times the tail moved (a retirement begun before one is void).
     var checkpoints = 0
+    /// Whether `OverwriteJournal.filling` was signalled since the tail last moved.
+    var fillingSignalled = false
     /// Every record up to this one is written to the file.
     var writtenSeq: UInt64
     /// Every record up to this one is durable.
@@ -81,21 +83,29 @@ public struct JournalState: Sendable {
     }
 
     /// Every pending block whose record is durable, by file, in offset order.
-    func durablePending() -> [(fd: Int32, ino: JournalFileKey, offset: Int, chunk: PendingBlock)] {
-        var out: [(fd: Int32, ino: JournalFileKey, offset: Int, chunk: PendingBlock)] = []
-        for (ino, blocks) in pending {
-            guard let fd = files[ino]?.fd else { continue }
-            for (offset, chunk) in blocks where chunk.seq <= syncedSeq { out.append((fd, ino, offset, chunk)) }
+    func durablePending() -> [(key: JournalFileKey, fd: Int32, blocks: [(Int, PendingBlock)])] {
+        var out: [(key: JournalFileKey, fd: Int32, blocks: [(Int, PendingBlock)])] = []
+        for (key, blocks) in pending {
+            guard let fd = files[key]?.fd else { continue }
+            var durable: [(Int, PendingBlock)] = []
+            durable.reserveCapacity(blocks.count)
+            for (offset, block) in blocks where block.seq <= syncedSeq { durable.append((offset, block)) }
+            durable.sort { $0.0 < $1.0 }
+            if !durable.isEmpty { out.append((key, fd, durable)) }
         }
-        return out.sorted { ($0.ino.ino, $0.offset) < ($1.ino.ino, $1.offset) }
+        return out
     }
 
-    /// Forgets a pending block written in place, unless a newer one replaced it meanwhile.
-    mutating func forgetApplied(ino: JournalFileKey, offset: Int, seq: UInt64) {
-        guard pending[ino]?[offset]?.seq == seq else { return }
-        pending[ino]![offset] = nil
-        pendingBlocks -= 1
-        if pending[ino]!.isEmpty { pending[ino] = nil }
+    /// Forgets the pending blocks of `key`'s file written in place (offset and the version
+    /// written), unless a newer one replaced one meanwhile.
+    mutating func forgetApplied(_ key: JournalFileKey, _ done: [(offset: Int, seq: UInt64)]) {
+        guard var blocks = pending[key] else { return }
+        pending[key] = nil  // uniquely referenced while it changes
+        for (offset, seq) in done where blocks[offset]?.seq == seq {
+            blocks[offset] = nil
+            pendingBlocks -= 1
+        }
+        if !blocks.isEmpty { pending[key] = blocks }
     }
 
     /// Closes the descriptors of tracked files.

@@ -1,4 +1,5 @@
 import CSystem
+import Dispatch
 import Glibc
 import Synchronization
 
@@ -43,6 +44,9 @@ public final class OverwriteJournal: Sendable {
     let state: Locked<JournalState>
     /// `state.pendingBlocks`, readable without the lock (reads skip the journal when 0).
     let pendingCount = Atomic<Int>(0)
+    /// Signalled when the ring's live part passes a quarter of it: the daemon's committer then
+    /// retires records at once, on its own thread, long before a writer would have to.
+    public let filling = DispatchSemaphore(value: 0)
 
     /// A journal whose superblock says `superblock` (its records replayed before).
     public init(fd: Int32, superblock: JournalSuperblock) {
@@ -106,14 +110,19 @@ public final class OverwriteJournal: Sendable {
             if !state.withLock({ $0.fits([total], ringSize: ringSize) }) { try checkpointHoldingAppend(&unwritten) }
             wrapIfNeeded(total, &unwritten)
             let (pos, seq) = state.withLock { ($0.headPos, $0.nextSeq) }
-            var buffer = [UInt8](repeating: 0, count: total)
             let record = JournalRecord(kind: kind, seq: seq, file: file.id, offset: offset)
-            _ = buffer.withUnsafeMutableBytes { record.encode(into: $0, key: key, data: data) }
+            let buffer = [UInt8](unsafeUninitializedCapacity: total) { b, n in  // every byte set by encode
+                n = record.encode(into: UnsafeMutableRawBufferPointer(b), key: key, data: data)
+            }
             unwritten.records.append((pos, buffer))
             unwritten.bytes += total
             let dataAt = JournalRecord.headerSize + file.id.path.utf8.count
             try state.withLock { st in
                 try st.noteAppended(total, seq: seq, ino: file.id.key, fd: fileFD, data: kind != .void)
+                if st.used >= ringSize / 4 && !st.fillingSignalled {
+                    st.fillingSignalled = true
+                    filling.signal()
+                }
                 guard pending, let count = data?.count else { return }
                 var o = 0
                 while o < count {
@@ -290,19 +299,25 @@ extension OverwriteJournal {
         guard (dataOnly ? fdatasync(fd) : Glibc.fsync(fd)) == 0 else { throw KeybagError.system("fsync", errno) }
     }
 
-    /// Writes in place every pending block whose record is durable.
+    /// Writes in place every pending block whose record is durable (file by file, in offset
+    /// order), then forgets them, unless a newer version of one came meanwhile.
     public func apply() throws {
         try applyLock.withLock { _ in
             let work = state.withLock { $0.durablePending() }
             var failure: (any Error)?
-            for w in work {
-                do {
-                    try w.chunk.bytes.withUnsafeBytes { try FullIO.pwriteFull(w.fd, $0, offset: w.offset) }
-                    state.withLock { st in
-                        st.forgetApplied(ino: w.ino, offset: w.offset, seq: w.chunk.seq)
-                        pendingCount.store(st.pendingBlocks, ordering: .releasing)
-                    }
-                } catch { failure = failure ?? error }
+            for file in work {
+                var done: [(offset: Int, seq: UInt64)] = []
+                done.reserveCapacity(file.blocks.count)
+                for (offset, block) in file.blocks {
+                    do {
+                        try block.bytes.withUnsafeBytes { try FullIO.pwriteFull(file.fd, $0, offset: offset) }
+                        done.append((offset, block.seq))
+                    } catch { failure = failure ?? error }
+                }
+                state.withLock { st in
+                    st.forgetApplied(file.key, done)
+                    pendingCount.store(st.pendingBlocks, ordering: .releasing)
+                }
             }
             if let failure { throw failure }
         }
@@ -336,6 +351,7 @@ extension OverwriteJournal {
             st.tailSeq = sb.tailSeq
             st.used = 0
             st.checkpoints += 1
+            st.fillingSignalled = false
         }
     }
 
@@ -384,6 +400,7 @@ extension OverwriteJournal {
                     st.tailSeq = sb.tailSeq
                     st.used -= mark.used
                     st.checkpoints += 1
+                    st.fillingSignalled = false
                     return st.letGo(before: mark.seq)
                 }
                 for f in gone { close(f) }

@@ -10,9 +10,10 @@ final class Journaling: Sendable {
     /// The store's path with a trailing slash (path hints are relative to it).
     let storePrefix: String
 
-    /// Every `commitInterval`, blocks still pending (written, never synced) are made durable
-    /// and put in place, so the store's own copy of a file is whole again soon after a write,
-    /// and the records of blocks durable in place are retired; false stops it (at unmount).
+    /// Every `commitInterval`, and at once when the ring passes a quarter full, blocks still
+    /// pending (written, never synced) are made durable and put in place, so the store's own
+    /// copy of a file is whole again soon after a write, and the records of blocks durable in
+    /// place are retired (writers rarely meet a full ring); false stops it (at unmount).
     let committing = Locked(true)
     static let commitInterval: UInt32 = 2_000_000
 
@@ -21,11 +22,10 @@ final class Journaling: Sendable {
         Thread.detachNewThread { [journal, committing] in
             var slept: UInt32 = 0
             while committing.withLock({ $0 }) {
-                usleep(100_000)
-                slept += 100_000
-                guard slept >= Self.commitInterval, journal.pendingBlocks > 0 || journal.hasLiveRecords else {
-                    continue
-                }
+                let filling = journal.filling.wait(timeout: .now() + .milliseconds(100)) == .success
+                slept += filling ? 0 : 100_000
+                let due = slept >= Self.commitInterval && (journal.pendingBlocks > 0 || journal.hasLiveRecords)
+                guard filling || due else { continue }
                 slept = 0
                 do {
                     if Failpoint.journalKeepsRecords.isOn {
