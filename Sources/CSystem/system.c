@@ -181,7 +181,7 @@ int kbfs_open_beneath(int dirfd, const char *path) {
     struct open_how how;
     memset(&how, 0, sizeof how);
     how.flags = O_PATH | O_CLOEXEC | O_NOFOLLOW;
-    how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
+    how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV;
     return (int)syscall(SYS_openat2, dirfd, path, &how, sizeof how);
 }
 

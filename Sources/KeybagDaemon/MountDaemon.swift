@@ -245,6 +245,11 @@ public enum MountDaemon {
             ) { log($0) }
             return Journaling(journal: journal, storePath: cfg.store)
         } catch {
+            // A journal that was there and cannot be used now is not left behind for a later
+            // replay over newer data: nothing is mounted.
+            if replayed != nil {
+                throw StartFailure(message: "the overwrite journal could not be opened (\(error)); nothing was mounted")
+            }
             log("no overwrite journal (\(error)): blocks are rewritten in place, and a power cut can tear one")
             return nil
         }

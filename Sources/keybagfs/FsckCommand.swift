@@ -35,20 +35,19 @@ struct Fsck: ParsableCommand {
     @Flag(help: "Print the result as JSON.")
     var json = false
 
-    /// Replays the store's overwrite journal, as a mount would; with `--repair` a journal whose
-    /// superblock is damaged is set aside (its records are lost; the next mount makes a new one).
+    /// Replays the store's overwrite journal, as a mount would; with `--repair` a journal that
+    /// cannot be replayed is set aside (its records are lost; the next mount makes a new one).
     func replayJournal(_ kb: Keybag, _ dk: SecureKey) throws {
         let deviceID = try DeviceIdentity.id(deviceKey: dk, storeID: kb.file.storeID)
         let say = { (line: String) in FileHandle.standardError.write(Data(("keybagfs: " + line + "\n").utf8)) }
         do {
             try JournalReplay.replay(storePath: target.store, deviceID: deviceID, log: say)
-        } catch KeybagError
-            .corrupt(let why) where repair
-        {
-            // A journal whose superblock is damaged: set aside (its records are lost), the next
-            // mount makes a new one.
+        } catch  where repair {
+            // A journal that cannot be replayed (a damaged superblock, a crafted one that needs
+            // more descriptors than there are): set aside, its records lost; the next mount
+            // makes a new one.
             try JournalReplay.setAside(storePath: target.store, deviceID: deviceID)
-            say("\(why): set aside as \(JournalReplay.fileName(deviceID: deviceID)).damaged")
+            say("\(error): set aside as \(JournalReplay.fileName(deviceID: deviceID)).damaged")
         }
     }
 

@@ -180,4 +180,24 @@ extension OverwriteJournalCoreTests {
         try JournalReplay.replay(storePath: dir, deviceID: "dev") { _ in }
         XCTAssertEqual(try read(c, fd, key, nil), [UInt8](repeating: 5, count: 5000))
     }
+
+    /// Found by review of the retirement: a durable version of a block replaced in memory by a
+    /// newer, not yet durable one (a write-back of a mapped page while an fsync applies) went
+    /// unwritten, and the retirement moved the tail past its record: a power cut then read the
+    /// version before the fsynced one. Such a record is not retired until the block is in place.
+    func testARecordWhoseBlockWasReplacedBeforeGoingInPlaceIsNotRetired() throws {
+        let journal = try JournalReplay.open(storePath: dir, deviceID: "dev", ringSize: 1 << 20) { _ in }
+        let (fd, key, c, j) = try makeFile(blocks: 2, fill: 1, journal: journal)
+        defer { close(fd) }
+        let mark = journal.state.withLock { $0.nextSeq }
+        let fsynced = [UInt8](repeating: 2, count: 4096), later = [UInt8](repeating: 3, count: 4096)
+        try fsynced.withUnsafeBytes { try c.write(fd: fd, key: key, offset: 4096, data: $0, journal: j) }
+        try journal.sync()  // durable: an fsync may now return once it is in place or its record live
+        try later.withUnsafeBytes { try c.write(fd: fd, key: key, offset: 4096, data: $0, journal: j) }
+        try journal.apply()  // the newer version is not durable: nothing goes in place
+        let next = journal.state.withLock { $0.nextSeq }
+        XCTAssertFalse(
+            journal.state.withLock { $0.allInPlace(before: next - 1) },
+            "the fsynced version (record \(mark)) is neither in place nor pending: its record must stay")
+    }
 }

@@ -88,8 +88,9 @@ struct kbfs_fan_event {
    1 when an event was parsed, 0 at the end, -1 when the buffer is malformed. */
 int kbfs_fanotify_next(const unsigned char *buf, long len, long *offset, struct kbfs_fan_event *ev);
 /* Opens `path` (relative) below directory `dirfd` with O_PATH, never leaving it and never
-   following a symlink or a magic link (openat2 with RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS |
-   RESOLVE_NO_MAGICLINKS): fd or -1 with errno (ELOOP for a symlink, EXDEV for an escape). */
+   following a symlink or a magic link, never crossing a mount (openat2 with RESOLVE_BENEATH |
+   RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV): fd or -1 with errno (ELOOP
+   for a symlink, EXDEV for an escape or a mount). */
 int kbfs_open_beneath(int dirfd, const char *path);
 /* A stamp of which file an inode is, stable for the inode's life and new when its number is
    reused: the file system's inode generation (FS_IOC_GETVERSION: ext4, XFS, btrfs), else its

@@ -19,14 +19,17 @@ public protocol StagedBlocks: Sendable {
     func shrink(fd: Int32, to cut: Int, newLast: UnsafeRawBufferPointer?, at blockStart: Int) throws
 }
 
-/// A block not yet in place: its sealed bytes and the order it was staged in.
+/// A block not yet in place: its sealed bytes, the order it was staged in, and the oldest
+/// version it replaced before that one went in place (`floor`; its own `seq` when none).
 public struct PendingBlock: Sendable {
     public let seq: UInt64
     public let bytes: ArraySlice<UInt8>
+    public let floor: UInt64
 
-    public init(seq: UInt64, bytes: ArraySlice<UInt8>) {
+    public init(seq: UInt64, bytes: ArraySlice<UInt8>, replacing older: PendingBlock? = nil) {
         self.seq = seq
         self.bytes = bytes
+        floor = min(older?.floor ?? seq, seq)
     }
 
     /// Lays `pending` over the sealed bytes just read from backing `offset` into `buffer`

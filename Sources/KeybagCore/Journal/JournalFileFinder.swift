@@ -15,6 +15,9 @@ struct JournalFileFinder {
     private var opened: [JournalFileKey: (fd: Int32, size: Int)] = [:]
     private var gone: Set<JournalFileKey> = []
     private var byInode: [UInt64: String]?
+    /// The files found so far by (device, inode), and the descriptors to close.
+    private var byFound: [UInt64: [(dev: UInt64, fd: Int32)]] = [:]
+    private var owned: [Int32] = []
     /// Files no longer in the store (deleted, or replaced by another file).
     private(set) var missing = 0
     /// An `O_PATH` descriptor of the store's `data/` folder (-1: there is none).
@@ -34,7 +37,22 @@ struct JournalFileFinder {
         if gone.contains(id.key) { return nil }
         let prefix = Keybag.dataDirName + "/"
         let hint = Self.isInsideData(id.path) ? try check(String(id.path.dropFirst(prefix.count)), id) : nil
-        if let f = try hint ?? byInodeScan(id) {
+        if var f = try hint ?? byInodeScan(id) {
+            // One descriptor per file found, however many identities name it (a crafted journal's
+            // records under many inode numbers would otherwise use up the descriptors).
+            var st = stat()
+            if fstat(f.fd, &st) != 0 {
+                owned.append(f.fd)
+            } else {
+                let inode = (UInt64(st.st_dev), UInt64(st.st_ino))
+                if let same = byFound[inode.1]?.first(where: { $0.dev == inode.0 }) {
+                    close(f.fd)
+                    f = (same.fd, f.size)
+                } else {
+                    byFound[inode.1, default: []].append((inode.0, f.fd))
+                    owned.append(f.fd)
+                }
+            }
             opened[id.key] = f
             return (f.fd, f.size)
         }
@@ -45,13 +63,14 @@ struct JournalFileFinder {
 
     /// Syncs every file written into; returns how many.
     mutating func syncAll() throws -> Int {
-        for f in opened.values where fdatasync(f.fd) != 0 { throw KeybagError.system("fdatasync", errno) }
-        return opened.count
+        for fd in owned where fdatasync(fd) != 0 { throw KeybagError.system("fdatasync", errno) }
+        return owned.count
     }
 
     /// Closes what was opened.
     mutating func closeAll() {
-        for f in opened.values { close(f.fd) }
+        for fd in owned { close(fd) }
+        owned = []
         opened = [:]
         if dataFD >= 0 { close(dataFD) }
     }

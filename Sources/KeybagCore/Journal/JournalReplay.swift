@@ -26,8 +26,17 @@ public enum JournalReplay {
         if sb == nil || sb!.ringSize != ringSize || fileSize(path) != JournalSuperblock.ringStart + ringSize {
             sb = try create(path, ringSize: ringSize, firstSeq: sb?.tailSeq ?? 1)
         }
-        let fd = Glibc.open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW)
+        let fd = Glibc.open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK)
         guard fd >= 0 else { throw KeybagError.system("open \(fileName(deviceID: deviceID))", errno) }
+        var st = stat()
+        // Replaced since it was replayed or made (a FIFO, another ring): not this journal.
+        guard fstat(fd, &st) == 0, (st.st_mode & S_IFMT) == S_IFREG,
+            Int(st.st_size) == JournalSuperblock.ringStart + sb!.ringSize, sb!.isWritten(in: fd)
+        else {
+            close(fd)
+            throw KeybagError.corrupt(
+                "the overwrite journal \(fileName(deviceID: deviceID)) changed while it was opened")
+        }
         return OverwriteJournal(fd: fd, superblock: sb!)
     }
 

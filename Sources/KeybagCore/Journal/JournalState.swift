@@ -56,6 +56,12 @@ public struct JournalState: Sendable {
         return taken <= ringSize
     }
 
+    /// Whether every block version staged by a record before `seq` is in place (none pending,
+    /// and none replaced in memory by a newer one that is not).
+    func allInPlace(before seq: UInt64) -> Bool {
+        !pending.values.contains { $0.values.contains { $0.floor < seq } }
+    }
+
     /// Stops tracking the files whose records all came before `seq` and that have no block
     /// pending; returns their descriptors, to be closed.
     mutating func letGo(before seq: UInt64) -> [Int32] {

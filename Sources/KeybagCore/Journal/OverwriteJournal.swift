@@ -127,7 +127,8 @@ public final class OverwriteJournal: Sendable {
                 var o = 0
                 while o < count {
                     let n = min(stride, count - o)
-                    let chunk = PendingBlock(seq: seq, bytes: buffer[(dataAt + o)..<(dataAt + o + n)])
+                    let older = st.pending[file.id.key]?[offset + o]
+                    let chunk = PendingBlock(seq: seq, bytes: buffer[(dataAt + o)..<(dataAt + o + n)], replacing: older)
                     if st.pending[file.id.key, default: [:]].updateValue(chunk, forKey: offset + o) == nil {
                         st.pendingBlocks += 1
                     }
@@ -383,9 +384,7 @@ extension OverwriteJournal {
         }
         let sb = superblock(tailPos: mark.pos, tailSeq: mark.seq)
         let wrote = try appendLock.withLock { _ -> Bool in
-            let current = state.withLock { st in
-                st.checkpoints == mark.epoch && !st.pending.values.contains { $0.values.contains { $0.seq < mark.seq } }
-            }
+            let current = state.withLock { st in st.checkpoints == mark.epoch && st.allInPlace(before: mark.seq) }
             guard current else { return false }
             try sb.encoded().withUnsafeBytes { try FullIO.pwriteFull(fd, $0, offset: 0) }
             return true
