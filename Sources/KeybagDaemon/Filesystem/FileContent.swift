@@ -315,7 +315,10 @@ extension Filesystem {
         if offset >= Self.maxFileSize { return reply(0) }
         try withContentKey(h.node, .read) { key in
             let n: Int
-            let journal = journaling?.file(h.node, h.file, fd: h.fd, key: key)
+            // No pending block anywhere: none of this file's can come while its lock is held.
+            let journal = journaling.flatMap {
+                $0.journal.pendingBlocks > 0 ? $0.file(h.node, h.file, fd: h.fd, key: key) : nil
+            }
             do { n = try content.read(fd: h.fd, key: key, offset: offset, into: buf, journal: journal) } catch {
                 Self.wipe(UnsafeRawBufferPointer(buf))
                 throw error
