@@ -57,6 +57,11 @@ let package = Package(
         ]),
         // Micro-benchmarks and lock latency; built, not run, in CI.
         .executableTarget(name: "keybagfs-bench", dependencies: ["KeybagCore", "KeybagProtocol", "CSystem", "CSodium", "CCrypto"]),
+        // The fuzz targets of every parser of store and socket bytes (Fuzz/, scripts/fuzz.sh):
+        // built plainly it replays inputs; built with libFuzzer (-DKBFS_FUZZ) it searches.
+        .executableTarget(
+            name: "keybagfs-fuzz", dependencies: ["KeybagCore", "KeybagProtocol", "CSodium", "CSystem"],
+            path: "Fuzz/Targets"),
         // AES-256 round keys and blocks from OpenSSL, for the tests' memory scans and vectors.
         .target(name: "CTestSupport", path: "Tests/CTestSupport", linkerSettings: [.linkedLibrary("crypto")]),
         .testTarget(name: "KeybagCoreTests", dependencies: ["KeybagCore", "CCrypto", "CSodium", "CTestSupport"]),

@@ -42,10 +42,14 @@ rm -f "$log"
 [[ $failed -eq 0 ]] || status=1
 [[ $passed -gt 0 ]] || { echo "FAIL: no test ran" >&2; status=1; }
 # Style: swift-format's lint with the committed .swift-format (swift format -i fixes it).
-if ! swift format lint --strict -r Sources Tests Examples >/tmp/kbfs-format.log 2>&1; then
-  echo "FAIL: swift format lint (swift format -i -r Sources Tests Examples fixes it):" >&2
+if ! swift format lint --strict -r Sources Tests Examples Fuzz/Targets >/tmp/kbfs-format.log 2>&1; then
+  echo "FAIL: swift format lint (swift format -i -r Sources Tests Examples Fuzz/Targets fixes it):" >&2
   head -20 /tmp/kbfs-format.log >&2; status=1
 fi
+# Every parser of store and socket bytes under libFuzzer with ASan and LSan: its committed
+# corpus and regression inputs, then new inputs for a short budget per target (about 2.5
+# minutes in all); a crash, leak or allocation over the limits fails (scripts/fuzz.sh).
+bash scripts/fuzz.sh 6 || { echo "FAIL: fuzzing (scripts/fuzz.sh) found a crash, a leak or an over-limit allocation" >&2; status=1; }
 # The source tree's size limits (scripts/size-check.py): files and functions.
 python3 scripts/size-check.py || status=1
 # Every file, folder, type and member docs/ARCHITECTURE.md names exists (scripts/architecture-check.py).

@@ -269,7 +269,7 @@ public final class StoreCheck {
         var stored = String(decoding: buf[0..<len], as: UTF8.self)
         if let id = StoreNames.longTargetID(stored) {
             targetIDs.insert(id)
-            guard let d = FileManager.default.contents(atPath: store + "/" + Keybag.targetsDirName + "/" + id) else {
+            guard let d = try? StoreFileOpen.contents(store + "/" + Keybag.targetsDirName + "/" + id) else {
                 return note("target-missing", path, name, "the symlink's long target is gone", "not-repairable")
             }
             stored = String(decoding: d, as: UTF8.self)

@@ -81,7 +81,7 @@ public struct DeviceCertificate: Codable, Sendable, Equatable {
     /// The certificates in the store's devices folder that decode (unverified: for naming).
     public static func all(storePath: String) -> [DeviceCertificate] {
         StoreDevices.entries(storePath).filter { $0.hasSuffix(".identity") }.compactMap { name in
-            FileManager.default.contents(atPath: storePath + "/" + StoreDevices.dirName + "/" + name).flatMap {
+            (try? StoreFileOpen.contents(storePath + "/" + StoreDevices.dirName + "/" + name))?.flatMap {
                 try? JSONDecoder().decode(DeviceCertificate.self, from: $0)
             }
         }

@@ -145,7 +145,7 @@ public enum DevicePairing {
 
         /// The saved state (nil: none).
         static func load(storeID: String, deviceID: String) throws -> Pending? {
-            guard let d = FileManager.default.contents(atPath: path(storeID: storeID, deviceID: deviceID)) else {
+            guard let d = try StoreFileOpen.contents(path(storeID: storeID, deviceID: deviceID)) else {
                 return nil
             }
             return try JSONDecoder().decode(Pending.self, from: d)

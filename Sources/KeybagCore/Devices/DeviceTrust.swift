@@ -56,12 +56,7 @@ public struct DeviceTrust: Sendable {
         for name in StoreDevices.entries(storePath)
         where name.hasSuffix(".identity") || name.hasSuffix(".removed") || KeySetRecord.parse(fileName: name) != nil {
             let path = storePath + "/" + StoreDevices.dirName + "/" + name
-            var st = stat()
-            guard lstat(path, &st) == 0, st.st_mode & S_IFMT == S_IFREG, st.st_size < 1 << 20 else {
-                files[name] = Data()
-                continue
-            }
-            files[name] = FileManager.default.contents(atPath: path) ?? Data()
+            files[name] = (try? StoreFileOpen.contents(path)) ?? Data()
         }
         return files
     }
@@ -83,7 +78,7 @@ public struct DeviceTrust: Sendable {
                 (StoreDevices.dirName + "/" + $0, String($0.dropLast(7)) as String?)
             } + [(Keybag.fileName, nil)]
         for (rel, named) in paths {
-            guard let d = FileManager.default.contents(atPath: storePath + "/" + rel),
+            guard let d = try? StoreFileOpen.contents(storePath + "/" + rel),
                 let n = try? JSONDecoder().decode(Names.self, from: d), let id = n.deviceID,
                 named == nil || named == id,
                 out[id] == nil, let box = n.identityBox, let sign = n.identitySign

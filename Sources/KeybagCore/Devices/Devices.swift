@@ -50,7 +50,7 @@ public enum StoreDevices {
 
     /// The removal record of `id`, or nil when it was never removed.
     static func removal(storePath: String, id: String) -> DeviceRemoval? {
-        guard let data = FileManager.default.contents(atPath: storePath + "/" + removalPath(id)) else { return nil }
+        guard let data = try? StoreFileOpen.contents(storePath + "/" + removalPath(id)) else { return nil }
         return try? JSONDecoder().decode(DeviceRemoval.self, from: data)
     }
 
@@ -103,7 +103,7 @@ extension Keybag {
         storePath: String, relativePath: String, now: Double = Date().timeIntervalSince1970
     ) throws -> Keybag {
         let p = storePath + "/" + relativePath
-        guard let data = FileManager.default.contents(atPath: p) else {
+        guard let data = try StoreFileOpen.contents(p) else {
             throw KeybagError.invalid("no keybag at \(p): not a keybagfs store (run `keybagfs init` first)")
         }
         do {

@@ -149,7 +149,7 @@ public enum PairingMessages {
     public static func read<T: Decodable>(_ type: T.Type, _ storePath: String, _ deviceID: String, _ kind: String)
         -> T?
     {
-        FileManager.default.contents(atPath: path(storePath, deviceID, kind)).flatMap {
+        (try? StoreFileOpen.contents(path(storePath, deviceID, kind)))?.flatMap {
             try? JSONDecoder().decode(type, from: $0)
         }
     }

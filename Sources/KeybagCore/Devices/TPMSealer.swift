@@ -69,10 +69,7 @@ public struct TPMEnrollment: Codable, Sendable, Equatable {
 
     /// The enrollment at `path`; nil when there is none.
     public static func load(from path: String) throws -> TPMEnrollment? {
-        guard let data = FileManager.default.contents(atPath: path) else {
-            if FileManager.default.fileExists(atPath: path) { throw KeybagError.system("cannot read \(path)", errno) }
-            return nil
-        }
+        guard let data = try StoreFileOpen.contents(path) else { return nil }
         do { return try JSONDecoder().decode(TPMEnrollment.self, from: data) } catch {
             throw KeybagError.corrupt("the TPM enrollment \(path) is not valid")
         }

@@ -20,8 +20,9 @@ public enum KeySetFloor {
 
     /// The recorded floors; an unreadable file is an error (fail closed), an absent one none.
     static func floors(at path: String) throws -> [String: Int] {
-        guard FileManager.default.fileExists(atPath: path) else { return [:] }
-        guard let d = FileManager.default.contents(atPath: path),
+        var st = stat()
+        guard lstat(path, &st) == 0 || errno != ENOENT else { return [:] }
+        guard let d = try? StoreFileOpen.contents(path),
             let all = try? JSONDecoder().decode([String: Int].self, from: d)
         else {
             throw KeybagError.corrupt(

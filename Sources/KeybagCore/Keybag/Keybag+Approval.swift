@@ -50,7 +50,7 @@ extension Keybag {
         else { throw KeybagError.invalid("no request from device \(deviceID) in this store (yet)") }
         let hash = PairingMessages.requestHash(request)
         guard
-            let pin = FileManager.default.contents(atPath: pinPath).flatMap({
+            let pin = (try? StoreFileOpen.contents(pinPath))?.flatMap({
                 try? JSONDecoder().decode(ApprovalPin.self, from: $0)
             })
         else {

@@ -1,4 +1,5 @@
 import CSystem
+import Foundation
 import Glibc
 
 /// Opens the store's small files (directory metadata and its copies, long names' side files,
@@ -20,5 +21,30 @@ public enum StoreFileOpen {
             return -1
         }
         return open("/proc/self/fd/\(path)", O_RDONLY | O_CLOEXEC | O_NOCTTY)
+    }
+
+    /// The most bytes a small store file may hold (keybags, device records, pairing files, long
+    /// symlink targets, the state folder's records): the largest written is a few KiB.
+    public static let smallFileLimit = 1 << 20
+
+    /// The contents of the regular file at `path`, read without following a symlink in its
+    /// last component or blocking on a FIFO; nil when it is absent. A file that is no regular
+    /// file or holds more than `limit` bytes is refused before anything is allocated for it.
+    public static func contents(_ path: String, limit: Int = smallFileLimit) throws -> Data? {
+        let fd = regular(AT_FDCWD, path)
+        guard fd >= 0 else {
+            if errno == ENOENT { return nil }
+            if errno == EIO { throw KeybagError.corrupt("\(path) is not a regular file") }
+            throw KeybagError.system("open \(path)", errno)
+        }
+        defer { close(fd) }
+        var st = stat()
+        guard fstat(fd, &st) == 0 else { throw KeybagError.system("fstat \(path)", errno) }
+        guard st.st_size <= limit else {
+            throw KeybagError.corrupt("\(path) holds \(st.st_size) bytes, more than the \(limit) such a file may")
+        }
+        var out = Data(count: Int(st.st_size))
+        let got = try out.withUnsafeMutableBytes { try FullIO.preadFull(fd, $0, offset: 0) }
+        return out.prefix(got)
     }
 }
