@@ -1,5 +1,6 @@
 import Foundation
 import Glibc
+import KeybagCore
 import XCTest
 
 /// Encrypted names, long names, symlink targets; the store reveals no name.
@@ -141,6 +142,45 @@ final class NameTests: XCTestCase {
         m.unmount()
         let targets = try FileManager.default.contentsOfDirectory(atPath: m.store + "/targets")
         XCTAssertEqual(targets, [], "a long target goes with its last link")
+    }
+
+    /// A store writer puts a FIFO where a long symlink target's file was: readlink answers EIO
+    /// at once (the daemon never opens a FIFO for reading, which would block its thread).
+    func testLongTargetReplacedByFIFOAnswersEIOWithoutBlocking() throws {
+        let m = try MountFixture()
+        addTeardownBlock { m.close() }
+        m.unlock()
+        XCTAssertEqual(symlink(String(repeating: "t/", count: 2000), m.path("long")), 0)
+        XCTAssertEqual(writeFile(m.path("other"), bytes("o")), 0)
+        m.unmount()
+        let ids = try FileManager.default.contentsOfDirectory(atPath: m.store + "/targets")
+        XCTAssertEqual(ids.count, 1)
+        for id in ids {
+            XCTAssertEqual(unlink(m.store + "/targets/" + id), 0)
+            XCTAssertEqual(mkfifo(m.store + "/targets/" + id, 0o600), 0)
+        }
+        try m.mount()
+        m.unlock()
+        // On a thread: a readlink the daemon never answers is released only by killing it.
+        let done = DispatchSemaphore(value: 0)
+        let answer = Locked<(Int, Int32)>((0, 0))
+        let path = m.path("long")
+        Thread {
+            var buf = [CChar](repeating: 0, count: 8192)
+            let n = readlink(path, &buf, buf.count)
+            answer.withLock { $0 = (n, errno) }
+            done.signal()
+        }.start()
+        guard done.wait(timeout: .now() + 5) == .success else {
+            XCTFail("readlink of a long target that is a FIFO in the store blocked")
+            m.close()
+            _ = done.wait(timeout: .now() + 10)
+            return
+        }
+        let (n, err) = answer.withLock { $0 }
+        XCTAssertEqual(n, -1)
+        XCTAssertEqual(err, EIO)
+        XCTAssertEqual(try readFile(m.path("other")).get(), bytes("o"), "the daemon still serves")
     }
 
     func testCorruptStoredNameIsSkippedAndLogged() throws {

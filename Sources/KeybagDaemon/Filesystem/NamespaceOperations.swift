@@ -131,7 +131,7 @@ extension Filesystem {
         let len = try n.withPathFD { try check(readlinkat($0, "", &buf, buf.count)) }
         var stored = String(decoding: buf[0..<len], as: UTF8.self)
         if let id = StoreNames.longTargetID(stored) {
-            let fd = try check(openat(targetsFD, id, O_RDONLY | O_CLOEXEC | O_NOFOLLOW))
+            let fd = try check(StoreFileOpen.regular(targetsFD, id))  // a FIFO there would block
             defer { close(fd) }
             var big = [UInt8](repeating: 0, count: 8192)
             let m = Glibc.read(fd, &big, big.count)
