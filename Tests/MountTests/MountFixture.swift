@@ -181,6 +181,9 @@ final class MountFixture {
     }
 
     /// Whether `mnt` is a mount point now.
+    /// The daemon's pid while one runs (foreground or detached).
+    var daemonPID: pid_t? { daemon?.processIdentifier ?? detachedDaemon }
+
     var isMounted: Bool {
         let info = ProcFile.read("/proc/self/mountinfo") ?? ""
         return info.split(separator: "\n").contains {
