@@ -22,10 +22,12 @@ if [[ $(.build/debug/keybagfs-fuzz list | sort) != $(ls Fuzz/corpus | sort) ]]; 
   diff <(.build/debug/keybagfs-fuzz list | sort) <(ls Fuzz/corpus | sort) >&2 || true
   exit 1
 fi
-# Built afresh each run: this SwiftPM reused an uninstrumented build in .build-fuzz as up to
-# date after some builds (seen with its output into a pipe); the counters are checked below.
+# SwiftPM (6.3.1) hands its compile jobs only one of the two sanitizers, picked at random per
+# run (seen on a fresh clone: half the builds had no coverage counters in Swift code), so both
+# are also passed to swiftc; built afresh, and the counters are checked below.
 rm -rf .build-fuzz
-if ! swift build --product keybagfs-fuzz --sanitize=fuzzer --sanitize=address -Xswiftc -DKBFS_FUZZ \
+if ! swift build --product keybagfs-fuzz --sanitize=fuzzer --sanitize=address -Xswiftc -sanitize=fuzzer,address \
+  -Xswiftc -DKBFS_FUZZ \
   --scratch-path .build-fuzz >/tmp/kbfs-fuzz-build.log 2>&1; then
   echo "FAIL: the libFuzzer build of keybagfs-fuzz failed:" >&2; grep -E "error" /tmp/kbfs-fuzz-build.log | head >&2
   exit 1
