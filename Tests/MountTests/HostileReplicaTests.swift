@@ -29,6 +29,13 @@ final class HostileReplicaTests: XCTestCase {
             files[rel] = b
         }
         XCTAssertEqual(setXattr(m.path("f0"), "a note", "user.note"), 0)
+        // Durable before the writer comes: it damages what a replica holds, not writes still
+        // in the page cache (a change underneath drops those, as a second writer's would).
+        for rel in files.keys {
+            let fd = open(m.path(rel), O_RDONLY)
+            XCTAssertEqual(fsync(fd), 0)
+            close(fd)
+        }
         return files
     }
 
@@ -106,8 +113,7 @@ final class HostileReplicaTests: XCTestCase {
         m.unlock()
         let files = Self.makeFiles(m, &rng)
         var t = Tally()
-        var swappedWith: [String: String] = [:]
-        var cut = Set<String>(), grown = Set<String>()
+        var limits = Limits()
         let names = files.keys.sorted()
         for round in 0..<6 {
             t.rounds += 1
@@ -133,43 +139,43 @@ final class HostileReplicaTests: XCTestCase {
                     }
                 }
                 t.mutations += 1
-                try mountOrRepair(m)
+                if try mountOrRepair(m) { limits.repaired = true }
             }
             for _ in 0..<3 {
                 let rel = names[rng.int(0..<names.count)]
                 let partner = names[rng.int(0..<names.count)]
                 if t.damaged.contains(rel) || t.damaged.contains(partner) { continue }
-                // Flips, cuts and growth (kinds 0-2) found three open defects (issue 49's closing
-                // note: a damaged file read as empty or cut short instead of EIO); they run only
-                // under KBFS_HOSTILE_ALL=1 until fixed. Swaps, symlinks, FIFOs, folders and
-                // foreign files run always.
+                // Open defect (docs/FORMAT.md): a bit flip under a live mount can read as zeros
+                // (seeds 1, 8, 9); flips run between mounts unless KBFS_HOSTILE_ALL=1.
                 let all = ProcessInfo.processInfo.environment["KBFS_HOSTILE_ALL"] == "1"
-                let kind = all ? rng.int(0..<8) : 3 + rng.int(0..<5)
+                var kind = rng.int(0..<8)
+                if mounted && kind == 0 && !all { kind = 3 + rng.int(0..<5) }
                 let paths = (rel, m.backing(rel), partner, m.backing(partner))
                 if !mounted { m.unmount() }
                 let hit = Self.mutate(kind, paths, foreign, &rng)
                 print(
                     "round \(round)\(mounted ? " (mounted)" : ""): mutation \(kind) of \(rel) (\(partner)) hit \(hit.sorted())"
                 )
-                if !mounted { try mountOrRepair(m) }
-                if kind == 3 && hit.count == 2 { swappedWith[rel] = partner; swappedWith[partner] = rel }
-                if kind == 1 { cut.formUnion(hit) }
-                if kind == 2 { grown.formUnion(hit) }
+                if !mounted, try mountOrRepair(m) { limits.repaired = true }
+                if kind == 3 && hit.count == 2 { limits.swapped[rel] = partner; limits.swapped[partner] = rel }
+                if kind == 1 { limits.cut.formUnion(hit) }
+                if kind == 2 { limits.grown.formUnion(hit) }
                 t.mutations += 1
                 t.damaged.formUnion(hit)
             }
             if mounted { usleep(1_500_000) }  // the daemon follows changes underneath
             t.exits += checkRound(
-                m, files, t.damaged, Limits(swapped: swappedWith, cut: cut, grown: grown), &t.untouchedChanged)
+                m, files, t.damaged, limits, &t.untouchedChanged)
         }
         m.unmount()
         let report = m.fsck()
         XCTAssertNotEqual(report.code, 0, "fsck names the damage: \(report.out)")
         _ = m.fsck(["--repair", "--yes"])
+        limits.repaired = true
         try m.mount()
         m.unlock()
         t.exits += checkRound(
-            m, files, t.damaged, Limits(swapped: swappedWith, cut: cut, grown: grown), &t.untouchedChanged)
+            m, files, t.damaged, limits, &t.untouchedChanged)
         print(
             "hostile replica: \(t.rounds) rounds, \(t.mutations) mutations, \(t.damaged.count) files damaged, "
                 + "\(t.exits) daemon exits, \(t.untouchedChanged) untouched files changed")
@@ -177,15 +183,18 @@ final class HostileReplicaTests: XCTestCase {
         XCTAssertEqual(t.untouchedChanged, 0)
     }
 
-    /// Mounts; a refused mount must say why, then `fsck --repair` must make it mount.
-    func mountOrRepair(_ m: MountFixture) throws {
+    /// Mounts; a refused mount must say why, then `fsck --repair` must make it mount (true).
+    func mountOrRepair(_ m: MountFixture) throws -> Bool {
         do { try m.mount() } catch {
             let log = (try? String(contentsOfFile: m.root + "/daemon.log", encoding: .utf8)) ?? ""
             XCTAssertFalse(log.isEmpty, "a refused mount names its reason in the log")
             _ = m.fsck(["--repair", "--yes"])
             try m.mount()
+            m.unlock()
+            return true
         }
         m.unlock()
+        return false
     }
 
     /// The backing name of the folder `dir`.
@@ -198,12 +207,17 @@ final class HostileReplicaTests: XCTestCase {
 
     /// What a damaged file may read besides an error and its own bytes.
     struct Limits {
-        var swapped: [String: String], cut: Set<String>, grown: Set<String>
+        var swapped: [String: String] = [:], cut = Set<String>(), grown = Set<String>()
+        /// `fsck --repair` ran: it cuts a damaged file back to its good blocks, or empties one
+        /// whose key is lost; it never adds bytes.
+        var repaired = false
 
         /// Whether `got` is an allowed reading of damaged `rel` (original `want`).
         func allows(_ rel: String, _ got: [UInt8], _ want: [UInt8], _ files: [String: [UInt8]]) -> Bool {
             if got == want { return true }
-            if let p = files[swapped[rel] ?? ""], got == Array(p.prefix(want.count + 8192)) { return true }
+            let partner = files[swapped[rel] ?? ""].map { Array($0.prefix(want.count + 8192)) }
+            if got == partner { return true }
+            if repaired && (want.starts(with: got) || partner?.starts(with: got) == true) { return true }
             if cut.contains(rel) && got.isEmpty { return true }
             return grown.contains(rel) && got.count > want.count && Array(got.prefix(want.count)) == want
                 && got.dropFirst(want.count).allSatisfy { $0 == 0 } && want.count % 4096 == 0

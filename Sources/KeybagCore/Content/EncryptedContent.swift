@@ -14,10 +14,14 @@ public struct EncryptedContent: Sendable {
 
     public init(layout: BlockLayout) { self.layout = layout }
 
-    /// Plaintext size of the backing file behind `fd`, from its size alone.
+    /// Plaintext size of the backing file behind `fd`, from its size alone. A backing file cut
+    /// inside its header (by a store writer, under a file already open) is damage, not EOF.
     public func plainSize(fd: Int32) throws -> Int {
         var st = stat()
         guard fstat(fd, &st) == 0 else { throw KeybagError.system("fstat", errno) }
+        guard st.st_size == 0 || st.st_size >= FileHeader.size else {
+            throw KeybagError.corrupt("the file's header was cut to \(st.st_size) bytes")
+        }
         return layout.plainSize(backingSize: Int(st.st_size))
     }
 
