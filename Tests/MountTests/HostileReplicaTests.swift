@@ -114,6 +114,9 @@ final class HostileReplicaTests: XCTestCase {
         let files = Self.makeFiles(m, &rng)
         var t = Tally()
         var limits = Limits()
+        // A file of another store since the last repair: damage fsck must name (a swap, a FIFO
+        // or a hole need not be: they are valid entries and contents).
+        var foreignSinceRepair = false
         let names = files.keys.sorted()
         for round in 0..<6 {
             t.rounds += 1
@@ -139,7 +142,7 @@ final class HostileReplicaTests: XCTestCase {
                     }
                 }
                 t.mutations += 1
-                if try mountOrRepair(m) { limits.repaired = true }
+                if try mountOrRepair(m) { limits.repaired = true; foreignSinceRepair = false }
             }
             for _ in 0..<3 {
                 let rel = names[rng.int(0..<names.count)]
@@ -156,9 +159,10 @@ final class HostileReplicaTests: XCTestCase {
                 print(
                     "round \(round)\(mounted ? " (mounted)" : ""): mutation \(kind) of \(rel) (\(partner)) hit \(hit.sorted())"
                 )
-                if !mounted, try mountOrRepair(m) { limits.repaired = true }
+                if !mounted, try mountOrRepair(m) { limits.repaired = true; foreignSinceRepair = false }
                 if kind == 3 && hit.count == 2 { limits.swapped[rel] = partner; limits.swapped[partner] = rel }
                 if kind == 1 { limits.cut.formUnion(hit) }
+                if kind == 7 && !hit.isEmpty { foreignSinceRepair = true }
                 if kind == 2 { limits.grown.formUnion(hit) }
                 t.mutations += 1
                 t.damaged.formUnion(hit)
@@ -169,7 +173,8 @@ final class HostileReplicaTests: XCTestCase {
         }
         m.unmount()
         let report = m.fsck()
-        XCTAssertNotEqual(report.code, 0, "fsck names the damage: \(report.out)")
+        if foreignSinceRepair { XCTAssertNotEqual(report.code, 0, "fsck names the damage: \(report.out)") }
+        print("fsck before repair: exit \(report.code), \(report.problems.count) problems")
         _ = m.fsck(["--repair", "--yes"])
         limits.repaired = true
         try m.mount()
