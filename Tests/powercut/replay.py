@@ -113,13 +113,46 @@ def sh(argv, stdin=None, check=False, timeout=120):
     return r
 
 
+def daemons_of(path):
+    """Pids of keybagfs daemons whose command line names the mount point `path`."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if args and args[0].endswith(b"keybagfs") and b"mount" in args and path.encode() in args:
+            pids.append(int(d))
+    return pids
+
+
 def unmount(path):
-    """Unmounts a keybagfs mount the check made, waiting for programs that still hold it."""
+    """Unmounts a keybagfs mount the check made, waiting for programs that still hold it, then
+    for its daemon to exit: the unmount returns before the daemon has let go of the store (its
+    journal's checkpoint, its store lock), and an fsck started then finds the store in use."""
+    pids = daemons_of(path)
     for _ in range(100):
         if sh(["fusermount3", "-u", path]).returncode == 0 or not os.path.ismount(path):
+            break
+        time.sleep(0.1)
+    else:
+        sh(["fusermount3", "-uz", path])
+    for _ in range(300):
+        if not any(alive(p) for p in pids):
             return
         time.sleep(0.1)
-    sh(["fusermount3", "-uz", path])
+
+
+def alive(pid):
+    """Whether process `pid` still runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 class Checker:
