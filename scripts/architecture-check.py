@@ -33,6 +33,26 @@ def swift_files():
                     yield path, open(path, encoding="utf-8").read()
 
 
+# Calls that trap in this toolchain's Foundation on input a user can type: the call, and the
+# replacement to use (a file may name the call in a comment).
+# (NSString's property; URL's method of the same name is sound.)
+TRAPPING_CALLS = {r"deletingLastPathComponent(?!\s*\()": "PathText.parent"}
+
+
+def trapping_calls(files):
+    """One line per use of a call in TRAPPING_CALLS in Sources (comments excluded)."""
+    out = []
+    for path, text in files:
+        if not path.startswith("Sources/"):
+            continue
+        for n, line in enumerate(text.splitlines(), 1):
+            code = line.split("//")[0]
+            for call, instead in TRAPPING_CALLS.items():
+                if re.search(r"\b" + call + r"\b", code):
+                    out.append(f"{path}:{n}: {call.split('(')[0]} traps on `s`, `.` or `a/` in Foundation 6.3.1; use {instead}")
+    return out
+
+
 def main():
     os.chdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     files = list(swift_files())
@@ -71,6 +91,10 @@ def main():
             missing.append(f"{token}: no member {member}")
     for line in missing:
         print(f"FAIL: {DOC}: {line}", file=sys.stderr)
+    traps = trapping_calls(files)
+    for line in traps:
+        print(f"FAIL: {line}", file=sys.stderr)
+    missing += traps
     if not missing:
         print(f"# doc check: every file, folder, type and member {DOC} names exists")
     return 1 if missing else 0

@@ -98,7 +98,7 @@ public enum ProtectedData {
         var buf = [UInt8](repeating: 0, count: 128)
         var n = getxattr(path, protectionAttribute, &buf, buf.count)
         if n < 0 && errno == ENOENT {
-            n = getxattr((path as NSString).deletingLastPathComponent, protectionAttribute, &buf, buf.count)
+            n = getxattr(PathText.parent(path), protectionAttribute, &buf, buf.count)
         }
         guard n > 0 else { return false }
         let name = String(decoding: buf[0..<n], as: UTF8.self)

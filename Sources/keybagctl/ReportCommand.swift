@@ -218,7 +218,7 @@ struct ReportTally {
             ])
         }
         guard kind == S_IFREG || kind == S_IFDIR else { other += 1; return }
-        let parent = (p as NSString).deletingLastPathComponent
+        let parent = PathText.parent(p)
         // A directory without its own default gives new files the one it inherits.
         let own = TreeWalk.protection(p)
         let cls = own ?? (kind == S_IFDIR ? dirClass[parent] ?? inheritedAtRoot(p) : "unknown")
@@ -263,11 +263,11 @@ struct ReportTally {
     /// The class the walk's top directory inherits: its nearest ancestor's own default,
     /// else the mount's (`--default-class`).
     private func inheritedAtRoot(_ p: String) -> String {
-        var d = (p as NSString).deletingLastPathComponent
+        var d = PathText.parent(p)
         while d.hasPrefix(mountpoint) && d.count >= mountpoint.count {
             if let c = TreeWalk.protection(d) { return c }
             if d == mountpoint || d == "/" { break }
-            d = (d as NSString).deletingLastPathComponent
+            d = PathText.parent(d)
         }
         return mountDefault
     }

@@ -212,4 +212,33 @@ final class CommandLineTests: XCTestCase {
         _ = waitUntil(10) { pid <= 0 || kill(pid_t(pid), 0) != 0 }
         if pid > 0 && kill(pid_t(pid), 0) == 0 { kill(pid_t(pid), SIGKILL) }
     }
+
+    /// Paths as typed in a shell: one-letter relative names for the device key, the socket
+    /// and the mount point (Foundation 6.3.1 trapped on `s` in `deletingLastPathComponent`:
+    /// `init --device-key k` and the daemon's `--socket s` died with SIGILL).
+    func testOneLetterRelativePaths() throws {
+        let m = try MountFixture(mount: false)
+        addTeardownBlock { m.close() }
+        let bin = MountFixture.binDir
+        let initRun = MountFixture.run(
+            bin + "/keybagfs", ["init", "t", "--passcode-stdin", "--device-key", "k", "--kdf", "interactive"],
+            stdin: "pw\n", cwd: m.root)
+        XCTAssertEqual(initRun.code, 0, initRun.stderr)
+        XCTAssertEqual(mkdir(m.root + "/m", 0o755), 0)
+        let mount = MountFixture.run(
+            bin + "/keybagfs", ["mount", "t", "m", "--device-key", "k", "--socket", "s", "--grace", "0"], cwd: m.root)
+        XCTAssertEqual(mount.code, 0, mount.stderr)
+        addTeardownBlock { umount2(m.root + "/m", Int32(MNT_DETACH)) }
+        let unlock = MountFixture.run(
+            bin + "/keybagctl", ["unlock", "--socket", "s", "--passcode-stdin"], stdin: "pw\n", cwd: m.root)
+        XCTAssertEqual(unlock.code, 0, unlock.stderr)
+        XCTAssertEqual(writeFile(m.root + "/m/f", bytes("one letter")), 0)
+        XCTAssertEqual(try readFile(m.root + "/m/f").get(), bytes("one letter"))
+        let st = MountFixture.run(bin + "/keybagctl", ["status", "--socket", "s", "--json"], cwd: m.root)
+        XCTAssertEqual(st.code, 0, st.stderr)
+        let pid = (try? JSONSerialization.jsonObject(with: Data(st.stdout.utf8)) as? [String: Any])?["pid"] as? Int ?? 0
+        XCTAssertEqual(MountFixture.run("/bin/fusermount3", ["-u", m.root + "/m"]).code, 0)
+        _ = waitUntil(10) { pid <= 0 || kill(pid_t(pid), 0) != 0 }
+        if pid > 0 && kill(pid_t(pid), 0) == 0 { kill(pid_t(pid), SIGKILL) }
+    }
 }

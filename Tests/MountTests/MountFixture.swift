@@ -286,11 +286,13 @@ final class MountFixture {
 
     /// Runs a program, feeding `stdin`, and collects its output.
     static func run(
-        _ exe: String, _ args: [String], stdin: String? = nil, timeout: Double = 60, environment: [String: String] = [:]
+        _ exe: String, _ args: [String], stdin: String? = nil, timeout: Double = 60, environment: [String: String] = [:],
+        cwd: String? = nil
     ) -> ToolResult {
         let p = Process()
         p.executableURL = URL(fileURLWithPath: exe)
         p.arguments = args
+        if let cwd { p.currentDirectoryURL = URL(fileURLWithPath: cwd) }
         if !environment.isEmpty { p.environment = ProcessInfo.processInfo.environment.merging(environment) { $1 } }
         let out = Pipe(), err = Pipe(), inp = Pipe()
         p.standardOutput = out

@@ -49,7 +49,7 @@ public enum StoreSharing {
                 }
             }
             if dir == "/" || dir.isEmpty { return nil }
-            dir = (dir as NSString).deletingLastPathComponent
+            dir = PathText.parent(dir)
         }
     }
 }

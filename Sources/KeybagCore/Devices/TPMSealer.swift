@@ -78,7 +78,7 @@ public struct TPMEnrollment: Codable, Sendable, Equatable {
     /// Writes the enrollment atomically (temp file, fsync, rename), mode 0600.
     func save(to path: String) throws {
         try? FileManager.default.createDirectory(
-            atPath: (path as NSString).deletingLastPathComponent, withIntermediateDirectories: true,
+            atPath: PathText.parent(path), withIntermediateDirectories: true,
             attributes: [.posixPermissions: 0o700])
         let enc = JSONEncoder()
         enc.outputFormatting = [.prettyPrinted, .sortedKeys]

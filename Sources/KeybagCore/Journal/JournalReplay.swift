@@ -225,7 +225,7 @@ public enum JournalReplay {
             at += n
         }
         guard Glibc.fsync(fd) == 0, rename(temp, path) == 0 else { throw KeybagError.system("create journal", errno) }
-        let dir = Glibc.open((path as NSString).deletingLastPathComponent, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+        let dir = Glibc.open(PathText.parent(path), O_RDONLY | O_DIRECTORY | O_CLOEXEC)
         if dir >= 0 {
             _ = Glibc.fsync(dir)
             close(dir)

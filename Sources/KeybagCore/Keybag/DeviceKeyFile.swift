@@ -8,7 +8,7 @@ public enum DeviceKeyFile {
 
     /// Creates a new device key at `path` (refuses to overwrite), returns it.
     public static func create(at path: String) throws -> SecureKey {
-        let dir = (path as NSString).deletingLastPathComponent
+        let dir = PathText.parent(path)
         if !dir.isEmpty {
             try? FileManager.default.createDirectory(
                 atPath: dir, withIntermediateDirectories: true, attributes: [.posixPermissions: 0o700])
@@ -25,7 +25,7 @@ public enum DeviceKeyFile {
 
     /// Makes a new or renamed entry in the folder of `path` durable.
     public static func syncFolder(of path: String) {
-        let dir = (path as NSString).deletingLastPathComponent
+        let dir = PathText.parent(path)
         let dfd = open(dir.isEmpty ? "." : dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
         if dfd >= 0 { fsync(dfd); close(dfd) }
     }

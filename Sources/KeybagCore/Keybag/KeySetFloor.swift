@@ -48,7 +48,7 @@ public enum KeySetFloor {
         var all = try floors(at: p)
         guard kb.currentKeySet > all[deviceID] ?? 0 else { return }
         all[deviceID] = kb.currentKeySet
-        let dir = (p as NSString).deletingLastPathComponent
+        let dir = PathText.parent(p)
         try? FileManager.default.createDirectory(
             atPath: dir, withIntermediateDirectories: true, attributes: [.posixPermissions: 0o700])
         try Keybag.writeAtomically(try JSONEncoder().encode(all), to: p)

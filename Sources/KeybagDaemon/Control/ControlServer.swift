@@ -242,7 +242,7 @@ final class ControlServer: Sendable {
         self.path = path
         self.controller = controller
         self.ownerUID = owner
-        let dir = (path as NSString).deletingLastPathComponent
+        let dir = PathText.parent(path)
         if !dir.isEmpty {
             try? FileManager.default.createDirectory(
                 atPath: dir, withIntermediateDirectories: true, attributes: [.posixPermissions: 0o755])
