@@ -286,7 +286,8 @@ final class MountFixture {
 
     /// Runs a program, feeding `stdin`, and collects its output.
     static func run(
-        _ exe: String, _ args: [String], stdin: String? = nil, timeout: Double = 60, environment: [String: String] = [:],
+        _ exe: String, _ args: [String], stdin: String? = nil, timeout: Double = 60,
+        environment: [String: String] = [:],
         cwd: String? = nil
     ) -> ToolResult {
         let p = Process()
