@@ -159,26 +159,23 @@ public final class StoreCheck {
     private func checkedAsNoEntry(_ e: String, dirFD fd: Int32, path: String, all: [String], present: Set<String>)
         -> Bool
     {
-        if let s = SyncEngineFile(backing: e) {
+        switch BackingKind.of(e) {
+        case .syncEngine(let s):
             note("sync-engine-file", path, nil, s.description, Self.leftAlone)
             return true
-        }
-        if e.hasPrefix(NameCipher.reservedPrefix) {
+        case .storeFile, .directoryMeta:
             fix("temporary", path, nil, "a temporary left by an interrupted write or mkdir") {
                 try removeTemporary(fd, e)
             }
             return true
-        }
-        if NameCipher.isSideFile(e) {
-            let entry = String(e.dropLast(NameCipher.longSuffix.count))
+        case .sideFile(let entry):
             if !present.contains(entry) && !all.contains(where: { ConflictCopy(backing: $0)?.original == entry }) {
                 fix("side-file-orphan", path, nil, "a long name's side file whose entry is gone") {
                     try unlinkOrThrow(fd, e)
                 }
             }
             return true
-        }
-        if NameCipher.isLongName(e) && !present.contains(e + NameCipher.longSuffix) && Self.isWhiteout(dirFD: fd, e) {
+        case .longName where !present.contains(e + NameCipher.longSuffix) && Self.isWhiteout(dirFD: fd, e):
             fix(
                 "whiteout-without-name", path, nil,
                 "a whiteout (left by a rename of keybagfs before 2026-11) without its side file: it has no name "
@@ -187,8 +184,9 @@ public final class StoreCheck {
                 try unlinkOrThrow(fd, e)
             }
             return true
+        case .name, .longName, .foreign:
+            return false
         }
-        return false
     }
 
     /// Checks one directory of the tree and everything below it.
@@ -288,9 +286,10 @@ public final class StoreCheck {
         defer { close(fd) }
         for e in entries(fd).sorted() where !referenced.contains(e) {
             let path = folder + "/" + e
-            if let s = SyncEngineFile(backing: e) {
+            let backingKind = BackingKind.of(e)
+            if case .syncEngine(let s) = backingKind {
                 note("sync-engine-file", path, nil, s.description, Self.leftAlone)
-            } else if e.hasPrefix(NameCipher.reservedPrefix) {
+            } else if backingKind == .storeFile || backingKind == .directoryMeta {
                 fix("temporary", path, nil, "a temporary left by an interrupted write") { try unlinkOrThrow(fd, e) }
             } else if let c = ConflictCopy(backing: e), referenced.contains(c.original) {
                 // The other device's version of an xattr set (or target) both changed apart:
@@ -340,7 +339,7 @@ public final class StoreCheck {
         guard d >= 0 else { throw KeybagError.system("open \(name)", errno) }
         defer { close(d) }
         for e in entries(d) {
-            guard e == DirectoryMeta.fileName || e.hasPrefix(NameCipher.reservedPrefix) else {
+            guard BackingKind.of(e) == .directoryMeta || BackingKind.of(e) == .storeFile else {
                 throw KeybagError.invalid("the temporary folder \(name) holds \(e): left alone")
             }
             try unlinkOrThrow(d, e)

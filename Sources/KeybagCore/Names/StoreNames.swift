@@ -38,7 +38,7 @@ public struct StoreNames: Sendable {
     /// Whether a backing entry carries a name: not one of the store's own files (`.kbfs-…`)
     /// nor a long name's side file.
     public static func carriesName(_ backing: String) -> Bool {
-        !backing.hasPrefix(NameCipher.reservedPrefix) && !NameCipher.isSideFile(backing)
+        BackingKind.of(backing).carriesName
     }
 
     /// The plaintext name of `backing`, an entry of the directory `dirFD`, and the index in

@@ -55,8 +55,10 @@ public struct StoreRewrap {
     /// One directory and everything below it.
     private mutating func walk(_ dirFD: Int32) throws {
         for e in DirectoryEntries.names(of: dirFD) {
-            guard !e.hasPrefix(NameCipher.reservedPrefix), !NameCipher.isSideFile(e), SyncEngineFile(backing: e) == nil
-            else { continue }
+            switch BackingKind.of(e) {
+            case .directoryMeta, .storeFile, .sideFile, .syncEngine: continue
+            case .name, .longName, .foreign: break
+            }
             var st = stat()
             guard fstatat(dirFD, e, &st, AT_SYMLINK_NOFOLLOW) == 0 else { continue }
             switch st.st_mode & S_IFMT {

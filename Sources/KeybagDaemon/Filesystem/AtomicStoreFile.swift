@@ -8,7 +8,7 @@ enum AtomicStoreFile {
     /// Writes `bytes` to a fresh temporary file in `dirFD` and returns its name; `durable`
     /// syncs it before it is linked or renamed into place.
     private static func writeTemporary(dirFD: Int32, _ bytes: [UInt8], durable: Bool) throws -> String {
-        let tmp = NameCipher.reservedPrefix + "tmp-" + Base64URL.encode(Sodium.randomArray(9))
+        let tmp = BackingKind.temporaryName()
         let fd = try check(openat(dirFD, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0o644))
         let ok = Glibc.write(fd, bytes, bytes.count) == bytes.count && (!durable || fdatasync(fd) == 0)
         let e = errno

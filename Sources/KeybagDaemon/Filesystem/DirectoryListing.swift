@@ -70,7 +70,7 @@ extension Filesystem {
                 }
             } catch {
                 // A sync engine's transfer in progress or folder file (.stfolder) is no damage.
-                if SyncEngineFile(backing: e.name) != nil { continue }
+                if case .syncEngine = BackingKind.of(e.name) { continue }
                 MountDaemon.log("skipping a store entry that does not decrypt (\(e.name.prefix(24))…): \(error)")
             }
         }

@@ -145,7 +145,7 @@ extension Filesystem {
     /// subdirectory (overlayfs and others report other inode numbers in readdir).
     private func childEntry(of dirFD: Int32, dev: dev_t, ino: ino_t) throws -> String? {
         let entries = try backingEntries(dirFD: dirFD).filter {
-            !Self.isReserved($0.name) && !NameCipher.isSideFile($0.name)
+            BackingKind.of($0.name).carriesName
         }
         func isIt(_ name: String) -> Bool {
             var s = stat()

@@ -270,7 +270,7 @@ extension Filesystem {
         if fd >= 0 { return (fd, nil) }
         guard errno == EOPNOTSUPP || errno == EISDIR || errno == EINVAL else { throw FSError(errno) }
         guard fallback else { throw FSError(EOPNOTSUPP) }
-        let temp = Self.reservedPrefix + "tmp-" + Base64URL.encode(Sodium.randomArray(9))
+        let temp = BackingKind.temporaryName()
         return (try check(openat(dirFD, temp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode)), temp)
     }
 

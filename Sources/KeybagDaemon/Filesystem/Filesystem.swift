@@ -38,9 +38,6 @@ final class Filesystem: Sendable {
     /// Largest plaintext size (and offset) accepted: keeps every backing offset far from Int overflow.
     static let maxFileSize = 1 << 60
 
-    /// Backing names the store reserves for its own files (see `NameCipher.reservedPrefix`).
-    static let reservedPrefix = NameCipher.reservedPrefix
-
     let table: NodeTable
     /// Names, symlink targets and directory metadata under the volume key.
     let names: NameCipher
@@ -98,9 +95,6 @@ final class Filesystem: Sendable {
         guard let n = table.node(id) else { throw FSError(ESTALE) }
         return n
     }
-
-    /// Whether a backing entry is the store's own (metadata, temporaries).
-    static func isReserved(_ backing: String) -> Bool { backing.hasPrefix(reservedPrefix) }
 
     /// Rejects names no directory entry may have.
     static func checkName(_ name: String) throws {

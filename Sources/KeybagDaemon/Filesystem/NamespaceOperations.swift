@@ -59,7 +59,7 @@ extension Filesystem {
             // Made whole under a temporary name, then renamed into place: a power cut never
             // leaves the folder's name without its metadata (the metadata's own sync would
             // otherwise make the bare folder durable first).
-            let tmp = NameCipher.reservedPrefix + "tmp-" + Base64URL.encode(Sodium.randomArray(9))
+            let tmp = BackingKind.temporaryName()
             try check(mkdirat(dirFD, tmp, creationMode(mode, in: node(parent), by: caller) & 0o7777))
             do {
                 let d = try check(openat(dirFD, tmp, kbfs_O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC))
@@ -171,8 +171,11 @@ extension Filesystem {
     static func holdsOnlyStoreFiles(_ names: [String]) -> Bool {
         let present = Set(names)
         return names.allSatisfy { n in
-            isReserved(n) || MetadataCopy(backing: n) != nil
-                || (NameCipher.isSideFile(n) && !present.contains(String(n.dropLast(NameCipher.longSuffix.count))))
+            switch BackingKind.of(n) {
+            case .directoryMeta, .storeFile: return true
+            case .sideFile(let entry): return !present.contains(entry)
+            case .name, .longName, .syncEngine, .foreign: return MetadataCopy(backing: n) != nil
+            }
         }
     }
 
