@@ -76,7 +76,10 @@ public enum MountDaemon {
     static func statusLine(_ state: LockState) -> String { "mounted, \(state.rawValue)" }
 
     /// Writes a line to stderr.
-    static func log(_ s: String) { Foundation.FileHandle.standardError.write(Data(("keybagfs: " + s + "\n").utf8)) }
+    static func log(_ s: String) { eventLog(s) }
+
+    /// Where the daemon and every part it makes write their notes.
+    static let eventLog = EventLog.standardError
 
     /// Tells the launching parent (and systemd) how the start went.
     static func report(_ cfg: MountConfiguration, _ line: String) {
@@ -174,7 +177,9 @@ public enum MountDaemon {
         let fs = try Filesystem(
             dataFD: data, targetsFD: targets, xattrsFD: xattrs, names: names, keyring: keyring,
             cipher: cipher, defaultClass: cfg.defaultClass, policy: cfg.policy,
-            threads: cfg.threads, kernel: KernelNotifier(), journaling: try openJournal(cfg, keybag, deviceKey))
+            threads: cfg.threads, kernel: KernelNotifier(log: eventLog),
+            journaling: try openJournal(cfg, keybag, deviceKey),
+            log: eventLog)
         _ = try fs.meta(of: fs.table.root)  // the root's name IV exists before the first request
         let mountpoint = URL(fileURLWithPath: cfg.mountpoint).standardizedFileURL.path
         let owner = cfg.owner ?? getuid()
@@ -243,7 +248,7 @@ public enum MountDaemon {
                 storePath: cfg.store, deviceID: id, ringSize: OverwriteJournal.ringSize(storeBytes: bytes),
                 replayed: .some(replayed)
             ) { log($0) }
-            return Journaling(journal: journal, storePath: cfg.store)
+            return Journaling(journal: journal, storePath: cfg.store, log: eventLog)
         } catch {
             // A journal that was there and cannot be used now is not left behind for a later
             // replay over newer data: nothing is mounted.

@@ -1,4 +1,3 @@
-import CFuse
 import CSystem
 import Dispatch
 import Foundation
@@ -24,6 +23,8 @@ final class Controller: Sendable {
     let kernel: KernelNotifier
     /// The mount point, for `status`.
     let mountpoint: String
+    /// Where notes go: the mount's.
+    private var log: EventLog { fs.log }
 
     /// Seconds locked (suspend included) after which class C goes too; nil: never.
     let inactivityRelock: Double?
@@ -133,7 +134,7 @@ final class Controller: Sendable {
             relockDeadline.withLock { $0 = nil }
             let evs = machine.withLock { $0.returnToBeforeFirstUnlock(ticket: ticket) }
             for e in evs { events.publish(e, state: .beforeFirstUnlock) }
-            MountDaemon.log(
+            log(
                 "locked for \(Int(inactivityRelock ?? 0)) s: back to beforeFirstUnlock, only class none stays readable")
             stateChanged(.beforeFirstUnlock)
         }
@@ -220,9 +221,9 @@ final class Controller: Sendable {
         do {
             guard try kb.adoptRecordOfHeldSet(classA: newest.classA) else { return }
             keybag.withLock { $0 = kb }
-            MountDaemon.log("took the device list of key set \(kb.currentKeySet) from its record")
+            log("took the device list of key set \(kb.currentKeySet) from its record")
         } catch {
-            MountDaemon.log("could not take the device list of key set \(kb.currentKeySet): \(error)")
+            log("could not take the device list of key set \(kb.currentKeySet): \(error)")
         }
     }
 
@@ -247,10 +248,10 @@ final class Controller: Sendable {
                     "set \($0.keySet) by \($0.madeBy)"
                         + ($0.removed.isEmpty ? "" : ", removing \($0.removed.joined(separator: ", "))")
                 }
-            MountDaemon.log(
+            log(
                 "took up key set \(keys.current) (\(made.joined(separator: "; "))): new files are wrapped again")
         } catch {
-            MountDaemon.log("could not take up key set \(trust.newestSet): \(error)")
+            log("could not take up key set \(trust.newestSet): \(error)")
         }
     }
 
@@ -262,7 +263,7 @@ final class Controller: Sendable {
             try kb.rememberCertified()
             keybag.withLock { $0 = kb }
         } catch {
-            MountDaemon.log("could not keep the devices this device trusts: \(error)")
+            log("could not keep the devices this device trusts: \(error)")
         }
     }
 

@@ -71,7 +71,7 @@ extension Filesystem {
             } catch {
                 // A sync engine's transfer in progress or folder file (.stfolder) is no damage.
                 if case .syncEngine = BackingKind.of(e.name) { continue }
-                MountDaemon.log("skipping a store entry that does not decrypt (\(e.name.prefix(24))…): \(error)")
+                log("skipping a store entry that does not decrypt (\(e.name.prefix(24))…): \(error)")
             }
         }
         // A conflict copy whose readable name an entry really has stays hidden behind it.

@@ -56,12 +56,12 @@ extension Filesystem {
         }
         let read = DirectoryIVs.readCopies(dirFD: dirFD, among: listed, cipher: names)
         if read.leftOut {
-            MountDaemon.log(
+            log(
                 "a folder holds more than \(DirectoryIVs.maxCopies) copies of its metadata: the names under the "
                     + "others' IVs do not show")
         }
         for name in read.unreadable {
-            MountDaemon.log("skipping a copy of directory metadata that does not read (\(name))")
+            log("skipping a copy of directory metadata that does not read (\(name))")
         }
         return read.copies
     }

@@ -1,4 +1,3 @@
-import CFuse
 import CSodium
 import CSystem
 import Dispatch
@@ -23,10 +22,10 @@ extension Filesystem {
             if wfd >= 0 {
                 defer { close(wfd) }
                 do { try EncryptedContent.eraseHeaderSlot(fd: wfd, index: superseded) } catch {
-                    MountDaemon.log("could not erase the superseded header slot of inode \(node.backingIno): \(error)")
+                    log("could not erase the superseded header slot of inode \(node.backingIno): \(error)")
                 }
             } else {
-                MountDaemon.log(
+                log(
                     "could not erase the superseded header slot of inode \(node.backingIno): "
                         + "\(String(cString: strerror(errno)))"
                 )

@@ -1,4 +1,3 @@
-import CFuse
 import CSodium
 import CSystem
 import Dispatch
@@ -67,19 +66,23 @@ final class Filesystem: Sendable {
     let storeReportsHoles: Bool
     /// The store's overwrite journal (nil: blocks are rewritten in place, as before it).
     let journaling: Journaling?
+    /// Where notes go (the daemon's standard error).
+    let log: EventLog
 
     init(
         dataFD: Int32, targetsFD: Int32, xattrsFD: Int32, names: NameCipher, keyring: ClassKeyring,
         cipher: ContentCipher, defaultClass: ProtectionClass,
-        policy: ClassPolicy = ClassPolicy(), threads: Int = 16, kernel: KernelNotifier, journaling: Journaling? = nil
+        policy: ClassPolicy = ClassPolicy(), threads: Int = 16, kernel: KernelNotifier, journaling: Journaling? = nil,
+        log: EventLog = .standardError
     ) throws {
         self.journaling = journaling
+        self.log = log
         table = try NodeTable(rootFD: dataFD)
         self.kernel = kernel
         space = StoreSpace(storeFD: dataFD, threads: threads) { [keyring] in keyring.access.canOpen(.complete) }
         self.names = names
         self.targetsFD = targetsFD
-        self.xattrs = XattrStorage(dirFD: xattrsFD, names: names)
+        self.xattrs = XattrStorage(dirFD: xattrsFD, names: names, log: log)
         self.keyring = keyring
         self.cipher = cipher
         self.content = EncryptedContent(layout: BlockLayout(cipher: cipher))

@@ -17,9 +17,13 @@ final class Journaling: Sendable {
     let committing = Locked(true)
     static let commitInterval: UInt32 = 2_000_000
 
-    init(journal: OverwriteJournal, storePath: String) {
+    /// Where notes go.
+    let log: EventLog
+
+    init(journal: OverwriteJournal, storePath: String, log: EventLog) {
         self.journal = journal
-        Thread.detachNewThread { [journal, committing] in
+        self.log = log
+        Thread.detachNewThread { [journal, committing, log] in
             var slept: UInt32 = 0
             while committing.withLock({ $0 }) {
                 let filling = journal.filling.wait(timeout: .now() + .milliseconds(100)) == .success
@@ -35,7 +39,7 @@ final class Journaling: Sendable {
                         try journal.retire()
                     }
                 } catch {
-                    MountDaemon.log("overwrite journal: pending blocks not put in place yet: \(error)")
+                    log("overwrite journal: pending blocks not put in place yet: \(error)")
                 }
             }
         }

@@ -156,10 +156,10 @@ extension Filesystem {
                 try EncryptedContent.writeNewHeader(
                     fd: fd,
                     try FileHeader.create(fileKey: raw, class: cls, cipher: cipher, using: wrapKey, keySet: keySet))
-                MountDaemon.log(
+                log(
                     "inode \(n.backingIno) had no header (0 bytes, left by a crash): now an empty \(cls.name) file")
             } catch {
-                MountDaemon.log("could not give the empty inode \(n.backingIno) a header: \(error)")
+                log("could not give the empty inode \(n.backingIno) a header: \(error)")
             }
         }
     }

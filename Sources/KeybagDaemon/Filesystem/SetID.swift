@@ -1,4 +1,3 @@
-import CFuse
 import CSodium
 import CSystem
 import Dispatch

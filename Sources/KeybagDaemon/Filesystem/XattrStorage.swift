@@ -17,10 +17,13 @@ final class XattrStorage: Sendable {
     private let unsynced = Locked(Set<String>())
     /// How many sets are stored (while none are, removals skip looking for one).
     private let count: Atomic<Int>
+    /// Where notes go.
+    private let log: EventLog
 
-    init(dirFD: Int32, names: NameCipher) {
+    init(dirFD: Int32, names: NameCipher, log: EventLog) {
         self.dirFD = dirFD
         self.names = names
+        self.log = log
         count = Atomic(Self.countSets(dirFD))
     }
 
@@ -65,7 +68,7 @@ final class XattrStorage: Sendable {
         // holds nothing that can be read: the object has no stored xattrs (fsck names it),
         // rather than every xattr call on it answering EIO.
         guard let set = try? XattrSet.opened(Array(buf[0..<n]), id: id, names: names) else {
-            MountDaemon.log("the xattr set \(id) does not authenticate (a power cut?): read as empty; fsck names it")
+            log("the xattr set \(id) does not authenticate (a power cut?): read as empty; fsck names it")
             return XattrSet()
         }
         return set

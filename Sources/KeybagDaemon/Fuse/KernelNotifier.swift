@@ -26,15 +26,18 @@ final class KernelNotifier: Sendable {
     private let negotiatedNow: @Sendable () -> MountNegotiation
     /// Sees every page drop asked for, session or not (unit tests).
     private let observer: (@Sendable (_ ids: [UInt64], _ pass: String) -> Void)?
+    /// Where notes go.
+    private let log: EventLog
 
     /// A notifier; `negotiated` reads what the mount's INIT agreed (the FUSE channel's, by
     /// default); `observer` sees each page drop asked for.
     init(
         negotiated: @escaping @Sendable () -> MountNegotiation = { FuseChannel.negotiated },
-        observer: (@Sendable (_ ids: [UInt64], _ pass: String) -> Void)? = nil
+        observer: (@Sendable (_ ids: [UInt64], _ pass: String) -> Void)? = nil, log: EventLog = .standardError
     ) {
         negotiatedNow = negotiated
         self.observer = observer
+        self.log = log
     }
 
     /// What INIT negotiated (all false before INIT).
@@ -69,7 +72,7 @@ final class KernelNotifier: Sendable {
             }
         }
         if failed > 0 {
-            MountDaemon.log(
+            log(
                 "\(pass): page cache of \(failed) of \(ids.count) inodes not dropped: "
                     + "\(String(cString: strerror(firstError)))"
             )
@@ -94,7 +97,7 @@ final class KernelNotifier: Sendable {
             guard let se = current else { return }
             let rc = name.withCString { fuse_lowlevel_notify_inval_entry(se, parent, $0, strlen($0)) }
             if rc != 0 && rc != -ENOENT {
-                MountDaemon.log("a changed entry was not dropped from the kernel: \(String(cString: strerror(-rc)))")
+                log("a changed entry was not dropped from the kernel: \(String(cString: strerror(-rc)))")
             }
         }
     }

@@ -52,6 +52,8 @@ final class StoreWatcher: Sendable {
     /// The file handles of the store root and of its `devices/` folder (empty until it exists).
     private let rootHandle: [UInt8]
     private let devicesHandle = Locked<[UInt8]>([])
+    /// Where notes go: the mount's.
+    private var log: EventLog { fs.log }
 
     /// Starts watching the store `storePath` for `fs`, in `full` or only at its top level until
     /// another writer shows; nil (logged) where fanotify is not available to this process.
@@ -64,13 +66,13 @@ final class StoreWatcher: Sendable {
         if fan < 0 && geteuid() == 0 { fan = kbfs_fanotify_open(0) }
         guard fan >= 0 else {
             let e = String(cString: strerror(errno))
-            MountDaemon.log("cannot watch the store for changes underneath (fanotify: \(e)); entries are cached 1 s")
+            fs.log("cannot watch the store for changes underneath (fanotify: \(e)); entries are cached 1 s")
             return nil
         }
         let data = open(dataPath, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
         var p: [Int32] = [-1, -1]
         guard data >= 0, pipe(&p) == 0 else {
-            MountDaemon.log("cannot watch the store for changes underneath: \(String(cString: strerror(errno)))")
+            fs.log("cannot watch the store for changes underneath: \(String(cString: strerror(errno)))")
             close(fan)
             if data >= 0 { close(data) }
             return nil
@@ -158,7 +160,7 @@ final class StoreWatcher: Sendable {
             if !markFailed.withLock({ f in
                 defer { f = true }; return f
             }) {
-                MountDaemon.log(
+                log(
                     "cannot watch a store directory for changes underneath: " + String(cString: strerror(e)))
             }
             return false
@@ -186,7 +188,7 @@ final class StoreWatcher: Sendable {
         let (newest, holding) = keySetStanding()
         guard newest > holding, newest > Int(fs.keyring.currentKeySet), !fs.keyring.refusesNewWraps else { return }
         fs.keyring.fallBehind()
-        MountDaemon.log(
+        log(
             "another device removed a device and started key set \(newest): new files and class changes are "
                 + "refused until this device takes it up (at its next unlock, when the set was handed to it; else "
                 + "with `keybagfs recover` and a new mount)")
@@ -425,7 +427,7 @@ final class StoreWatcher: Sendable {
     /// removed, or a file rewritten in place, while events were lost may show as before up to
     /// the entry timeout.
     private func forgetEverything(because reason: String) {
-        MountDaemon.log(reason + ": dropping every cached entry")
+        log(reason + ": dropping every cached entry")
         fs.underneath.namesChanged()
         watchTree(dup(dataFD))
         fs.classes.changed()

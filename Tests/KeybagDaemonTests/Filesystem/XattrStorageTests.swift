@@ -1,0 +1,58 @@
+import Foundation
+import Glibc
+import XCTest
+
+@testable import KeybagCore
+@testable import KeybagDaemon
+
+/// `XattrStorage` on a folder of its own: sets sealed and counted, a torn set read as empty
+/// and named in the log it was given, a writer's FIFO refused without blocking.
+final class XattrStorageTests: XCTestCase {
+    var dir = ""
+    var fd: Int32 = -1
+    var names: NameCipher!
+
+    override func setUpWithError() throws {
+        var t = Array("/tmp/kbfs-unit.XXXXXX".utf8CString)
+        dir = String(cString: mkdtemp(&t)!)
+        fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+        names = try NameCipher(volumeKey: SecureKey(random: 32))
+        XCTAssertGreaterThanOrEqual(fd, 0)
+    }
+
+    override func tearDown() {
+        close(fd)
+        try? FileManager.default.removeItem(atPath: dir)
+    }
+
+    func testSetsAreSealedCountedAndRemovedWhenEmpty() throws {
+        let (log, lines) = EventLog.recording()
+        let x = XattrStorage(dirFD: fd, names: names, log: log)
+        XCTAssertFalse(x.holdsAny)
+        try x.update { try x.save("id1", XattrSet(values: ["user.note": Array("hello".utf8)]), existed: false) }
+        XCTAssertTrue(x.holdsAny)
+        XCTAssertEqual(try x.load("id1").values["user.note"], Array("hello".utf8))
+        let stored = try XCTUnwrap(FileManager.default.contents(atPath: dir + "/id1"))
+        XCTAssertNil(stored.range(of: Data("hello".utf8)), "a set is sealed at rest")
+        try x.update { try x.save("id1", XattrSet(), existed: true) }
+        XCTAssertFalse(x.holdsAny)
+        XCTAssertFalse(x.exists("id1"))
+        XCTAssertEqual(lines(), [])
+    }
+
+    func testATornSetReadsEmptyAndIsNamedInTheGivenLog() throws {
+        let (log, lines) = EventLog.recording()
+        let x = XattrStorage(dirFD: fd, names: names, log: log)
+        try x.update { try x.save("id2", XattrSet(values: ["user.a": [1, 2, 3]]), existed: false) }
+        XCTAssertEqual(truncate(dir + "/id2", 5), 0)
+        XCTAssertEqual(try x.load("id2").values, [:])
+        XCTAssertEqual(lines().count, 1)
+        XCTAssertTrue(lines().first?.contains("id2") == true, "\(lines())")
+    }
+
+    func testAFIFOInPlaceOfASetIsAnErrorNotAWait() throws {
+        let x = XattrStorage(dirFD: fd, names: names, log: EventLog { _ in })
+        XCTAssertEqual(mkfifo(dir + "/id3", 0o644), 0)
+        XCTAssertThrowsError(try x.load("id3"))
+    }
+}
