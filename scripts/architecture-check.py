@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Holds docs/ARCHITECTURE.md to the code (issue "The house II"), run by scripts/test.sh.
+"""Holds docs/ARCHITECTURE.md to the code (issue "The house II") and the tree to its layering
+rules (issue "The house III", see `layering` below), run by scripts/test.sh.
 
 Every name the document quotes in backticks must exist:
 - a file name ending in .swift, .c or .h: a file of that name under Sources/, Tests/ or Examples/;
@@ -53,6 +54,115 @@ def trapping_calls(files):
     return out
 
 
+# The layering rules (issue "The house III"). Each finding is one line `RULE: SUBJECT`; the
+# ones scripts/architecture-debt.txt lists are known debt. A finding not listed fails the
+# check, and so does a listed one that no longer holds (the list only shrinks).
+DEBT = "scripts/architecture-debt.txt"
+MAX_EXTENSION_FILES = 3
+MAX_TYPE_LINES = 600
+# What a file that imports a C module must name from it (regexes; the kbfs_ names the
+# module's own header declares are added).
+C_MODULE_USES = {
+    "CFuse": [r"\bfuse_\w+", r"\bFUSE_\w+", r"\bkbfs_XATTR_\w+"],
+    "CSodium": [r"\bsodium_\w+", r"\bcrypto_\w+", r"\brandombytes\w*"],
+    "CSystem": [r"\b[lf]?(?:get|set|list|remove)xattr\b", r"\bXATTR_\w+"],
+    "CCrypto": [],
+    "CTPM": [],
+    "CLogind": [],
+}
+# The classifier of backing names, the one file that may test the store's reserved prefix.
+CLASSIFIER = "Sources/KeybagCore/Store/BackingKind.swift"
+# Targets whose folders each need a folder of unit tests (Tests/<Target>Tests/<Folder>).
+UNIT_TESTED_TARGETS = ["KeybagCore", "KeybagDaemon"]
+
+
+def code_of(text):
+    """`text` without // comments (a rough cut: enough for names and calls)."""
+    return "\n".join(line.split("//")[0] for line in text.splitlines())
+
+
+def type_spread(files):
+    """Findings: a type declared or extended in too many files, or too long in all."""
+    spread = {}
+    for path, text in files:
+        if not path.startswith("Sources/") or not path.endswith(".swift"):
+            continue
+        lines = text.splitlines()
+        for i, line in enumerate(lines):
+            m = re.match(r"^(?:(?:public|internal|private|fileprivate|final|@\w+)\s+)*"
+                         r"(?:class|struct|enum|actor|protocol|extension)\s+([A-Z]\w*)\b", line)
+            if not m:
+                continue
+            end = next((j for j in range(i + 1, len(lines)) if lines[j] == "}"), len(lines) - 1)
+            files_, count = spread.get(m.group(1), (set(), 0))
+            spread[m.group(1)] = (files_ | {path}, count + end - i + 1)
+    out = []
+    for name, (paths, count) in sorted(spread.items()):
+        if len(paths) > MAX_EXTENSION_FILES:
+            out.append(f"type-spread: {name} is declared or extended in {len(paths)} files")
+        if count > MAX_TYPE_LINES:
+            out.append(f"type-size: {name} is {count} lines in all")
+    return out
+
+
+def unused_imports(files):
+    """Findings: a file that imports a C module and names nothing of it."""
+    uses = {}
+    for module, patterns in C_MODULE_USES.items():
+        header = "".join(open(os.path.join(root, n), encoding="utf-8").read()
+                         for root, _, names in os.walk(f"Sources/{module}") for n in names if n.endswith(".h"))
+        declared = sorted(set(re.findall(r"\b(kbfs_\w+|KBFS_\w+)", header)))
+        uses[module] = re.compile("|".join(patterns + [r"\b" + d + r"\b" for d in declared]) or "(?!)")
+    out = []
+    for path, text in files:
+        if not path.startswith("Sources/") or not path.endswith(".swift"):
+            continue
+        code = code_of(text)
+        for module in re.findall(r"^import (C\w+)$", text, re.M):
+            if module in uses and not uses[module].search(code):
+                out.append(f"unused-import: {path} imports {module} and uses none of it")
+    return out
+
+
+def calls_up(files):
+    """Findings: a folder below the daemon's entry point that calls up into it."""
+    return [f"calls-up: {path} calls MountDaemon" for path, text in files
+            if path.startswith("Sources/") and path != "Sources/KeybagDaemon/MountDaemon.swift"
+            and path.startswith(("Sources/KeybagDaemon/", "Sources/KeybagCore/"))
+            and re.search(r"\bMountDaemon\.", code_of(text))]
+
+
+def prefix_tests(files):
+    """Findings: the store's reserved prefix tested outside the classifier."""
+    pattern = re.compile(r"hasPrefix\((?:NameCipher\.|Self\.)?(?:reservedPrefix|\"\.kbfs)|\bisReserved\(")
+    return [f"prefix-test: {path} tests the reserved prefix" for path, text in files
+            if path.startswith("Sources/") and path != CLASSIFIER and pattern.search(code_of(text))]
+
+
+def test_folders():
+    """Findings: a folder of a unit-tested target without its folder of unit tests."""
+    out = []
+    for target in UNIT_TESTED_TARGETS:
+        for folder in sorted(os.listdir(f"Sources/{target}")):
+            if not os.path.isdir(f"Sources/{target}/{folder}"):
+                continue
+            tests = f"Tests/{target}Tests/{folder}"
+            if not (os.path.isdir(tests) and any(n.endswith(".swift") for n in os.listdir(tests))):
+                out.append(f"test-folder: Sources/{target}/{folder} has no {tests}")
+    return out
+
+
+def layering(files):
+    """Exit lines for the layering rules, measured against the debt list."""
+    found = set(type_spread(files) + unused_imports(files) + calls_up(files) + prefix_tests(files) + test_folders())
+    debt = {line.strip() for line in open(DEBT, encoding="utf-8") if line.strip() and not line.startswith("#")}
+    fails = [f"{line}" for line in sorted(found - debt)]
+    fails += [f"{line}: no longer true; remove it from {DEBT}" for line in sorted(debt - found)]
+    rules = sorted({line.split(":")[0] for line in found})
+    print(f"# layering: {len(found)} findings ({len(found & debt)} known debt) over rules {', '.join(rules) or 'none'}")
+    return fails
+
+
 def main():
     os.chdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     files = list(swift_files())
@@ -91,7 +201,7 @@ def main():
             missing.append(f"{token}: no member {member}")
     for line in missing:
         print(f"FAIL: {DOC}: {line}", file=sys.stderr)
-    traps = trapping_calls(files)
+    traps = trapping_calls(files) + layering(files)
     for line in traps:
         print(f"FAIL: {line}", file=sys.stderr)
     missing += traps

@@ -52,7 +52,8 @@ fi
 bash scripts/fuzz.sh 6 || { echo "FAIL: fuzzing (scripts/fuzz.sh) found a crash, a leak or an over-limit allocation" >&2; status=1; }
 # The source tree's size limits (scripts/size-check.py): files and functions.
 python3 scripts/size-check.py || status=1
-# Every file, folder, type and member docs/ARCHITECTURE.md names exists (scripts/architecture-check.py).
+# Every file, folder, type and member docs/ARCHITECTURE.md names exists, and the layering rules
+# hold but for the debt scripts/architecture-debt.txt lists (scripts/architecture-check.py).
 python3 scripts/architecture-check.py || status=1
 # The FileProtection library's DocC catalog builds without warnings, and every public
 # symbol has a doc comment.

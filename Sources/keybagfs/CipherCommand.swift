@@ -1,5 +1,4 @@
 import ArgumentParser
-import CSystem
 import Foundation
 import Glibc
 import KeybagCLI

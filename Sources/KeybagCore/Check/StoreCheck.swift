@@ -1,4 +1,3 @@
-import CSodium
 import Foundation
 import Glibc
 

@@ -1,5 +1,4 @@
 import CCrypto
-import CSystem
 import Glibc
 
 /// Growing, shrinking and zeroing a file's plaintext (the offset math in `EncryptedContent`).

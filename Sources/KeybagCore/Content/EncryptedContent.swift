@@ -1,5 +1,4 @@
 import CCrypto
-import CSodium
 import CSystem
 import Dispatch
 import Glibc

@@ -1,4 +1,3 @@
-import CSodium
 import Foundation
 
 /// A device's own key pairs: X25519 to receive key sets sealed to it, Ed25519 to sign what it

@@ -1,4 +1,3 @@
-import CSystem
 import Glibc
 
 /// One backing file whose overwrites the store's journal stages (`StagedBlocks`): the journal,

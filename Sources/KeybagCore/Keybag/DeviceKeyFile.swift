@@ -1,4 +1,3 @@
-import CSodium
 import Foundation
 
 /// The device key file: 32 random bytes, mode 0600, outside the store.

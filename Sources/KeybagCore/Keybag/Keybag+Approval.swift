@@ -1,4 +1,3 @@
-import CSodium
 import Foundation
 
 /// The approver's side of adding a device by approval (`DevicePairing`).

@@ -1,4 +1,3 @@
-import CSodium
 import Foundation
 
 /// A device's identity in its keybag: its key pairs, the store certification key it trusts,

@@ -1,4 +1,3 @@
-import CSodium
 import Foundation
 
 /// Handing a new key set to the devices that stay (`KeySetRecord`), and taking one up.

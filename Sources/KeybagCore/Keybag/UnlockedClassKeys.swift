@@ -1,4 +1,3 @@
-import CSodium
 import Foundation
 
 /// The unwrapped class keys of one key set, from a successful unlock.

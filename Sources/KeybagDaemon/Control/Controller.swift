@@ -1,4 +1,3 @@
-import CSystem
 import Dispatch
 import Foundation
 import KeybagCore

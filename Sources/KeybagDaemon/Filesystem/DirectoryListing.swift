@@ -1,5 +1,3 @@
-import CSodium
-import CSystem
 import Foundation
 import Glibc
 import KeybagCore

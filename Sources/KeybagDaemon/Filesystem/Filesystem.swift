@@ -1,4 +1,3 @@
-import CSodium
 import CSystem
 import Dispatch
 import Glibc

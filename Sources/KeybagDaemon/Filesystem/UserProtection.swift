@@ -1,5 +1,3 @@
-import CSodium
-import CSystem
 import Dispatch
 import Glibc
 import KeybagCore

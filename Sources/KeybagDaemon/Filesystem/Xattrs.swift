@@ -1,5 +1,4 @@
 import CFuse
-import CSystem
 import Glibc
 import KeybagCore
 
