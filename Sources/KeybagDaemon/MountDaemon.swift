@@ -75,11 +75,8 @@ public enum MountDaemon {
     /// The systemd STATUS= text for a state.
     static func statusLine(_ state: LockState) -> String { "mounted, \(state.rawValue)" }
 
-    /// Writes a line to stderr.
-    static func log(_ s: String) { eventLog(s) }
-
-    /// Where the daemon and every part it makes write their notes.
-    static let eventLog = EventLog.standardError
+    /// Where the daemon and every part it makes write their notes (stderr).
+    static let log = EventLog.standardError
 
     /// Tells the launching parent (and systemd) how the start went.
     static func report(_ cfg: MountConfiguration, _ line: String) {
@@ -177,9 +174,9 @@ public enum MountDaemon {
         let fs = try Filesystem(
             dataFD: data, targetsFD: targets, xattrsFD: xattrs, names: names, keyring: keyring,
             cipher: cipher, defaultClass: cfg.defaultClass, policy: cfg.policy,
-            threads: cfg.threads, kernel: KernelNotifier(log: eventLog),
+            threads: cfg.threads, kernel: KernelNotifier(log: log),
             journaling: try openJournal(cfg, keybag, deviceKey),
-            log: eventLog)
+            log: log)
         _ = try fs.meta(of: fs.table.root)  // the root's name IV exists before the first request
         let mountpoint = URL(fileURLWithPath: cfg.mountpoint).standardizedFileURL.path
         let owner = cfg.owner ?? getuid()
@@ -248,7 +245,7 @@ public enum MountDaemon {
                 storePath: cfg.store, deviceID: id, ringSize: OverwriteJournal.ringSize(storeBytes: bytes),
                 replayed: .some(replayed)
             ) { log($0) }
-            return Journaling(journal: journal, storePath: cfg.store, log: eventLog)
+            return Journaling(journal: journal, storePath: cfg.store, log: log)
         } catch {
             // A journal that was there and cannot be used now is not left behind for a later
             // replay over newer data: nothing is mounted.
