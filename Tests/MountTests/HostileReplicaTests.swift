@@ -98,6 +98,7 @@ final class HostileReplicaTests: XCTestCase {
         let f = try MountFixture(passcode: "another store")
         f.unlock()
         XCTAssertEqual(writeFile(f.path("x"), Array(repeating: 7, count: 5000)), 0)
+        XCTAssertEqual(setXattr(f.path("x"), "theirs", "user.note"), 0)  // a set for its xattrs/
         let b = f.backing("x")
         f.unmount()
         return (f, b)
@@ -117,31 +118,17 @@ final class HostileReplicaTests: XCTestCase {
         var limits = Limits()
         // A bit flip or a file of another store since the last repair: damage fsck must name
         // (a swap, a FIFO, a cut or a hole need not be: they are valid entries and contents).
-        var detectableSinceRepair = false
+        var detectableSinceRepair = false, foreignRecords = false
         let names = files.keys.sorted()
         for round in 0..<6 {
             t.rounds += 1
             let mounted = round % 2 == 0
             if !mounted { m.unmount() }
             if !mounted {
-                // Between mounts the metadata too: the folder's metadata, the xattr sets, the journal.
-                switch rng.int(0..<3) {
-                case 0:
-                    let meta = m.store + "/data/" + Self.folderBacking(m) + "/.kbfs-dir"
-                    let fd = open(meta, O_RDWR)
-                    if fd >= 0 { _ = sysPwrite(fd, [0xff], 20); close(fd) }
-                    t.damaged.formUnion(names.filter { $0.hasPrefix("dir/") })
-                case 1:
-                    for x in (try? FileManager.default.contentsOfDirectory(atPath: m.store + "/xattrs")) ?? [] {
-                        truncate(m.store + "/xattrs/" + x, 3)
-                    }
-                default:
-                    for j in (try? FileManager.default.contentsOfDirectory(atPath: m.store)) ?? []
-                    where j.hasPrefix(".kbfs-journal-") {
-                        let fd = open(m.store + "/" + j, O_RDWR)
-                        if fd >= 0 { _ = sysPwrite(fd, rng.bytes(64), 8); close(fd) }
-                    }
-                }
+                let metaKind = rng.int(0..<5)
+                t.damaged.formUnion(Self.damageMetadata(metaKind, m, other.store, names, &rng))
+                // Another store's device records stay (fsck leaves them to the user): named from now on.
+                if metaKind == 4 { foreignRecords = true }
                 t.mutations += 1
                 if try mountOrRepair(m) { limits.repaired = true; detectableSinceRepair = false }
             }
@@ -170,7 +157,12 @@ final class HostileReplicaTests: XCTestCase {
         }
         m.unmount()
         let report = m.fsck()
-        if detectableSinceRepair { XCTAssertNotEqual(report.code, 0, "fsck names the damage: \(report.out)") }
+        if detectableSinceRepair || foreignRecords {
+            XCTAssertNotEqual(report.code, 0, "fsck names the damage: \(report.out)")
+        }
+        if foreignRecords {
+            XCTAssertTrue(report.problems.contains { $0.kind == "device-record-refused" }, "\(report.out)")
+        }
         print("fsck before repair: exit \(report.code), \(report.problems.count) problems")
         _ = m.fsck(["--repair", "--yes"])
         limits.repaired = true
@@ -183,6 +175,49 @@ final class HostileReplicaTests: XCTestCase {
                 + "\(t.exits) daemon exits, \(t.untouchedChanged) untouched files changed")
         XCTAssertEqual(t.exits, 0)
         XCTAssertEqual(t.untouchedChanged, 0)
+    }
+
+    /// Between mounts, damage to the store's metadata: a folder's `.kbfs-dir`, the xattr sets,
+    /// the journal, one of the keybag's siblings deleted, another store's device records and
+    /// xattr sets copied in. Returns the files whose reading it may change.
+    static func damageMetadata(
+        _ kind: Int, _ m: MountFixture, _ otherStore: String, _ names: [String], _ rng: inout SeededBytes
+    ) -> Set<String> {
+        let fm = FileManager.default
+        print("round between mounts: metadata damage \(kind)")
+        switch kind {
+        case 0:
+            let fd = open(m.store + "/data/" + Self.folderBacking(m) + "/.kbfs-dir", O_RDWR)
+            if fd >= 0 { _ = sysPwrite(fd, [0xff], 20); close(fd) }
+            return Set(names.filter { $0.hasPrefix("dir/") })
+        case 1:
+            for x in (try? fm.contentsOfDirectory(atPath: m.store + "/xattrs")) ?? [] {
+                truncate(m.store + "/xattrs/" + x, 3)
+            }
+        case 2:
+            for j in (try? fm.contentsOfDirectory(atPath: m.store)) ?? [] where j.hasPrefix(".kbfs-journal-") {
+                let fd = open(m.store + "/" + j, O_RDWR)
+                if fd >= 0 { _ = sysPwrite(fd, rng.bytes(64), 8); close(fd) }
+            }
+        case 3:
+            let siblings = ((try? fm.contentsOfDirectory(atPath: m.store)) ?? []).filter {
+                $0 != "keybag" && $0 != "data"
+            }
+            if !siblings.isEmpty {
+                let gone = siblings.sorted()[rng.int(0..<siblings.count)]
+                print("deleting the keybag's sibling \(gone)")
+                try? fm.removeItem(atPath: m.store + "/" + gone)
+            }
+        default:
+            for folder in ["devices", "xattrs"] {
+                try? fm.createDirectory(atPath: m.store + "/" + folder, withIntermediateDirectories: true)
+                for x in (try? fm.contentsOfDirectory(atPath: otherStore + "/" + folder)) ?? [] {
+                    try? fm.copyItem(
+                        atPath: otherStore + "/" + folder + "/" + x, toPath: m.store + "/" + folder + "/" + x)
+                }
+            }
+        }
+        return []
     }
 
     /// Mounts; a refused mount must say why, then `fsck --repair` must make it mount (true).

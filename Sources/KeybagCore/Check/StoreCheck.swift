@@ -96,6 +96,19 @@ public final class StoreCheck {
         checkXattrSets(xattrIDs)
         checkSideFolder(
             Keybag.targetsDirName, referenced: targetIDs, kind: "target-orphan", what: "a symlink target of no symlink")
+        checkDeviceRecords()
+    }
+
+    /// The files of `devices/` this device refuses (forged, damaged, of another store, or not
+    /// signed by a device it trusts), as the daemon does at mount; left for the user, since a
+    /// record this device cannot judge yet may be another device's newer one.
+    func checkDeviceRecords() {
+        for line in keybag.deviceTrust()?.refused ?? [] {
+            let name = line.split(separator: ":", maxSplits: 1).first.map(String.init) ?? line
+            note(
+                "device-record-refused", StoreDevices.dirName + "/" + name, nil,
+                "refused as the daemon refuses it: \(line)", Self.leftAlone)
+        }
     }
 
     /// True when no problem was found (a sync engine's files are reported, and left alone,

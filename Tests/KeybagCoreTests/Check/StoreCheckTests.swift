@@ -52,6 +52,20 @@ final class StoreCheckTests: TempDirTestCase {
         XCTAssertTrue(FileManager.default.fileExists(atPath: data + "/.syncthing.abc.tmp"))
     }
 
+    func testARecordOfAnotherStoreInDevicesIsNamed() throws {
+        let store = try seedStore()
+        let record = store + "/" + StoreDevices.dirName + "/0123456789abcdef0123456789abcdef.identity"
+        let other = try XCTUnwrap(
+            try FileManager.default.contentsOfDirectory(atPath: store + "/" + StoreDevices.dirName).first {
+                $0.hasSuffix(".identity")
+            })
+        var bytes = try XCTUnwrap(FileManager.default.contents(atPath: store + "/devices/" + other))
+        bytes[bytes.count / 2] ^= 0x10  // a record no device of this store signed
+        XCTAssertTrue(FileManager.default.createFile(atPath: record, contents: bytes))
+        XCTAssertEqual(try check(store), ["device-record-refused"])
+        XCTAssertTrue(FileManager.default.fileExists(atPath: record), "left for the user: fsck does not judge it away")
+    }
+
     func testADamagedBlockIsNamedAndLeftWithoutDropData() throws {
         let store = try seedStore()
         let docs = store + "/" + Keybag.dataDirName
