@@ -68,7 +68,7 @@ final class Controller: Sendable {
         r.retryAfter = Self.seconds(retry)
         r.classADirectIO = kernel.negotiated.directIOMappable
         r.writebackCache = kernel.negotiated.writeback
-        r.posixACLs = fs.posixACLs.load(ordering: .relaxed)
+        r.posixACLs = fs.acls.enabled.load(ordering: .relaxed)
         r.subscribers = events.count
         r.aesMemoryLocked = HardwareAES.ownsMemory && HardwareAES.unlockedAllocations == 0
         r.inactivityRelock = inactivityRelock.map { $0 / 3600 }

@@ -215,7 +215,7 @@ extension Filesystem {
         // Made without set-ID bits: they come once the file is the caller's (the kernel already
         // dropped those the caller may not set, Linux 6.0+); never on a file left as root's.
         let (bfd, temp) = try unnamedFile(
-            dirFD: p.fd, mode: creationMode(mode, in: p, by: caller) & 0o1777, fallback: !nameless)
+            dirFD: p.fd, mode: acls.creationMode(mode, in: p, by: caller) & 0o1777, fallback: !nameless)
         do {
             let owned =
                 !chownToCaller

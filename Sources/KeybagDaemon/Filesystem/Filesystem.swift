@@ -43,8 +43,8 @@ final class Filesystem: Sendable {
     let targetsFD: Int32
     /// The store's user xattr sets.
     let xattrs: XattrStorage
-    /// Whether the kernel enforces POSIX ACLs on this mount (set at INIT; see PosixACLs.swift).
-    let posixACLs = Atomic<Bool>(false)
+    /// POSIX ACLs, kept as the backing objects' own (on when INIT agreed to them).
+    let acls = PosixACLs()
     /// The mount's default class, its directory policy, and their generation.
     let classes: ClassDefaults
     /// What the store watcher reports of another writer (for lookups' "absent" replies).

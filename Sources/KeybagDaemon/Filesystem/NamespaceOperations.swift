@@ -60,7 +60,7 @@ extension Filesystem {
             // leaves the folder's name without its metadata (the metadata's own sync would
             // otherwise make the bare folder durable first).
             let tmp = BackingKind.temporaryName()
-            try check(mkdirat(dirFD, tmp, creationMode(mode, in: node(parent), by: caller) & 0o7777))
+            try check(mkdirat(dirFD, tmp, acls.creationMode(mode, in: node(parent), by: caller) & 0o7777))
             do {
                 let d = try check(openat(dirFD, tmp, kbfs_O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC))
                 defer { close(d) }
@@ -100,7 +100,9 @@ extension Filesystem {
         }
         return try makeEntry(parent: parent, name: name, caller: caller, mode: mode) { [self] dirFD, backing in
             try check(
-                mknodat(dirFD, backing, mode & S_IFMT | creationMode(mode, in: node(parent), by: caller) & 0o1777, rdev)
+                mknodat(
+                    dirFD, backing, mode & S_IFMT | acls.creationMode(mode, in: node(parent), by: caller) & 0o1777, rdev
+                )
             )
         }
     }

@@ -1,3 +1,4 @@
+import CFuse
 import Glibc
 import KeybagCore
 import Synchronization
@@ -73,6 +74,37 @@ final class XattrStorage: Sendable {
         }
         return set
     }
+
+    /// The value of xattr `name` in the set `id`; ENODATA when it has none.
+    func value(_ id: String, name: String) throws -> [UInt8] {
+        guard let v = try load(id).values[name] else { throw FSError(ENODATA) }
+        return v
+    }
+
+    /// Sets xattr `name` in the set `id`, with XATTR_CREATE / XATTR_REPLACE semantics.
+    func set(_ id: String, name: String, value: [UInt8], flags: Int32) throws {
+        try update {
+            var set = try load(id)
+            let existed = !set.values.isEmpty
+            let exists = set.values[name] != nil
+            if flags & kbfs_XATTR_CREATE != 0 && exists { throw FSError(EEXIST) }
+            if flags & kbfs_XATTR_REPLACE != 0 && !exists { throw FSError(ENODATA) }
+            set.values[name] = value
+            try save(id, set, existed: existed)
+        }
+    }
+
+    /// Removes xattr `name` from the set `id`; ENODATA when it has none.
+    func remove(_ id: String, name: String) throws {
+        try update {
+            var set = try load(id)
+            guard set.values.removeValue(forKey: name) != nil else { throw FSError(ENODATA) }
+            try save(id, set, existed: true)
+        }
+    }
+
+    /// The names stored in the set `id`, sorted.
+    func names(_ id: String) throws -> [String] { try load(id).values.keys.sorted() }
 
     /// Replaces the set under `id` atomically (removes it when empty); `existed`: whether
     /// one was stored before. Called inside `update`.

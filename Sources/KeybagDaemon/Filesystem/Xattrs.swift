@@ -64,7 +64,7 @@ extension Filesystem {
     /// `security.capability` before every write): EOPNOTSUPP, not ENODATA, for the others, so
     /// that `ls -l` stops asking for SELinux labels (and ACLs, where off) of every file.
     func getXattr(_ id: UInt64, name: String) throws -> [UInt8] {
-        if isACL(name) { return try getACL(id, name: name) }
+        if acls.isACL(name) { return try acls.value(of: node(id), name: name) }
         if name == Self.protectionXattr { return Array(try protection(of: id).name.utf8) }
         return try storedXattr(id, name: name)
     }
@@ -72,7 +72,9 @@ extension Filesystem {
     /// setxattr (XATTR_CREATE / XATTR_REPLACE): an ACL, the class (a class name, else
     /// EINVAL), or a stored user xattr.
     func setXattr(_ id: UInt64, name: String, value: [UInt8], flags: Int32, caller: Caller) throws {
-        if isACL(name) { return try setACL(id, name: name, value: value, flags: flags, caller: caller) }
+        if acls.isACL(name) {
+            return try acls.set(node(id), name: name, value: value, flags: flags, caller: caller)
+        }
         guard name == Self.protectionXattr else {
             return try setStoredXattr(id, name: name, value: value, flags: flags)
         }
@@ -85,7 +87,7 @@ extension Filesystem {
 
     /// removexattr: an ACL, the class (a directory's own default), or a stored user xattr.
     func removeXattr(_ id: UInt64, name: String) throws {
-        if isACL(name) { return try removeACL(id, name: name) }
+        if acls.isACL(name) { return try acls.remove(node(id), name: name) }
         if name == Self.protectionXattr { return try removeProtection(of: id) }
         try removeStoredXattr(id, name: name)
     }
@@ -95,8 +97,7 @@ extension Filesystem {
         guard name.hasPrefix("user.") else { throw FSError(EOPNOTSUPP) }
         let n = try node(id)
         guard n.isRegular || n.isDirectory else { throw FSError(ENODATA) }
-        guard let v = try xattrs.load(try xattrID(n)).values[name] else { throw FSError(ENODATA) }
-        return v
+        return try xattrs.value(try xattrID(n), name: name)
     }
 
     /// setxattr of a stored user xattr, with XATTR_CREATE / XATTR_REPLACE semantics.
@@ -104,17 +105,7 @@ extension Filesystem {
         guard name.hasPrefix("user."), name.utf8.count > 5, name.utf8.count <= 255 else {
             throw FSError(name.hasPrefix("user.") ? ERANGE : EOPNOTSUPP)
         }
-        let n = try node(id)
-        let key = try xattrID(n)
-        try xattrs.update {
-            var set = try xattrs.load(key)
-            let existed = !set.values.isEmpty
-            let exists = set.values[name] != nil
-            if flags & kbfs_XATTR_CREATE != 0 && exists { throw FSError(EEXIST) }
-            if flags & kbfs_XATTR_REPLACE != 0 && !exists { throw FSError(ENODATA) }
-            set.values[name] = value
-            try xattrs.save(key, set, existed: existed)
-        }
+        try xattrs.set(try xattrID(try node(id)), name: name, value: value, flags: flags)
     }
 
     /// removexattr of a stored user xattr.
@@ -122,12 +113,7 @@ extension Filesystem {
         guard name.hasPrefix("user.") else { throw FSError(EOPNOTSUPP) }
         let n = try node(id)
         guard n.isRegular || n.isDirectory else { throw FSError(ENODATA) }
-        let key = try xattrID(n)
-        try xattrs.update {
-            var set = try xattrs.load(key)
-            guard set.values.removeValue(forKey: name) != nil else { throw FSError(ENODATA) }
-            try xattrs.save(key, set, existed: true)
-        }
+        try xattrs.remove(try xattrID(n), name: name)
     }
 
     /// The names listxattr reports: `user.protection` where it applies, then stored ones.
@@ -135,7 +121,7 @@ extension Filesystem {
         let n = try node(id)
         var out: [String] = []
         if (try? protection(of: id)) != nil { out.append(Self.protectionXattr) }
-        if n.isRegular || n.isDirectory { out += try xattrs.load(try xattrID(n)).values.keys.sorted() }
-        return out + aclNames(n)
+        if n.isRegular || n.isDirectory { out += try xattrs.names(try xattrID(n)) }
+        return out + acls.present(on: n)
     }
 }

@@ -31,7 +31,7 @@ func fuseInit(_ userdata: UnsafeMutableRawPointer?, _ conn: UnsafeMutablePointer
     let acl = UInt32(FUSE_CAP_POSIX_ACL), dontMask = UInt32(FUSE_CAP_DONT_MASK)
     if ctx.posixACL && conn.pointee.capable & (acl | dontMask) == acl | dontMask {
         conn.pointee.want |= acl | dontMask
-        ctx.fs.posixACLs.store(true, ordering: .relaxed)
+        ctx.fs.acls.enabled.store(true, ordering: .relaxed)
     }
     // 1 MiB requests (libfuse asks for max_pages to match): 8 times fewer round trips
     // for streaming I/O than the 128 KiB default. Readahead follows once the kernel

@@ -1,3 +1,4 @@
+import CFuse
 import Foundation
 import Glibc
 import XCTest
@@ -54,5 +55,25 @@ final class XattrStorageTests: XCTestCase {
         let x = XattrStorage(dirFD: fd, names: names, log: EventLog { _ in })
         XCTAssertEqual(mkfifo(dir + "/id3", 0o644), 0)
         XCTAssertThrowsError(try x.load("id3"))
+    }
+
+    func testCreateAndReplaceFlagsAsSetxattrHasThem() throws {
+        let x = XattrStorage(dirFD: fd, names: names, log: EventLog { _ in })
+        try x.set("id4", name: "user.a", value: [1], flags: 0)
+        XCTAssertThrowsError(try x.set("id4", name: "user.a", value: [2], flags: kbfs_XATTR_CREATE)) {
+            XCTAssertEqual(($0 as? FSError)?.errno, EEXIST)
+        }
+        XCTAssertThrowsError(try x.set("id4", name: "user.b", value: [2], flags: kbfs_XATTR_REPLACE)) {
+            XCTAssertEqual(($0 as? FSError)?.errno, ENODATA)
+        }
+        try x.set("id4", name: "user.a", value: [3], flags: kbfs_XATTR_REPLACE)
+        try x.set("id4", name: "user.b", value: [], flags: kbfs_XATTR_CREATE)
+        XCTAssertEqual(try x.value("id4", name: "user.a"), [3])
+        XCTAssertEqual(try x.names("id4"), ["user.a", "user.b"])
+        try x.remove("id4", name: "user.a")
+        XCTAssertThrowsError(try x.remove("id4", name: "user.a")) { XCTAssertEqual(($0 as? FSError)?.errno, ENODATA) }
+        XCTAssertThrowsError(try x.value("id4", name: "user.a")) { XCTAssertEqual(($0 as? FSError)?.errno, ENODATA) }
+        try x.remove("id4", name: "user.b")
+        XCTAssertFalse(x.exists("id4"), "the last name removed removes the set")
     }
 }
