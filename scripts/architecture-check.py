@@ -22,7 +22,7 @@ import sys
 DOC = "docs/ARCHITECTURE.md"
 # Longest line (a table cell) the document may have: it is read in one sitting.
 MAX_DOC_LINE = 400
-TREES = ["Sources", "Tests", "Examples"]
+TREES = ["Sources", "Tests", "Examples", "Fuzz"]
 LIBRARY_TYPES = {"Mutex", "Atomic", "Foundation", "Dispatch", "Synchronization", "XCTest"}
 
 
@@ -43,10 +43,10 @@ TRAPPING_CALLS = {r"deletingLastPathComponent(?!\s*\()": "PathText.parent"}
 
 
 def trapping_calls(files):
-    """One line per use of a call in TRAPPING_CALLS in Sources (comments excluded)."""
+    """One line per use of a call in TRAPPING_CALLS in Sources and Fuzz (comments excluded)."""
     out = []
     for path, text in files:
-        if not path.startswith("Sources/"):
+        if not path.startswith(("Sources/", "Fuzz/")):
             continue
         for n, line in enumerate(text.splitlines(), 1):
             code = line.split("//")[0]

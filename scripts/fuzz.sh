@@ -63,7 +63,7 @@ for t in "${targets[@]}"; do
   rss=$(grep -oE "stat::peak_rss_mb: *[0-9]+" "$log" | tail -1 | grep -oE "[0-9]+$" || echo "?")
   if [[ $rc -ne 0 ]]; then
     printf '%-16s %10s %6s %6s %7s %s\n' "$t" "$execs" "$cov" "$ft" "$rss" "FAIL (exit $rc)"
-    grep -E "ERROR|SUMMARY|Fatal|fatal error|==[0-9]+==|Test unit written" "$log" | head -20 >&2
+    grep -E "ERROR|SUMMARY|Fatal|fatal error|==[0-9]+==|Test unit written|^keybagfs-fuzz:" "$log" | head -20 >&2
     grep -A30 "ERROR: " "$log" | grep -E "^\s+#[0-9]+ " | head -25 >&2 || true
     status=1
   else

@@ -56,7 +56,7 @@ final class SeedStore: @unchecked Sendable {
         }
         atexit {
             try? FileManager.default.removeItem(
-                atPath: (SeedStore.shared.pristine as NSString).deletingLastPathComponent)
+                atPath: PathText.parent(SeedStore.shared.pristine))
         }
     }
 
@@ -115,7 +115,7 @@ func put(_ bytes: [UInt8], at path: String) {
 
 /// An unnamed file holding `bytes` (a backing file without a store around it).
 func memoryFile(_ bytes: [UInt8]) -> Int32 {
-    let path = (SeedStore.shared.work as NSString).deletingLastPathComponent + "/loose-file"
+    let path = PathText.parent(SeedStore.shared.work) + "/loose-file"
     unlink(path)
     let fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o600)
     guard fd >= 0 else { SeedStore.fail("create \(path)") }
