@@ -157,9 +157,9 @@ final class HostileReplicaTests: XCTestCase {
         }
         m.unmount()
         let report = m.fsck()
-        if detectableSinceRepair || foreignRecords {
-            XCTAssertNotEqual(report.code, 0, "fsck names the damage: \(report.out)")
-        }
+        if detectableSinceRepair { XCTAssertNotEqual(report.code, 0, "fsck names the damage: \(report.out)") }
+        // Refused device records are listed but left alone (exit 0): a healthy store of several
+        // devices has them for a while too (a record that came before its maker's certificate).
         if foreignRecords {
             XCTAssertTrue(report.problems.contains { $0.kind == "device-record-refused" }, "\(report.out)")
         }
