@@ -177,7 +177,7 @@ public enum MountDaemon {
             threads: cfg.threads, kernel: KernelNotifier(log: log),
             journaling: try openJournal(cfg, keybag, deviceKey),
             log: log)
-        _ = try fs.meta(of: fs.table.root)  // the root's name IV exists before the first request
+        _ = try fs.directories.meta(of: fs.table.root)  // the root's name IV exists before the first request
         let mountpoint = URL(fileURLWithPath: cfg.mountpoint).standardizedFileURL.path
         let owner = cfg.owner ?? getuid()
         let controller = Controller(
@@ -406,7 +406,7 @@ public enum MountDaemon {
     ) -> Int32 {
         FuseChannel.noteReadaheadFile(mountpoint: s.controller.mountpoint)
         if let file = FuseChannel.readAheadFile.withLock({ $0 }) {
-            s.fs.space.attach(bdi: String(file.dropLast("/read_ahead_kb".count)))
+            s.fs.io.space.attach(bdi: String(file.dropLast("/read_ahead_kb".count)))
         } else {
             log("cannot find the mount's device number; a full store may be reported only at fsync or close")
         }
@@ -429,8 +429,8 @@ public enum MountDaemon {
         fuse_loop_cfg_destroy(loopCfg)
 
         s.watcher?.stop()
-        s.fs.journaling?.committing.withLock { $0 = false }
-        do { try s.fs.journaling?.journal.checkpoint() } catch {
+        s.fs.io.journaling?.committing.withLock { $0 = false }
+        do { try s.fs.io.journaling?.journal.checkpoint() } catch {
             log("the overwrite journal could not be emptied (\(error)): it is replayed at the next mount")
         }
         // Every request is answered and nothing writes the store any more: the next daemon

@@ -63,12 +63,12 @@ final class Controller: Sendable {
         var r = StatusReply(
             state: st, mountpoint: mountpoint, pid: Int(getpid()), owner: Int(owner), grace: defaultGrace,
             defaultClass: fs.classes.mountDefault.name)
-        r.openFiles = fs.openFiles.load(ordering: .relaxed)
+        r.openFiles = fs.io.openFiles.load(ordering: .relaxed)
         r.failedAttempts = failures
         r.retryAfter = Self.seconds(retry)
         r.classADirectIO = kernel.negotiated.directIOMappable
         r.writebackCache = kernel.negotiated.writeback
-        r.posixACLs = fs.acls.enabled.load(ordering: .relaxed)
+        r.posixACLs = fs.attributes.acls.enabled.load(ordering: .relaxed)
         r.subscribers = events.count
         r.aesMemoryLocked = HardwareAES.ownsMemory && HardwareAES.unlockedAllocations == 0
         r.inactivityRelock = inactivityRelock.map { $0 / 3600 }
@@ -341,7 +341,7 @@ final class Controller: Sendable {
         fs.wipeFileKeys()
         HardwareAES.forgetKeySchedules()
         deviceKey.wipe()
-        fs.names.wipe()
+        fs.directories.names.wipe()
     }
 }
 

@@ -2,34 +2,13 @@ import Foundation
 import Glibc
 import KeybagCore
 
-/// Directory listings: backing entries, opendir, and the names a directory shows.
-extension Filesystem {
-    /// The name of a `readdir` entry, read in place: glibc's records are only as long as
-    /// their name, so copying the 256-byte `d_name` field reads past the last record.
-    static func entryName(_ ent: UnsafeMutablePointer<dirent>) -> UnsafePointer<CChar> {
-        (UnsafeRawPointer(ent) + MemoryLayout<dirent>.offset(of: \dirent.d_name)!).assumingMemoryBound(to: CChar.self)
-    }
-
-    /// Raw entries of a directory (without . and ..).
-    func backingEntries(dirFD: Int32) throws -> [(name: String, ino: UInt64, type: UInt8)] {
-        let dup2fd = try check(dup(dirFD))
-        guard let dir = fdopendir(dup2fd) else { let e = errno; close(dup2fd); throw FSError(e) }
-        defer { closedir(dir) }
-        rewinddir(dir)
-        var out: [(String, UInt64, UInt8)] = []
-        while let ent = readdir(dir) {
-            let name = String(cString: Self.entryName(ent))
-            if name == "." || name == ".." { continue }
-            out.append((name, UInt64(ent.pointee.d_ino), ent.pointee.d_type))
-        }
-        return out
-    }
-
+/// Directory listings: opendir, the names a directory shows, and fsyncdir.
+extension Namespace {
     /// opendir: the names are listed by the first read (see `DirHandle`).
     func opendir(_ id: UInt64) throws -> DirHandle {
-        let n = try node(id)
+        let n = try table.known(id)
         guard n.isDirectory else { throw FSError(ENOTDIR) }
-        _ = try meta(of: n)
+        _ = try directories.meta(of: n)
         return DirHandle()
     }
 
@@ -37,7 +16,7 @@ extension Filesystem {
     /// not decrypt are skipped and logged.
     func listing(_ n: Node) throws -> [DirHandle.Entry] {
         guard n.isDirectory else { throw FSError(ENOTDIR) }
-        let iv = try meta(of: n).iv
+        let iv = try directories.meta(of: n).iv
         let dfd = try check(openat(n.fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC))
         defer { close(dfd) }
         // `..` needs an inode number (readdir(3) skips entries with 0): the backing parent's,
@@ -49,15 +28,17 @@ extension Filesystem {
             DirHandle.Entry(name: "..", backing: "..", ino: upIno, type: UInt8(DT_DIR)),
         ]
         var copies: [DirHandle.Entry] = []
-        let raw = try backingEntries(dirFD: dfd)
+        let raw = try DirectoryNames.backingEntries(dirFD: dfd)
         // The folder made on two devices apart: names under its metadata copies' IVs too.
-        let metaCopies = metadataCopies(dirFD: dfd, entries: raw.map(\.name))
+        let metaCopies = directories.metadataCopies(dirFD: dfd, entries: raw.map(\.name))
         n.directory?.metadataCopies.withLock { $0 = metaCopies }
         let ivs = DirectoryIVs(own: iv, copies: metaCopies)
         var underOthers: [(entry: DirHandle.Entry, index: Int)] = []
         for e in raw {
             do {
-                guard let (name, index) = try plaintextName(dirFD: dfd, backing: e.name, ivs: ivs) else { continue }
+                guard let (name, index) = try directories.plaintextName(dirFD: dfd, backing: e.name, ivs: ivs) else {
+                    continue
+                }
                 let entry = DirHandle.Entry(name: name, backing: e.name, ino: e.ino, type: e.type)
                 if index > 0 {
                     underOthers.append((entry, index))
@@ -88,5 +69,18 @@ extension Filesystem {
             }
         }
         return entries
+    }
+
+    /// fsync of a directory: its backing folder (the entries of the names in it, long names'
+    /// side files, its metadata), then its xattr set when that changed.
+    func fsyncdir(_ id: UInt64) throws {
+        let n = try table.known(id)
+        guard n.isDirectory else { throw FSError(ENOTDIR) }
+        let fd = try check(openat(n.fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC))
+        defer { close(fd) }
+        try check(Glibc.fsync(fd))
+        if attributes.xattrs.changedSinceSync, let meta = try? directories.meta(of: n) {
+            try attributes.xattrs.makeDurable(Base64URL.encode(meta.iv))
+        }
     }
 }

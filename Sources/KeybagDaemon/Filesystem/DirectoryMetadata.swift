@@ -5,7 +5,7 @@ import KeybagCore
 
 /// Directory metadata (`.kbfs-dir`: name IV, default class), its copies, and the class a
 /// directory passes on to new files.
-extension Filesystem {
+extension DirectoryNames {
     /// Reads a directory's `.kbfs-dir`; nil when absent.
     func readMeta(dirFD: Int32) throws -> DirectoryMeta? {
         let fd = StoreFileOpen.regular(dirFD, DirectoryMeta.fileName)
@@ -51,7 +51,7 @@ extension Filesystem {
             let dfd = openat(dirFD, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC)
             guard dfd >= 0 else { return [] }
             defer { close(dfd) }
-            listed = ((try? backingEntries(dirFD: dfd)) ?? []).map(\.name)
+            listed = ((try? Self.backingEntries(dirFD: dfd)) ?? []).map(\.name)
         }
         let read = DirectoryIVs.readCopies(dirFD: dirFD, among: listed, cipher: names)
         if read.leftOut {
@@ -143,7 +143,7 @@ extension Filesystem {
     /// entry's inode number first (confirmed by a stat), else by a stat of every
     /// subdirectory (overlayfs and others report other inode numbers in readdir).
     private func childEntry(of dirFD: Int32, dev: dev_t, ino: ino_t) throws -> String? {
-        let entries = try backingEntries(dirFD: dirFD).filter {
+        let entries = try Self.backingEntries(dirFD: dirFD).filter {
             BackingKind.of($0.name).carriesName
         }
         func isIt(_ name: String) -> Bool {

@@ -6,7 +6,7 @@ import KeybagProtocol
 import Synchronization
 
 /// fallocate of an open file: reservations, holes punched, ranges zeroed.
-extension Filesystem {
+extension FileIO {
     /// fallocate: mode 0 (allocate, growing the size), KEEP_SIZE, PUNCH_HOLE|KEEP_SIZE,
     /// ZERO_RANGE (optionally KEEP_SIZE); other modes are EOPNOTSUPP.
     /// The kernel leaves set-ID bits to us here (no per-request flag, as for writes), so they

@@ -1,164 +1,174 @@
+import CSodium
+import CSystem
 import Foundation
 import Glibc
 import KeybagCore
 
-/// Names: encrypted entry names (with hashed long names and their side files), conflict
-/// copies, and a backing entry's plaintext name. Directory metadata and inheritance are in
-/// `DirectoryMetadata.swift`, the operations in `NamespaceOperations.swift`, listings in
-/// `DirectoryListing.swift`.
-extension Filesystem {
-    /// A plaintext name's backing entry in one directory.
-    struct BackingEntry {
-        /// The directory entry in the store.
-        let name: String
-        /// For a long name: the side file holding `encrypted`.
-        let sideFile: String?
-        /// The full encrypted name.
-        let encrypted: String
-    }
+/// The namespace operations: entries made here (mkdir, mknod, symlink, link; readlink),
+/// removed and moved in `NamespaceRemoval.swift` (unlink, rmdir, rename), listed in
+/// `DirectoryListing.swift`. Regular files are made by `FileIO`'s create.
+struct Namespace: Sendable {
+    /// The nodes; each directory's names, metadata and class; lookups (entries become nodes).
+    let table: NodeTable, directories: DirectoryNames, lookups: EntryLookup
+    /// Regular files (mknod makes one as create does), and the xattr sets and ACLs of entries.
+    let io: FileIO, attributes: Attributes
+    /// The store's folder of long symlink targets.
+    let targetsFD: Int32
 
-    /// The backing entry of a plaintext name in directory `dir`: a sync engine's conflict
-    /// copy where `name` is the readable name of one that exists, else the name's own.
-    ///
-    /// In a directory with metadata copies (`DirectoryIVs`), a name that has no entry under the
-    /// directory's own IV is the first entry that exists under a copy's IV; new names are made
-    /// under the own IV.
-    func backingName(_ dir: Node, _ name: String) throws -> BackingEntry {
-        try Self.checkName(name)
-        let iv = try meta(of: dir).iv
-        let copies = metadataCopies(of: dir)
-        if let copy = try conflictCopy(dir, readable: name, iv: iv, copies: copies) { return copy }
-        let own = try entry(name, iv: iv)
-        guard !copies.isEmpty, !exists(dir, own.name) else { return own }
-        for other in DirectoryIVs(own: iv, copies: copies).others {
-            let e = try entry(name, iv: other.iv)
-            if exists(dir, e.name) { return e }
-        }
-        return own
-    }
+    /// Names, symlink targets and directory metadata under the volume key (`DirectoryNames`'),
+    /// the mount's class rules, and where notes go.
+    var names: NameCipher { directories.names }
+    var classes: ClassDefaults { directories.classes }
+    var log: EventLog { directories.log }
+    /// The store's overwrite journal, told of names removed and moved; default ACLs of new entries.
+    var journaling: Journaling? { io.journaling }
+    var acls: PosixACLs { attributes.acls }
 
-    /// The backing entry of the plaintext `name` under the name IV `iv`.
-    private func entry(_ name: String, iv: [UInt8]) throws -> BackingEntry {
-        let enc = try names.encrypt(Array(name.utf8), dirIV: iv)
-        let (b, side) = NameCipher.backingEntry(for: enc)
-        return BackingEntry(name: b, sideFile: side, encrypted: enc)
-    }
-
-    /// Whether the backing entry `name` exists in `dir`.
-    private func exists(_ dir: Node, _ name: String) -> Bool {
-        faccessat(dir.fd, name, F_OK, AT_SYMLINK_NOFOLLOW) == 0
-    }
-
-    /// The backing entry of the conflict copy the mount shows as `name`, if it is in `dir`
-    /// and no entry really has that name (which then wins, as in `listing`). Only the exact
-    /// readable name finds it. A copy of a hashed long name shares the original's side file:
-    /// the entry names none, so removing the copy keeps it. The copy is either a sync engine's
-    /// copy of a file, or an entry under a metadata copy's IV whose plaintext name an entry
-    /// before it shows (`DirectoryIVs.shownName`).
-    private func conflictCopy(
-        _ dir: Node, readable name: String, iv: [UInt8], copies: [DirectoryIVs.Other]
-    ) throws -> BackingEntry? {
-        guard let c = ConflictCopy.parse(readable: name),
-            !exists(dir, NameCipher.backingEntry(for: try names.encrypt(Array(name.utf8), dirIV: iv)).name)
-        else { return nil }
-        let ivs = DirectoryIVs(own: iv, copies: copies)
-        // A sync engine's copy of a file, made under any of the directory's IVs.
-        for candidateIV in ivs.all {
-            let enc = try names.encrypt(Array(c.plain.utf8), dirIV: candidateIV)
-            let copy = ConflictCopy(
-                original: NameCipher.backingEntry(for: enc).name, date: c.date, time: c.time, device: c.device)
-            if copy.readableName(of: c.plain).utf8.elementsEqual(name.utf8), exists(dir, copy.backing) {
-                return BackingEntry(name: copy.backing, sideFile: nil, encrypted: enc)
-            }
-        }
-        guard let (index, other) = ivs.other(date: c.date, time: c.time, device: c.device),
-            other.copy.readableName(of: c.plain).utf8.elementsEqual(name.utf8)
-        else { return nil }
-        let candidate = try entry(c.plain, iv: other.iv)
-        // Shown so only while an entry under an IV before it holds the plaintext name.
-        guard exists(dir, candidate.name),
-            try ivs.all[0..<index].contains(where: { exists(dir, try entry(c.plain, iv: $0).name) })
-        else { return nil }
-        return candidate
-    }
-
-    /// Whether the entry `name` of `dirFD` may share its file id, and so its xattr set, with
-    /// another entry: it is a sync engine's conflict copy, or a copy of it is there. Removing
-    /// it then keeps the set (fsck reports the set as an orphan once no entry uses it).
-    func mayShareXattrSet(dirFD: Int32, name: String) -> Bool {
-        if ConflictCopy(backing: name) != nil { return true }
-        let dfd = openat(dirFD, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC)
-        guard dfd >= 0 else { return true }
-        defer { close(dfd) }
-        return (try? backingEntries(dirFD: dfd))?.contains { ConflictCopy(backing: $0.name)?.original == name } ?? true
-    }
-
-    /// Makes sure a long name's side file exists before its entry; returns whether it was
-    /// created now (so a failed operation can remove it again).
-    func ensureSideFile(_ dir: Node, _ e: BackingEntry) throws -> Bool {
-        guard let side = e.sideFile else { return false }
-        return try AtomicStoreFile.createIfAbsent(dirFD: dir.fd, side, Array(e.encrypted.utf8))
-    }
-
-    /// Removes a long name's side file after its entry is gone, unless a sync engine's
-    /// conflict copy of the entry still names itself by it.
-    func removeSideFile(_ dir: Node, _ e: BackingEntry) {
-        guard let side = e.sideFile else { return }
-        let dfd = openat(dir.fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC)
-        if dfd >= 0 {
-            defer { close(dfd) }
-            let entries = try? backingEntries(dirFD: dfd)
-            if entries?.contains(where: { ConflictCopy(backing: $0.name)?.original == e.name }) != false { return }
-        }
-        unlinkat(dir.fd, side, 0)
-    }
-
-    /// The plaintext name of a backing entry (`StoreNames`); nil for the store's own files and
-    /// side files. Throws `corrupt` for an entry that does not decrypt.
-    func plaintextName(dirFD: Int32, backing: String, iv: [UInt8]) throws -> String? {
-        try plaintextName(dirFD: dirFD, backing: backing, ivs: [iv])?.name
-    }
-
-    /// The plaintext name of a backing entry and the index in `ivs.all` of the IV it decrypts
-    /// under; nil for the store's own files and side files.
-    func plaintextName(dirFD: Int32, backing: String, ivs: DirectoryIVs) throws -> (name: String, index: Int)? {
-        try plaintextName(dirFD: dirFD, backing: backing, ivs: ivs.all)
-    }
-
-    /// `StoreNames.plaintextName`, its problems as `corrupt` errors.
-    private func plaintextName(dirFD: Int32, backing: String, ivs: [[UInt8]]) throws -> (name: String, index: Int)? {
-        switch StoreNames(cipher: names).plaintextName(dirFD: dirFD, backing: backing, ivs: ivs) {
-        case .success(let found): return found
-        case .failure(let problem): throw KeybagError.corrupt(problem.message(backing))
+    /// Chowns a new object to the caller when running as root (the group stays the
+    /// directory's where it is setgid, as the backing filesystem already set it). What is
+    /// not a directory is made without set-ID bits; those of `mode` (which the kernel already
+    /// let the caller ask for) are set once it is the caller's, never on one left as root's.
+    private func own(_ dirFD: Int32, _ backing: String, _ caller: Caller, mode: mode_t) {
+        let group = caller.group(in: dirFD)
+        let owned =
+            !io.chownToCaller
+            || !Failpoint.chownRefused.isOn && fchownat(dirFD, backing, caller.uid, group, AT_SYMLINK_NOFOLLOW) == 0
+        var st = stat()
+        if owned && mode & (S_ISUID | S_ISGID) != 0 && mode & S_IFMT != S_IFLNK && mode & S_IFMT != S_IFDIR,
+            fstatat(dirFD, backing, &st, AT_SYMLINK_NOFOLLOW) == 0
+        {
+            fchmodat(dirFD, backing, st.st_mode & 0o1777 | mode & (S_ISUID | S_ISGID), AT_SYMLINK_NOFOLLOW)
         }
     }
 
-    /// A regular backing file of 0 bytes has no header: left by a crash of a version that
-    /// created the name before writing the header. It becomes an empty file of the
-    /// directory's class (a fresh file key; there is no data to lose). Needs that class's
-    /// wrapping key now; otherwise the file stays as it is (EIO) until it can.
-    func giveHeaderToEmptyFile(_ n: Node, parent p: Node) {
-        guard let file = n.file, let cls = try? inheritedClass(p),
-            let (wrapKey, _, keySet) = keyring.wrappingKey(for: cls)
-        else { return }
-        file.io.write { st in
-            guard st.header == nil else { return }
-            let fd = n.open(O_RDWR)
-            guard fd >= 0 else { return }
-            defer { close(fd) }
-            var s = stat()
-            guard fstat(fd, &s) == 0, s.st_size == 0 else { return }
-            let raw = SecureKey(random: 32)
-            defer { raw.wipe() }
+    /// Creates an entry with `make`, its side file first; undoes the side file on failure.
+    /// A new object (`caller` given) is owned by the caller, with `mode`'s set-ID bits.
+    private func makeEntry(
+        parent: UInt64, name: String, caller: Caller?, mode: mode_t = 0, _ make: (Int32, String) throws -> Void
+    ) throws -> (Node, stat) {
+        let p = try table.known(parent)
+        let e = try directories.backingName(p, name)
+        let created = try directories.ensureSideFile(p, e)
+        do {
+            try make(p.fd, e.name)
+        } catch {
+            if created { directories.removeSideFile(p, e) }
+            throw FSError(error)
+        }
+        if let caller { own(p.fd, e.name, caller, mode: mode) }
+        return try lookups.lookupBacking(p, e.name)
+    }
+
+    /// mkdir: the new directory gets its own random name IV, and the class the mount's policy
+    /// gives its path, before anyone can see it. (Not derived from its path: a folder moved
+    /// away and made again under the same name would share the IV, and with it the xattr set
+    /// a directory's IV names.)
+    func mkdir(parent: UInt64, name: String, mode: mode_t, caller: Caller) throws -> (Node, stat) {
+        var meta = DirectoryMeta.fresh()
+        let policy = classes.policy
+        if policy.mayMatch(name: name) {
+            let p = try table.known(parent)
+            // A rename of an ancestor during the walk can hide a name: one more try.
+            let (tail, fromRoot) =
+                try (try? directories.pathTail(of: p, upTo: policy.depth - 1))
+                ?? directories.pathTail(of: p, upTo: policy.depth - 1)
+            meta.defaultClass = policy.protectionClass(tail: tail + [name], fromRoot: fromRoot)
+        }
+        let made = try makeEntry(parent: parent, name: name, caller: caller) { [self] dirFD, backing in
+            // Made whole under a temporary name, then renamed into place: a power cut never
+            // leaves the folder's name without its metadata (the metadata's own sync would
+            // otherwise make the bare folder durable first).
+            let tmp = BackingKind.temporaryName()
+            try check(mkdirat(dirFD, tmp, acls.creationMode(mode, in: table.known(parent), by: caller) & 0o7777))
             do {
-                try EncryptedContent.writeNewHeader(
-                    fd: fd,
-                    try FileHeader.create(fileKey: raw, class: cls, cipher: cipher, using: wrapKey, keySet: keySet))
-                log(
-                    "inode \(n.backingIno) had no header (0 bytes, left by a crash): now an empty \(cls.name) file")
+                let d = try check(openat(dirFD, tmp, kbfs_O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC))
+                defer { close(d) }
+                try AtomicStoreFile.createIfAbsent(dirFD: d, DirectoryMeta.fileName, try meta.encode(names))
+                try Self.renameNoReplace(dirFD, tmp, backing)
             } catch {
-                log("could not give the empty inode \(n.backingIno) a header: \(error)")
+                AtomicStoreFile.removeTemporaryFolder(dirFD: dirFD, tmp)
+                throw error
             }
+        }
+        // A new folder's metadata is the one just written, and it has no copies: its first
+        // lookups need neither a read nor a listing to know.
+        made.0.directory?.meta.withLock { if $0 == nil { $0 = meta } }
+        made.0.directory?.metadataCopies.withLock { if $0 == nil { $0 = [] } }
+        return made
+    }
+
+    /// Renames `from` to `to` in `dirFD` unless `to` exists (EEXIST); where the store's
+    /// filesystem lacks RENAME_NOREPLACE, a look first (the store's lock keeps other writers of
+    /// this daemon's names out; a sync engine does not make folders under names it has not seen).
+    static func renameNoReplace(_ dirFD: Int32, _ from: String, _ to: String) throws {
+        if kbfs_renameat2(dirFD, from, dirFD, to, kbfs_RENAME_NOREPLACE) == 0 { return }
+        guard errno == EINVAL || errno == ENOSYS else { throw FSError(errno) }
+        var st = stat()
+        if fstatat(dirFD, to, &st, AT_SYMLINK_NOFOLLOW) == 0 { throw FSError(EEXIST) }
+        try check(renameat(dirFD, from, dirFD, to))
+    }
+
+    /// mknod: regular files (through `create`), FIFOs, sockets, and device nodes as root.
+    func mknod(parent: UInt64, name: String, mode: mode_t, rdev: dev_t, caller: Caller) throws -> (Node, stat) {
+        if (mode & S_IFMT) == S_IFREG {
+            // A regular file needs its header: made as create makes it, then its handle closed.
+            let (n, st, h) = try io.create(
+                parent: parent, name: name, mode: mode, flags: O_WRONLY | O_EXCL, caller: caller)
+            io.release(h)
+            return (n, st)
+        }
+        return try makeEntry(parent: parent, name: name, caller: caller, mode: mode) { [self] dirFD, backing in
+            try check(
+                mknodat(
+                    dirFD, backing,
+                    mode & S_IFMT | acls.creationMode(mode, in: table.known(parent), by: caller) & 0o1777, rdev
+                )
+            )
+        }
+    }
+
+    /// symlink: the target is encrypted; one too long for a backing symlink lives in the
+    /// store's `targets/` folder under its hash, written before the link.
+    func symlink(target: String, parent: UInt64, name: String, caller: Caller) throws -> (Node, stat) {
+        let t = Array(target.utf8)
+        guard !t.isEmpty, t.count < Int(PATH_MAX) else { throw FSError(t.isEmpty ? ENOENT : ENAMETOOLONG) }
+        var stored = try names.encryptTarget(t)
+        if stored.utf8.count >= 4000 {
+            var h = [UInt8](repeating: 0, count: 32)
+            let b = Array(stored.utf8)
+            crypto_generichash(&h, 32, b, UInt64(b.count), nil, 0)
+            let id = Base64URL.encode(h)
+            try AtomicStoreFile.createIfAbsent(dirFD: targetsFD, id, b)
+            stored = NameCipher.longTargetPrefix + id
+        }
+        return try makeEntry(parent: parent, name: name, caller: caller) { dirFD, backing in
+            try check(symlinkat(stored, dirFD, backing))
+        }
+    }
+
+    /// readlink: decrypts the stored target.
+    func readlink(_ id: UInt64) throws -> [UInt8] {
+        let n = try table.known(id)
+        var buf = [UInt8](repeating: 0, count: Int(PATH_MAX) + 1)
+        let len = try n.withPathFD { try check(readlinkat($0, "", &buf, buf.count)) }
+        var stored = String(decoding: buf[0..<len], as: UTF8.self)
+        if let id = StoreNames.longTargetID(stored) {
+            let fd = try check(StoreFileOpen.regular(targetsFD, id))  // a FIFO there would block
+            defer { close(fd) }
+            var big = [UInt8](repeating: 0, count: 8192)
+            let m = Glibc.read(fd, &big, big.count)
+            guard m > 0 else { throw FSError(EIO) }
+            stored = String(decoding: big[0..<m], as: UTF8.self)
+        }
+        return try names.decryptTarget(stored)
+    }
+
+    /// link: hard links share the backing inode, so its header, key and class.
+    func link(_ id: UInt64, newParent: UInt64, newName: String) throws -> (Node, stat) {
+        let n = try table.known(id)
+        guard !n.isDirectory else { throw FSError(EPERM) }
+        return try makeEntry(parent: newParent, name: newName, caller: nil) { dirFD, backing in
+            try n.withPathFD { try check(linkat(AT_FDCWD, "/proc/self/fd/\($0)", dirFD, backing, AT_SYMLINK_FOLLOW)) }
         }
     }
 }

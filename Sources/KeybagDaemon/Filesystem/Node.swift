@@ -217,6 +217,12 @@ final class NodeTable: Sendable {
         return tables.withLock { $0.byID[id]?.node }
     }
 
+    /// A node the kernel knows by `id`, or ESTALE.
+    func known(_ id: UInt64) throws -> Node {
+        guard let n = node(id) else { throw FSError(ESTALE) }
+        return n
+    }
+
     /// The node of a backing object, if the kernel knows it (no lookup is counted).
     func node(dev: UInt64, ino: UInt64) -> Node? {
         tables.withLock { t in t.byBacking[BackingID(dev: dev, ino: ino)].flatMap { t.byID[$0]?.node } }

@@ -23,7 +23,7 @@ final class PosixACLs: Sendable {
 
     /// The mode a new object in `p` is made with: `mode` as asked where `p` has a default ACL
     /// (the backing filesystem derives the rest from it), else without the caller's umask.
-    func creationMode(_ mode: mode_t, in p: Node, by caller: Filesystem.Caller) -> mode_t {
+    func creationMode(_ mode: mode_t, in p: Node, by caller: Caller) -> mode_t {
         if enabled.load(ordering: .relaxed) && getxattr(p.procPath, "system.posix_acl_default", nil, 0) > 0 {
             return mode
         }
@@ -50,7 +50,7 @@ final class PosixACLs: Sendable {
     /// setxattr of an ACL on the backing object. An access ACL set by a caller outside the
     /// file's group and without CAP_FSETID clears set-group-ID, as the kernel's rule is
     /// (it cannot tell us through libfuse 3.14, which lacks FUSE_SETXATTR_EXT).
-    func set(_ n: Node, name: String, value: [UInt8], flags: Int32, caller: Filesystem.Caller) throws {
+    func set(_ n: Node, name: String, value: [UInt8], flags: Int32, caller: Caller) throws {
         try n.withPathFD { fd in
             let path = "/proc/self/fd/\(fd)"
             try check(setxattr(path, name, value, value.count, flags))

@@ -218,7 +218,7 @@ final class StoreSpace: Sendable {
         defer { closedir(dir) }
         var held = 0
         while let ent = readdir(dir) {
-            guard let fd = Int32(String(cString: Filesystem.entryName(ent))) else { continue }
+            guard let fd = Int32(String(cString: DirectoryNames.entryName(ent))) else { continue }
             var st = stat()
             if fstat(fd, &st) == 0 && st.st_nlink == 0 && st.st_mode & S_IFMT == S_IFREG && st.st_dev == store.st_dev {
                 held += Int(st.st_blocks) * 512

@@ -6,17 +6,17 @@ import Synchronization
 
 /// The `user.protection` xattr: a file's class (changed by rewrapping its key) and a
 /// directory's default.
-extension Filesystem {
+extension Attributes {
     /// The class of a file, or the stored default of a directory (ENODATA where none).
     func protection(of id: UInt64) throws -> ProtectionClass {
-        let n = try node(id)
+        let n = try table.known(id)
         if n.isDirectory {
-            guard let c = try meta(of: n).defaultClass else { throw FSError(ENODATA) }
+            guard let c = try directories.meta(of: n).defaultClass else { throw FSError(ENODATA) }
             return c
         }
         guard let file = n.file else { throw FSError(ENODATA) }
         if let c = file.io.read({ $0.protectionClass }) { return c }
-        return try file.io.write { st in try st.header { try readHeader(n) }.protectionClass }
+        return try file.io.write { st in try st.header { try io.readHeader(n) }.protectionClass }
     }
 
     /// Changes a file's class by rewrapping its key (the rules are `FileKeyLife`'s): the new
@@ -24,14 +24,14 @@ extension Filesystem {
     /// so no older class's wrap survives a finished change. On a directory, stores the
     /// default for new children.
     func setProtection(of id: UInt64, to cls: ProtectionClass) throws {
-        let n = try node(id)
-        if n.isDirectory { return try setDirectoryClass(n, cls) }
+        let n = try table.known(id)
+        if n.isDirectory { return try directories.setDirectoryClass(n, cls) }
         guard let file = n.file else { throw FSError(EPERM) }
         let fd = try check(n.open(O_RDWR))
         defer { close(fd) }
         try file.io.write { st in
-            _ = try st.header { try readHeader(n) }
-            try st.changeClass(to: cls, keyring: keyring, cipher: cipher) { next in
+            _ = try st.header { try io.readHeader(n) }
+            try st.changeClass(to: cls, keyring: io.keyring, cipher: io.cipher) { next in
                 try EncryptedContent.writeHeaderSlot(fd: fd, next)
                 Failpoint.classChangeBetweenSlots.hit()
                 try EncryptedContent.eraseHeaderSlot(fd: fd, index: 1 - next.slot)
@@ -43,9 +43,9 @@ extension Filesystem {
 
     /// Removes a directory's stored default (files always have a class: EPERM).
     func removeProtection(of id: UInt64) throws {
-        let n = try node(id)
+        let n = try table.known(id)
         guard n.isDirectory else { throw FSError(n.isRegular ? EPERM : ENODATA) }
-        guard try meta(of: n).defaultClass != nil else { throw FSError(ENODATA) }
-        try setDirectoryClass(n, nil)
+        guard try directories.meta(of: n).defaultClass != nil else { throw FSError(ENODATA) }
+        try directories.setDirectoryClass(n, nil)
     }
 }

@@ -38,7 +38,7 @@ final class XattrStorage: Sendable {
         defer { closedir(dir) }
         var n = 0
         while let ent = readdir(dir) {
-            if Filesystem.entryName(ent).pointee != CChar(UInt8(ascii: ".")) { n += 1 }
+            if DirectoryNames.entryName(ent).pointee != CChar(UInt8(ascii: ".")) { n += 1 }
         }
         return n
     }

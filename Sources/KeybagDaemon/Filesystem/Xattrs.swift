@@ -6,13 +6,13 @@ import KeybagCore
 /// in `STORE/xattrs/<id>`, where the id is a file's header file id or a directory's name
 /// IV, so renames, hard links and `cp -a` keep them. Linux allows `user.*` only on regular
 /// files and directories; elsewhere they answer EPERM as on ext4.
-extension Filesystem {
+extension Attributes {
     /// The virtual xattr of the protection class.
     static let protectionXattr = "user.protection"
 
     /// The stable id under which a node's xattrs are stored.
     func xattrID(_ n: Node) throws -> String {
-        if n.isDirectory { return Base64URL.encode(try meta(of: n).iv) }
+        if n.isDirectory { return Base64URL.encode(try directories.meta(of: n).iv) }
         guard let file = n.file else { throw FSError(EPERM) }
         if let h = file.io.read({ $0.header }) { return Base64URL.encode(h.fileID) }
         let fd = try check(n.open(O_RDONLY))
@@ -56,7 +56,7 @@ extension Filesystem {
     /// Whether the stored set `id` of entry `name` must stay because a conflict copy may
     /// share it (looked for only when the set exists: a directory scan).
     private func keptForConflictCopies(_ id: String, dirFD: Int32, name: String) -> Bool {
-        xattrs.exists(id) && mayShareXattrSet(dirFD: dirFD, name: name)
+        xattrs.exists(id) && directories.mayShareXattrSet(dirFD: dirFD, name: name)
     }
 
     /// getxattr: an ACL where the kernel enforces them, the virtual `user.protection`, or a
@@ -64,7 +64,7 @@ extension Filesystem {
     /// `security.capability` before every write): EOPNOTSUPP, not ENODATA, for the others, so
     /// that `ls -l` stops asking for SELinux labels (and ACLs, where off) of every file.
     func getXattr(_ id: UInt64, name: String) throws -> [UInt8] {
-        if acls.isACL(name) { return try acls.value(of: node(id), name: name) }
+        if acls.isACL(name) { return try acls.value(of: table.known(id), name: name) }
         if name == Self.protectionXattr { return Array(try protection(of: id).name.utf8) }
         return try storedXattr(id, name: name)
     }
@@ -73,7 +73,7 @@ extension Filesystem {
     /// EINVAL), or a stored user xattr.
     func setXattr(_ id: UInt64, name: String, value: [UInt8], flags: Int32, caller: Caller) throws {
         if acls.isACL(name) {
-            return try acls.set(node(id), name: name, value: value, flags: flags, caller: caller)
+            return try acls.set(table.known(id), name: name, value: value, flags: flags, caller: caller)
         }
         guard name == Self.protectionXattr else {
             return try setStoredXattr(id, name: name, value: value, flags: flags)
@@ -87,7 +87,7 @@ extension Filesystem {
 
     /// removexattr: an ACL, the class (a directory's own default), or a stored user xattr.
     func removeXattr(_ id: UInt64, name: String) throws {
-        if acls.isACL(name) { return try acls.remove(node(id), name: name) }
+        if acls.isACL(name) { return try acls.remove(table.known(id), name: name) }
         if name == Self.protectionXattr { return try removeProtection(of: id) }
         try removeStoredXattr(id, name: name)
     }
@@ -95,7 +95,7 @@ extension Filesystem {
     /// getxattr of a stored user xattr.
     func storedXattr(_ id: UInt64, name: String) throws -> [UInt8] {
         guard name.hasPrefix("user.") else { throw FSError(EOPNOTSUPP) }
-        let n = try node(id)
+        let n = try table.known(id)
         guard n.isRegular || n.isDirectory else { throw FSError(ENODATA) }
         return try xattrs.value(try xattrID(n), name: name)
     }
@@ -105,20 +105,20 @@ extension Filesystem {
         guard name.hasPrefix("user."), name.utf8.count > 5, name.utf8.count <= 255 else {
             throw FSError(name.hasPrefix("user.") ? ERANGE : EOPNOTSUPP)
         }
-        try xattrs.set(try xattrID(try node(id)), name: name, value: value, flags: flags)
+        try xattrs.set(try xattrID(try table.known(id)), name: name, value: value, flags: flags)
     }
 
     /// removexattr of a stored user xattr.
     func removeStoredXattr(_ id: UInt64, name: String) throws {
         guard name.hasPrefix("user.") else { throw FSError(EOPNOTSUPP) }
-        let n = try node(id)
+        let n = try table.known(id)
         guard n.isRegular || n.isDirectory else { throw FSError(ENODATA) }
         try xattrs.remove(try xattrID(n), name: name)
     }
 
     /// The names listxattr reports: `user.protection` where it applies, then stored ones.
     func listXattrs(_ id: UInt64) throws -> [String] {
-        let n = try node(id)
+        let n = try table.known(id)
         var out: [String] = []
         if (try? protection(of: id)) != nil { out.append(Self.protectionXattr) }
         if n.isRegular || n.isDirectory { out += try xattrs.names(try xattrID(n)) }

@@ -77,7 +77,7 @@ enum FuseBridge {
     static func fs(_ req: fuse_req_t?) -> Filesystem { context(req).fs }
 
     /// The caller's uid, gid, pid and umask.
-    static func caller(_ req: fuse_req_t?) -> Filesystem.Caller {
+    static func caller(_ req: fuse_req_t?) -> Caller {
         let c = fuse_req_ctx(req)!.pointee
         let word = kbfs_request_kills_setid()
         return .init(
@@ -135,7 +135,7 @@ enum FuseBridge {
     /// kernel) and closes it in the filesystem.
     static func releaseHandle(_ req: fuse_req_t?, _ fi: UnsafeMutablePointer<fuse_file_info>?) {
         guard let h = object(fi, as: OpenFile.self)?.takeRetainedValue() else { return }
-        fs(req).release(h)
+        fs(req).io.release(h)
     }
 
     /// Takes the directory handle out of `fi` (RELEASEDIR, or an opendir not delivered).
@@ -169,7 +169,7 @@ enum FuseBridge {
         var e = fuse_entry_param()
         e.ino = node.id
         e.attr = st
-        e.attr_timeout = ctx.fs.attributeSeconds(node.id, normal: ctx.cacheTimeout)
+        e.attr_timeout = ctx.fs.attributes.attributeSeconds(node.id, normal: ctx.cacheTimeout)
         e.entry_timeout = ctx.cacheTimeout
         return e
     }
@@ -198,7 +198,7 @@ enum FuseBridge {
     static func replyAttributes(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ st: stat) {
         var st = st
         let ctx = context(req)
-        fuse_reply_attr(req, &st, ctx.fs.attributeSeconds(ino, normal: ctx.cacheTimeout))
+        fuse_reply_attr(req, &st, ctx.fs.attributes.attributeSeconds(ino, normal: ctx.cacheTimeout))
     }
 
     /// Replies an xattr value or list: its size when probed with 0, ERANGE when too small.
@@ -228,7 +228,7 @@ enum FuseBridge {
         do {
             entries = try d.entries(from: Int(off)) {
                 guard let parent else { throw FSError(ESTALE) }
-                return try fs.listing(parent)
+                return try fs.namespace.listing(parent)
             }
         } catch { return fail(req, error) }
         let buf = UnsafeMutablePointer<CChar>.allocate(capacity: max(size, 1))
@@ -241,7 +241,7 @@ enum FuseBridge {
             entry.attr.st_ino = UInt(e.ino)
             entry.attr.st_mode = mode_t(e.type) << 12
             if plus && e.name != "." && e.name != ".." {
-                guard let parent, let (n, st) = try? fs.lookupBacking(parent, e.backing) else { continue }
+                guard let parent, let (n, st) = try? fs.lookups.lookupBacking(parent, e.backing) else { continue }
                 entry = self.entry(req, n, st)
             }
             let need =

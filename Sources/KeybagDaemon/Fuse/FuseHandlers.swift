@@ -31,7 +31,7 @@ func fuseInit(_ userdata: UnsafeMutableRawPointer?, _ conn: UnsafeMutablePointer
     let acl = UInt32(FUSE_CAP_POSIX_ACL), dontMask = UInt32(FUSE_CAP_DONT_MASK)
     if ctx.posixACL && conn.pointee.capable & (acl | dontMask) == acl | dontMask {
         conn.pointee.want |= acl | dontMask
-        ctx.fs.acls.enabled.store(true, ordering: .relaxed)
+        ctx.fs.attributes.acls.enabled.store(true, ordering: .relaxed)
     }
     // 1 MiB requests (libfuse asks for max_pages to match): 8 times fewer round trips
     // for streaming I/O than the 128 KiB default. Readahead follows once the kernel
@@ -50,7 +50,7 @@ func fuseLookup(_ req: fuse_req_t?, _ parent: fuse_ino_t, _ name: CName?) {
     let fs = FuseBridge.fs(req)
     let changes = fs.underneath.namesSeen
     do {
-        let (n, st) = try fs.lookup(parent: parent, name: FuseBridge.name(name))
+        let (n, st) = try fs.lookups.lookup(parent: parent, name: FuseBridge.name(name))
         FuseBridge.replyEntry(req, n, st)
     } catch
         where FSError(error).errno == ENOENT
@@ -75,7 +75,8 @@ func fuseForgetMulti(_ req: fuse_req_t?, _ count: Int, _ forgets: UnsafeMutableP
 
 func fuseGetattr(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ fi: FileInfo?) {
     FuseBridge.replying(req) {
-        FuseBridge.replyAttributes(req, ino, try FuseBridge.fs(req).getattr(ino, handle: FuseBridge.handle(fi)))
+        FuseBridge.replyAttributes(
+            req, ino, try FuseBridge.fs(req).attributes.getattr(ino, handle: FuseBridge.handle(fi)))
     }
 }
 
@@ -83,7 +84,7 @@ func fuseAccess(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ mask: Int32) {
     let caller = FuseBridge.caller(req)  // groups come from /proc: only read when they can matter
     FuseBridge.replyingDone(req) {
         let groups = caller.uid == 0 ? [] : FuseBridge.groups(req)
-        try FuseBridge.fs(req).access(ino, mask: mask, caller: caller, groups: groups)
+        try FuseBridge.fs(req).attributes.access(ino, mask: mask, caller: caller, groups: groups)
     }
 }
 
@@ -97,7 +98,7 @@ func fuseSetattr(
         return toSet & set != 0 ? v : nil
     }
     FuseBridge.replying(req) {
-        let st = try FuseBridge.fs(req).setattr(
+        let st = try FuseBridge.fs(req).attributes.setattr(
             ino, handle: FuseBridge.handle(fi),
             mode: toSet & FUSE_SET_ATTR_MODE != 0 ? a.st_mode : nil,
             uid: toSet & FUSE_SET_ATTR_UID != 0 ? a.st_uid : nil,
@@ -112,7 +113,7 @@ func fuseSetattr(
 
 func fuseReadlink(_ req: fuse_req_t?, _ ino: fuse_ino_t) {
     FuseBridge.replying(req) {
-        var bytes = try FuseBridge.fs(req).readlink(ino)
+        var bytes = try FuseBridge.fs(req).namespace.readlink(ino)
         bytes.append(0)
         bytes.withUnsafeBufferPointer { b in
             _ = b.baseAddress!.withMemoryRebound(to: CChar.self, capacity: b.count) { fuse_reply_readlink(req, $0) }
@@ -124,7 +125,7 @@ func fuseReadlink(_ req: fuse_req_t?, _ ino: fuse_ino_t) {
 
 func fuseMknod(_ req: fuse_req_t?, _ parent: fuse_ino_t, _ name: CName?, _ mode: mode_t, _ rdev: dev_t) {
     FuseBridge.replying(req) {
-        let (n, st) = try FuseBridge.fs(req).mknod(
+        let (n, st) = try FuseBridge.fs(req).namespace.mknod(
             parent: parent, name: FuseBridge.name(name), mode: mode, rdev: rdev,
             caller: FuseBridge.caller(req))
         FuseBridge.replyEntry(req, n, st)
@@ -133,7 +134,7 @@ func fuseMknod(_ req: fuse_req_t?, _ parent: fuse_ino_t, _ name: CName?, _ mode:
 
 func fuseMkdir(_ req: fuse_req_t?, _ parent: fuse_ino_t, _ name: CName?, _ mode: mode_t) {
     FuseBridge.replying(req) {
-        let (n, st) = try FuseBridge.fs(req).mkdir(
+        let (n, st) = try FuseBridge.fs(req).namespace.mkdir(
             parent: parent, name: FuseBridge.name(name), mode: mode,
             caller: FuseBridge.caller(req))
         FuseBridge.replyEntry(req, n, st)
@@ -141,16 +142,18 @@ func fuseMkdir(_ req: fuse_req_t?, _ parent: fuse_ino_t, _ name: CName?, _ mode:
 }
 
 func fuseUnlink(_ req: fuse_req_t?, _ parent: fuse_ino_t, _ name: CName?) {
-    FuseBridge.replyingDone(req) { try FuseBridge.fs(req).unlink(parent: parent, name: FuseBridge.name(name)) }
+    FuseBridge.replyingDone(req) {
+        try FuseBridge.fs(req).namespace.unlink(parent: parent, name: FuseBridge.name(name))
+    }
 }
 
 func fuseRmdir(_ req: fuse_req_t?, _ parent: fuse_ino_t, _ name: CName?) {
-    FuseBridge.replyingDone(req) { try FuseBridge.fs(req).rmdir(parent: parent, name: FuseBridge.name(name)) }
+    FuseBridge.replyingDone(req) { try FuseBridge.fs(req).namespace.rmdir(parent: parent, name: FuseBridge.name(name)) }
 }
 
 func fuseSymlink(_ req: fuse_req_t?, _ link: CName?, _ parent: fuse_ino_t, _ name: CName?) {
     FuseBridge.replying(req) {
-        let (n, st) = try FuseBridge.fs(req).symlink(
+        let (n, st) = try FuseBridge.fs(req).namespace.symlink(
             target: FuseBridge.name(link), parent: parent,
             name: FuseBridge.name(name), caller: FuseBridge.caller(req))
         FuseBridge.replyEntry(req, n, st)
@@ -162,7 +165,7 @@ func fuseRename(
     _ newName: CName?, _ flags: UInt32
 ) {
     FuseBridge.replyingDone(req) {
-        try FuseBridge.fs(req).rename(
+        try FuseBridge.fs(req).namespace.rename(
             parent: parent, name: FuseBridge.name(name), newParent: newParent,
             newName: FuseBridge.name(newName), flags: flags)
     }
@@ -170,7 +173,8 @@ func fuseRename(
 
 func fuseLink(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ newParent: fuse_ino_t, _ newName: CName?) {
     FuseBridge.replying(req) {
-        let (n, st) = try FuseBridge.fs(req).link(ino, newParent: newParent, newName: FuseBridge.name(newName))
+        let (n, st) = try FuseBridge.fs(req).namespace.link(
+            ino, newParent: newParent, newName: FuseBridge.name(newName))
         FuseBridge.replyEntry(req, n, st)
     }
 }
@@ -180,7 +184,7 @@ func fuseLink(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ newParent: fuse_ino_t, _ 
 func fuseOpen(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ fi: FileInfo?) {
     guard let fi else { return FuseBridge.err(req, EINVAL) }
     FuseBridge.replying(req) {
-        let h = try FuseBridge.fs(req).open(ino, flags: fi.pointee.flags, caller: FuseBridge.caller(req))
+        let h = try FuseBridge.fs(req).io.open(ino, flags: fi.pointee.flags, caller: FuseBridge.caller(req))
         FuseBridge.attach(h, to: fi)
         if fuse_reply_open(req, fi) != 0 { FuseBridge.releaseHandle(req, fi) }  // the opener is gone
     }
@@ -194,8 +198,8 @@ func fuseCreate(_ req: fuse_req_t?, _ parent: fuse_ino_t, _ name: CName?, _ mode
         let fs = FuseBridge.fs(req), entryName = try FuseBridge.name(name)
         let (n, st, h) =
             entryName == FuseChannel.unnamedFileName
-            ? try fs.createUnnamed(parent: parent, mode: mode, caller: FuseBridge.caller(req))
-            : try fs.create(
+            ? try fs.io.createUnnamed(parent: parent, mode: mode, caller: FuseBridge.caller(req))
+            : try fs.io.create(
                 parent: parent, name: entryName, mode: mode, flags: fi.pointee.flags,
                 caller: FuseBridge.caller(req))
         FuseBridge.attach(h, to: fi)
@@ -212,7 +216,7 @@ func fuseRead(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ size: Int, _ off: off_t, 
     ScratchBuffers.shared.with(max(size, 1)) { buf in
         FuseBridge.replying(req) {
             let into = UnsafeMutableRawBufferPointer(rebasing: buf[0..<size])
-            try FuseBridge.fs(req).read(h, offset: Int(off), into: into) { n in
+            try FuseBridge.fs(req).io.read(h, offset: Int(off), into: into) { n in
                 fuse_reply_buf(req, buf.baseAddress!.assumingMemoryBound(to: CChar.self), n)
             }
         }
@@ -226,8 +230,8 @@ func fuseWrite(
     guard let h = FuseBridge.handle(fi) else { return FuseBridge.err(req, EBADF) }
     FuseBridge.replying(req) {
         let fs = FuseBridge.fs(req)
-        try fs.write(h, offset: Int(off), data: UnsafeRawBufferPointer(start: data, count: size))
-        fs.clearSetIDAfterModification(h, by: FuseBridge.caller(req))
+        try fs.io.write(h, offset: Int(off), data: UnsafeRawBufferPointer(start: data, count: size))
+        fs.io.clearSetIDAfterModification(h, by: FuseBridge.caller(req))
         fuse_reply_write(req, size)
     }
 }
@@ -238,7 +242,7 @@ func fuseFallocate(
 ) {
     guard let h = FuseBridge.handle(fi) else { return FuseBridge.err(req, EBADF) }
     FuseBridge.replyingDone(req) {
-        try FuseBridge.fs(req).fallocate(
+        try FuseBridge.fs(req).io.fallocate(
             h, mode: mode, offset: Int(off), length: Int(length),
             caller: FuseBridge.caller(req))
     }
@@ -251,7 +255,7 @@ func fuseRelease(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ fi: FileInfo?) {
 
 func fuseFsync(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ datasync: Int32, _ fi: FileInfo?) {
     guard let h = FuseBridge.handle(fi) else { return FuseBridge.err(req, EBADF) }
-    FuseBridge.replyingDone(req) { try FuseBridge.fs(req).fsync(h, dataOnly: datasync != 0) }
+    FuseBridge.replyingDone(req) { try FuseBridge.fs(req).io.fsync(h, dataOnly: datasync != 0) }
 }
 
 // MARK: directories
@@ -259,7 +263,7 @@ func fuseFsync(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ datasync: Int32, _ fi: F
 func fuseOpendir(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ fi: FileInfo?) {
     guard let fi else { return FuseBridge.err(req, EINVAL) }
     FuseBridge.replying(req) {
-        FuseBridge.attach(try FuseBridge.fs(req).opendir(ino), to: fi)
+        FuseBridge.attach(try FuseBridge.fs(req).namespace.opendir(ino), to: fi)
         if fuse_reply_open(req, fi) != 0 { FuseBridge.releaseDirectory(fi) }
     }
 }
@@ -278,7 +282,7 @@ func fuseReleasedir(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ fi: FileInfo?) {
 }
 
 func fuseFsyncdir(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ datasync: Int32, _ fi: FileInfo?) {
-    FuseBridge.replyingDone(req) { try FuseBridge.fs(req).fsyncdir(ino) }
+    FuseBridge.replyingDone(req) { try FuseBridge.fs(req).namespace.fsyncdir(ino) }
 }
 
 func fuseStatfs(_ req: fuse_req_t?, _ ino: fuse_ino_t) {
@@ -296,7 +300,7 @@ func fuseSetxattr(
 ) {
     let bytes = value.map { Array(UnsafeRawBufferPointer(start: $0, count: size)) } ?? []
     FuseBridge.replyingDone(req) {
-        try FuseBridge.fs(req).setXattr(
+        try FuseBridge.fs(req).attributes.setXattr(
             ino, name: FuseBridge.str(name), value: bytes, flags: flags,
             caller: FuseBridge.caller(req))
     }
@@ -304,17 +308,18 @@ func fuseSetxattr(
 
 func fuseGetxattr(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ name: CName?, _ size: Int) {
     FuseBridge.replying(req) {
-        FuseBridge.replyXattr(req, try FuseBridge.fs(req).getXattr(ino, name: FuseBridge.str(name)), size: size)
+        FuseBridge.replyXattr(
+            req, try FuseBridge.fs(req).attributes.getXattr(ino, name: FuseBridge.str(name)), size: size)
     }
 }
 
 func fuseListxattr(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ size: Int) {
     FuseBridge.replying(req) {
-        let names = try FuseBridge.fs(req).listXattrs(ino)
+        let names = try FuseBridge.fs(req).attributes.listXattrs(ino)
         FuseBridge.replyXattr(req, names.flatMap { Array($0.utf8) + [0] }, size: size)
     }
 }
 
 func fuseRemovexattr(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ name: CName?) {
-    FuseBridge.replyingDone(req) { try FuseBridge.fs(req).removeXattr(ino, name: FuseBridge.str(name)) }
+    FuseBridge.replyingDone(req) { try FuseBridge.fs(req).attributes.removeXattr(ino, name: FuseBridge.str(name)) }
 }

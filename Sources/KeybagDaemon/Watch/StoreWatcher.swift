@@ -138,7 +138,7 @@ final class StoreWatcher: Sendable {
         while let dir = pending.popLast() {
             defer { close(dir) }
             guard watch(dir) else { continue }
-            guard let entries = try? fs.backingEntries(dirFD: dir) else { continue }
+            guard let entries = try? DirectoryNames.backingEntries(dirFD: dir) else { continue }
             for e in entries where e.type == UInt8(DT_DIR) || e.type == UInt8(DT_UNKNOWN) {
                 switch BackingKind.of(e.name) {
                 case .name, .longName: break
@@ -273,7 +273,7 @@ final class StoreWatcher: Sendable {
         }
         for dir in relist.values { forgetEveryName(of: dir) }
         if batch.xattrSetsChanged {
-            fs.xattrs.recount()
+            fs.attributes.xattrs.recount()
         }
         if batch.overflow { forgetEverything(because: "the store watcher lost events (queue overflow)") }
     }
@@ -380,9 +380,9 @@ final class StoreWatcher: Sendable {
     /// went): the kernel forgets every name the directory showed with the metadata known so
     /// far, the metadata is read again, and every name it shows now is forgotten too.
     private func forgetEveryName(of dir: Node) {
-        var names = Set(((try? fs.listing(dir)) ?? []).map(\.name))
+        var names = Set(((try? fs.namespace.listing(dir)) ?? []).map(\.name))
         dir.directory?.forget()
-        names.formUnion(((try? fs.listing(dir)) ?? []).map(\.name))
+        names.formUnion(((try? fs.namespace.listing(dir)) ?? []).map(\.name))
         for name in names where name != "." && name != ".." { fs.kernel.forgetEntrySoon(parent: dir.id, name: name) }
         fs.kernel.refreshAttributes([dir.id])
     }
@@ -390,8 +390,8 @@ final class StoreWatcher: Sendable {
     /// Makes the kernel look the backing entry `entry` of `dir` up again (by its plaintext name,
     /// and by its conflict name where it decrypts under a metadata copy's IV).
     private func forgetEntry(_ entry: String, of dir: Node) {
-        guard let ivs = try? fs.nameIVs(of: dir),
-            let found = try? fs.plaintextName(dirFD: dir.fd, backing: entry, ivs: ivs)
+        guard let ivs = try? fs.directories.nameIVs(of: dir),
+            let found = try? fs.directories.plaintextName(dirFD: dir.fd, backing: entry, ivs: ivs)
         else { return }
         fs.kernel.forgetEntrySoon(parent: dir.id, name: found.name)
         if found.index > 0 {
@@ -431,12 +431,12 @@ final class StoreWatcher: Sendable {
         fs.underneath.namesChanged()
         watchTree(dup(dataFD))
         fs.classes.changed()
-        fs.xattrs.recount()
+        fs.attributes.xattrs.recount()
         for n in fs.table.allNodes() {
             if n.isRegular { supersedeIfHeaderChanged(n) }
             if n.isDirectory {
                 n.directory?.forget()
-                for e in (try? fs.listing(n)) ?? [] where e.name != "." && e.name != ".." {
+                for e in (try? fs.namespace.listing(n)) ?? [] where e.name != "." && e.name != ".." {
                     fs.kernel.forgetEntrySoon(parent: n.id, name: e.name)
                 }
             }

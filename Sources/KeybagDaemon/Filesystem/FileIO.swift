@@ -6,9 +6,53 @@ import KeybagCore
 import KeybagProtocol
 import Synchronization
 
-/// Open files and their content: headers and keys, open, create, read, write, truncate
-/// (fallocate is in `Fallocate.swift`, the `user.protection` xattr in `UserProtection.swift`).
-extension Filesystem {
+/// Open files and their content: headers and keys, open, read, write, truncate, fsync and
+/// release (creation is in `FileCreation.swift`, fallocate in `Fallocate.swift`). Whether a
+/// key may be used is `FileKeyLife`'s decision; this type runs it against the store.
+final class FileIO: Sendable {
+    /// Largest plaintext size (and offset) accepted: keeps every backing offset far from Int overflow.
+    static let maxFileSize = 1 << 60
+
+    /// The nodes; where new files get their names and classes; the lookup of a name a create
+    /// found taken.
+    let table: NodeTable, directories: DirectoryNames, lookups: EntryLookup
+    /// The class keys, the content cipher, and the block format over it.
+    let keyring: ClassKeyring, cipher: ContentCipher, content: EncryptedContent
+    /// Page drops, attribute refreshes and off-thread work (see `KernelNotifier`).
+    let kernel: KernelNotifier
+    /// The store's free space as the write path sees it (see `StoreSpace`).
+    let space: StoreSpace
+    /// The store's overwrite journal (nil: blocks are rewritten in place, as before it).
+    let journaling: Journaling?
+    /// What the store watcher reports of another writer (no hole-free start is trusted then).
+    let underneath = ChangesUnderneath()
+    /// The creation mode of new files (an ACL's default applies).
+    let acls: PosixACLs
+    /// The store's user xattr sets (a file's goes with its last close; fsync covers it).
+    let xattrs: XattrStorage
+    /// Open file handles (for `status`).
+    let openFiles = Atomic<Int>(0)
+    /// Whether created objects are chowned to the caller (the daemon runs as root).
+    let chownToCaller: Bool
+    /// Whether the store's file system reports holes exactly (`kbfs_reports_holes`): writes
+    /// below a file's first hole then reserve no space (`FileState.allocated`).
+    let storeReportsHoles: Bool
+    /// Where notes go.
+    let log: EventLog
+
+    init(
+        table: NodeTable, directories: DirectoryNames, lookups: EntryLookup, keyring: ClassKeyring,
+        cipher: ContentCipher, kernel: KernelNotifier, space: StoreSpace, journaling: Journaling?,
+        acls: PosixACLs, xattrs: XattrStorage, storeReportsHoles: Bool
+    ) {
+        (self.table, self.directories, self.lookups, self.keyring) = (table, directories, lookups, keyring)
+        (self.cipher, self.kernel, self.space, self.journaling) = (cipher, kernel, space, journaling)
+        (self.acls, self.xattrs, self.storeReportsHoles) = (acls, xattrs, storeReportsHoles)
+        content = EncryptedContent(layout: BlockLayout(cipher: cipher))
+        chownToCaller = geteuid() == 0
+        log = directories.log
+    }
+
     // MARK: classes and keys
 
     /// Reads a regular file's header. A header left with two valid slots by a class change
@@ -71,7 +115,7 @@ extension Filesystem {
 
     /// Opens the backing file for a handle and loads the file key (EACCES by class rules).
     func open(_ id: UInt64, flags: Int32, caller: Caller? = nil) throws -> OpenFile {
-        let n = try node(id)
+        let n = try table.known(id)
         guard let file = n.file else { throw FSError(n.isDirectory ? EISDIR : EINVAL) }
         let writable = (flags & O_ACCMODE) != O_RDONLY
         // nearly full: tight before the first write
@@ -104,7 +148,7 @@ extension Filesystem {
         // when it hands O_TRUNC over (atomic O_TRUNC).
         if flags & O_TRUNC != 0 && writable, let caller {
             var st = stat()
-            if fstat(fd, &st) == 0, let mode = Self.modeAfterModification(st, by: caller) { _ = fchmod(fd, mode) }
+            if fstat(fd, &st) == 0, let mode = caller.modeAfterModification(of: st) { _ = fchmod(fd, mode) }
         }
         openFiles.add(1, ordering: .relaxed)
         return OpenFile(node: n, file: file, fd: fd, writable: writable, directIO: usesDirectIO(cls))
@@ -114,175 +158,6 @@ extension Filesystem {
     /// lets mappings use direct-I/O handles (else class A keeps cached I/O, and a refused
     /// write can be seen by another reader of the file while the daemon answers it).
     func usesDirectIO(_ cls: ProtectionClass) -> Bool { cls == .complete && kernel.negotiated.directIOMappable }
-
-    /// Creates a regular file with the inherited class (EACCES when that class cannot create
-    /// now). Atomic: the header is written to an unnamed file that is then linked under its
-    /// name, so a crash never leaves a named file without a header.
-    func create(
-        parent: UInt64, name: String, mode: mode_t, flags: Int32, caller: Caller
-    ) throws -> (Node, stat, OpenFile) {
-        try retryingWhileSpaceReturns {
-            try createOnce(parent: parent, name: name, mode: mode, flags: flags, caller: caller)
-        }
-    }
-
-    /// One attempt of `create`; undoes what it did when it fails.
-    private func createOnce(
-        parent: UInt64, name: String, mode: mode_t, flags: Int32, caller: Caller
-    ) throws -> (Node, stat, OpenFile) {
-        try Self.checkName(name)
-        let p = try node(parent)
-        let cls = try inheritedClass(p)
-        guard let (wrapKey, epoch, keySet) = keyring.wrappingKey(for: cls) else { throw FSError(EACCES) }
-        let entry = try backingName(p, name)
-        let sideCreated = try ensureSideFile(p, entry)
-        let file: NewFile
-        do {
-            file = try newFile(
-                in: p, class: cls, wrapKey: wrapKey, keySet: keySet, mode: mode, caller: caller, nameless: false)
-        } catch {
-            if sideCreated { removeSideFile(p, entry) }
-            throw FSError(error)
-        }
-        var linked = false
-        do {
-            let rc = link(unnamed: file.fd, temp: file.temp, dirFD: p.fd, as: entry.name)
-            if rc == EEXIST && flags & O_EXCL == 0 {
-                file.key.wipe()
-                close(file.fd)
-                let (n, _) = try lookupBacking(p, entry.name)
-                let h = try open(n.id, flags: flags, caller: caller)
-                return (n, try attributes(fd: h.fd), h)
-            }
-            guard rc == 0 else { throw FSError(rc) }
-            linked = true
-            Failpoint.createBeforeKeyJoinsInode.hit()
-            let pathFD = try check(openat(p.fd, entry.name, kbfs_O_PATH | O_NOFOLLOW | O_CLOEXEC))
-            var st = stat()
-            try check(fstat(pathFD, &st))
-            let named = journaling?.path(of: pathFD)  // before the node table takes (and may close) pathFD
-            return try adopt(
-                file, node: table.remember(fd: pathFD, stat: st), stat: st, class: cls, epoch: epoch, named: named)
-        } catch {
-            if linked { unlinkat(p.fd, entry.name, 0) }
-            if sideCreated && (error as? FSError)?.errno != EEXIST { removeSideFile(p, entry) }
-            close(file.fd)
-            throw FSError(error)
-        }
-    }
-
-    /// `open(2)` with `O_TMPFILE` in `parent`: a file of the inherited class with no name,
-    /// gone at its last close unless `linkat(2)` gives it one (a backing O_TMPFILE file,
-    /// whose node keeps a descriptor: an unlinked inode cannot be reopened by handle).
-    /// EOPNOTSUPP where the store's filesystem has no O_TMPFILE.
-    func createUnnamed(parent: UInt64, mode: mode_t, caller: Caller) throws -> (Node, stat, OpenFile) {
-        try retryingWhileSpaceReturns {
-            let p = try node(parent)
-            let cls = try inheritedClass(p)
-            guard let (wrapKey, epoch, keySet) = keyring.wrappingKey(for: cls) else { throw FSError(EACCES) }
-            let file = try newFile(
-                in: p, class: cls, wrapKey: wrapKey, keySet: keySet, mode: mode, caller: caller, nameless: true)
-            do {
-                let pathFD = try check(Glibc.open("/proc/self/fd/\(file.fd)", kbfs_O_PATH | O_CLOEXEC))
-                var st = stat()
-                guard fstat(pathFD, &st) == 0 else { let e = errno; close(pathFD); throw FSError(e) }
-                return try adopt(
-                    file, node: table.remember(keeping: pathFD, stat: st), stat: st, class: cls, epoch: epoch)
-            } catch {
-                close(file.fd)
-                throw FSError(error)
-            }
-        }
-    }
-
-    /// A new backing file with its header, not yet in the node table.
-    private struct NewFile {
-        /// Read-write descriptor of the backing file.
-        let fd: Int32
-        /// Its reserved temporary name where the store has no O_TMPFILE, else nil.
-        let temp: String?
-        let header: FileHeader
-        let key: FileContentKey
-    }
-
-    /// A backing file in `p` of class `cls` owned by `caller`, with its header written and
-    /// no name of its own (`unnamedFile`; `nameless` refuses the temporary-name fallback).
-    /// Leaves nothing behind when it throws.
-    private func newFile(
-        in p: Node, class cls: ProtectionClass, wrapKey: FileHeader.ClassKey, keySet: UInt8, mode: mode_t,
-        caller: Caller, nameless: Bool
-    ) throws -> NewFile {
-        // Made without set-ID bits: they come once the file is the caller's (the kernel already
-        // dropped those the caller may not set, Linux 6.0+); never on a file left as root's.
-        let (bfd, temp) = try unnamedFile(
-            dirFD: p.fd, mode: acls.creationMode(mode, in: p, by: caller) & 0o1777, fallback: !nameless)
-        do {
-            let owned =
-                !chownToCaller
-                || !Failpoint.chownRefused.isOn && fchown(bfd, caller.uid, groupFor(caller, dirFD: p.fd)) == 0
-            var st = stat()
-            if owned && mode & (S_ISUID | S_ISGID) != 0 && fstat(bfd, &st) == 0 {
-                fchmod(bfd, st.st_mode & 0o1777 | mode & (S_ISUID | S_ISGID))
-            }
-            let raw = SecureKey(random: 32)
-            let header = try FileHeader.create(
-                fileKey: raw, class: cls, cipher: cipher, using: wrapKey, keySet: keySet)
-            try EncryptedContent.writeNewHeader(fd: bfd, header)
-            return NewFile(fd: bfd, temp: temp, header: header, key: try FileContentKey(key: raw, header: header))
-        } catch {
-            if let temp { unlinkat(p.fd, temp, 0) }
-            close(bfd)
-            throw FSError(error)
-        }
-    }
-
-    /// Gives a new file's key to its node and opens the creator's handle on it.
-    /// `named`: its path in the store, for the journal (a new file's own descriptor is unnamed).
-    private func adopt(
-        _ file: NewFile, node n: Node, stat st: stat, class cls: ProtectionClass, epoch: UInt64, named: String? = nil
-    ) throws -> (Node, stat, OpenFile) {
-        let state: FileState
-        do {
-            guard let s = n.file else { throw FSError(EIO) }  // another writer put something else there
-            try s.io.write { s in
-                try s.adoptCreated(header: file.header, key: file.key, epoch: epoch, keyring: keyring)
-            }
-            state = s
-        } catch {
-            table.forget(n.id, count: 1)  // the kernel never learns of this node
-            throw error
-        }
-        if let named {
-            journaling?.created(state, ino: UInt64(st.st_ino), fd: file.fd, fileID: file.key.fileID, path: named)
-        }
-        openFiles.add(1, ordering: .relaxed)
-        return (
-            n, plaintextAttributes(st, linkAt: -1, ""),
-            OpenFile(node: n, file: state, fd: file.fd, writable: true, directIO: usesDirectIO(cls))
-        )
-    }
-
-    /// A new backing file without a name in `dirFD` (O_TMPFILE), or under a reserved
-    /// temporary name where the backing filesystem has no O_TMPFILE.
-    private func unnamedFile(dirFD: Int32, mode: mode_t, fallback: Bool) throws -> (Int32, String?) {
-        let fd = openat(dirFD, ".", kbfs_O_TMPFILE | O_RDWR | O_CLOEXEC, mode)
-        if fd >= 0 { return (fd, nil) }
-        guard errno == EOPNOTSUPP || errno == EISDIR || errno == EINVAL else { throw FSError(errno) }
-        guard fallback else { throw FSError(EOPNOTSUPP) }
-        let temp = BackingKind.temporaryName()
-        return (try check(openat(dirFD, temp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode)), temp)
-    }
-
-    /// Links a file from `unnamedFile` under `name` (never replacing an entry); removes the
-    /// temporary name. Returns 0 or the errno (EEXIST when the name is taken).
-    private func link(unnamed fd: Int32, temp: String?, dirFD: Int32, as name: String) -> Int32 {
-        let rc =
-            temp.map { linkat(dirFD, $0, dirFD, name, 0) }
-            ?? linkat(AT_FDCWD, "/proc/self/fd/\(fd)", dirFD, name, AT_SYMLINK_FOLLOW)
-        let e = rc == 0 ? 0 : errno
-        if let temp { unlinkat(dirFD, temp, 0) }
-        return e
-    }
 
     /// The last close of a handle: class B file keys die with the last handle once locked,
     /// and so do the crypto library's key schedules and the inode's cached pages (dropped
@@ -300,7 +175,7 @@ extension Filesystem {
         if lastClose {
             var st = stat()
             if fstat(h.fd, &st) == 0 && st.st_nlink == 0 {
-                if let header, hasStoredXattrs { dropXattrs(Base64URL.encode(header.fileID)) }
+                if let header, xattrs.holdsAny { xattrs.drop(Base64URL.encode(header.fileID)) }
                 journaling?.journal.forgetDeleted(ino: UInt64(st.st_ino))
             }
         }
@@ -416,14 +291,22 @@ extension Filesystem {
         if xattrs.changedSinceSync, let header { try xattrs.makeDurable(Base64URL.encode(header.fileID)) }
     }
 
-    /// fsync of a directory: its backing folder (the entries of the names in it, long names'
-    /// side files, its metadata), then its xattr set when that changed.
-    func fsyncdir(_ id: UInt64) throws {
-        let n = try node(id)
-        guard n.isDirectory else { throw FSError(ENOTDIR) }
-        let fd = try check(openat(n.fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC))
-        defer { close(fd) }
-        try check(Glibc.fsync(fd))
-        if xattrs.changedSinceSync, let meta = try? meta(of: n) { try xattrs.makeDurable(Base64URL.encode(meta.iv)) }
+    /// Clears the set-ID bits of an open file that `caller` just modified (write, fallocate)
+    /// as `modeAfterModification` rules. Costs nothing when the kernel said they stay (writes
+    /// of callers with CAP_FSETID, and the page cache's write-back); else one `fstat`.
+    func clearSetIDAfterModification(_ h: OpenFile, by caller: Caller) {
+        if caller.kernelSaysClearSetID == false { return }
+        var st = stat()
+        if fstat(h.fd, &st) == 0, let mode = caller.modeAfterModification(of: st) {
+            setModeBehindTheKernel(h, mode)
+        }
+    }
+
+    /// Changes the mode of an open file on a request that does not answer with attributes
+    /// (write, fallocate): the kernel keeps the mode it has cached (the attributes it took
+    /// just before, when it updated the times) until told to ask again.
+    func setModeBehindTheKernel(_ h: OpenFile, _ mode: mode_t) {
+        guard fchmod(h.fd, mode) == 0 else { return }
+        kernel.refreshAttributes([h.node.id])
     }
 }
