@@ -61,10 +61,26 @@ final class SeedStore: @unchecked Sendable {
     }
 
     /// A fresh working copy of the store (the previous input's changes gone); its path.
+    /// A copy that fails (two long-pass runs ended so, beside the mount tests) is said and tried
+    /// again for up to 10 s, from the committed store where the pristine copy is gone: the
+    /// harness's own trouble must not end a search.
     func freshCopy() -> String {
-        try? FileManager.default.removeItem(atPath: work)
-        do { try FileManager.default.copyItem(atPath: pristine, toPath: work) } catch { Self.fail("copy: \(error)") }
-        return work
+        for attempt in 0..<40 {
+            try? FileManager.default.removeItem(atPath: work)
+            do {
+                if !Self.isFolder(pristine) {
+                    try FileManager.default.createDirectory(
+                        atPath: PathText.parent(pristine), withIntermediateDirectories: true)
+                    try FileManager.default.copyItem(atPath: source, toPath: pristine)
+                }
+                try FileManager.default.copyItem(atPath: pristine, toPath: work)
+                return work
+            } catch {
+                say("keybagfs-fuzz: copying the seed store failed (attempt \(attempt + 1)): \(error)\n")
+                usleep(250_000)
+            }
+        }
+        Self.fail("copy of the seed store failed 40 times")
     }
 
     /// Backing files of `folder` (a path inside the store) whose names match `keep`.
