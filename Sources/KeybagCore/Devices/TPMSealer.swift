@@ -67,12 +67,18 @@ public struct TPMEnrollment: Codable, Sendable, Equatable {
     /// Where the enrollment of device `deviceID` lives.
     public static func path(deviceID: String) -> String { KeySetFloor.stateFolder + "/\(deviceID).tpm2" }
 
-    /// The enrollment at `path`; nil when there is none.
+    /// The enrollment at `path`; nil when there is none. A primary's name that is not hex is
+    /// refused: read as "not pinned yet" it would leave the storage primary unchecked.
     public static func load(from path: String) throws -> TPMEnrollment? {
         guard let data = try StoreFileOpen.contents(path) else { return nil }
-        do { return try JSONDecoder().decode(TPMEnrollment.self, from: data) } catch {
+        let e: TPMEnrollment
+        do { e = try JSONDecoder().decode(TPMEnrollment.self, from: data) } catch {
             throw KeybagError.corrupt("the TPM enrollment \(path) is not valid")
         }
+        if let name = e.primaryName, Hex.bytes(name) == nil {
+            throw KeybagError.corrupt("the TPM enrollment \(path) pins a storage primary by a name that is not hex")
+        }
+        return e
     }
 
     /// Writes the enrollment atomically (temp file, fsync, rename), mode 0600.
