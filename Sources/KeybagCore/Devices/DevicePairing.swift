@@ -54,6 +54,7 @@ public enum DevicePairing {
     /// The keys of a payload; `corrupt` when malformed.
     static func keys(ofPayload p: SecureKey) throws -> StoreKeys {
         try p.withBytes { b in
+            guard b.count >= 2 else { throw KeybagError.corrupt("a grant of the wrong size") }
             let n = Int(b[0]) | Int(b[1]) << 8
             guard n >= 1, n <= Keybag.maxKeySet + 1, b.count == 2 + 128 * n + 32 else {
                 throw KeybagError.corrupt("a grant of the wrong size")
