@@ -44,6 +44,11 @@ extension FuzzTarget {
             }
             _ = PairingMessages.read(PairingMessages.Reveal.self, store, id, "reveal")
             _ = PairingMessages.read(PairingMessages.Grant.self, store, id, "grant")
+            // The keys a grant seals, as the newcomer takes them once the box opens: only a device
+            // of the store that signs the grant reaches this (an empty payload trapped here).
+            let payload = SecureKey(count: input.count) { $0.copyBytes(from: input) }
+            (try? DevicePairing.keys(ofPayload: payload))?.wipe()
+            payload.wipe()
         },
         // A device's TPM enrollment record (`/var/lib/keybagfs/ID.tpm2`): decoded, its blobs
         // and PCR list read (sealing and unsealing need a TPM: the mount tests' swtpm).

@@ -51,8 +51,8 @@ public enum DevicePairing {
         }
     }
 
-    /// The keys of a payload; `corrupt` when malformed.
-    static func keys(ofPayload p: SecureKey) throws -> StoreKeys {
+    /// The keys of a payload; `corrupt` when malformed (fuzzed: the `pairing` target).
+    public static func keys(ofPayload p: SecureKey) throws -> StoreKeys {
         try p.withBytes { b in
             guard b.count >= 2 else { throw KeybagError.corrupt("a grant of the wrong size") }
             let n = Int(b[0]) | Int(b[1]) << 8
