@@ -6,9 +6,9 @@ import XCTest
 @testable import KeybagDaemon
 
 /// A copy of the store the real daemon wrote for the fuzzers (Fuzz/seed-store, its device key;
-/// passcode `fuzz seed passcode`) per test, opened as the daemon opens it: the keybag, class D,
-/// the names, and a `Filesystem` over it without a mount, whose log the test reads (a base
-/// class: no tests).
+/// passcode `fuzz seed passcode`) per test, opened as the daemon opens it: the keybag (bound to
+/// the device key), class D, the names, and a `Filesystem` over it without a mount, whose log
+/// the test reads (a base class: no tests).
 class SeedStoreTestCase: XCTestCase {
     var dir = ""
     var store = ""
@@ -32,6 +32,9 @@ class SeedStoreTestCase: XCTestCase {
         try FileManager.default.copyItem(atPath: Self.fuzz + "/seed-store", toPath: store)
         deviceKey = try DeviceKeyFile.load(from: Self.fuzz + "/seed.key")
         keybag = try Keybag.load(storePath: store, deviceKey: deviceKey)
+        // Bound to the device key as the daemon's start binds it (else a failed attempt
+        // cannot be saved, and a wrong passcode is refused as an internal error).
+        XCTAssertEqual(try keybag.authenticate(deviceKey: deviceKey), .authentic)
         keyring = ClassKeyring(
             classD: try keybag.classDKeys(deviceKey: deviceKey), current: UInt8(keybag.currentKeySet))
         let volume = try keybag.unwrapDeviceKeySlot("volume", deviceKey: deviceKey)

@@ -26,9 +26,11 @@ final class ControllerTests: SeedStoreTestCase {
 
     func testAWrongPasscodeIsCountedAndInstallsNothing() {
         XCTAssertEqual(controller.state, .beforeFirstUnlock)
-        guard case .failure = controller.unlock(passcode: passcode("not the passcode")) else {
+        guard case .failure(let refusal) = controller.unlock(passcode: passcode("not the passcode")) else {
             return XCTFail("a wrong passcode unlocked")
         }
+        XCTAssertEqual(refusal.error, .badPasscode, refusal.message)
+        XCTAssertEqual(refusal.failedAttempts, 1)
         XCTAssertEqual(controller.state, .beforeFirstUnlock)
         XCTAssertEqual(controller.status().failedAttempts, 1)
         XCTAssertFalse(keyring.access.canOpen(.complete))
