@@ -25,8 +25,7 @@ class SeedStoreTestCase: XCTestCase {
         .deletingLastPathComponent().appendingPathComponent("Fuzz").path
 
     override func setUpWithError() throws {
-        var t = Array("/tmp/kbfs-unit.XXXXXX".utf8CString)
-        dir = String(cString: mkdtemp(&t)!)
+        dir = makeTemporaryFolder()
         setenv("STATE_DIRECTORY", dir + "/state", 1)
         store = dir + "/store"
         try FileManager.default.copyItem(atPath: Self.fuzz + "/seed-store", toPath: store)

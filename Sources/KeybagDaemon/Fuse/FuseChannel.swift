@@ -83,7 +83,8 @@ enum FuseChannel {
 
     /// Notes, for the thread about to handle it, whether a request asks for set-ID bits to
     /// be cleared; remembers an INIT request and the flags it offers; relabels FUSE_TMPFILE.
-    private static func noteRequest(_ p: UnsafeMutableRawPointer, count: Int) {
+    /// (Internal, not private, for the unit tests.)
+    static func noteRequest(_ p: UnsafeMutableRawPointer, count: Int) {
         var opcode = p.loadUnaligned(fromByteOffset: 4, as: UInt32.self)
         if opcode == opcodeTmpfile {
             p.storeBytes(of: opcodeCreate, toByteOffset: 4, as: UInt32.self)
@@ -136,9 +137,9 @@ enum FuseChannel {
     }
 
     /// Sets the offered flags in the successful reply to the noted INIT request; true if
-    /// `iov` was that reply.
+    /// `iov` was that reply. (Internal, not private, for the unit tests.)
     @discardableResult
-    private static func patchReply(_ iov: UnsafeMutablePointer<iovec>) -> Bool {
+    static func patchReply(_ iov: UnsafeMutablePointer<iovec>) -> Bool {
         guard iov[0].iov_len >= outHeaderSize, let head = iov[0].iov_base else { return false }
         let offered: PendingInit? = pendingInit.withLock { p in
             guard head.loadUnaligned(fromByteOffset: 8, as: UInt64.self) == p.unique else { return nil }

@@ -8,27 +8,17 @@ import XCTest
 
 /// `XattrStorage` on a folder of its own: sets sealed and counted, a torn set read as empty
 /// and named in the log it was given, a writer's FIFO refused without blocking.
-final class XattrStorageTests: XCTestCase {
-    var dir = ""
-    var fd: Int32 = -1
+final class XattrStorageTests: TemporaryFolderTestCase {
     var names: NameCipher!
 
     override func setUpWithError() throws {
-        var t = Array("/tmp/kbfs-unit.XXXXXX".utf8CString)
-        dir = String(cString: mkdtemp(&t)!)
-        fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+        try super.setUpWithError()
         names = try NameCipher(volumeKey: SecureKey(random: 32))
-        XCTAssertGreaterThanOrEqual(fd, 0)
-    }
-
-    override func tearDown() {
-        close(fd)
-        try? FileManager.default.removeItem(atPath: dir)
     }
 
     func testSetsAreSealedCountedAndRemovedWhenEmpty() throws {
         let (log, lines) = EventLog.recording()
-        let x = XattrStorage(dirFD: fd, names: names, log: log)
+        let x = XattrStorage(dirFD: dirFD, names: names, log: log)
         XCTAssertFalse(x.holdsAny)
         try x.update { try x.save("id1", XattrSet(values: ["user.note": Array("hello".utf8)]), existed: false) }
         XCTAssertTrue(x.holdsAny)
@@ -43,7 +33,7 @@ final class XattrStorageTests: XCTestCase {
 
     func testATornSetReadsEmptyAndIsNamedInTheGivenLog() throws {
         let (log, lines) = EventLog.recording()
-        let x = XattrStorage(dirFD: fd, names: names, log: log)
+        let x = XattrStorage(dirFD: dirFD, names: names, log: log)
         try x.update { try x.save("id2", XattrSet(values: ["user.a": [1, 2, 3]]), existed: false) }
         XCTAssertEqual(truncate(dir + "/id2", 5), 0)
         XCTAssertEqual(try x.load("id2").values, [:])
@@ -52,13 +42,13 @@ final class XattrStorageTests: XCTestCase {
     }
 
     func testAFIFOInPlaceOfASetIsAnErrorNotAWait() throws {
-        let x = XattrStorage(dirFD: fd, names: names, log: EventLog { _ in })
+        let x = XattrStorage(dirFD: dirFD, names: names, log: EventLog { _ in })
         XCTAssertEqual(mkfifo(dir + "/id3", 0o644), 0)
         XCTAssertThrowsError(try x.load("id3"))
     }
 
     func testCreateAndReplaceFlagsAsSetxattrHasThem() throws {
-        let x = XattrStorage(dirFD: fd, names: names, log: EventLog { _ in })
+        let x = XattrStorage(dirFD: dirFD, names: names, log: EventLog { _ in })
         try x.set("id4", name: "user.a", value: [1], flags: 0)
         XCTAssertThrowsError(try x.set("id4", name: "user.a", value: [2], flags: kbfs_XATTR_CREATE)) {
             XCTAssertEqual(($0 as? FSError)?.errno, EEXIST)
