@@ -51,6 +51,13 @@ enum ProtectionErrors {
     /// (the device is locked), not from file permissions.
     static let unavailableKey = "KeybagfsProtectedDataUnavailable"
 
+    /// The error of a call given a protection it cannot apply to `path` (an unknown type, a
+    /// `.protectionKey` that is not one), as Foundation reports an invalid file name.
+    static func invalidArgument(path: String, _ message: String) -> CocoaError {
+        CocoaError(
+            .fileWriteInvalidFileName, userInfo: [NSFilePathErrorKey: path, NSLocalizedDescriptionKey: message])
+    }
+
     /// Maps `errno` of an operation on `path` (`writing` or reading) to a `CocoaError`;
     /// `classOf`: where the class that may have denied it is read (default `path`).
     static func error(_ code: Int32, path: String, writing: Bool, what: String, classOf: String? = nil) -> CocoaError {

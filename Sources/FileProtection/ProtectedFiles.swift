@@ -26,12 +26,7 @@ extension FileManager {
     /// a file's class is crash-safe in keybagfs (the file reads in the old or new class).
     public func setProtection(_ protection: FileProtectionType, ofItemAtPath path: String) throws {
         guard let name = protection.keybagfsName else {
-            throw CocoaError(
-                .fileWriteInvalidFileName,
-                userInfo: [
-                    NSFilePathErrorKey: path,
-                    NSLocalizedDescriptionKey: "unknown protection type \(protection.rawValue)",
-                ])
+            throw ProtectionErrors.invalidArgument(path: path, "unknown protection type \(protection.rawValue)")
         }
         guard setxattr(path, protectionAttribute, name, name.utf8.count, 0) == 0 else {
             throw ProtectionErrors.error(errno, path: path, writing: true, what: "setting the protection of")
@@ -52,12 +47,7 @@ extension FileManager {
         if let p = rest.removeValue(forKey: .protectionKey) {
             let type = (p as? FileProtectionType) ?? (p as? String).map { FileProtectionType(rawValue: $0) }
             guard let type else {
-                throw CocoaError(
-                    .fileWriteInvalidFileName,
-                    userInfo: [
-                        NSFilePathErrorKey: path,
-                        NSLocalizedDescriptionKey: "protectionKey must be a FileProtectionType",
-                    ])
+                throw ProtectionErrors.invalidArgument(path: path, "protectionKey must be a FileProtectionType")
             }
             try setProtection(type, ofItemAtPath: path)
         }
@@ -74,12 +64,7 @@ extension Data {
     public func write(to url: URL, protection: FileProtectionType, options: Data.WritingOptions = []) throws {
         let path = url.path
         guard let className = protection.keybagfsName else {
-            throw CocoaError(
-                .fileWriteInvalidFileName,
-                userInfo: [
-                    NSFilePathErrorKey: path,
-                    NSLocalizedDescriptionKey: "unknown protection type \(protection.rawValue)",
-                ])
+            throw ProtectionErrors.invalidArgument(path: path, "unknown protection type \(protection.rawValue)")
         }
         let dir = url.deletingLastPathComponent().path
         func fail(_ code: Int32, _ what: String) -> CocoaError {

@@ -115,8 +115,7 @@ struct DeviceCommand: ParsableCommand {
         @Option(help: "A name for this device (default: the host name).")
         var name: String?
 
-        @Option(help: "Read the recovery key from this file's first line.")
-        var recoveryKeyFile: String?
+        @OptionGroup var recoveryKey: RecoveryKeySource
 
         @Flag(help: "Read the recovery key (unless --recovery-key-file) and then the passcode as lines from stdin.")
         var stdin = false
@@ -167,7 +166,7 @@ struct DeviceCommand: ParsableCommand {
                             + "there), or use `keybagfs recover` to bring that device up to date")
                 }
             }
-            let recovery = try RecoveryKeyOutput.read(file: recoveryKeyFile, fromStdin: stdin)
+            let recovery = try recoveryKey.read(fromStdin: stdin)
             defer { recovery.wipe() }
             let passcode = try PasscodeInput.readNew(
                 fromStdin: stdin, prompt: "Passcode of this device: ",
@@ -218,8 +217,7 @@ struct DeviceCommand: ParsableCommand {
         @Argument(help: "The id of the device to remove (`keybagfs device list`), or `first` for the store's first.")
         var id: String
 
-        @Option(help: "Read the recovery key from this file's first line.")
-        var recoveryKeyFile: String?
+        @OptionGroup var recoveryKey: RecoveryKeySource
 
         @Flag(help: "Read the recovery key (unless --recovery-key-file) and then the passcode as lines from stdin.")
         var stdin = false
@@ -228,26 +226,25 @@ struct DeviceCommand: ParsableCommand {
         var keep: [String] = []
 
         func run() throws {
-            let lock = try lockUnmountedStore(target.store)
-            defer { close(lock) }
-            var (kb, dk) = try target.deviceKeybag()
-            defer { dk.wipe() }
-            try kb.unwrapDeviceKeySlot("D", deviceKey: dk).wipe()
-            let recovery = kb.hasRecoveryKey ? try RecoveryKeyOutput.read(file: recoveryKeyFile, fromStdin: stdin) : nil
-            defer { recovery?.wipe() }
-            let passcode = try PasscodeInput.read(fromStdin: stdin, prompt: "Passcode: ")
-            defer { passcode.wipe() }
-            let keepSet = Set(keep)
-            let chain = kb.deviceTrust().map { kb.approvalChain(of: id, trust: $0, keep: keepSet) } ?? []
-            let names = Dictionary(
-                DeviceCertificate.all(storePath: target.store).map { ($0.deviceID, $0.name ?? "no name") },
-                uniquingKeysWith: { a, _ in a })
-            let set = try kb.removeDevice(id, passcode: passcode, deviceKey: dk, recovery: recovery, keep: keepSet)
-            print("removed device \(id); files written from now on use key set \(set)")
-            for d in chain {
-                print(
-                    "also removed \(d) (\(DeviceTrust.shown(names[d] ?? "no name"))): approved by \(id) or by a device it "
-                        + "approved; keep such a device with --keep ID")
+            try target.withDeviceKeybag { kb, dk in
+                try kb.unwrapDeviceKeySlot("D", deviceKey: dk).wipe()
+                let recovery =
+                    kb.hasRecoveryKey ? try recoveryKey.read(fromStdin: stdin) : nil
+                defer { recovery?.wipe() }
+                let passcode = try PasscodeInput.read(fromStdin: stdin, prompt: "Passcode: ")
+                defer { passcode.wipe() }
+                let keepSet = Set(keep)
+                let chain = kb.deviceTrust().map { kb.approvalChain(of: id, trust: $0, keep: keepSet) } ?? []
+                let names = Dictionary(
+                    DeviceCertificate.all(storePath: target.store).map { ($0.deviceID, $0.name ?? "no name") },
+                    uniquingKeysWith: { a, _ in a })
+                let set = try kb.removeDevice(id, passcode: passcode, deviceKey: dk, recovery: recovery, keep: keepSet)
+                print("removed device \(id); files written from now on use key set \(set)")
+                for d in chain {
+                    print(
+                        "also removed \(d) (\(DeviceTrust.shown(names[d] ?? "no name"))): approved by \(id) or by a device it "
+                            + "approved; keep such a device with --keep ID")
+                }
             }
         }
     }

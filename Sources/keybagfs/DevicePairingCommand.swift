@@ -72,28 +72,26 @@ extension DeviceCommand {
         var cancel = false
 
         func run() throws {
-            let lock = try lockUnmountedStore(target.store)
-            defer { close(lock) }
-            var (kb, dk) = try target.deviceKeybag()
-            defer { dk.wipe() }
-            let step = try kb.approveStep(id, code: code, deviceKey: dk, cancel: cancel) {
-                try PasscodeInput.read(fromStdin: stdin, prompt: "Passcode of this device: ")
-            }
-            switch step {
-            case .challenged:
-                print("answered the request of \(id); next: run `keybagfs device add --approval` on it again")
-            case .waitingForReveal:
-                print("waiting for the new machine's next step (has the sync engine brought it?)")
-            case .needCode:
-                print("next: run this again with --code and the code the new machine shows")
-            case .finished:
-                print(
-                    "the pairing of \(id) is over (it joined, or was given up); this device's pairing files are removed"
-                )
-            case .approved(let set, let confirmation):
-                print("approved device \(id) (key sets 0 to \(set))")
-                print("confirmation code: \(confirmation)")
-                print("next: on the new machine, `keybagfs device add STORE --approval --code \(confirmation)`")
+            try target.withDeviceKeybag { kb, dk in
+                let step = try kb.approveStep(id, code: code, deviceKey: dk, cancel: cancel) {
+                    try PasscodeInput.read(fromStdin: stdin, prompt: "Passcode of this device: ")
+                }
+                switch step {
+                case .challenged:
+                    print("answered the request of \(id); next: run `keybagfs device add --approval` on it again")
+                case .waitingForReveal:
+                    print("waiting for the new machine's next step (has the sync engine brought it?)")
+                case .needCode:
+                    print("next: run this again with --code and the code the new machine shows")
+                case .finished:
+                    print(
+                        "the pairing of \(id) is over (it joined, or was given up); this device's pairing files are removed"
+                    )
+                case .approved(let set, let confirmation):
+                    print("approved device \(id) (key sets 0 to \(set))")
+                    print("confirmation code: \(confirmation)")
+                    print("next: on the new machine, `keybagfs device add STORE --approval --code \(confirmation)`")
+                }
             }
         }
     }

@@ -24,8 +24,7 @@ struct Recover: ParsableCommand {
     @Flag(help: "Write a new device key instead of using the existing one (when it was lost).")
     var newDeviceKey = false
 
-    @Option(help: "Read the recovery key from this file's first line.")
-    var recoveryKeyFile: String?
+    @OptionGroup var recoveryKey: RecoveryKeySource
 
     @Flag(help: "Read the recovery key (unless --recovery-key-file) and then the new passcode as lines from stdin.")
     var stdin = false
@@ -77,7 +76,7 @@ struct Recover: ParsableCommand {
         let dkPath = target.deviceKeyPath(kb)
         let wait = kb.recoveryRetryAfter(now: Date().timeIntervalSince1970)
         guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
-        let recovery = try RecoveryKeyOutput.read(file: recoveryKeyFile, fromStdin: stdin)
+        let recovery = try recoveryKey.read(fromStdin: stdin)
         defer { recovery.wipe() }
         let passcode = try PasscodeInput.readNew(
             fromStdin: stdin, prompt: "New passcode: ", mismatch: "the passcodes differ; nothing was changed")
@@ -250,19 +249,17 @@ struct RecoveryKeyCommand: ParsableCommand {
         var currentRecoveryKeyFile: String?
 
         func run() throws {
-            let lock = try lockUnmountedStore(target.store)
-            defer { close(lock) }
-            var (kb, dk) = try target.deviceKeybag()
-            defer { dk.wipe() }
-            let current = try currentRecoveryKeyFile.map { try RecoveryKeyOutput.read(file: $0, fromStdin: false) }
-            defer { current?.wipe() }
-            let passcode = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ")
-            defer { passcode.wipe() }
-            let recovery = try kb.rotateRecoveryKey(passcode: passcode, deviceKey: dk, current: current) {
-                try RecoveryKeyOutput.give($0, file: recoveryKeyFile)
+            try target.withDeviceKeybag { kb, dk in
+                let current = try currentRecoveryKeyFile.map { try RecoveryKeyOutput.read(file: $0, fromStdin: false) }
+                defer { current?.wipe() }
+                let passcode = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ")
+                defer { passcode.wipe() }
+                let recovery = try kb.rotateRecoveryKey(passcode: passcode, deviceKey: dk, current: current) {
+                    try RecoveryKeyOutput.give($0, file: recoveryKeyFile)
+                }
+                defer { recovery.wipe() }
+                print("new recovery key for \(target.store) saved; the old one no longer works")
             }
-            defer { recovery.wipe() }
-            print("new recovery key for \(target.store) saved; the old one no longer works")
         }
     }
 }

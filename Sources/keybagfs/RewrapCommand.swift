@@ -22,28 +22,26 @@ struct Rewrap: ParsableCommand {
     var passcodeStdin = false
 
     func run() throws {
-        let lock = try lockUnmountedStore(target.store)
-        defer { close(lock) }
-        var (kb, dk) = try target.deviceKeybag()
-        defer { dk.wipe() }
-        let behind = kb.devicesWithout(keySet: kb.currentKeySet)
-        guard behind.isEmpty else {
-            throw KeybagError.invalid(
-                "devices \(behind.joined(separator: ", ")) lack key set \(kb.currentKeySet) and could open no "
-                    + "rewrapped file: run `keybagfs recover` on each first; nothing was changed")
+        try target.withDeviceKeybag { kb, dk in
+            let behind = kb.devicesWithout(keySet: kb.currentKeySet)
+            guard behind.isEmpty else {
+                throw KeybagError.invalid(
+                    "devices \(behind.joined(separator: ", ")) lack key set \(kb.currentKeySet) and could open no "
+                        + "rewrapped file: run `keybagfs recover` on each first; nothing was changed")
+            }
+            let passcode = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ")
+            defer { passcode.wipe() }
+            let keys = try kb.openAllCounted(passcode: passcode, deviceKey: dk)
+            defer { keys.wipe() }
+            let start = Date()
+            var rewrap = StoreRewrap(storePath: target.store, keys: keys) {
+                FileHandle.standardError.write(Data("  \($0) files…\n".utf8))
+            }
+            let r = try rewrap.run()
+            try (kb.sealer as? TPMSealer)?.setPendingRewrap(nil)
+            print(
+                "rewrapped \(r.rewrapped) files for key set \(keys.current) (\(r.current) already were, \(r.skipped) "
+                    + "skipped: fsck names them) in \(String(format: "%.1f", Date().timeIntervalSince(start))) s")
         }
-        let passcode = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ")
-        defer { passcode.wipe() }
-        let keys = try kb.openAllCounted(passcode: passcode, deviceKey: dk)
-        defer { keys.wipe() }
-        let start = Date()
-        var rewrap = StoreRewrap(storePath: target.store, keys: keys) {
-            FileHandle.standardError.write(Data("  \($0) files…\n".utf8))
-        }
-        let r = try rewrap.run()
-        try (kb.sealer as? TPMSealer)?.setPendingRewrap(nil)
-        print(
-            "rewrapped \(r.rewrapped) files for key set \(keys.current) (\(r.current) already were, \(r.skipped) "
-                + "skipped: fsck names them) in \(String(format: "%.1f", Date().timeIntervalSince(start))) s")
     }
 }

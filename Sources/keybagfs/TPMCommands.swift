@@ -18,16 +18,14 @@ struct TPMCommand: ParsableCommand {
         _ target: UnmountedStore, passcodeStdin: Bool,
         _ body: (inout Keybag, SecureKey, () throws -> SecureKey) throws -> Void
     ) throws {
-        let lock = try lockUnmountedStore(target.store)
-        defer { close(lock) }
-        var (kb, dk) = try target.deviceKeybag()
-        defer { dk.wipe() }
-        var read: SecureKey?
-        defer { read?.wipe() }
-        try body(&kb, dk) {
-            let p = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ")
-            read = p
-            return p
+        try target.withDeviceKeybag { kb, dk in
+            var read: SecureKey?
+            defer { read?.wipe() }
+            try body(&kb, dk) {
+                let p = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ")
+                read = p
+                return p
+            }
         }
     }
 
@@ -56,31 +54,28 @@ struct TPMCommand: ParsableCommand {
 
         @OptionGroup var target: UnmountedStore
 
-        @Option(help: "Read the recovery key from this file's first line.")
-        var recoveryKeyFile: String?
+        @OptionGroup var recoveryKey: RecoveryKeySource
 
         @Flag(help: "Read the recovery key as one line from standard input.")
         var stdin = false
 
         func run() throws {
-            let lock = try lockUnmountedStore(target.store)
-            defer { close(lock) }
-            var (kb, dk) = try target.deviceKeybag()
-            defer { dk.wipe() }
-            guard let sealer = kb.sealer as? TPMSealer else {
-                throw KeybagError.invalid("this device's passcode is not bound to a TPM")
+            try target.withDeviceKeybag { kb, dk in
+                guard let sealer = kb.sealer as? TPMSealer else {
+                    throw KeybagError.invalid("this device's passcode is not bound to a TPM")
+                }
+                let recovery = try recoveryKey.read(fromStdin: stdin)
+                defer { recovery.wipe() }
+                let keys = try kb.escrowedKeysCounted(recovery: recovery)
+                defer { keys.wipe() }
+                do { try sealer.clearLockout(sets: keys.sets, storeID: kb.file.storeID) } catch TPMError.lockout {
+                    let wait = (try? sealer.lockoutState().lockoutRecovery) ?? 0
+                    throw KeybagError.invalid(
+                        "the TPM refuses its lockout authorization for \(wait) s after a wrong one was tried (someone tried "
+                            + "to clear the lockout without it); run this again after that")
+                }
+                print("the TPM's lockout is cleared: its counter is back to 0")
             }
-            let recovery = try RecoveryKeyOutput.read(file: recoveryKeyFile, fromStdin: stdin)
-            defer { recovery.wipe() }
-            let keys = try kb.escrowedKeysCounted(recovery: recovery)
-            defer { keys.wipe() }
-            do { try sealer.clearLockout(sets: keys.sets, storeID: kb.file.storeID) } catch TPMError.lockout {
-                let wait = (try? sealer.lockoutState().lockoutRecovery) ?? 0
-                throw KeybagError.invalid(
-                    "the TPM refuses its lockout authorization for \(wait) s after a wrong one was tried (someone tried "
-                        + "to clear the lockout without it); run this again after that")
-            }
-            print("the TPM's lockout is cleared: its counter is back to 0")
         }
     }
 

@@ -29,8 +29,7 @@ extension TPMCommand {
         @Flag(help: "Read the passcode as one line from standard input.")
         var passcodeStdin = false
 
-        @Option(help: "Read the recovery key from this file's first line.")
-        var recoveryKeyFile: String?
+        @OptionGroup var recoveryKey: RecoveryKeySource
 
         @Flag(
             help: ArgumentHelp(
@@ -84,7 +83,7 @@ extension TPMCommand {
                 }
                 let recovery =
                     kb.hasRecoveryKey
-                    ? try RecoveryKeyOutput.read(file: recoveryKeyFile, fromStdin: passcodeStdin) : nil
+                    ? try recoveryKey.read(fromStdin: passcodeStdin) : nil
                 defer { recovery?.wipe() }
                 var moved: StoreRewrap.Result?
                 let storeID = kb.file.storeID
@@ -128,7 +127,7 @@ extension TPMCommand {
             let newSet = owed.map { $0 > kb.currentKeySet } ?? false
             let recovery =
                 newSet && kb.hasRecoveryKey
-                ? try RecoveryKeyOutput.read(file: recoveryKeyFile, fromStdin: passcodeStdin) : nil
+                ? try recoveryKey.read(fromStdin: passcodeStdin) : nil
             defer { recovery?.wipe() }
             let code = try passcode()
             if newSet { _ = try kb.startKeySet(passcode: code, deviceKey: dk, recovery: recovery) }

@@ -32,6 +32,27 @@ struct UnmountedStore: ParsableArguments {
             return (kb, dk)
         } catch { dk.wipe(); throw error }
     }
+
+    /// Runs `body` on the store locked against a daemon, with the device's keybag and key
+    /// (`deviceKeybag`); the key is wiped and the lock let go after.
+    func withDeviceKeybag<R>(_ body: (inout Keybag, SecureKey) throws -> R) throws -> R {
+        let lock = try lockUnmountedStore(store)
+        defer { close(lock) }
+        var (kb, dk) = try deviceKeybag()
+        defer { dk.wipe() }
+        return try body(&kb, dk)
+    }
+}
+
+/// `--recovery-key-file`, of the commands that read the store's recovery key.
+struct RecoveryKeySource: ParsableArguments {
+    @Option(help: "Read the recovery key from this file's first line.")
+    var recoveryKeyFile: String?
+
+    /// The recovery key: from the file, else from stdin (`fromStdin`) or the terminal.
+    func read(fromStdin: Bool) throws -> RecoveryKey {
+        try RecoveryKeyOutput.read(file: recoveryKeyFile, fromStdin: fromStdin)
+    }
 }
 
 /// Hands a new recovery key to the user: into a new 0600 file, or printed once.
