@@ -218,11 +218,17 @@ static int gcm_open(struct kb_ctx *c, const uint8_t *key, const uint8_t *n12, co
     return 0;
 }
 
+/* A context for plain AES-256-GCM: `gcm` is keyed anew, so it no longer holds an XAES key. */
+static struct kb_ctx *ctx_take_gcm(void) {
+    struct kb_ctx *c = ctx_take();
+    if (c != NULL) c->gcm_xaes = 0;
+    return c;
+}
+
 int kbfs_aes256gcm_seal(const uint8_t *key, const uint8_t *n12, const uint8_t *ad, size_t adlen,
                         const uint8_t *m, size_t mlen, uint8_t *out, uint8_t *tag) {
-    struct kb_ctx *c = ctx_take();
+    struct kb_ctx *c = ctx_take_gcm();
     if (c == NULL) return -2;
-    c->gcm_xaes = 0;
     int rc = gcm_seal(c, key, n12, ad, adlen, m, mlen, out, tag);
     ctx_give(c);
     return rc;
@@ -230,9 +236,8 @@ int kbfs_aes256gcm_seal(const uint8_t *key, const uint8_t *n12, const uint8_t *a
 
 int kbfs_aes256gcm_open(const uint8_t *key, const uint8_t *n12, const uint8_t *ad, size_t adlen,
                         const uint8_t *in, size_t clen, const uint8_t *tag, uint8_t *m) {
-    struct kb_ctx *c = ctx_take();
+    struct kb_ctx *c = ctx_take_gcm();
     if (c == NULL) return -2;
-    c->gcm_xaes = 0;
     int rc = gcm_open(c, key, n12, ad, adlen, in, clen, tag, m);
     ctx_give(c);
     return rc;
