@@ -228,8 +228,7 @@ struct DeviceCommand: ParsableCommand {
         func run() throws {
             try target.withDeviceKeybag { kb, dk in
                 try kb.unwrapDeviceKeySlot("D", deviceKey: dk).wipe()
-                let recovery =
-                    kb.hasRecoveryKey ? try recoveryKey.read(fromStdin: stdin) : nil
+                let recovery = kb.hasRecoveryKey ? try recoveryKey.read(fromStdin: stdin) : nil
                 defer { recovery?.wipe() }
                 let passcode = try PasscodeInput.read(fromStdin: stdin, prompt: "Passcode: ")
                 defer { passcode.wipe() }

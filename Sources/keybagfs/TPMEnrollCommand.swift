@@ -81,9 +81,7 @@ extension TPMCommand {
                     report(sealer, set: nil, moved: nil, others: others)
                     return
                 }
-                let recovery =
-                    kb.hasRecoveryKey
-                    ? try recoveryKey.read(fromStdin: passcodeStdin) : nil
+                let recovery = kb.hasRecoveryKey ? try recoveryKey.read(fromStdin: passcodeStdin) : nil
                 defer { recovery?.wipe() }
                 var moved: StoreRewrap.Result?
                 let storeID = kb.file.storeID
@@ -125,9 +123,7 @@ extension TPMCommand {
             }
             if lockout { try sealer.checkLockout(choice) }
             let newSet = owed.map { $0 > kb.currentKeySet } ?? false
-            let recovery =
-                newSet && kb.hasRecoveryKey
-                ? try recoveryKey.read(fromStdin: passcodeStdin) : nil
+            let recovery = newSet && kb.hasRecoveryKey ? try recoveryKey.read(fromStdin: passcodeStdin) : nil
             defer { recovery?.wipe() }
             let code = try passcode()
             if newSet { _ = try kb.startKeySet(passcode: code, deviceKey: dk, recovery: recovery) }
