@@ -35,7 +35,7 @@ public struct DeviceIdentityKeys: Sendable {
     static func wrapKey(classA0: SecureKey, deviceKey: SecureKey, storeID: String, deviceID: String) throws
         -> SecureKey
     {
-        let dwk = try Keybag.deviceWrapKey(deviceKey)
+        let dwk = try KeybagMACs.deviceWrapKey(deviceKey)
         defer { dwk.wipe() }
         return try classA0.withBytes { a in
             try dwk.withBytes { d in
@@ -75,9 +75,11 @@ public struct DeviceIdentityKeys: Sendable {
         }
         let k = try wrapKey(classA0: classA0, deviceKey: deviceKey, storeID: kb.file.storeID, deviceID: id)
         defer { k.wipe() }
-        let box = try KeyWrap.unwrap(try kb.blob(boxSlot), with: k, ad: ad(kb.file.storeID, id, boxSlot))
+        let box = try KeyWrap.unwrap(try kb.file.blob(boxSlot), with: k, ad: ad(kb.file.storeID, id, boxSlot))
         let sign: SecureKey
-        do { sign = try KeyWrap.unwrap(try kb.blob(signSlot), with: k, ad: ad(kb.file.storeID, id, signSlot)) } catch {
+        do {
+            sign = try KeyWrap.unwrap(try kb.file.blob(signSlot), with: k, ad: ad(kb.file.storeID, id, signSlot))
+        } catch {
             box.wipe()
             throw error
         }

@@ -138,10 +138,10 @@ extension DevicePairing {
             trusted: trusted, removed: Set(grant.removed),
             root: Data(base64Encoded: grant.storeCertify).map([UInt8].init) ?? [], in: &file)
         let escrow = grant.escrow.filter { $0.key.hasPrefix("r") }
-        if Keybag.isCompleteEscrow(escrow, sets: keys.current) { file.wrapped.merge(escrow) { $1 } }
+        if RecoveryEscrow.isComplete(escrow, sets: keys.current) { file.wrapped.merge(escrow) { $1 } }
         try StoreDevices.makeFolder(storePath)
         let kb = Keybag(
-            storePath: storePath, file: file, counterKey: try Keybag.counterKey(deviceKey),
+            storePath: storePath, file: file, counterKey: try KeybagMACs.counterKey(deviceKey),
             relativePath: StoreDevices.keybagPath(request.deviceID))
         try kb.save()
         return kb

@@ -122,10 +122,10 @@ public enum DevicePairing {
                 signPublic: Data(try keys.signPublic()).base64EncodedString(),
                 kdfSalt: Data(Sodium.randomArray(Int(crypto_pwhash_SALTBYTES))).base64EncodedString(),
                 kdfOpsLimit: strength.opsLimit, kdfMemLimit: strength.memLimit, name: name, challenge: nil)
-            let pk = try Keybag.passcodeKey(
+            let pk = try PasscodeKey.derive(
                 passcode: passcode, file: p.skeleton(storeID: storeID), deviceKey: deviceKey)
             defer { pk.wipe() }
-            let dwk = try Keybag.deviceWrapKey(deviceKey)
+            let dwk = try KeybagMACs.deviceWrapKey(deviceKey)
             defer { dwk.wipe() }
             func w(_ k: SecureKey, _ with: SecureKey, _ slot: String) throws -> String {
                 Data(try KeyWrap.wrap(k, with: with, ad: ad(storeID, deviceID, slot))).base64EncodedString()
@@ -154,7 +154,7 @@ public enum DevicePairing {
 
         /// The nonce, with the device key.
         func nonce(storeID: String, deviceID: String, deviceKey: SecureKey) throws -> [UInt8] {
-            let dwk = try Keybag.deviceWrapKey(deviceKey)
+            let dwk = try KeybagMACs.deviceWrapKey(deviceKey)
             defer { dwk.wipe() }
             let n = try KeyWrap.unwrap(
                 [UInt8](Data(base64Encoded: nonce) ?? Data()), with: dwk, ad: Self.ad(storeID, deviceID, "nonce"))
@@ -166,7 +166,7 @@ public enum DevicePairing {
         func identity(storeID: String, deviceID: String, deviceKey: SecureKey, passcode: SecureKey) throws
             -> DeviceIdentityKeys
         {
-            let pk = try Keybag.passcodeKey(passcode: passcode, file: skeleton(storeID: storeID), deviceKey: deviceKey)
+            let pk = try PasscodeKey.derive(passcode: passcode, file: skeleton(storeID: storeID), deviceKey: deviceKey)
             defer { pk.wipe() }
             func u(_ s: String, _ slot: String) throws -> SecureKey {
                 do {

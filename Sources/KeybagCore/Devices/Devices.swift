@@ -107,8 +107,8 @@ extension Keybag {
             throw KeybagError.invalid("no keybag at \(p): not a keybagfs store (run `keybagfs init` first)")
         }
         do {
-            var file = try JSONDecoder().decode(KeybagFile.self, from: data)
-            try validate(&file, now: now)
+            let file = try JSONDecoder().decode(KeybagFile.self, from: data)
+            try file.validate()
             return Keybag(storePath: storePath, file: file, relativePath: relativePath)
         } catch let e as KeybagError {
             throw e
@@ -181,7 +181,7 @@ extension Keybag {
         let storeID = try load(storePath: storePath).file.storeID
         for kb in keybags.sorted(by: { $0.currentKeySet > $1.currentKeySet })
         where kb.hasRecoveryKey && kb.file.storeID == storeID {
-            do { return (kb, try kb.escrowedKeys(recovery: recovery)) } catch { failure = error }
+            do { return (kb, try RecoveryEscrow.keys(in: kb.file, recovery: recovery)) } catch { failure = error }
         }
         throw failure
     }
@@ -238,14 +238,14 @@ extension Keybag {
         file.deviceName = name
         if sealer != nil { file.tpm2 = true }
         try wrapAll(keys, into: &file, passcode: passcode, deviceKey: deviceKey, sealer: sealer)
-        try writeEscrow(&file, keys: keys.escrowEntries(), recovery: recovery)
+        try RecoveryEscrow.write(&file, keys: keys.escrowEntries(), recovery: recovery)
         let certify = try certifySeed(storePath: storePath, recovery: recovery, preferring: source)
         defer { certify.wipe() }
         let certificate = try makeIdentity(
             &file, keys: keys, storePath: storePath, deviceKey: deviceKey, certifySeed: certify, recovery: recovery)
         try StoreDevices.makeFolder(storePath)
         var kb = Keybag(
-            storePath: storePath, file: file, counterKey: try counterKey(deviceKey),
+            storePath: storePath, file: file, counterKey: try KeybagMACs.counterKey(deviceKey),
             relativePath: StoreDevices.keybagPath(id))
         kb.sealer = sealer
         try kb.save()
@@ -337,7 +337,7 @@ extension Keybag {
         let keys = try keysWithFreshSet(passcode: passcode, deviceKey: deviceKey, recovery: recovery, now: now)
         defer { keys.wipe() }
         var next = file
-        if let recovery { try Keybag.writeEscrow(&next, keys: keys.escrowEntries(), recovery: recovery) }
+        if let recovery { try RecoveryEscrow.write(&next, keys: keys.escrowEntries(), recovery: recovery) }
         let root = try recovery.map { try Keybag.certifySeed(storePath: storePath, recovery: $0, preferring: self) }
         defer { root?.wipe() }
         // The devices it approved go with it (and those they approved), but those kept.

@@ -346,7 +346,7 @@ extension Keybag {
         self.sealer = sealer
         try checkGeneration()
         do { try sealer.settle(salt: file.kdfSalt) } catch let e as TPMError {
-            throw KeybagError.invalid(Keybag.tpmTrouble(e))
+            throw KeybagError.invalid(PasscodeKey.tpmTrouble(e))
         }
     }
 }

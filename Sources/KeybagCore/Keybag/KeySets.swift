@@ -67,41 +67,6 @@ extension Keybag {
     /// Most key sets a store may have (the set number is one header byte).
     public static let maxKeySet = 255
 
-    /// Checks the slots of key sets 1 and up: each set's four class slots and class B public
-    /// key present, escrow slots all present or all absent per set, and no slot of a set
-    /// above `keySet` (lowering `keySet` means removing slots: a rolled-back keybag).
-    static func validateKeySets(_ f: KeybagFile) throws {
-        func bad(_ field: String, _ why: String) -> KeybagError { .corrupt("keybag field \(field): \(why)") }
-        let top = f.keySet ?? 0
-        guard (0...maxKeySet).contains(top) else { throw bad("keySet", "out of range") }
-        if let id = f.deviceID, !DeviceIdentity.isWellFormed(id) { throw bad("deviceID", "not a device id") }
-        guard top == 0 || f.format >= keySetsFormat else { throw bad("keySet", "needs format \(keySetsFormat)") }
-        for name in f.wrapped.keys {
-            guard let dot = name.lastIndex(of: ".") else { continue }
-            guard let n = Int(name[name.index(after: dot)...]), n >= 1, n <= top else {
-                throw bad("wrapped.\(name.prefix(40))", "a slot of no key set of this keybag")
-            }
-        }
-        for n in (f.classBPublics ?? [:]).keys where Int(n).map({ $0 < 1 || $0 > top }) ?? true {
-            throw bad("classBPublics.\(n.prefix(10))", "a public key of no key set of this keybag")
-        }
-        guard top > 0 else { return }
-        for n in 1...top {
-            for base in ["A", "B", "C", "D"] {
-                let slot = slot(base, n)
-                guard let w = f.wrapped[slot].flatMap({ Data(base64Encoded: $0) }), w.count == 32 + KeyWrap.overhead
-                else { throw bad("wrapped.\(slot)", "missing or not a wrapped key") }
-            }
-            guard let pk = f.classBPublics?[String(n)].flatMap({ Data(base64Encoded: $0) }), pk.count == 32 else {
-                throw bad("classBPublics.\(n)", "not a public key")
-            }
-            let escrow = ["A", "B", "C", "D"].map { f.wrapped["r" + slot($0, n)].flatMap { Data(base64Encoded: $0) } }
-            guard escrow.allSatisfy({ $0 == nil }) || escrow.allSatisfy({ $0?.count == 32 + KeyWrap.overhead }) else {
-                throw bad("wrapped.r*.\(n)", "some recovery slots of key set \(n) are missing or damaged")
-            }
-        }
-    }
-
     /// Wraps class A, B and C of every set under the passcode key into `f`, with each set's
     /// class B public key; `f.keySet` becomes the newest set.
     static func wrapPasscodeSlots(
@@ -110,7 +75,7 @@ extension Keybag {
         for (n, s) in sets.enumerated() {
             for (base, key) in [("A", s.classA), ("B", s.classBSecret), ("C", s.classC)] {
                 let slot = slot(base, n)
-                f.wrapped[slot] = Data(try KeyWrap.wrap(key, with: passcodeKey, ad: ad(f.storeID, slot)))
+                f.wrapped[slot] = Data(try KeyWrap.wrap(key, with: passcodeKey, ad: KeybagMACs.ad(f.storeID, slot)))
                     .base64EncodedString()
             }
             let pk = Data(s.classBPublic).base64EncodedString()
@@ -130,7 +95,7 @@ extension Keybag {
         var entries = keys.classD.enumerated().map { (slot("D", $0.offset), $0.element) }
         entries.append(("volume", keys.volume))
         for (slot, key) in entries {
-            let ad = ad(f.storeID, slot, format: f.format)
+            let ad = KeybagMACs.ad(f.storeID, slot, format: f.format)
             f.wrapped[slot] = Data(try KeyWrap.wrap(key, with: deviceWrapKey, ad: ad)).base64EncodedString()
         }
     }
@@ -143,9 +108,10 @@ extension Keybag {
         _ keys: StoreKeys, into f: inout KeybagFile, passcode: SecureKey, deviceKey: SecureKey,
         sealer: (any PasscodeSealer)? = nil
     ) throws {
-        let kek = try passcodeKey(passcode: passcode, file: f, deviceKey: deviceKey, sealer: sealer, making: true)
+        let kek = try PasscodeKey.derive(
+            passcode: passcode, file: f, deviceKey: deviceKey, sealer: sealer, making: true)
         defer { kek.wipe() }
-        let dwk = try deviceWrapKey(deviceKey)
+        let dwk = try KeybagMACs.deviceWrapKey(deviceKey)
         defer { dwk.wipe() }
         try wrapPasscodeSlots(keys.sets, into: &f, passcodeKey: kek)
         try wrapDeviceSlots(keys, into: &f, deviceWrapKey: dwk)
@@ -209,7 +175,7 @@ extension Keybag {
         }
         do {
             if let recovery {
-                let escrowed = try escrowedKeys(recovery: recovery)
+                let escrowed = try RecoveryEscrow.keys(in: file, recovery: recovery)
                 defer { escrowed.wipe() }
                 guard try escrowed.sameKeys(as: keys) else {
                     throw KeybagError.corrupt("the recovery slots do not match this keybag (damaged or replaced)")
@@ -229,7 +195,7 @@ extension Keybag {
     ) throws {
         var next = next
         try Keybag.wrapAll(keys, into: &next, passcode: passcode, deviceKey: deviceKey, sealer: newSealer)
-        if let recovery { try Keybag.writeEscrow(&next, keys: keys.escrowEntries(), recovery: recovery) }
+        if let recovery { try RecoveryEscrow.write(&next, keys: keys.escrowEntries(), recovery: recovery) }
         next.failedAttempts = 0
         next.lockoutUntil = 0
         file = next

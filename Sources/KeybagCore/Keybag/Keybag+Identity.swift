@@ -6,46 +6,6 @@ extension Keybag {
     /// Escrow slot (`r` + name) of the store certification key's seed.
     static let certifySlot = "certify"
 
-    /// Checks the identity fields: both public halves and both wrapped private halves, or
-    /// none; a certification key and its escrow of the right sizes.
-    static func validateIdentity(_ f: KeybagFile) throws {
-        func bad(_ field: String, _ why: String) -> KeybagError { .corrupt("keybag field \(field): \(why)") }
-        func bytes(_ s: String?) -> Int? { s.flatMap { Data(base64Encoded: $0) }?.count }
-        let parts = [
-            f.identityBox, f.identitySign, f.wrapped[DeviceIdentityKeys.boxSlot],
-            f.wrapped[DeviceIdentityKeys.signSlot],
-        ]
-        guard parts.allSatisfy({ $0 == nil }) || parts.allSatisfy({ $0 != nil }) else {
-            throw bad("identity", "some of the device's identity keys are missing")
-        }
-        if f.identitySign != nil {
-            guard bytes(f.identityBox) == 32 else { throw bad("identityBox", "not a public key") }
-            guard bytes(f.identitySign) == 32 else { throw bad("identitySign", "not a public key") }
-            for slot in [DeviceIdentityKeys.boxSlot, DeviceIdentityKeys.signSlot]
-            where bytes(f.wrapped[slot]) != 32 + KeyWrap.overhead {
-                throw bad("wrapped.\(slot)", "not a wrapped key")
-            }
-        }
-        if f.identitySign != nil, f.trustedDevices == nil {
-            throw bad("trustedDevices", "missing beside identity keys")
-        }
-        for (id, k) in f.trustedDevices ?? [:] where !DeviceIdentity.isWellFormed(id) || !k.isWellFormed {
-            throw bad("trustedDevices", "not a device id and its keys: \(id.prefix(40))")
-        }
-        for id in f.removedDevices ?? [] where !DeviceIdentity.isWellFormed(id) && id != "first" {
-            throw bad("removedDevices", "not a device id: \(id.prefix(40))")
-        }
-        for (id, by) in f.approvals ?? [:]
-        where !DeviceIdentity.isWellFormed(id) || !(DeviceIdentity.isWellFormed(by) || by == DeviceCertificate.byStore)
-        {
-            throw bad("approvals", "not a device id and its approver: \(id.prefix(40))")
-        }
-        if f.storeCertify != nil, bytes(f.storeCertify) != 32 { throw bad("storeCertify", "not a public key") }
-        if let w = f.wrapped["r" + certifySlot], bytes(w) != 32 + KeyWrap.overhead {
-            throw bad("wrapped.r\(certifySlot)", "not a wrapped key")
-        }
-    }
-
     /// The store certification key this device trusts (nil: a device from before identities).
     public var certificationRoot: [UInt8]? {
         file.storeCertify.flatMap { Data(base64Encoded: $0) }.map([UInt8].init)
@@ -163,7 +123,7 @@ extension Keybag {
         guard file.wrapped["r" + Keybag.certifySlot] != nil else { return nil }
         let rwk = try recovery.wrapKey(storeID: file.storeID)
         defer { rwk.wipe() }
-        return try openEscrow(Keybag.certifySlot, rwk: rwk)
+        return try RecoveryEscrow.open(Keybag.certifySlot, in: file, rwk: rwk)
     }
 
     /// The store certification key's seed: the one escrowed in the keybag of the store that
@@ -205,7 +165,7 @@ extension Keybag {
         trusted[id] = DevicePublicKeys(box: f.identityBox!, sign: f.identitySign!)
         f.approvals = wellFormed(snapshot.approvals)
         remember(trusted: trusted, removed: snapshot.removed, root: snapshot.root, in: &f)
-        try writeEscrow(&f, keys: [(certifySlot, certifySeed)], recovery: recovery)
+        try RecoveryEscrow.write(&f, keys: [(certifySlot, certifySeed)], recovery: recovery)
         return try DeviceCertificate.issue(
             storeID: f.storeID, deviceID: id, keys: keys, name: f.deviceName, keySet: f.keySet ?? 0,
             by: DeviceCertificate.byStore, signer: certifySeed, now: now)

@@ -10,7 +10,7 @@ extension Keybag {
         guard !hasIdentity else { return }
         let keys = try openAllCounted(passcode: passcode, deviceKey: deviceKey, now: now)
         defer { keys.wipe() }
-        let escrowed = try escrowedKeys(recovery: recovery)
+        let escrowed = try RecoveryEscrow.keys(in: file, recovery: recovery)
         defer { escrowed.wipe() }
         guard try escrowed.sameKeys(as: keys) else {
             throw KeybagError.corrupt("the recovery slots do not match this keybag (damaged or replaced)")
@@ -136,7 +136,7 @@ extension Keybag {
             }
             // The maker's escrow (under the recovery key, every set) replaces this device's own.
             let escrow = trust.records[trust.newestSet]!.escrow
-            if hasRecoveryKey, Keybag.isCompleteEscrow(escrow, sets: trust.newestSet) {
+            if hasRecoveryKey, RecoveryEscrow.isComplete(escrow, sets: trust.newestSet) {
                 next.wrapped = next.wrapped.filter { !$0.key.hasPrefix("r") }.merging(escrow) { $1 }
             }
             // What the records say (signed with the certification key) wins, newest last.
@@ -150,15 +150,6 @@ extension Keybag {
             throw error
         }
         return keys
-    }
-}
-
-extension Keybag {
-    /// Whether `escrow` holds every escrow slot of sets 0…`sets`, and the volume key, each a wrapped key.
-    static func isCompleteEscrow(_ escrow: [String: String], sets: Int) -> Bool {
-        var want = ["rvolume"]
-        for n in 0...sets { want += ["A", "B", "C", "D"].map { "r" + slot($0, n) } }
-        return want.allSatisfy { escrow[$0].flatMap { Data(base64Encoded: $0) }?.count == 32 + KeyWrap.overhead }
     }
 }
 
@@ -201,7 +192,8 @@ extension Keybag {
         defer { certify.wipe() }
         let recovery = RecoveryKey.generate()
         var next = file
-        try Keybag.writeEscrow(&next, keys: [(Keybag.certifySlot, certify)] + keys.escrowEntries(), recovery: recovery)
+        try RecoveryEscrow.write(
+            &next, keys: [(Keybag.certifySlot, certify)] + keys.escrowEntries(), recovery: recovery)
         next.recoveryFailedAttempts = nil
         next.recoveryLockoutUntil = nil
         do { try deliver(recovery) } catch { recovery.wipe(); throw error }

@@ -3,24 +3,19 @@ import Foundation
 
 /// Opening a keybag with a passcode, changing it, and the throttle of failed attempts.
 extension Keybag {
-    func blob(_ slot: String) throws -> [UInt8] {
-        guard let s = file.wrapped[slot], let d = Data(base64Encoded: s) else {
-            throw KeybagError.corrupt("keybag slot \(slot) missing")
-        }
-        return [UInt8](d)
-    }
-
     /// Unwraps a device-only key (`D` or `volume`); a wrong device key gives `badDeviceKey`.
     public func unwrapDeviceKeySlot(_ slot: String, deviceKey: SecureKey) throws -> SecureKey {
-        let dwk = try Keybag.deviceWrapKey(deviceKey)
+        let dwk = try KeybagMACs.deviceWrapKey(deviceKey)
         defer { dwk.wipe() }
         do {
-            return try KeyWrap.unwrap(try blob(slot), with: dwk, ad: Keybag.ad(file.storeID, slot, format: file.format))
+            return try KeyWrap.unwrap(
+                try file.blob(slot), with: dwk, ad: KeybagMACs.ad(file.storeID, slot, format: file.format))
         } catch KeybagError.corrupt {
             // A format-4 keybag edited to claim an older format: the slot opens under the v4 tag.
             if file.format < Keybag.settingsFormat,
                 let k = try? KeyWrap.unwrap(
-                    try blob(slot), with: dwk, ad: Keybag.ad(file.storeID, slot, format: Keybag.settingsFormat))
+                    try file.blob(slot), with: dwk, ad: KeybagMACs.ad(file.storeID, slot, format: Keybag.settingsFormat)
+                )
             {
                 k.wipe()
                 throw KeybagError.corrupt(
@@ -42,14 +37,14 @@ extension Keybag {
     /// Unwraps A, B and C of every key set with a passcode, oldest first; `badPasscode` when
     /// it is wrong. Does not count attempts.
     public func unlockAll(passcode: SecureKey, deviceKey: SecureKey) throws -> [UnlockedClassKeys] {
-        let kek = try Keybag.passcodeKey(passcode: passcode, file: file, deviceKey: deviceKey, sealer: sealer)
+        let kek = try PasscodeKey.derive(passcode: passcode, file: file, deviceKey: deviceKey, sealer: sealer)
         defer { kek.wipe() }
         var sets: [UnlockedClassKeys] = []
         do {
             for n in 0...currentKeySet {
                 func take(_ base: String) throws -> SecureKey {
                     let slot = Keybag.slot(base, n)
-                    return try KeyWrap.unwrap(try blob(slot), with: kek, ad: Keybag.ad(file.storeID, slot))
+                    return try KeyWrap.unwrap(try file.blob(slot), with: kek, ad: KeybagMACs.ad(file.storeID, slot))
                 }
                 let a = try take("A")
                 let b: SecureKey, c: SecureKey
@@ -118,7 +113,7 @@ extension Keybag {
             f.tpm2 = next != nil ? true : nil
             f.generation = nil
         }
-        let kek = try Keybag.passcodeKey(passcode: passcode, file: f, deviceKey: deviceKey, sealer: next, making: true)
+        let kek = try PasscodeKey.derive(passcode: passcode, file: f, deviceKey: deviceKey, sealer: next, making: true)
         defer { kek.wipe() }
         try Keybag.wrapPasscodeSlots(sets, into: &f, passcodeKey: kek)
         f.failedAttempts = 0
@@ -136,7 +131,7 @@ extension Keybag {
         guard file.tpm2 == true, let sealer else { return }
         let counted: UInt64?
         do { counted = try sealer.generation() } catch let e as TPMError {
-            throw KeybagError.invalid(Keybag.tpmTrouble(e))
+            throw KeybagError.invalid(PasscodeKey.tpmTrouble(e))
         }
         guard let counted else {
             // Every completed enrollment has its counter: one without names no counter to check

@@ -72,9 +72,10 @@ public struct Keybag: Sendable {
         file.deviceID = try DeviceIdentity.id(deviceKey: deviceKey, storeID: storeID)
         file.deviceName = deviceName
         if sealer != nil { file.tpm2 = true }
-        let kek = try passcodeKey(passcode: passcode, file: file, deviceKey: deviceKey, sealer: sealer, making: true)
+        let kek = try PasscodeKey.derive(
+            passcode: passcode, file: file, deviceKey: deviceKey, sealer: sealer, making: true)
         defer { kek.wipe() }
-        let dwk = try deviceWrapKey(deviceKey)
+        let dwk = try KeybagMACs.deviceWrapKey(deviceKey)
         defer { dwk.wipe() }
         let a = SecureKey(random: 32), bs = SecureKey(random: 32), c = SecureKey(random: 32)
         let d = SecureKey(random: 32), vol = SecureKey(random: 32)
@@ -82,12 +83,14 @@ public struct Keybag: Sendable {
         let bp = try ClassBAgreement.publicKey(of: bs)
         for (slot, key, wrapper) in [("A", a, kek), ("B", bs, kek), ("C", c, kek), ("D", d, dwk), ("volume", vol, dwk)]
         {
-            file.wrapped[slot] = Data(try KeyWrap.wrap(key, with: wrapper, ad: ad(storeID, slot, format: format)))
-                .base64EncodedString()
+            file.wrapped[slot] = Data(
+                try KeyWrap.wrap(key, with: wrapper, ad: KeybagMACs.ad(storeID, slot, format: format))
+            )
+            .base64EncodedString()
         }
         var certificate: DeviceCertificate?
         if let recovery {
-            try writeEscrow(
+            try RecoveryEscrow.write(
                 &file, keys: [("A", a), ("B", bs), ("C", c), ("D", d), ("volume", vol)], recovery: recovery)
             if format >= settingsFormat {  // a new store's certification key, and this device's identity
                 let certify = SecureKey(random: 32)
@@ -101,91 +104,14 @@ public struct Keybag: Sendable {
             }
         }
         file.classBPublic = Data(bp).base64EncodedString()
-        var kb = Keybag(storePath: storePath, file: file, counterKey: format >= 2 ? try counterKey(deviceKey) : nil)
+        var kb = Keybag(
+            storePath: storePath, file: file, counterKey: format >= 2 ? try KeybagMACs.counterKey(deviceKey) : nil)
         kb.sealer = sealer
         try kb.save()
         try sealer?.keepOnly(salt: file.kdfSalt)
         try certificate?.write(storePath: storePath)
         try withKeys([UnlockedClassKeys(classA: a, classBSecret: bs, classBPublic: bp, classC: c)])
         return kb
-    }
-
-    /// Checks every field a hostile keybag could use against the daemon: each bad value is a
-    /// `corrupt` error naming the field, never a trap. A lockout further away than the
-    /// longest delay stays as stored (its MAC covers it); `retryAfter` cuts the wait.
-    static func validate(_ f: inout KeybagFile, now: Double = Date().timeIntervalSince1970) throws {
-        func bad(_ field: String, _ why: String) -> KeybagError { .corrupt("keybag field \(field): \(why)") }
-        guard (1...settingsFormat).contains(f.format) else {
-            throw bad("format", "unknown format \(f.format) (written by a newer keybagfs?)")
-        }
-        guard f.storeID.utf8.count == 32,
-            f.storeID.utf8.allSatisfy({ (0x30...0x39).contains($0) || (0x61...0x66).contains($0) })
-        else {
-            throw bad("storeID", "not 32 lowercase hex digits")
-        }
-        guard ContentCipher(name: f.cipher) != nil else {
-            throw bad("cipher", "unknown cipher \(f.cipher.prefix(40)) (written by a newer keybagfs?)")
-        }
-        guard f.kdfOpsLimit >= UInt64(crypto_pwhash_opslimit_min()), f.kdfOpsLimit <= maxOpsLimit else {
-            throw bad("kdfOpsLimit", "out of range")
-        }
-        guard f.kdfMemLimit >= UInt64(crypto_pwhash_memlimit_min()), f.kdfMemLimit <= maxMemLimit else {
-            throw bad("kdfMemLimit", "out of range")
-        }
-        guard let salt = Data(base64Encoded: f.kdfSalt), salt.count == Int(crypto_pwhash_SALTBYTES) else {
-            throw bad("kdfSalt", "not a salt")
-        }
-        for slot in ["A", "B", "C", "D", "volume"] {
-            guard let w = f.wrapped[slot].flatMap({ Data(base64Encoded: $0) }), w.count == 32 + KeyWrap.overhead else {
-                throw bad("wrapped.\(slot)", "missing or not a wrapped key")
-            }
-        }
-        guard let pk = Data(base64Encoded: f.classBPublic), pk.count == 32 else {
-            throw bad("classBPublic", "not a public key")
-        }
-        try validateKeySets(f)
-        try validateIdentity(f)
-        try validateCountersAndMACs(f)
-        try validateEscrow(f)
-    }
-
-    /// The failure counters, lockout times and MACs of a keybag file.
-    private static func validateCountersAndMACs(_ f: KeybagFile) throws {
-        func bad(_ field: String, _ why: String) -> KeybagError { .corrupt("keybag field \(field): \(why)") }
-        guard f.failedAttempts >= 0, f.failedAttempts <= maxFailedAttempts else {
-            throw bad("failedAttempts", "out of range")
-        }
-        guard f.lockoutUntil.isFinite, f.lockoutUntil >= 0 else { throw bad("lockoutUntil", "not a time") }
-        if let mac = f.counterMAC {
-            guard let m = Data(base64Encoded: mac), m.count == 32 else { throw bad("counterMAC", "not a MAC") }
-        }
-        if let mac = f.cipherMAC {
-            guard let m = Data(base64Encoded: mac), m.count == 32 else { throw bad("cipherMAC", "not a MAC") }
-        }
-        if f.format >= settingsFormat {
-            guard let m = f.settingsMAC.flatMap({ Data(base64Encoded: $0) }), m.count == 32 else {
-                throw bad("settingsMAC", "missing or not a MAC (format \(f.format) keybags carry one)")
-            }
-        }
-    }
-
-    /// The recovery key's escrow slots and its failure counter.
-    private static func validateEscrow(_ f: KeybagFile) throws {
-        func bad(_ field: String, _ why: String) -> KeybagError { .corrupt("keybag field \(field): \(why)") }
-        let escrow = escrowedSlots.filter { f.wrapped["r" + $0] != nil }
-        guard escrow.isEmpty || escrow.count == escrowedSlots.count else {
-            throw bad("wrapped.r*", "some recovery slots are missing")
-        }
-        for slot in escrow {
-            guard let w = f.wrapped["r" + slot].flatMap({ Data(base64Encoded: $0) }), w.count == 32 + KeyWrap.overhead
-            else { throw bad("wrapped.r\(slot)", "not a wrapped key") }
-        }
-        if let n = f.recoveryFailedAttempts {
-            guard n >= 0, n <= maxFailedAttempts else { throw bad("recoveryFailedAttempts", "out of range") }
-        }
-        if let t = f.recoveryLockoutUntil {
-            guard t.isFinite, t >= 0 else { throw bad("recoveryLockoutUntil", "not a time") }
-        }
     }
 
     /// What `authenticate` found.
@@ -201,19 +127,19 @@ public struct Keybag: Sendable {
     public mutating func authenticate(
         deviceKey: SecureKey, now: Double = Date().timeIntervalSince1970
     ) throws -> CounterCheck {
-        let key = try Keybag.counterKey(deviceKey)
+        let key = try KeybagMACs.counterKey(deviceKey)
         counterKey = key
         if file.format == 1 {
             try upgradeToSettingsFormat(deviceKey: deviceKey)
             return .upgraded
         }
-        if file.format >= Keybag.settingsFormat, try !Keybag.settingsAreAuthentic(file, key: key) {
+        if file.format >= Keybag.settingsFormat, try !KeybagMACs.settingsAreAuthentic(file, key: key) {
             throw KeybagError.corrupt(
                 "keybag \(relativePath) was edited offline: its settings MAC does not match (a setting such as the "
                     + "format, the KDF cost or salt, the key set or the device was changed); nothing was changed. Put "
                     + "back the keybag from a backup, or run `keybagfs recover` with the recovery key")
         }
-        switch try Keybag.cipherIsAuthentic(file, key: key) {
+        switch try KeybagMACs.cipherIsAuthentic(file, key: key) {
         case false?:
             throw KeybagError.corrupt(
                 "keybag field cipher (\(file.cipher.prefix(40))) was edited offline: its MAC does not match; set it "
@@ -225,14 +151,14 @@ public struct Keybag: Sendable {
             else {
                 throw KeybagError.corrupt("keybag field cipherMAC was removed offline (the keybag was edited)")
             }
-            file.cipherMAC = try Keybag.cipherMAC(file, key: key)  // keybags written before the MAC
+            file.cipherMAC = try KeybagMACs.cipherMAC(file, key: key)  // keybags written before the MAC
             if file.format >= Keybag.settingsFormat { try saveWithoutCounter() }
         case true?:
             if pendingDeviceID && file.format >= Keybag.settingsFormat { try saveWithoutCounter() }
         }
         pendingDeviceID = false
         var check = CounterCheck.tampered
-        if Keybag.storedMAC(file.counterMAC, matches: try Keybag.counterMAC(file, key: key)) == true {
+        if KeybagMACs.storedMAC(file.counterMAC, matches: try KeybagMACs.counterMAC(file, key: key)) == true {
             check = .authentic
         } else {
             file.failedAttempts = max(file.failedAttempts, 9)
@@ -249,7 +175,7 @@ public struct Keybag: Sendable {
     /// Rewraps the device-only slots (`D` of every key set, `volume`) under the format-4
     /// associated data, sets format 4 and saves (settings, cipher and counter MACs written).
     private mutating func upgradeToSettingsFormat(deviceKey: SecureKey) throws {
-        let dwk = try Keybag.deviceWrapKey(deviceKey)
+        let dwk = try KeybagMACs.deviceWrapKey(deviceKey)
         defer { dwk.wipe() }
         var next = file
         next.format = Keybag.settingsFormat
@@ -257,7 +183,7 @@ public struct Keybag: Sendable {
             let k = try unwrapDeviceKeySlot(slot, deviceKey: deviceKey)
             defer { k.wipe() }
             next.wrapped[slot] = Data(
-                try KeyWrap.wrap(k, with: dwk, ad: Keybag.ad(file.storeID, slot, format: next.format))
+                try KeyWrap.wrap(k, with: dwk, ad: KeybagMACs.ad(file.storeID, slot, format: next.format))
             )
             .base64EncodedString()
         }
@@ -269,25 +195,25 @@ public struct Keybag: Sendable {
     /// anything (`fsck`); nil for format 1, which has no MAC yet.
     public func counterIsAuthentic(deviceKey: SecureKey) throws -> Bool? {
         guard file.format >= 2 else { return nil }
-        let key = try Keybag.counterKey(deviceKey)
+        let key = try KeybagMACs.counterKey(deviceKey)
         defer { key.wipe() }
-        return Keybag.storedMAC(file.counterMAC, matches: try Keybag.counterMAC(file, key: key)) ?? false
+        return KeybagMACs.storedMAC(file.counterMAC, matches: try KeybagMACs.counterMAC(file, key: key)) ?? false
     }
 
     /// Whether the stored cipher name authenticates under the device key (nil: no MAC yet).
     public func cipherIsAuthentic(deviceKey: SecureKey) throws -> Bool? {
-        let key = try Keybag.counterKey(deviceKey)
+        let key = try KeybagMACs.counterKey(deviceKey)
         defer { key.wipe() }
-        return try Keybag.cipherIsAuthentic(file, key: key)
+        return try KeybagMACs.cipherIsAuthentic(file, key: key)
     }
 
     /// Names the cipher of new files, with its MAC under the device key, and saves; the
     /// failed-attempt counter and its MAC stay as stored.
     public mutating func setCipherOfNewFiles(_ cipher: ContentCipher, deviceKey: SecureKey) throws {
-        let key = try Keybag.counterKey(deviceKey)
+        let key = try KeybagMACs.counterKey(deviceKey)
         defer { key.wipe() }
         file.cipher = cipher.name
-        file.cipherMAC = try Keybag.cipherMAC(file, key: key)
+        file.cipherMAC = try KeybagMACs.cipherMAC(file, key: key)
         try saveWithoutCounter()
     }
 
@@ -308,13 +234,13 @@ public struct Keybag: Sendable {
             guard let counterKey else {
                 throw KeybagError.invalid("keybag not bound to its device key; cannot authenticate the counter")
             }
-            file.counterMAC = try Keybag.counterMAC(file, key: counterKey)
-            file.cipherMAC = try Keybag.cipherMAC(file, key: counterKey)
+            file.counterMAC = try KeybagMACs.counterMAC(file, key: counterKey)
+            file.cipherMAC = try KeybagMACs.cipherMAC(file, key: counterKey)
         }
         // The settings MAC is written whenever the device key is at hand (saves without it
         // change only what it does not cover: the recovery counters).
         if file.format >= Keybag.settingsFormat, let counterKey {
-            file.settingsMAC = try Keybag.settingsMAC(file, key: counterKey)
+            file.settingsMAC = try KeybagMACs.settingsMAC(file, key: counterKey)
         }
         let enc = JSONEncoder()
         enc.outputFormatting = [.prettyPrinted, .sortedKeys]

@@ -96,4 +96,12 @@ public struct KeybagFile: Codable, Sendable, Equatable {
     /// Who approved each device this device learnt of by its certificate (device id → the
     /// approving device's id, or "store"): removing a device removes what it approved.
     public var approvals: [String: String]? = nil
+
+    /// The bytes of wrapped slot `slot`; `corrupt` when it is missing.
+    func blob(_ slot: String) throws -> [UInt8] {
+        guard let s = wrapped[slot], let d = Data(base64Encoded: s) else {
+            throw KeybagError.corrupt("keybag slot \(slot) missing")
+        }
+        return [UInt8](d)
+    }
 }

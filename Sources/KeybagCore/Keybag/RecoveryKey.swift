@@ -126,72 +126,8 @@ public struct RecoveryKey: Sendable {
 }
 
 extension Keybag {
-    /// Keys kept in escrow, each in slot `r` + name.
-    static let escrowedSlots = ["A", "B", "C", "D", "volume"]
-
-    /// Associated data of an escrow slot.
-    static func escrowAD(_ storeID: String, _ slot: String) -> [UInt8] {
-        Array("keybagfs-escrow-v1|\(storeID)|\(slot)".utf8)
-    }
-
     /// Whether the store has a recovery key.
     public var hasRecoveryKey: Bool { file.wrapped["rA"] != nil }
-
-    /// Wraps `keys` (slot name → key) for the recovery key into `f`.
-    static func writeEscrow(_ f: inout KeybagFile, keys: [(String, SecureKey)], recovery: RecoveryKey) throws {
-        let rwk = try recovery.wrapKey(storeID: f.storeID)
-        defer { rwk.wipe() }
-        for (slot, key) in keys {
-            f.wrapped["r" + slot] = Data(try KeyWrap.wrap(key, with: rwk, ad: escrowAD(f.storeID, slot)))
-                .base64EncodedString()
-        }
-    }
-
-    /// Opens escrow slot `slot` with the recovery key's wrap key; `corrupt` when it does not
-    /// open (a wrong key, or a slot damaged, swapped or planted).
-    func openEscrow(_ slot: String, rwk: SecureKey) throws -> SecureKey {
-        try KeyWrap.unwrap(try blob("r" + slot), with: rwk, ad: Keybag.escrowAD(file.storeID, slot))
-    }
-
-    /// Every key of the store from its escrow slots; `badRecoveryKey` when the key is wrong,
-    /// `corrupt` when the slots do not match this keybag (planted, swapped or damaged).
-    public func escrowedKeys(recovery: RecoveryKey) throws -> StoreKeys {
-        let rwk = try recovery.wrapKey(storeID: file.storeID)
-        defer { rwk.wipe() }
-        var taken: [String: SecureKey] = [:]
-        defer { taken.values.forEach { $0.wipe() } }
-        do {
-            taken["volume"] = try openEscrow("volume", rwk: rwk)
-        } catch KeybagError.corrupt { throw KeybagError.badRecoveryKey }
-        for n in 0...currentKeySet {
-            for base in ["A", "B", "C", "D"] {
-                let slot = Keybag.slot(base, n)
-                guard file.wrapped["r" + slot] != nil else {
-                    throw KeybagError.corrupt(
-                        "the recovery key does not cover key set \(n) (made before it); nothing was changed")
-                }
-                taken[slot] = try openEscrow(slot, rwk: rwk)
-            }
-        }
-        // Escrow slots planted or swapped: each escrowed class B key must be the one whose
-        // public key the keybag names. (Damage, not a guess: not counted.)
-        var sets: [UnlockedClassKeys] = [], classD: [SecureKey] = []
-        for n in 0...currentKeySet {
-            let pk = try ClassBAgreement.publicKey(of: taken[Keybag.slot("B", n)]!)
-            let named = n == 0 ? file.classBPublic : file.classBPublics?[String(n)] ?? ""
-            guard Data(base64Encoded: named).map([UInt8].init) == pk else {
-                throw KeybagError.corrupt(
-                    "the recovery slots do not match this keybag (damaged or replaced); nothing was changed")
-            }
-            sets.append(
-                UnlockedClassKeys(
-                    classA: taken.removeValue(forKey: Keybag.slot("A", n))!,
-                    classBSecret: taken.removeValue(forKey: Keybag.slot("B", n))!, classBPublic: pk,
-                    classC: taken.removeValue(forKey: Keybag.slot("C", n))!, keySet: UInt8(n)))
-            classD.append(taken.removeValue(forKey: Keybag.slot("D", n))!)
-        }
-        return StoreKeys(sets: sets, classD: classD, volume: taken.removeValue(forKey: "volume")!)
-    }
 
     /// Seconds until the next recovery attempt is allowed.
     public func recoveryRetryAfter(now: Double) -> Double {
@@ -213,7 +149,7 @@ extension Keybag {
                         + "different sets of one number; nothing was changed")
             }
         }
-        do { return try source.escrowedKeys(recovery: recovery) } catch KeybagError.badRecoveryKey {
+        do { return try RecoveryEscrow.keys(in: source.file, recovery: recovery) } catch KeybagError.badRecoveryKey {
             var failed = file
             failed.recoveryFailedAttempts = (failed.recoveryFailedAttempts ?? 0) + 1
             let d = UnlockThrottle.delay(afterFailures: failed.recoveryFailedAttempts!)
@@ -275,7 +211,7 @@ extension Keybag {
         next.generation = nil
         try Keybag.wrapAll(keys, into: &next, passcode: newPasscode, deviceKey: deviceKey, sealer: sealer)
         // Every set escrowed under the recovery key itself from now on (sealed slots too).
-        try Keybag.writeEscrow(&next, keys: keys.escrowEntries(), recovery: recovery)
+        try RecoveryEscrow.write(&next, keys: keys.escrowEntries(), recovery: recovery)
         // New identity keys, certified by the store's key (made here for a store without one).
         let certify = try Keybag.certifySeed(storePath: storePath, recovery: recovery, preferring: escrowFrom ?? self)
         defer { certify.wipe() }
@@ -286,7 +222,7 @@ extension Keybag {
         next.lockoutUntil = 0
         next.recoveryFailedAttempts = nil
         next.recoveryLockoutUntil = nil
-        counterKey = try Keybag.counterKey(deviceKey)
+        counterKey = try KeybagMACs.counterKey(deviceKey)
         file = next
         try save()
         try sealer?.keepOnly(salt: next.kdfSalt)
@@ -318,7 +254,7 @@ extension Keybag {
         }
         let recovery = RecoveryKey.generate()
         var next = file
-        try Keybag.writeEscrow(&next, keys: keys.escrowEntries(), recovery: recovery)
+        try RecoveryEscrow.write(&next, keys: keys.escrowEntries(), recovery: recovery)
         next.failedAttempts = 0
         next.lockoutUntil = 0
         next.recoveryFailedAttempts = nil

@@ -117,10 +117,10 @@ final class DeviceKeybagTests: TempDirTestCase {
             recovery: recovery)
         let keysA = try a.openAll(passcode: secret("pa"), deviceKey: dkA)
         XCTAssertEqual(keysA.sets.count, 2)
-        let escrowed = try a.escrowedKeys(recovery: recovery)
+        let escrowed = try RecoveryEscrow.keys(in: a.file, recovery: recovery)
         XCTAssertEqual(escrowed.sets.count, 2)
         XCTAssertTrue(try escrowed.sameKeys(as: keysA))
-        XCTAssertThrowsError(try a.escrowedKeys(recovery: RecoveryKey.generate())) {
+        XCTAssertThrowsError(try RecoveryEscrow.keys(in: a.file, recovery: RecoveryKey.generate())) {
             XCTAssertEqual($0 as? KeybagError, .badRecoveryKey)
         }
         // C is behind: it may not remove anyone (its set 1 would be another set 1), and takes up
@@ -161,7 +161,7 @@ final class DeviceKeybagTests: TempDirTestCase {
         // A slot moved to another slot's name does not open there.
         var swapped = a
         swapped.file.wrapped["rA.1"] = a.file.wrapped["rC.1"]
-        XCTAssertThrowsError(try swapped.escrowedKeys(recovery: recovery))
+        XCTAssertThrowsError(try RecoveryEscrow.keys(in: swapped.file, recovery: recovery))
     }
 
     func testTheKeySetOfNewFilesCannotBeEditedOrRolledBackOffline() throws {

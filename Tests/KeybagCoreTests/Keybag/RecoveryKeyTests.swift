@@ -182,7 +182,7 @@ final class RecoveryKeyTests: TempDirTestCase {
         let planted = RecoveryKey.generate()
         var kb = try Keybag.load(storePath: dir)
         var f = kb.file
-        try Keybag.writeEscrow(
+        try RecoveryEscrow.write(
             &f, keys: ["A", "B", "C", "D", "volume"].map { ($0, SecureKey(random: 32)) }, recovery: planted)
         kb.file = f
         try kb.saveWithoutCounter()

@@ -1,15 +1,16 @@
 import CSodium
 import Foundation
 
-/// The keybag's MACs and the keys derived from the device key.
-extension Keybag {
+/// The keybag's MACs (counter, cipher, settings), the associated data of its wrapped slots,
+/// and the keys the device key derives for them: pure functions of a `KeybagFile`.
+public enum KeybagMACs {
     /// Associated data of a wrapped slot. Format 2 wraps the device-only slots (`D`,
     /// `volume`) under a v2 tag, so a format-2 keybag edited to claim format 1 (to drop the
     /// counter MAC) no longer opens with the device key; format 4 under a v4 tag, so a keybag
     /// edited to claim an older format (to drop the settings MAC) no longer opens either.
     static func ad(_ storeID: String, _ slot: String, format: Int = 1) -> [UInt8] {
         let deviceOnly = slot == "volume" || slot == "D" || slot.hasPrefix("D.")
-        let v = !deviceOnly ? "v1" : format >= settingsFormat ? "v4" : format >= 2 ? "v2" : "v1"
+        let v = !deviceOnly ? "v1" : format >= Keybag.settingsFormat ? "v4" : format >= 2 ? "v2" : "v1"
         return Array("keybagfs-keybag-\(v)|\(storeID)|\(slot)".utf8)
     }
 

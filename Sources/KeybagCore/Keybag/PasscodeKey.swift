@@ -1,15 +1,16 @@
 import CSodium
 import Foundation
 
-/// The key a passcode (and the device key, and the TPM where there is one) derives.
-extension Keybag {
+/// The key a passcode (and the device key, and the TPM where there is one) derives: the key
+/// that wraps class A, B and C of every key set.
+public enum PasscodeKey {
     /// Passcode key: Argon2id(passcode, salt), then BLAKE2b keyed by the device key, so that
     /// neither the passcode nor the device key alone derives it. With a TPM (`file.tpm2`) the
     /// Argon2id output also derives the TPM authorization that releases the device's sealed
     /// secret, which goes into the BLAKE2b too: no passcode can be tried off that TPM, and
     /// each wrong one counts in the TPM's lockout. `making`: seal a new secret when the TPM
     /// holds none for this salt (wrapping under a new passcode).
-    public static func passcodeKey(
+    public static func derive(
         passcode: SecureKey, file: KeybagFile, deviceKey: SecureKey, sealer: (any PasscodeSealer)? = nil,
         making: Bool = false
     ) throws -> SecureKey {
