@@ -10,7 +10,7 @@ extension FuzzTarget {
         // repeated (name selector, 2-byte length, contents).
         FuzzTarget(name: "device-trust") { input in
             let store = SeedStore.shared
-            guard let snapshot = store.keybag.trustSnapshot else { return }
+            guard let snapshot = DeviceTrust.snapshot(store.keybag) else { return }
             var r = ByteReader(input[...])
             var files: [String: Data] = [:]
             let names = store.files(in: "devices") + ["keyset-2.\(store.deviceID).json", "x.removed", "y.identity"]

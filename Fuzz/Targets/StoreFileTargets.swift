@@ -13,7 +13,7 @@ extension FuzzTarget {
             _ = try? Keybag.load(storePath: store)
             if var kb = try? Keybag.load(storePath: store, deviceKey: SeedStore.shared.deviceKey) {
                 _ = try? kb.authenticate(deviceKey: SeedStore.shared.deviceKey)
-                _ = kb.trustSnapshot
+                _ = DeviceTrust.snapshot(kb)
                 _ = try? kb.classDKeys(deviceKey: SeedStore.shared.deviceKey).values.forEach { $0.wipe() }
             }
         },

@@ -168,7 +168,7 @@ public enum MountDaemon {
         let data = try openFolder(cfg.store, Keybag.dataDirName, create: false)
         let targets = try openFolder(cfg.store, Keybag.targetsDirName, create: true)
         let xattrs = try openFolder(cfg.store, Keybag.xattrsDirName, create: true)
-        let behind = keybag.newestKeySetInStore() > keybag.currentKeySet
+        let behind = DeviceTrust.newestKeySet(keybag) > keybag.currentKeySet
         let keyring = ClassKeyring(classD: classD, current: UInt8(keybag.currentKeySet), behind: behind)
         let cipher = keybag.cipher.isAvailable ? keybag.cipher : .xchacha20poly1305
         let fs = try Filesystem(
@@ -288,8 +288,8 @@ public enum MountDaemon {
         guard kb.file.tpm2 == true else { return }
         // Seal and unseal in a child process of this binary: tpm2-tss frees copies of the
         // authorization without wiping them, and this process's memory must not keep them.
-        let helper = TPMHelperProcess(executable: "/proc/self/exe")
-        do { try kb.attachTPM(tcti: cfg.tpm2Device, deviceKey: deviceKey, helper: helper) } catch let e as KeybagError {
+        let helper = TPMHelperProcess(executable: "/proc/self/exe"), tcti = cfg.tpm2Device
+        do { try TPMBinding.attach(&kb, tcti: tcti, deviceKey: deviceKey, helper: helper) } catch let e as KeybagError {
             throw StartFailure(message: e.description)
         }
         guard let sealer = kb.sealer as? TPMSealer else { return }
@@ -331,7 +331,7 @@ public enum MountDaemon {
         }
         // Only an authenticated keybag may raise the floor (a forged key set would lock the device out).
         try KeySetFloor.checkAndRecord(kb, deviceKey: deviceKey)
-        let trust = kb.deviceTrust()
+        let trust = DeviceTrust.of(kb)
         for refused in trust?.refused ?? [] { log("refused in \(StoreDevices.dirName)/: \(refused)") }
         let newest = trust?.newestSet ?? StoreDevices.newestKeySet(storePath: cfg.store)
         if newest > kb.currentKeySet {

@@ -54,7 +54,7 @@ struct DeviceCommand: ParsableCommand {
             let trust = try deviceKey.map { path -> DeviceTrust? in
                 let dk = try DeviceKeyFile.load(from: path)
                 defer { dk.wipe() }
-                return try Keybag.load(storePath: store, deviceKey: dk).deviceTrust()
+                return DeviceTrust.of(try Keybag.load(storePath: store, deviceKey: dk))
             }
             _ = any
             if json {
@@ -159,7 +159,7 @@ struct DeviceCommand: ParsableCommand {
             if FileManager.default.fileExists(atPath: dkPath) {
                 let key = try DeviceKeyFile.load(from: dkPath)
                 defer { key.wipe() }
-                if let id = try Keybag.deviceOwning(key: key, storePath: target.store) {
+                if let id = try StoreDevices.deviceOwning(key: key, storePath: target.store) {
                     throw KeybagError.invalid(
                         "the device key \(dkPath) already belongs to device \(id) of this store (another device on "
                             + "this machine?); give this device its own key with --device-key PATH (a new key is made "
@@ -183,7 +183,7 @@ struct DeviceCommand: ParsableCommand {
                 let choice = try tpm.lockoutChoice()
                 defer { if case .given(let k) = choice { k.wipe() } }
                 try sealer?.checkLockout(choice)
-                let kb = try Keybag.addDevice(
+                let kb = try StoreDevices.add(
                     storePath: target.store, recovery: recovery, passcode: passcode, deviceKey: dk,
                     name: name ?? ProcessInfo.processInfo.hostName, strength: kdf, sealer: sealer
                 ) { keys in try sealer?.takeLockout(choice, sets: keys.sets, storeID: storeID) }
@@ -233,11 +233,13 @@ struct DeviceCommand: ParsableCommand {
                 let passcode = try PasscodeInput.read(fromStdin: stdin, prompt: "Passcode: ")
                 defer { passcode.wipe() }
                 let keepSet = Set(keep)
-                let chain = kb.deviceTrust().map { kb.approvalChain(of: id, trust: $0, keep: keepSet) } ?? []
+                let chain =
+                    DeviceTrust.of(kb).map { DeviceTrust.approvalChain(kb, of: id, trust: $0, keep: keepSet) } ?? []
                 let names = Dictionary(
                     DeviceCertificate.all(storePath: target.store).map { ($0.deviceID, $0.name ?? "no name") },
                     uniquingKeysWith: { a, _ in a })
-                let set = try kb.removeDevice(id, passcode: passcode, deviceKey: dk, recovery: recovery, keep: keepSet)
+                let set = try StoreDevices.remove(
+                    &kb, id, passcode: passcode, deviceKey: dk, recovery: recovery, keep: keepSet)
                 print("removed device \(id); files written from now on use key set \(set)")
                 for d in chain {
                     print(

@@ -73,7 +73,7 @@ extension DeviceCommand {
 
         func run() throws {
             try target.withDeviceKeybag { kb, dk in
-                let step = try kb.approveStep(id, code: code, deviceKey: dk, cancel: cancel) {
+                let step = try DevicePairing.approveStep(&kb, id, code: code, deviceKey: dk, cancel: cancel) {
                     try PasscodeInput.read(fromStdin: stdin, prompt: "Passcode of this device: ")
                 }
                 switch step {

@@ -64,7 +64,7 @@ struct Recover: ParsableCommand {
     /// The keybag holding the most key sets the recovery key opens (a device that missed a
     /// removal takes up its new set from there); nil when none opens (`recover` counts that).
     static func escrowSource(_ store: String, _ recovery: RecoveryKey) -> Keybag? {
-        guard let (kb, keys) = try? Keybag.escrowSource(storePath: store, recovery: recovery) else { return nil }
+        guard let (kb, keys) = try? StoreDevices.escrowSource(storePath: store, recovery: recovery) else { return nil }
         keys.wipe()
         return kb
     }
@@ -125,7 +125,8 @@ struct Recover: ParsableCommand {
                 deviceKey: dk, storeID: kb.file.storeID, choice: choice, previousDeviceID: kb.file.deviceID)
             Self.noteOwedRewrap(kb, wasBound: wasBound)
             let taken = kb
-            try kb.recover(
+            try RecoveryEscrow.recover(
+                &kb,
                 with: recovery, newPasscode: passcode, deviceKey: dk,
                 escrowFrom: Self.escrowSource(target.store, recovery)
             ) { keys in
@@ -154,7 +155,7 @@ struct Recover: ParsableCommand {
     /// keybag's save, so a cut in between is finished by `tpm2 enroll` run again.
     static func noteOwedRewrap(_ kb: Keybag, wasBound: Bool) {
         guard !wasBound, let sealer = kb.sealer as? TPMSealer,
-            kb.devicesWithout(keySet: kb.currentKeySet + 1).isEmpty
+            KeySets.devicesWithout(kb, keySet: kb.currentKeySet + 1).isEmpty
         else { return }
         sealer.notePendingRewrap(kb.currentKeySet + 1)
     }
@@ -184,7 +185,8 @@ struct Recover: ParsableCommand {
         Self.noteOwedRewrap(kb, wasBound: wasBound)
         let taken = kb
         var lockoutFailure: Error?
-        try kb.recover(
+        try RecoveryEscrow.recover(
+            &kb,
             with: recovery, newPasscode: passcode, deviceKey: dk,
             escrowFrom: Self.escrowSource(target.store, recovery)
         ) { keys in
@@ -201,7 +203,7 @@ struct Recover: ParsableCommand {
     static func newKeySetIfBound(
         _ kb: inout Keybag, passcode: SecureKey, deviceKey: SecureKey, recovery: RecoveryKey
     ) throws {
-        let others = kb.devicesWithout(keySet: kb.currentKeySet + 1)
+        let others = KeySets.devicesWithout(kb, keySet: kb.currentKeySet + 1)
         guard others.isEmpty else {
             print(
                 "  note: the key sets stay (other devices: \(others.joined(separator: ", "))), so a copy of this "
@@ -212,7 +214,7 @@ struct Recover: ParsableCommand {
         var moved = StoreRewrap.Result()
         let store = kb.storePath
         guard let sealer = kb.sealer as? TPMSealer else { return }
-        let set = try kb.startKeySet(passcode: passcode, deviceKey: deviceKey, recovery: recovery) { keys in
+        let set = try KeySets.start(&kb, passcode: passcode, deviceKey: deviceKey, recovery: recovery) { keys in
             moved = try TPMCommand.Enroll.rewrap(store, keys, sealer)
         }
         print("  bound to the TPM: new key set \(set), \(moved.rewrapped) files rewrapped for it")
@@ -254,7 +256,7 @@ struct RecoveryKeyCommand: ParsableCommand {
                 defer { current?.wipe() }
                 let passcode = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ")
                 defer { passcode.wipe() }
-                let recovery = try kb.rotateRecoveryKey(passcode: passcode, deviceKey: dk, current: current) {
+                let recovery = try RecoveryEscrow.rotate(&kb, passcode: passcode, deviceKey: dk, current: current) {
                     try RecoveryKeyOutput.give($0, file: recoveryKeyFile)
                 }
                 defer { recovery.wipe() }

@@ -23,7 +23,7 @@ struct Rewrap: ParsableCommand {
 
     func run() throws {
         try target.withDeviceKeybag { kb, dk in
-            let behind = kb.devicesWithout(keySet: kb.currentKeySet)
+            let behind = KeySets.devicesWithout(kb, keySet: kb.currentKeySet)
             guard behind.isEmpty else {
                 throw KeybagError.invalid(
                     "devices \(behind.joined(separator: ", ")) lack key set \(kb.currentKeySet) and could open no "

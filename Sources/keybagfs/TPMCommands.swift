@@ -66,7 +66,7 @@ struct TPMCommand: ParsableCommand {
                 }
                 let recovery = try recoveryKey.read(fromStdin: stdin)
                 defer { recovery.wipe() }
-                let keys = try kb.escrowedKeysCounted(recovery: recovery)
+                let keys = try RecoveryEscrow.keysCounted(&kb, recovery: recovery)
                 defer { keys.wipe() }
                 do { try sealer.clearLockout(sets: keys.sets, storeID: kb.file.storeID) } catch TPMError.lockout {
                     let wait = (try? sealer.lockoutState().lockoutRecovery) ?? 0
@@ -101,7 +101,7 @@ struct TPMCommand: ParsableCommand {
                 // The lockout authorization first: while the TPM refuses it, nothing changes (the
                 // enrollment, which keeps it, stays).
                 let released = try old.releaseLockout(sets: keys.sets, storeID: kb.file.storeID)
-                try kb.moveToSealer(nil, passcode: code, deviceKey: dk)
+                try TPMBinding.moveToSealer(&kb, nil, passcode: code, deviceKey: dk)
                 try old.remove()
                 print("this device's passcode is no longer bound to the TPM at \(old.tcti)")
                 print(

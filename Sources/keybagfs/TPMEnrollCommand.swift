@@ -71,12 +71,12 @@ extension TPMCommand {
                 let sealer = try TPMSealer.enroll(
                     tcti: tcti, deviceKey: dk, storeID: kb.file.storeID, pcrs: try tpm.pcrs())
                 try sealer.checkLockout(choice)
-                let others = kb.devicesWithout(keySet: kb.currentKeySet + 1)
+                let others = KeySets.devicesWithout(kb, keySet: kb.currentKeySet + 1)
                 guard try makesNewKeySet(others: others) else {
                     let code = try passcode()
                     let keys = try kb.openAllCounted(passcode: code, deviceKey: dk)
                     defer { keys.wipe() }
-                    try kb.moveToSealer(sealer, passcode: code, deviceKey: dk)
+                    try TPMBinding.moveToSealer(&kb, sealer, passcode: code, deviceKey: dk)
                     try sealer.takeLockout(choice, sets: keys.sets, storeID: kb.file.storeID)
                     report(sealer, set: nil, moved: nil, others: others)
                     return
@@ -88,7 +88,9 @@ extension TPMCommand {
                 // Written with the enrollment's first seal, before the keybag's save: a cut after
                 // that save leaves the rewrap owed, and a second run does it.
                 if others.isEmpty { sealer.notePendingRewrap(kb.currentKeySet + 1) }
-                let set = try kb.enrollTPM(sealer, passcode: try passcode(), deviceKey: dk, recovery: recovery) {
+                let set = try TPMBinding.enroll(
+                    &kb, sealer, passcode: try passcode(), deviceKey: dk, recovery: recovery
+                ) {
                     keys in
                     // The lockout first: the rewrap is the long part, where a cut is likeliest.
                     Failpoint.enrollBeforeLockout.hit()
@@ -126,11 +128,11 @@ extension TPMCommand {
             let recovery = newSet && kb.hasRecoveryKey ? try recoveryKey.read(fromStdin: passcodeStdin) : nil
             defer { recovery?.wipe() }
             let code = try passcode()
-            if newSet { _ = try kb.startKeySet(passcode: code, deviceKey: dk, recovery: recovery) }
+            if newSet { _ = try KeySets.start(&kb, passcode: code, deviceKey: dk, recovery: recovery) }
             let keys = try kb.openAllCounted(passcode: code, deviceKey: dk)
             defer { keys.wipe() }
             if lockout { try sealer.takeLockout(choice, sets: keys.sets, storeID: kb.file.storeID) }
-            let behind = kb.devicesWithout(keySet: keys.current)
+            let behind = KeySets.devicesWithout(kb, keySet: keys.current)
             let moved = owed != nil && behind.isEmpty ? try Self.rewrap(target.store, keys, sealer) : nil
             print("finished this device's enrollment on the TPM at \(sealer.tcti)")
             if let moved { print("  files rewrapped for key set \(keys.current): \(moved.rewrapped)") }

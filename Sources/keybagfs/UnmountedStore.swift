@@ -28,7 +28,7 @@ struct UnmountedStore: ParsableArguments {
         do {
             var kb = try Keybag.load(storePath: store, deviceKey: dk)
             try KeySetFloor.check(kb, deviceID: try DeviceIdentity.id(deviceKey: dk, storeID: kb.file.storeID))
-            try kb.attachTPM(tcti: tpm2Device, deviceKey: dk)
+            try TPMBinding.attach(&kb, tcti: tpm2Device, deviceKey: dk)
             return (kb, dk)
         } catch { dk.wipe(); throw error }
     }

@@ -59,11 +59,11 @@ public final class StoreCheck {
         store = storePath
         self.options = options
         var kb = try Keybag.load(storePath: storePath, deviceKey: deviceKey)
-        if passcode != nil { try kb.attachTPM(tcti: tcti, deviceKey: deviceKey) }
+        if passcode != nil { try TPMBinding.attach(&kb, tcti: tcti, deviceKey: deviceKey) }
         keybag = kb
         keyring = ClassKeyring(
             classD: try kb.classDKeys(deviceKey: deviceKey), current: UInt8(kb.currentKeySet),
-            behind: kb.newestKeySetInStore() > kb.currentKeySet)
+            behind: DeviceTrust.newestKeySet(kb) > kb.currentKeySet)
         let volume = try kb.unwrapDeviceKeySlot("volume", deviceKey: deviceKey)
         defer { volume.wipe() }
         names = try NameCipher(volumeKey: volume)
@@ -103,7 +103,7 @@ public final class StoreCheck {
     /// signed by a device it trusts), as the daemon does at mount; left for the user, since a
     /// record this device cannot judge yet may be another device's newer one.
     func checkDeviceRecords() {
-        for line in keybag.deviceTrust()?.refused ?? [] {
+        for line in DeviceTrust.of(keybag)?.refused ?? [] {
             let name = line.split(separator: ":", maxSplits: 1).first.map(String.init) ?? line
             note(
                 "device-record-refused", StoreDevices.dirName + "/" + name, nil,

@@ -23,7 +23,7 @@ extension DevicePairing {
             cleanUp()
             return .cancelled(id: id)
         }
-        guard try Keybag.deviceOwning(key: deviceKey, storePath: storePath) == nil else {
+        guard try StoreDevices.deviceOwning(key: deviceKey, storePath: storePath) == nil else {
             throw KeybagError.invalid("this device key is already a device of the store (\(id))")
         }
         guard var pending = try Pending.load(storeID: storeID, deviceID: id) else {
@@ -127,14 +127,14 @@ extension DevicePairing {
         file.cipher = cipher
         file.deviceID = request.deviceID
         file.deviceName = request.name
-        try Keybag.wrapAll(keys, into: &file, passcode: passcode, deviceKey: deviceKey)
+        try KeySets.wrapAll(keys, into: &file, passcode: passcode, deviceKey: deviceKey)
         try identity.store(into: &file, classA0: keys.sets[0].classA, deviceKey: deviceKey)
         var trusted = grant.members
         trusted[request.deviceID] = DevicePublicKeys(box: request.box, sign: request.sign)
-        var approvals = Keybag.wellFormed(grant.approvals ?? [:])
+        var approvals = DeviceTrust.wellFormed(grant.approvals ?? [:])
         approvals[request.deviceID] = grant.approver
         file.approvals = approvals
-        Keybag.remember(
+        DeviceTrust.remember(
             trusted: trusted, removed: Set(grant.removed),
             root: Data(base64Encoded: grant.storeCertify).map([UInt8].init) ?? [], in: &file)
         let escrow = grant.escrow.filter { $0.key.hasPrefix("r") }

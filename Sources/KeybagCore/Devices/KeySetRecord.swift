@@ -154,7 +154,7 @@ public struct KeySetRecord: Codable, Sendable, Equatable {
             && members.allSatisfy { DeviceIdentity.isWellFormed($0.key) && $0.value.isWellFormed }
             && removed.allSatisfy { DeviceIdentity.isWellFormed($0) || $0 == "first" }
             && Data(base64Encoded: classBPublic)?.count == 32
-            && Keybag.wellFormed(approvals ?? [:]).count == (approvals ?? [:]).count
+            && DeviceTrust.wellFormed(approvals ?? [:]).count == (approvals ?? [:]).count
     }
 
     /// The grant payload: the set number, then A, B, C and D (32 bytes each).

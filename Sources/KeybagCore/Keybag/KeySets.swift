@@ -63,9 +63,19 @@ public struct StoreKeys: Sendable {
     }
 }
 
-extension Keybag {
-    /// Most key sets a store may have (the set number is one header byte).
-    public static let maxKeySet = 255
+/// The key sets of a keybag (set n's slots `A.n`, `B.n`, `C.n`, `D.n`): wrapping them,
+/// starting a new one (a device removal, a TPM enrollment) and saving them.
+public enum KeySets {
+    /// Devices of this store other than this keybag's whose keybags lack key set `n`: they
+    /// could open no file rewrapped for it (until they take it up with `keybagfs recover`).
+    public static func devicesWithout(_ kb: Keybag, keySet n: Int) -> [String] {
+        StoreDevices.list(storePath: kb.storePath).compactMap { d in
+            guard let rel = d.keybag, rel != kb.relativePath,
+                let kb = try? Keybag.load(storePath: kb.storePath, relativePath: rel), kb.currentKeySet < n
+            else { return nil }
+            return d.name ?? d.id ?? rel
+        }
+    }
 
     /// Wraps class A, B and C of every set under the passcode key into `f`, with each set's
     /// class B public key; `f.keySet` becomes the newest set.
@@ -74,7 +84,7 @@ extension Keybag {
     ) throws {
         for (n, s) in sets.enumerated() {
             for (base, key) in [("A", s.classA), ("B", s.classBSecret), ("C", s.classC)] {
-                let slot = slot(base, n)
+                let slot = Keybag.slot(base, n)
                 f.wrapped[slot] = Data(try KeyWrap.wrap(key, with: passcodeKey, ad: KeybagMACs.ad(f.storeID, slot)))
                     .base64EncodedString()
             }
@@ -86,13 +96,13 @@ extension Keybag {
             }
         }
         f.keySet = sets.count > 1 ? sets.count - 1 : nil
-        if sets.count > 1 { f.format = max(f.format, keySetsFormat) }
+        if sets.count > 1 { f.format = max(f.format, Keybag.keySetsFormat) }
     }
 
     /// Wraps class D of every set and the volume key under the device wrap key into `f`
     /// (format 2's associated data or later).
     static func wrapDeviceSlots(_ keys: StoreKeys, into f: inout KeybagFile, deviceWrapKey: SecureKey) throws {
-        var entries = keys.classD.enumerated().map { (slot("D", $0.offset), $0.element) }
+        var entries = keys.classD.enumerated().map { (Keybag.slot("D", $0.offset), $0.element) }
         entries.append(("volume", keys.volume))
         for (slot, key) in entries {
             let ad = KeybagMACs.ad(f.storeID, slot, format: f.format)
@@ -117,35 +127,21 @@ extension Keybag {
         try wrapDeviceSlots(keys, into: &f, deviceWrapKey: dwk)
     }
 
-    /// Every key this keybag holds, from the passcode and the device key; `badPasscode`
-    /// when the passcode is wrong (not counted here).
-    public func openAll(passcode: SecureKey, deviceKey: SecureKey) throws -> StoreKeys {
-        let d = try classDKeys(deviceKey: deviceKey)
-        let volume: SecureKey
-        do { volume = try unwrapDeviceKeySlot("volume", deviceKey: deviceKey) } catch {
-            d.values.forEach { $0.wipe() }
-            throw error
-        }
-        let sets: [UnlockedClassKeys]
-        do { sets = try unlockAll(passcode: passcode, deviceKey: deviceKey) } catch {
-            d.values.forEach { $0.wipe() }; volume.wipe(); throw error
-        }
-        return StoreKeys(sets: sets, classD: (0...currentKeySet).map { d[UInt8($0)]! }, volume: volume)
-    }
-
     /// Starts a new key set (a device removal): fresh class keys A, B, C, D wrapped beside the
     /// older sets, which stay to open older files. New files are wrapped for the new set, which
     /// removed devices never get. A store with a recovery key needs it (every set is escrowed
     /// under it, so only its holders can write escrow slots); a wrong passcode is counted.
     /// Returns the new set's number.
     /// `withKeys` gets every key, the new set last, before they are wiped.
-    public mutating func startKeySet(
-        passcode: SecureKey, deviceKey: SecureKey, recovery: RecoveryKey?,
+    public static func start(
+        _ kb: inout Keybag, passcode: SecureKey, deviceKey: SecureKey, recovery: RecoveryKey?,
         now: Double = Date().timeIntervalSince1970, withKeys: (StoreKeys) throws -> Void = { _ in }
     ) throws -> Int {
-        let keys = try keysWithFreshSet(passcode: passcode, deviceKey: deviceKey, recovery: recovery, now: now)
+        let keys = try keysWithFreshSet(
+            &kb, passcode: passcode, deviceKey: deviceKey, recovery: recovery, now: now)
         defer { keys.wipe() }
-        try saveKeySets(keys, into: file, passcode: passcode, deviceKey: deviceKey, recovery: recovery, sealer: sealer)
+        try save(
+            &kb, keys, into: kb.file, passcode: passcode, deviceKey: deviceKey, recovery: recovery, sealer: kb.sealer)
         try withKeys(keys)
         return keys.current
     }
@@ -153,29 +149,29 @@ extension Keybag {
     /// Every key of this keybag (from the passcode; a wrong one counted, the throttle applied) with
     /// a set of fresh keys appended, for a new key set; the caller wipes them. A store with a
     /// recovery key needs it, and its escrow must hold these very keys.
-    mutating func keysWithFreshSet(
-        passcode: SecureKey, deviceKey: SecureKey, recovery: RecoveryKey?, now: Double
+    static func keysWithFreshSet(
+        _ kb: inout Keybag, passcode: SecureKey, deviceKey: SecureKey, recovery: RecoveryKey?, now: Double
     ) throws -> StoreKeys {
-        if counterKey == nil { _ = try authenticate(deviceKey: deviceKey, now: now) }
-        let wait = retryAfter(now: now)
+        if kb.counterKey == nil { _ = try kb.authenticate(deviceKey: deviceKey, now: now) }
+        let wait = kb.retryAfter(now: now)
         guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
-        guard currentKeySet < Keybag.maxKeySet else {
+        guard kb.currentKeySet < Keybag.maxKeySet else {
             throw KeybagError.invalid("this store has \(Keybag.maxKeySet + 1) key sets, the most it can have")
         }
-        guard hasRecoveryKey == (recovery != nil) else {
+        guard kb.hasRecoveryKey == (recovery != nil) else {
             throw KeybagError.invalid(
-                hasRecoveryKey
+                kb.hasRecoveryKey
                     ? "this store has a recovery key: give it (--recovery-key-file, --stdin) to cover the new keys"
                     : "this store has no recovery key")
         }
         var keys: StoreKeys
-        do { keys = try openAll(passcode: passcode, deviceKey: deviceKey) } catch KeybagError.badPasscode {
-            try recordFailure(now: now)
+        do { keys = try kb.openAll(passcode: passcode, deviceKey: deviceKey) } catch KeybagError.badPasscode {
+            try kb.recordFailure(now: now)
             throw KeybagError.badPasscode
         }
         do {
             if let recovery {
-                let escrowed = try RecoveryEscrow.keys(in: file, recovery: recovery)
+                let escrowed = try RecoveryEscrow.keys(in: kb.file, recovery: recovery)
                 defer { escrowed.wipe() }
                 guard try escrowed.sameKeys(as: keys) else {
                     throw KeybagError.corrupt("the recovery slots do not match this keybag (damaged or replaced)")
@@ -189,19 +185,20 @@ extension Keybag {
     /// Saves `next` with every key of `keys` in it (A, B, C under the passcode key through
     /// `sealer`, D and the volume key under the device wrap key), escrowed for `recovery`, its
     /// counter cleared; then the sealer keeps only `next`'s salt and the device's newest set is recorded.
-    mutating func saveKeySets(
-        _ keys: StoreKeys, into next: KeybagFile, passcode: SecureKey, deviceKey: SecureKey, recovery: RecoveryKey?,
+    static func save(
+        _ kb: inout Keybag, _ keys: StoreKeys, into next: KeybagFile, passcode: SecureKey, deviceKey: SecureKey,
+        recovery: RecoveryKey?,
         sealer newSealer: (any PasscodeSealer)?
     ) throws {
         var next = next
-        try Keybag.wrapAll(keys, into: &next, passcode: passcode, deviceKey: deviceKey, sealer: newSealer)
+        try wrapAll(keys, into: &next, passcode: passcode, deviceKey: deviceKey, sealer: newSealer)
         if let recovery { try RecoveryEscrow.write(&next, keys: keys.escrowEntries(), recovery: recovery) }
         next.failedAttempts = 0
         next.lockoutUntil = 0
-        file = next
-        sealer = newSealer
-        try save()
+        kb.file = next
+        kb.sealer = newSealer
+        try kb.save()
         try newSealer?.keepOnly(salt: next.kdfSalt)
-        try KeySetFloor.record(self, deviceID: try DeviceIdentity.id(deviceKey: deviceKey, storeID: file.storeID))
+        try KeySetFloor.record(kb, deviceID: try DeviceIdentity.id(deviceKey: deviceKey, storeID: kb.file.storeID))
     }
 }

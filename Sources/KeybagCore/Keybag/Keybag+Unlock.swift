@@ -115,38 +115,13 @@ extension Keybag {
         }
         let kek = try PasscodeKey.derive(passcode: passcode, file: f, deviceKey: deviceKey, sealer: next, making: true)
         defer { kek.wipe() }
-        try Keybag.wrapPasscodeSlots(sets, into: &f, passcodeKey: kek)
+        try KeySets.wrapPasscodeSlots(sets, into: &f, passcodeKey: kek)
         f.failedAttempts = 0
         f.lockoutUntil = 0
         file = f
         sealer = next
         try save()
         try next?.keepOnly(salt: f.kdfSalt)
-    }
-
-    /// Refuses a keybag older than the one this device last wrote: with a TPM, its
-    /// generation must be at least the TPM's NV counter (a crash between the keybag's save
-    /// and the counter's step leaves it one ahead, which is fine).
-    public func checkGeneration() throws {
-        guard file.tpm2 == true, let sealer else { return }
-        let counted: UInt64?
-        do { counted = try sealer.generation() } catch let e as TPMError {
-            throw KeybagError.invalid(PasscodeKey.tpmTrouble(e))
-        }
-        guard let counted else {
-            // Every completed enrollment has its counter: one without names no counter to check
-            // (an edited enrollment), so nothing would stop an older keybag.
-            throw KeybagError.corrupt(
-                "this device's TPM enrollment names no keybag counter (it was edited); nothing was changed. Run "
-                    + "`keybagfs recover` with the recovery key")
-        }
-        let mine = file.generation ?? 0
-        guard mine >= counted else {
-            throw KeybagError.corrupt(
-                "keybag \(relativePath) is older than the one this device last wrote (generation \(mine), the TPM's "
-                    + "counter is at \(counted)): it was put back from an older copy; nothing was changed. Put back the "
-                    + "newest keybag, or run `keybagfs recover` with the recovery key")
-        }
     }
 
     /// Seconds until the next attempt is allowed (0 when allowed now).

@@ -52,6 +52,8 @@ public struct Keybag: Sendable {
     public var currentKeySet: Int { file.keySet ?? 0 }
     /// The keybag format that marks key sets (an older daemon refuses such a keybag).
     public static let keySetsFormat = 3
+    /// Most key sets a store may have (the set number is one header byte).
+    public static let maxKeySet = 255
 
     /// Name of `base`'s slot in key set `set` (`A`, `A.1`, …).
     public static func slot(_ base: String, _ set: Int) -> String { set == 0 ? base : "\(base).\(set)" }
@@ -98,7 +100,7 @@ public struct Keybag: Sendable {
                 let keys = StoreKeys(
                     sets: [UnlockedClassKeys(classA: a, classBSecret: bs, classBPublic: bp, classC: c)], classD: [d],
                     volume: vol)  // the same key objects: wiped by the defers above
-                certificate = try makeIdentity(
+                certificate = try DeviceIdentityKeys.make(
                     &file, keys: keys, storePath: storePath, deviceKey: deviceKey, certifySeed: certify,
                     recovery: recovery)
             }

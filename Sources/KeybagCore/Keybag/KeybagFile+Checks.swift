@@ -117,8 +117,8 @@ extension KeybagFile {
             throw bad("approvals", "not a device id and its approver: \(id.prefix(40))")
         }
         if storeCertify != nil, bytes(storeCertify) != 32 { throw bad("storeCertify", "not a public key") }
-        if let w = wrapped["r" + Keybag.certifySlot], bytes(w) != 32 + KeyWrap.overhead {
-            throw bad("wrapped.r\(Keybag.certifySlot)", "not a wrapped key")
+        if let w = wrapped["r" + DeviceIdentityKeys.certifySlot], bytes(w) != 32 + KeyWrap.overhead {
+            throw bad("wrapped.r\(DeviceIdentityKeys.certifySlot)", "not a wrapped key")
         }
     }
 

@@ -71,12 +71,12 @@ public struct KeybagFile: Codable, Sendable, Equatable {
     /// Format 4: keyed BLAKE2b under the counter key of every setting (every field but the
     /// wrapped slots, the cipher and the counters, which have MACs of their own, and the
     /// recovery counters, which recovery without the device key must write), so that any
-    /// offline edit of a setting is refused (`Keybag.settingsMessage`).
+    /// offline edit of a setting is refused (`KeybagMACs.settingsMessage`).
     public var settingsMAC: String? = nil
     /// This device's passcode key includes a secret sealed in its TPM (absent: no TPM).
     public var tpm2: Bool? = nil
     /// With a TPM: the value of the TPM's monotonic NV counter when this keybag was saved, so
-    /// that a keybag put back from an older copy is refused (`Keybag.checkGeneration`).
+    /// that a keybag put back from an older copy is refused (`TPMBinding.checkGeneration`).
     public var generation: UInt64? = nil
     /// This device's X25519 public key, which other devices seal key sets to, base64
     /// (`DeviceIdentityKeys`; absent before device identities).

@@ -213,12 +213,12 @@ final class Controller: Sendable {
     }
 
     /// After an unlock: a device that trusts nobody but itself yet takes the list of the record
-    /// of its newest set, once that record is there (`Keybag.adoptRecordOfHeldSet`); logged.
+    /// of its newest set, once that record is there (`DeviceTrust.adoptRecordOfHeldSet`); logged.
     private func adoptRecordOfHeldSet(_ keys: [UnlockedClassKeys]) {
         var kb = keybag.withLock { $0 }
         guard let newest = keys.last, Int(newest.keySet) == kb.currentKeySet else { return }
         do {
-            guard try kb.adoptRecordOfHeldSet(classA: newest.classA) else { return }
+            guard try DeviceTrust.adoptRecordOfHeldSet(&kb, classA: newest.classA) else { return }
             keybag.withLock { $0 = kb }
             log("took the device list of key set \(kb.currentKeySet) from its record")
         } catch {
@@ -230,10 +230,10 @@ final class Controller: Sendable {
     /// (another device removed one, `KeySetRecord`), so new files are wrapped again; logged.
     private func takeUpGrantedKeySets(_ passcode: SecureKey) {
         var kb = keybag.withLock { $0 }
-        guard let trust = kb.deviceTrust(), trust.newestSet > kb.currentKeySet else { return }
+        guard let trust = DeviceTrust.of(kb), trust.newestSet > kb.currentKeySet else { return }
         let held = kb.currentKeySet
         do {
-            let keys = try kb.takeUpKeySets(passcode: passcode, deviceKey: deviceKey, trust: trust)
+            let keys = try KeySets.takeUp(&kb, passcode: passcode, deviceKey: deviceKey, trust: trust)
             keybag.withLock { $0 = kb }
             for s in keys.sets[...held] { s.wipe() }  // the keyring holds these already
             for d in keys.classD[...held] { d.wipe() }
@@ -255,11 +255,11 @@ final class Controller: Sendable {
     }
 
     /// After an unlock: keeps the devices certified at this device's set that it did not know
-    /// yet (`Keybag.rememberCertified`), so a certificate replaced later gives nothing.
+    /// yet (`DeviceTrust.rememberCertified`), so a certificate replaced later gives nothing.
     private func rememberCertified() {
         var kb = keybag.withLock { $0 }
         do {
-            try kb.rememberCertified()
+            try DeviceTrust.rememberCertified(&kb)
             keybag.withLock { $0 = kb }
         } catch {
             log("could not keep the devices this device trusts: \(error)")
@@ -269,13 +269,13 @@ final class Controller: Sendable {
     /// The newest key set this device must know of, and the one it holds.
     func keySetStanding() -> (newest: Int, holding: Int) {
         let kb = keybag.withLock { $0 }
-        return (kb.newestKeySetInStore(), kb.currentKeySet)
+        return (DeviceTrust.newestKeySet(kb), kb.currentKeySet)
     }
 
     /// Records of the devices folder this device refused (forged, damaged, or not signed by a
     /// device it trusts), each with why.
     func refusedDeviceRecords() -> [String] {
-        keybag.withLock { $0 }.deviceTrust()?.refused ?? []
+        DeviceTrust.of(keybag.withLock { $0 })?.refused ?? []
     }
 
     /// passwd: rewraps the passcode-protected class keys under a new passcode.

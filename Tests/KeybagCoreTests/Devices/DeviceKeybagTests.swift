@@ -16,7 +16,7 @@ final class DeviceKeybagTests: TempDirTestCase {
         let a = try Keybag.create(
             storePath: dir, storeID: storeID, passcode: secret("pa"), deviceKey: dkA, strength: .interactive,
             recovery: recovery, deviceName: "a")
-        let b = try Keybag.addDevice(
+        let b = try StoreDevices.add(
             storePath: dir, recovery: recovery, passcode: secret("pb"), deviceKey: dkB, name: "b",
             strength: .interactive)
         return (a, dkA, b, dkB, recovery)
@@ -53,18 +53,20 @@ final class DeviceKeybagTests: TempDirTestCase {
         var (a, dkA, b, dkB, recovery) = try twoDevices()
         let idB = try DeviceIdentity.id(deviceKey: dkB, storeID: storeID)
         XCTAssertThrowsError(
-            try a.removeDevice(idB, passcode: secret("wrong"), deviceKey: dkA, recovery: recovery, now: 1000))
+            try StoreDevices.remove(&a, idB, passcode: secret("wrong"), deviceKey: dkA, recovery: recovery, now: 1000))
         XCTAssertEqual(a.file.failedAttempts, 1, "a wrong passcode counts")
-        XCTAssertThrowsError(try a.removeDevice(idB, passcode: secret("pa"), deviceKey: dkA, recovery: nil, now: 1500))
-        {
+        XCTAssertThrowsError(
+            try StoreDevices.remove(&a, idB, passcode: secret("pa"), deviceKey: dkA, recovery: nil, now: 1500)
+        ) {
             XCTAssertTrue("\($0)".contains("recovery key"), "the recovery key must cover the new set: \($0)")
         }
         XCTAssertThrowsError(
-            try a.removeDevice(idB, passcode: secret("pa"), deviceKey: dkA, recovery: RecoveryKey.generate(), now: 1600)
+            try StoreDevices.remove(
+                &a, idB, passcode: secret("pa"), deviceKey: dkA, recovery: RecoveryKey.generate(), now: 1600)
         )
         XCTAssertEqual(a.currentKeySet, 0, "nothing changed")
         XCTAssertEqual(
-            try a.removeDevice(idB, passcode: secret("pa"), deviceKey: dkA, recovery: recovery, now: 2000), 1)
+            try StoreDevices.remove(&a, idB, passcode: secret("pa"), deviceKey: dkA, recovery: recovery, now: 2000), 1)
         XCTAssertGreaterThanOrEqual(a.file.format, Keybag.keySetsFormat, "a keybag older versions refuse")
         XCTAssertFalse(FileManager.default.fileExists(atPath: dir + "/" + b.relativePath))
         XCTAssertEqual(StoreDevices.list(storePath: dir).first { $0.id == idB }?.removedBeforeKeySet, 1)
@@ -98,9 +100,11 @@ final class DeviceKeybagTests: TempDirTestCase {
         XCTAssertThrowsError(try Keybag.load(storePath: dir, deviceKey: dkB)) {
             XCTAssertTrue("\($0)".contains("was removed"), "\($0)")
         }
-        XCTAssertThrowsError(try a.removeDevice(idB, passcode: secret("pa"), deviceKey: dkA, recovery: recovery))
         XCTAssertThrowsError(
-            try a.removeDevice(
+            try StoreDevices.remove(&a, idB, passcode: secret("pa"), deviceKey: dkA, recovery: recovery))
+        XCTAssertThrowsError(
+            try StoreDevices.remove(
+                &a,
                 try DeviceIdentity.id(deviceKey: dkA, storeID: storeID), passcode: secret("pa"), deviceKey: dkA,
                 recovery: recovery))
     }
@@ -109,10 +113,11 @@ final class DeviceKeybagTests: TempDirTestCase {
         var (a, dkA, _, dkB, recovery) = try twoDevices()
         // A third device C joins before B is removed.
         let dkC = SecureKey(random: 32)
-        var c = try Keybag.addDevice(
+        var c = try StoreDevices.add(
             storePath: dir, recovery: recovery, passcode: secret("pc"), deviceKey: dkC, name: "c",
             strength: .interactive)
-        _ = try a.removeDevice(
+        _ = try StoreDevices.remove(
+            &a,
             try DeviceIdentity.id(deviceKey: dkB, storeID: storeID), passcode: secret("pa"), deviceKey: dkA,
             recovery: recovery)
         let keysA = try a.openAll(passcode: secret("pa"), deviceKey: dkA)
@@ -127,7 +132,9 @@ final class DeviceKeybagTests: TempDirTestCase {
         // set 1 with `recover` from the keybag that holds it.
         XCTAssertEqual(c.currentKeySet, 0)
         XCTAssertEqual(StoreDevices.newestKeySet(storePath: dir), 1, "C can tell it is behind")
-        XCTAssertThrowsError(try c.removeDevice("first", passcode: secret("pc"), deviceKey: dkC, recovery: recovery)) {
+        XCTAssertThrowsError(
+            try StoreDevices.remove(&c, "first", passcode: secret("pc"), deviceKey: dkC, recovery: recovery)
+        ) {
             XCTAssertTrue("\($0)".contains("recover"), "\($0)")
         }
         // A keybag planted by someone who can write the store, claiming more sets, is passed over.
@@ -147,14 +154,14 @@ final class DeviceKeybagTests: TempDirTestCase {
         ]
         try JSONSerialization.data(withJSONObject: planted).write(
             to: URL(fileURLWithPath: dir + "/devices/\(String(repeating: "e", count: 32)).keybag"))
-        let (source, keys) = try Keybag.escrowSource(storePath: dir, recovery: recovery)
+        let (source, keys) = try StoreDevices.escrowSource(storePath: dir, recovery: recovery)
         XCTAssertEqual(source.relativePath, "keybag", "the planted keybag's slots do not open under their names")
         XCTAssertTrue(try keys.sameKeys(as: keysA))
-        try c.recover(with: recovery, newPasscode: secret("pc2"), deviceKey: dkC, escrowFrom: source)
+        try RecoveryEscrow.recover(&c, with: recovery, newPasscode: secret("pc2"), deviceKey: dkC, escrowFrom: source)
         let keysC = try Keybag.load(storePath: dir, deviceKey: dkC).openAll(passcode: secret("pc2"), deviceKey: dkC)
         XCTAssertTrue(try keysC.sameKeys(as: keysA))
         let dkD = SecureKey(random: 32)
-        let d = try Keybag.addDevice(
+        let d = try StoreDevices.add(
             storePath: dir, recovery: recovery, passcode: secret("pd"), deviceKey: dkD, name: nil,
             strength: .interactive)
         XCTAssertEqual(d.currentKeySet, 1)
@@ -168,7 +175,8 @@ final class DeviceKeybagTests: TempDirTestCase {
         var (a, dkA, _, dkB, recovery) = try twoDevices()
         let before = try Data(contentsOf: URL(fileURLWithPath: dir + "/keybag"))
         let idA = try DeviceIdentity.id(deviceKey: dkA, storeID: storeID)
-        _ = try a.removeDevice(
+        _ = try StoreDevices.remove(
+            &a,
             try DeviceIdentity.id(deviceKey: dkB, storeID: storeID), passcode: secret("pa"), deviceKey: dkA,
             recovery: recovery)
         XCTAssertTrue(

@@ -61,7 +61,8 @@ final class RecoveryKeyTests: TempDirTestCase {
         var loaded = try Keybag.load(storePath: dir)
         XCTAssertTrue(loaded.hasRecoveryKey)
         _ = try loaded.authenticate(deviceKey: dk)
-        try loaded.recover(with: RecoveryKey.parse(k(rk)), newPasscode: secret("new passcode"), deviceKey: dk)
+        try RecoveryEscrow.recover(
+            &loaded, with: RecoveryKey.parse(k(rk)), newPasscode: secret("new passcode"), deviceKey: dk)
         var after = try Keybag.load(storePath: dir)
         XCTAssertEqual(try after.authenticate(deviceKey: dk), .authentic, "the counter MAC was rewritten")
         XCTAssertEqual(after.file.failedAttempts, 0)
@@ -88,7 +89,7 @@ final class RecoveryKeyTests: TempDirTestCase {
         let a = try kbBefore.unlock(passcode: secret("p"), deviceKey: lost).classA
         let fresh = SecureKey(random: 32)
         var kb = try Keybag.load(storePath: dir)
-        try kb.recover(with: rk, newPasscode: secret("q"), deviceKey: fresh)
+        try RecoveryEscrow.recover(&kb, with: rk, newPasscode: secret("q"), deviceKey: fresh)
         var after = try Keybag.load(storePath: dir)
         XCTAssertEqual(try after.authenticate(deviceKey: fresh), .authentic)
         XCTAssertTrue(
@@ -112,7 +113,8 @@ final class RecoveryKeyTests: TempDirTestCase {
         for i in 1...5 {
             var kb = try Keybag.load(storePath: dir)  // device key lost: no counter key
             XCTAssertThrowsError(
-                try kb.recover(
+                try RecoveryEscrow.recover(
+                    &kb,
                     with: RecoveryKey.generate(), newPasscode: secret("x"), deviceKey: SecureKey(random: 32), now: now)
             ) {
                 XCTAssertEqual($0 as? KeybagError, .badRecoveryKey)
@@ -121,7 +123,9 @@ final class RecoveryKeyTests: TempDirTestCase {
         }
         var kb = try Keybag.load(storePath: dir)
         XCTAssertEqual(kb.recoveryRetryAfter(now: now), 60)
-        XCTAssertThrowsError(try kb.recover(with: rk, newPasscode: secret("x"), deviceKey: dk, now: now + 1)) {
+        XCTAssertThrowsError(
+            try RecoveryEscrow.recover(&kb, with: rk, newPasscode: secret("x"), deviceKey: dk, now: now + 1)
+        ) {
             XCTAssertEqual($0 as? KeybagError, .throttled(retryAfter: 59))
         }
         // The wrong attempts changed nothing else: the passcode and device key still open the store.
@@ -129,7 +133,7 @@ final class RecoveryKeyTests: TempDirTestCase {
         XCTAssertEqual(try same.authenticate(deviceKey: dk), .authentic, "the passcode counter's MAC is untouched")
         XCTAssertNoThrow(try same.unlock(passcode: secret("p"), deviceKey: dk))
         // After the delay the right key works and clears the counter.
-        try kb.recover(with: rk, newPasscode: secret("x"), deviceKey: dk, now: now + 61)
+        try RecoveryEscrow.recover(&kb, with: rk, newPasscode: secret("x"), deviceKey: dk, now: now + 61)
         XCTAssertNil(try Keybag.load(storePath: dir).file.recoveryFailedAttempts)
     }
 
@@ -138,19 +142,22 @@ final class RecoveryKeyTests: TempDirTestCase {
         var kb = try Keybag.create(
             storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive)
         XCTAssertFalse(kb.hasRecoveryKey)
-        XCTAssertThrowsError(try kb.recover(with: RecoveryKey.generate(), newPasscode: secret("x"), deviceKey: dk))
-        XCTAssertThrowsError(try kb.rotateRecoveryKey(passcode: secret("wrong"), deviceKey: dk)) {
+        XCTAssertThrowsError(
+            try RecoveryEscrow.recover(&kb, with: RecoveryKey.generate(), newPasscode: secret("x"), deviceKey: dk))
+        XCTAssertThrowsError(try RecoveryEscrow.rotate(&kb, passcode: secret("wrong"), deviceKey: dk)) {
             XCTAssertEqual($0 as? KeybagError, .badPasscode)
         }
         XCTAssertEqual(try Keybag.load(storePath: dir).file.failedAttempts, 1, "a wrong passcode counts")
-        let first = try kb.rotateRecoveryKey(passcode: secret("p"), deviceKey: dk)
-        let second = try kb.rotateRecoveryKey(passcode: secret("p"), deviceKey: dk)
+        let first = try RecoveryEscrow.rotate(&kb, passcode: secret("p"), deviceKey: dk)
+        let second = try RecoveryEscrow.rotate(&kb, passcode: secret("p"), deviceKey: dk)
         var reloaded = try Keybag.load(storePath: dir)
-        XCTAssertThrowsError(try reloaded.recover(with: first, newPasscode: secret("x"), deviceKey: dk)) {
+        XCTAssertThrowsError(
+            try RecoveryEscrow.recover(&reloaded, with: first, newPasscode: secret("x"), deviceKey: dk)
+        ) {
             XCTAssertEqual($0 as? KeybagError, .badRecoveryKey)
         }
         reloaded = try Keybag.load(storePath: dir)
-        try reloaded.recover(with: second, newPasscode: secret("x"), deviceKey: dk)
+        try RecoveryEscrow.recover(&reloaded, with: second, newPasscode: secret("x"), deviceKey: dk)
         XCTAssertNoThrow(try Keybag.load(storePath: dir).unlock(passcode: secret("x"), deviceKey: dk))
     }
 
@@ -187,7 +194,9 @@ final class RecoveryKeyTests: TempDirTestCase {
         kb.file = f
         try kb.saveWithoutCounter()
         var forged = try Keybag.load(storePath: dir)
-        XCTAssertThrowsError(try forged.recover(with: planted, newPasscode: secret("x"), deviceKey: dk)) { e in
+        XCTAssertThrowsError(
+            try RecoveryEscrow.recover(&forged, with: planted, newPasscode: secret("x"), deviceKey: dk)
+        ) { e in
             guard case KeybagError.corrupt(let m) = e else { return XCTFail("\(e)") }
             XCTAssertTrue(m.contains("do not match"), m)
         }
@@ -198,7 +207,7 @@ final class RecoveryKeyTests: TempDirTestCase {
         o["kdfOpsLimit"] = Int(crypto_pwhash_opslimit_min()); o["kdfMemLimit"] = Int(crypto_pwhash_memlimit_min())
         try JSONSerialization.data(withJSONObject: o).write(to: URL(fileURLWithPath: dir + "/keybag"))
         var weak = try Keybag.load(storePath: dir)
-        try weak.recover(with: real, newPasscode: secret("x"), deviceKey: dk)
+        try RecoveryEscrow.recover(&weak, with: real, newPasscode: secret("x"), deviceKey: dk)
         let after = try Keybag.load(storePath: dir).file
         XCTAssertGreaterThanOrEqual(after.kdfOpsLimit, KDFStrength.interactive.opsLimit)
         XCTAssertGreaterThanOrEqual(after.kdfMemLimit, KDFStrength.interactive.memLimit)

@@ -1,34 +1,10 @@
 import Foundation
 
-/// Handing a new key set to the devices that stay (`KeySetRecord`), and taking one up.
-extension Keybag {
-    /// Gives this device identity keys and a certificate from the recovery key, where it has
-    /// none yet (a device from before identities); a wrong passcode is counted.
-    public mutating func ensureIdentity(
-        passcode: SecureKey, deviceKey: SecureKey, recovery: RecoveryKey, now: Double = Date().timeIntervalSince1970
-    ) throws {
-        guard !hasIdentity else { return }
-        let keys = try openAllCounted(passcode: passcode, deviceKey: deviceKey, now: now)
-        defer { keys.wipe() }
-        let escrowed = try RecoveryEscrow.keys(in: file, recovery: recovery)
-        defer { escrowed.wipe() }
-        guard try escrowed.sameKeys(as: keys) else {
-            throw KeybagError.corrupt("the recovery slots do not match this keybag (damaged or replaced)")
-        }
-        if file.deviceID == nil { file.deviceID = try DeviceIdentity.id(deviceKey: deviceKey, storeID: file.storeID) }
-        let certify = try Keybag.certifySeed(storePath: storePath, recovery: recovery, preferring: self)
-        defer { certify.wipe() }
-        var next = file
-        let certificate = try Keybag.makeIdentity(
-            &next, keys: keys, storePath: storePath, deviceKey: deviceKey, certifySeed: certify, recovery: recovery,
-            now: now)
-        file = next
-        try save()
-        try certificate.write(storePath: storePath)
-    }
-
+/// Handing a new key set to the devices that stay (`KeySetRecord`), taking one up, and the
+/// recovery key's rotation for every device.
+extension KeySets {
     /// The record of key set `keys.current`, just made by this device (`maker`), for every
-    /// device `trust` holds but `removed`: the set sealed to each, unsigned (see `publishKeySet`).
+    /// device `trust` holds but `removed`: the set sealed to each, unsigned (see `publish`).
     static func keySetRecord(
         _ keys: StoreKeys, maker: DevicePublicKeys, makerID: String, storeID: String, removed: [String],
         trust: DeviceTrust, now: Double
@@ -56,19 +32,20 @@ extension Keybag {
     /// its next unlock); then this keybag with the set and whom it trusts now. The `removals`
     /// records are signed and written after. Returns the record.
     @discardableResult
-    mutating func publishKeySet(
-        _ keys: StoreKeys, removed: [String], trust: DeviceTrust, next: KeybagFile, root: SecureKey?,
+    static func publish(
+        _ kb: inout Keybag, _ keys: StoreKeys, removed: [String], trust: DeviceTrust, next: KeybagFile,
+        root: SecureKey?,
         certify: SecureKey?, removals: [DeviceRemoval], passcode: SecureKey, deviceKey: SecureKey, now: Double
     ) throws -> KeySetRecord {
-        guard let me = file.deviceID, let mine = ownDeviceKeys else {
+        guard let me = kb.file.deviceID, let mine = ownDeviceKeys(kb) else {
             throw KeybagError.invalid("this device has no identity")
         }
-        let identity = try identityKeys(classA0: keys.sets[0].classA, deviceKey: deviceKey)
+        let identity = try DeviceIdentityKeys.open(kb, classA0: keys.sets[0].classA, deviceKey: deviceKey)
         defer { identity.wipe() }
-        var record = try Keybag.keySetRecord(
-            keys, maker: mine, makerID: me, storeID: file.storeID, removed: removed, trust: trust, now: now)
+        var record = try keySetRecord(
+            keys, maker: mine, makerID: me, storeID: kb.file.storeID, removed: removed, trust: trust, now: now)
         if let certify { record.certify = Data(try Ed25519.publicKey(seed: certify)).base64EncodedString() }
-        let approvals = knownApprovals(trust).filter { record.members[$0.key] != nil }
+        let approvals = DeviceTrust.knownApprovals(kb, trust).filter { record.members[$0.key] != nil }
         record.approvals = approvals.isEmpty ? nil : approvals
         record.escrow = next.wrapped.filter { $0.key.hasPrefix("r") }
         record.keysMAC = try record.keysMAC(classA: keys.sets[keys.current].classA)
@@ -77,53 +54,54 @@ extension Keybag {
         if let certify {
             record.certifySignature = Data(try Ed25519.sign(record.message, seed: certify)).base64EncodedString()
         }
-        try record.write(storePath: storePath)
+        try record.write(storePath: kb.storePath)
         var next = next
         next.approvals = approvals
-        Keybag.remember(
+        DeviceTrust.remember(
             trusted: record.members, removed: trust.removed.union(removed), root: record.certifyKey ?? trust.root,
             in: &next)
-        try saveKeySets(keys, into: next, passcode: passcode, deviceKey: deviceKey, recovery: nil, sealer: sealer)
+        try save(
+            &kb, keys, into: next, passcode: passcode, deviceKey: deviceKey, recovery: nil, sealer: kb.sealer)
         for var removal in removals {
             removal.by = me
             removal.signature = Data(try Ed25519.sign(removal.message, seed: identity.signSeed)).base64EncodedString()
-            try StoreDevices.makeFolder(storePath)
+            try StoreDevices.makeFolder(kb.storePath)
             try Keybag.writeAtomically(
-                try JSONEncoder().encode(removal), to: storePath + "/" + StoreDevices.removalPath(removal.deviceID))
+                try JSONEncoder().encode(removal), to: kb.storePath + "/" + StoreDevices.removalPath(removal.deviceID))
         }
         return record
     }
 
     /// This device's public keys as a record lists them (nil: no identity).
-    var ownDeviceKeys: DevicePublicKeys? {
-        guard let box = file.identityBox, let sign = file.identitySign else { return nil }
+    static func ownDeviceKeys(_ kb: Keybag) -> DevicePublicKeys? {
+        guard let box = kb.file.identityBox, let sign = kb.file.identitySign else { return nil }
         return DevicePublicKeys(box: box, sign: sign)
     }
 
     /// Every escrow slot this keybag holds (`r` + slot name → wrapped key, base64).
-    var escrowSlots: [String: String] { file.wrapped.filter { $0.key.hasPrefix("r") } }
+    static func escrowSlots(_ kb: Keybag) -> [String: String] { kb.file.wrapped.filter { $0.key.hasPrefix("r") } }
 
     /// Takes up the key sets newer than this keybag's that records `trust` holds handed to
     /// this device: opens each grant with its identity key, wraps the sets beside the others
     /// (under the passcode) with the maker's escrow slots, and saves. Returns every key, the
     /// new sets last (the caller wipes them). `invalid` when a newer set was not handed to
     /// this device (it needs `keybagfs recover`).
-    public mutating func takeUpKeySets(passcode: SecureKey, deviceKey: SecureKey, trust: DeviceTrust) throws
+    public static func takeUp(_ kb: inout Keybag, passcode: SecureKey, deviceKey: SecureKey, trust: DeviceTrust) throws
         -> StoreKeys
     {
-        guard let me = file.deviceID, trust.newestSet > currentKeySet else {
+        guard let me = kb.file.deviceID, trust.newestSet > kb.currentKeySet else {
             throw KeybagError.invalid("no newer key set to take up")
         }
-        let sets = (currentKeySet + 1)...trust.newestSet
+        let sets = (kb.currentKeySet + 1)...trust.newestSet
         for n in sets where trust.records[n]?.grants[me] == nil {
             throw KeybagError.invalid(
                 "key set \(n) was not handed to this device (made before it was certified, or by a keybagfs without "
                     + "device identities): take it up with `keybagfs recover`")
         }
-        var keys = try openAll(passcode: passcode, deviceKey: deviceKey)
-        var next = file
+        var keys = try kb.openAll(passcode: passcode, deviceKey: deviceKey)
+        var next = kb.file
         do {
-            let identity = try identityKeys(classA0: keys.sets[0].classA, deviceKey: deviceKey)
+            let identity = try DeviceIdentityKeys.open(kb, classA0: keys.sets[0].classA, deviceKey: deviceKey)
             defer { identity.wipe() }
             for n in sets {
                 let record = trust.records[n]!
@@ -136,40 +114,44 @@ extension Keybag {
             }
             // The maker's escrow (under the recovery key, every set) replaces this device's own.
             let escrow = trust.records[trust.newestSet]!.escrow
-            if hasRecoveryKey, RecoveryEscrow.isComplete(escrow, sets: trust.newestSet) {
+            if kb.hasRecoveryKey, RecoveryEscrow.isComplete(escrow, sets: trust.newestSet) {
                 next.wrapped = next.wrapped.filter { !$0.key.hasPrefix("r") }.merging(escrow) { $1 }
             }
             // What the records say (signed with the certification key) wins, newest last.
-            var approvals = knownApprovals(trust)
-            for n in sets { approvals.merge(Keybag.wellFormed(trust.records[n]?.approvals ?? [:])) { _, new in new } }
+            var approvals = DeviceTrust.knownApprovals(kb, trust)
+            for n in sets {
+                approvals.merge(DeviceTrust.wellFormed(trust.records[n]?.approvals ?? [:])) { _, new in new }
+            }
             next.approvals = approvals
-            Keybag.remember(trusted: trust.trusted, removed: trust.removed, root: trust.root, in: &next)
-            try saveKeySets(keys, into: next, passcode: passcode, deviceKey: deviceKey, recovery: nil, sealer: sealer)
+            DeviceTrust.remember(trusted: trust.trusted, removed: trust.removed, root: trust.root, in: &next)
+            try save(
+                &kb, keys, into: next, passcode: passcode, deviceKey: deviceKey, recovery: nil, sealer: kb.sealer)
         } catch {
             keys.wipe()
             throw error
         }
         return keys
     }
-}
 
-extension Keybag {
     /// `recovery-key rotate` on a device with an identity: a new key set, a new store
     /// certification key and the new recovery key, handed to every device this one trusts in
     /// a record signed by it and by the new certification key. Files written from then on
     /// open with no key the old recovery key reaches, on any device that takes the set up.
-    mutating func rotateForAll(
-        _ keys: StoreKeys, trust: DeviceTrust, current: RecoveryKey?, passcode: SecureKey, deviceKey: SecureKey,
+    static func rotateForAll(
+        _ kb: inout Keybag, _ keys: StoreKeys, trust: DeviceTrust, current: RecoveryKey?, passcode: SecureKey,
+        deviceKey: SecureKey,
         now: Double, deliver: (RecoveryKey) throws -> Void
     ) throws -> RecoveryKey {
-        guard currentKeySet < Keybag.maxKeySet else {
+        guard kb.currentKeySet < Keybag.maxKeySet else {
             throw KeybagError.invalid("this store has \(Keybag.maxKeySet + 1) key sets, the most it can have")
         }
-        try refuseWhileBehind(trust)
+        try refuseWhileBehind(kb, trust)
         // With other devices, the rotation takes over their escrow: only the current key's holder may.
         let alone =
-            trust.trusted.keys.allSatisfy { $0 == file.deviceID }
-            && StoreDevices.list(storePath: storePath).allSatisfy { $0.removedAt != nil || $0.id == file.deviceID }
+            trust.trusted.keys.allSatisfy { $0 == kb.file.deviceID }
+            && StoreDevices.list(storePath: kb.storePath).allSatisfy {
+                $0.removedAt != nil || $0.id == kb.file.deviceID
+            }
         guard alone || current != nil else {
             throw KeybagError.invalid(
                 "this store has other devices: give the current recovery key too (--current-recovery-key-file), so "
@@ -177,12 +159,12 @@ extension Keybag {
         }
         var root: SecureKey?
         if let current {
-            let escrowed = try escrowedKeysCounted(recovery: current, now: now)
+            let escrowed = try RecoveryEscrow.keysCounted(&kb, recovery: current, now: now)
             defer { escrowed.wipe() }
             guard try escrowed.sameKeys(as: keys) else {
                 throw KeybagError.corrupt("the recovery slots do not match this keybag (damaged or replaced)")
             }
-            root = try Keybag.certifySeed(storePath: storePath, recovery: current, preferring: self)
+            root = try DeviceIdentityKeys.certifySeed(storePath: kb.storePath, recovery: current, preferring: kb)
         }
         defer { root?.wipe() }
         var keys = keys
@@ -191,13 +173,14 @@ extension Keybag {
         let certify = SecureKey(random: 32)
         defer { certify.wipe() }
         let recovery = RecoveryKey.generate()
-        var next = file
+        var next = kb.file
         try RecoveryEscrow.write(
-            &next, keys: [(Keybag.certifySlot, certify)] + keys.escrowEntries(), recovery: recovery)
+            &next, keys: [(DeviceIdentityKeys.certifySlot, certify)] + keys.escrowEntries(), recovery: recovery)
         next.recoveryFailedAttempts = nil
         next.recoveryLockoutUntil = nil
         do { try deliver(recovery) } catch { recovery.wipe(); throw error }
-        try publishKeySet(
+        try publish(
+            &kb,
             keys, removed: [], trust: trust, next: next, root: root, certify: certify, removals: [], passcode: passcode,
             deviceKey: deviceKey, now: now)
         return recovery
@@ -205,10 +188,10 @@ extension Keybag {
 
     /// Refuses to make a key set, or to approve a device, while a device this one trusts made
     /// a newer set than it holds (two sets of one number would split the store).
-    func refuseWhileBehind(_ trust: DeviceTrust) throws {
-        guard trust.newestSet <= currentKeySet else {
+    static func refuseWhileBehind(_ kb: Keybag, _ trust: DeviceTrust) throws {
+        guard trust.newestSet <= kb.currentKeySet else {
             throw KeybagError.invalid(
-                "another device made key set \(trust.newestSet) and this device holds \(currentKeySet): unlock it once "
+                "another device made key set \(trust.newestSet) and this device holds \(kb.currentKeySet): unlock it once "
                     + "to take the set up (or run `keybagfs recover`), then try again")
         }
     }
