@@ -59,11 +59,6 @@ extension DeviceIdentityKeys {
             by: DeviceCertificate.byStore, signer: certifySeed, now: now)
     }
 
-    /// This device's identity keys, opened with class A of key set 0.
-    static func open(_ kb: Keybag, classA0: SecureKey, deviceKey: SecureKey) throws -> DeviceIdentityKeys {
-        try open(from: kb, classA0: classA0, deviceKey: deviceKey)
-    }
-
     /// Gives this device identity keys and a certificate from the recovery key, where it has
     /// none yet (a device from before identities); a wrong passcode is counted.
     public static func ensure(

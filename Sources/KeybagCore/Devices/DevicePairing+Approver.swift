@@ -140,7 +140,7 @@ extension DevicePairing {
         defer { passcode.wipe() }
         let keys = try kb.openAllCounted(passcode: passcode, deviceKey: deviceKey, now: now)
         defer { keys.wipe() }
-        let identity = try DeviceIdentityKeys.open(kb, classA0: keys.sets[0].classA, deviceKey: deviceKey)
+        let identity = try DeviceIdentityKeys.open(from: kb, classA0: keys.sets[0].classA, deviceKey: deviceKey)
         defer { identity.wipe() }
         let me = kb.file.deviceID!
         var cert = DeviceCertificate(

@@ -138,7 +138,7 @@ extension StoreDevices {
         if StoreDevices.removal(storePath: kb.storePath, id: removedID) == nil {
             let keys = try kb.openAllCounted(passcode: passcode, deviceKey: deviceKey, now: now)
             defer { keys.wipe() }
-            let identity = try DeviceIdentityKeys.open(kb, classA0: keys.sets[0].classA, deviceKey: deviceKey)
+            let identity = try DeviceIdentityKeys.open(from: kb, classA0: keys.sets[0].classA, deviceKey: deviceKey)
             defer { identity.wipe() }
             let set = trust.records.values.first { $0.removed.contains(removedID) }?.keySet ?? kb.currentKeySet
             var removal = DeviceRemoval(deviceID: removedID, removedAt: now, keySet: set, by: kb.file.deviceID)

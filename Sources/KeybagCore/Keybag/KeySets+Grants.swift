@@ -40,7 +40,7 @@ extension KeySets {
         guard let me = kb.file.deviceID, let mine = ownDeviceKeys(kb) else {
             throw KeybagError.invalid("this device has no identity")
         }
-        let identity = try DeviceIdentityKeys.open(kb, classA0: keys.sets[0].classA, deviceKey: deviceKey)
+        let identity = try DeviceIdentityKeys.open(from: kb, classA0: keys.sets[0].classA, deviceKey: deviceKey)
         defer { identity.wipe() }
         var record = try keySetRecord(
             keys, maker: mine, makerID: me, storeID: kb.file.storeID, removed: removed, trust: trust, now: now)
@@ -101,7 +101,7 @@ extension KeySets {
         var keys = try kb.openAll(passcode: passcode, deviceKey: deviceKey)
         var next = kb.file
         do {
-            let identity = try DeviceIdentityKeys.open(kb, classA0: keys.sets[0].classA, deviceKey: deviceKey)
+            let identity = try DeviceIdentityKeys.open(from: kb, classA0: keys.sets[0].classA, deviceKey: deviceKey)
             defer { identity.wipe() }
             for n in sets {
                 let record = trust.records[n]!
