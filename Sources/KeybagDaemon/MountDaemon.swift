@@ -326,7 +326,7 @@ public enum MountDaemon {
         case .tampered:
             log(
                 "the keybag's failed-attempt counter does not authenticate (edited offline?): unlock refused for "
-                    + "\(Controller.seconds(kb.retryAfter(now: Date().timeIntervalSince1970))) s"
+                    + "\(Controller.seconds(PasscodeAttempts.retryAfter(kb, now: Date().timeIntervalSince1970))) s"
             )
         }
         // Only an authenticated keybag may raise the floor (a forged key set would lock the device out).

@@ -42,7 +42,7 @@ struct CipherCommand: ParsableCommand {
         var kb = try Keybag.load(storePath: store, deviceKey: dk)
         try kb.unwrapDeviceKeySlot("D", deviceKey: dk).wipe()  // the right device key, or badDeviceKey
         let old = kb.cipher
-        let authentic = try kb.cipherIsAuthentic(deviceKey: dk)
+        let authentic = try KeybagMACs.cipherIsAuthentic(kb.file, deviceKey: dk)
         // An edited name (its MAC fails) says nothing about the store's layout: any cipher may be set back.
         guard authentic == false || cipher.sharesLayout(with: old) else {
             throw KeybagError.invalid(

@@ -74,7 +74,7 @@ struct Recover: ParsableCommand {
         defer { close(lock) }
         let kb = try Keybag.load(storePath: target.store)
         let dkPath = target.deviceKeyPath(kb)
-        let wait = kb.recoveryRetryAfter(now: Date().timeIntervalSince1970)
+        let wait = PasscodeAttempts.recoveryRetryAfter(kb, now: Date().timeIntervalSince1970)
         guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
         let recovery = try recoveryKey.read(fromStdin: stdin)
         defer { recovery.wipe() }

@@ -31,7 +31,7 @@ struct Rewrap: ParsableCommand {
             }
             let passcode = try PasscodeInput.read(fromStdin: passcodeStdin, prompt: "Passcode: ")
             defer { passcode.wipe() }
-            let keys = try kb.openAllCounted(passcode: passcode, deviceKey: dk)
+            let keys = try PasscodeAttempts.openAllCounted(&kb, passcode: passcode, deviceKey: dk)
             defer { keys.wipe() }
             let start = Date()
             var rewrap = StoreRewrap(storePath: target.store, keys: keys) {

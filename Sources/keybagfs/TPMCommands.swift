@@ -96,7 +96,7 @@ struct TPMCommand: ParsableCommand {
                     throw KeybagError.invalid("this device's passcode is not bound to a TPM")
                 }
                 let code = try passcode()
-                let keys = try kb.openAllCounted(passcode: code, deviceKey: dk)
+                let keys = try PasscodeAttempts.openAllCounted(&kb, passcode: code, deviceKey: dk)
                 defer { keys.wipe() }
                 // The lockout authorization first: while the TPM refuses it, nothing changes (the
                 // enrollment, which keeps it, stays).

@@ -74,7 +74,7 @@ extension TPMCommand {
                 let others = KeySets.devicesWithout(kb, keySet: kb.currentKeySet + 1)
                 guard try makesNewKeySet(others: others) else {
                     let code = try passcode()
-                    let keys = try kb.openAllCounted(passcode: code, deviceKey: dk)
+                    let keys = try PasscodeAttempts.openAllCounted(&kb, passcode: code, deviceKey: dk)
                     defer { keys.wipe() }
                     try TPMBinding.moveToSealer(&kb, sealer, passcode: code, deviceKey: dk)
                     try sealer.takeLockout(choice, sets: keys.sets, storeID: kb.file.storeID)
@@ -129,7 +129,7 @@ extension TPMCommand {
             defer { recovery?.wipe() }
             let code = try passcode()
             if newSet { _ = try KeySets.start(&kb, passcode: code, deviceKey: dk, recovery: recovery) }
-            let keys = try kb.openAllCounted(passcode: code, deviceKey: dk)
+            let keys = try PasscodeAttempts.openAllCounted(&kb, passcode: code, deviceKey: dk)
             defer { keys.wipe() }
             if lockout { try sealer.takeLockout(choice, sets: keys.sets, storeID: kb.file.storeID) }
             let behind = KeySets.devicesWithout(kb, keySet: keys.current)

@@ -70,9 +70,11 @@ public final class StoreCheck {
         let set = kb.currentKeySet
         classBPublic = [UInt8](
             Data(base64Encoded: set == 0 ? kb.file.classBPublic : kb.file.classBPublics?[String(set)] ?? "") ?? Data())
-        if let passcode { keyring.install(try kb.unlockCounting(passcode: passcode, deviceKey: deviceKey)) }
+        if let passcode {
+            keyring.install(try PasscodeAttempts.unlockCounting(&kb, passcode: passcode, deviceKey: deviceKey))
+        }
         content = EncryptedContent(layout: BlockLayout(cipher: kb.cipher))
-        if try keybag.counterIsAuthentic(deviceKey: deviceKey) == false {
+        if try KeybagMACs.counterIsAuthentic(keybag.file, deviceKey: deviceKey) == false {
             note(
                 "keybag-counter", "keybag", nil,
                 "the failed-attempt counter does not authenticate (edited offline); the daemon answers with the "

@@ -92,7 +92,7 @@ public struct DeviceCertificate: Codable, Sendable, Equatable {
         try StoreDevices.makeFolder(storePath)
         let enc = JSONEncoder()
         enc.outputFormatting = [.prettyPrinted, .sortedKeys]
-        try Keybag.writeAtomically(
+        try AtomicFile.write(
             try enc.encode(self), to: storePath + "/" + StoreDevices.dirName + "/" + Self.fileName(deviceID))
     }
 }

@@ -66,7 +66,7 @@ extension DeviceIdentityKeys {
         now: Double = Date().timeIntervalSince1970
     ) throws {
         guard !DeviceTrust.hasIdentity(kb) else { return }
-        let keys = try kb.openAllCounted(passcode: passcode, deviceKey: deviceKey, now: now)
+        let keys = try PasscodeAttempts.openAllCounted(&kb, passcode: passcode, deviceKey: deviceKey, now: now)
         defer { keys.wipe() }
         let escrowed = try RecoveryEscrow.keys(in: kb.file, recovery: recovery)
         defer { escrowed.wipe() }

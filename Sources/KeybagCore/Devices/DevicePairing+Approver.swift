@@ -126,7 +126,7 @@ extension DevicePairing {
             deviceID: request.deviceID, approver: me, approverSign: sign,
             nonce: Data(Sodium.randomArray(32)).base64EncodedString(), request: hash)
         try FileManager.default.createDirectory(atPath: KeySetFloor.stateFolder, withIntermediateDirectories: true)
-        try Keybag.writeAtomically(
+        try AtomicFile.write(
             try JSONEncoder().encode(ApprovalPin(request: hash, challenge: c)), to: pinPath)
         try PairingMessages.write(c, kb.storePath, request.deviceID, "challenge")
     }
@@ -138,7 +138,7 @@ extension DevicePairing {
         passcode: SecureKey, now: Double
     ) throws -> Int {
         defer { passcode.wipe() }
-        let keys = try kb.openAllCounted(passcode: passcode, deviceKey: deviceKey, now: now)
+        let keys = try PasscodeAttempts.openAllCounted(&kb, passcode: passcode, deviceKey: deviceKey, now: now)
         defer { keys.wipe() }
         let identity = try DeviceIdentityKeys.open(from: kb, classA0: keys.sets[0].classA, deviceKey: deviceKey)
         defer { identity.wipe() }

@@ -140,7 +140,7 @@ public enum DevicePairing {
         /// Saves it (0600).
         func save(storeID: String, deviceID: String) throws {
             try FileManager.default.createDirectory(atPath: KeySetFloor.stateFolder, withIntermediateDirectories: true)
-            try Keybag.writeAtomically(
+            try AtomicFile.write(
                 try JSONEncoder().encode(self), to: Self.path(storeID: storeID, deviceID: deviceID))
         }
 

@@ -128,7 +128,7 @@ public struct KeySetRecord: Codable, Sendable, Equatable {
         try StoreDevices.makeFolder(storePath)
         let enc = JSONEncoder()
         enc.outputFormatting = [.prettyPrinted, .sortedKeys]
-        try Keybag.writeAtomically(try enc.encode(self), to: storePath + "/" + StoreDevices.dirName + "/" + fileName)
+        try AtomicFile.write(try enc.encode(self), to: storePath + "/" + StoreDevices.dirName + "/" + fileName)
     }
 
     /// The keys MAC under `classA` of the set.

@@ -159,6 +159,6 @@ public enum PairingMessages {
         try StoreDevices.makeFolder(storePath)
         let enc = JSONEncoder()
         enc.outputFormatting = [.prettyPrinted, .sortedKeys]
-        try Keybag.writeAtomically(try enc.encode(value), to: path(storePath, deviceID, kind))
+        try AtomicFile.write(try enc.encode(value), to: path(storePath, deviceID, kind))
     }
 }

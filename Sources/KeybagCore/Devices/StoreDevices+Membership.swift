@@ -136,7 +136,7 @@ extension StoreDevices {
         deviceKey: SecureKey, now: Double
     ) throws {
         if StoreDevices.removal(storePath: kb.storePath, id: removedID) == nil {
-            let keys = try kb.openAllCounted(passcode: passcode, deviceKey: deviceKey, now: now)
+            let keys = try PasscodeAttempts.openAllCounted(&kb, passcode: passcode, deviceKey: deviceKey, now: now)
             defer { keys.wipe() }
             let identity = try DeviceIdentityKeys.open(from: kb, classA0: keys.sets[0].classA, deviceKey: deviceKey)
             defer { identity.wipe() }
@@ -144,7 +144,7 @@ extension StoreDevices {
             var removal = DeviceRemoval(deviceID: removedID, removedAt: now, keySet: set, by: kb.file.deviceID)
             removal.signature = Data(try Ed25519.sign(removal.message, seed: identity.signSeed)).base64EncodedString()
             try StoreDevices.makeFolder(kb.storePath)
-            try Keybag.writeAtomically(
+            try AtomicFile.write(
                 try JSONEncoder().encode(removal), to: kb.storePath + "/" + StoreDevices.removalPath(removedID))
         }
         if unlink(kb.storePath + "/" + keybag) != 0 && errno != ENOENT {
@@ -255,7 +255,7 @@ extension StoreDevices {
         } else {  // a store without a recovery key, whose devices have no identities
             set = try KeySets.start(&kb, passcode: passcode, deviceKey: deviceKey, recovery: recovery, now: now)
             try StoreDevices.makeFolder(kb.storePath)
-            try Keybag.writeAtomically(
+            try AtomicFile.write(
                 try JSONEncoder().encode(DeviceRemoval(deviceID: removedID, removedAt: now, keySet: set)),
                 to: kb.storePath + "/" + StoreDevices.removalPath(removedID))
         }

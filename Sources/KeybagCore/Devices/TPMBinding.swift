@@ -61,15 +61,15 @@ public enum TPMBinding {
         now: Double = Date().timeIntervalSince1970
     ) throws {
         if kb.counterKey == nil { _ = try kb.authenticate(deviceKey: deviceKey, now: now) }
-        let wait = kb.retryAfter(now: now)
+        let wait = PasscodeAttempts.retryAfter(kb, now: now)
         guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
         let sets: [UnlockedClassKeys]
         do { sets = try kb.unlockAll(passcode: passcode, deviceKey: deviceKey) } catch KeybagError.badPasscode {
-            try kb.recordFailure(now: now)
+            try PasscodeAttempts.recordFailure(&kb, now: now)
             throw KeybagError.badPasscode
         }
         defer { for s in sets { s.wipe() } }
-        try kb.rewrapUnderNewSalt(sets, passcode: passcode, deviceKey: deviceKey, sealer: next)
+        try PasscodeKey.rewrapUnderNewSalt(&kb, sets, passcode: passcode, deviceKey: deviceKey, sealer: next)
     }
 
     /// Refuses a keybag older than the one this device last wrote: with a TPM, its

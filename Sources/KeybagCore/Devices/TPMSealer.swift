@@ -88,7 +88,7 @@ public struct TPMEnrollment: Codable, Sendable, Equatable {
             attributes: [.posixPermissions: 0o700])
         let enc = JSONEncoder()
         enc.outputFormatting = [.prettyPrinted, .sortedKeys]
-        try Keybag.writeAtomically(try enc.encode(self), to: path)
+        try AtomicFile.write(try enc.encode(self), to: path)
     }
 }
 

@@ -51,7 +51,7 @@ public enum KeySetFloor {
         let dir = PathText.parent(p)
         try? FileManager.default.createDirectory(
             atPath: dir, withIntermediateDirectories: true, attributes: [.posixPermissions: 0o700])
-        try Keybag.writeAtomically(try JSONEncoder().encode(all), to: p)
+        try AtomicFile.write(try JSONEncoder().encode(all), to: p)
     }
 
     /// `check`, then `record`: what a daemon does at start.

@@ -66,7 +66,7 @@ extension KeySets {
             removal.by = me
             removal.signature = Data(try Ed25519.sign(removal.message, seed: identity.signSeed)).base64EncodedString()
             try StoreDevices.makeFolder(kb.storePath)
-            try Keybag.writeAtomically(
+            try AtomicFile.write(
                 try JSONEncoder().encode(removal), to: kb.storePath + "/" + StoreDevices.removalPath(removal.deviceID))
         }
         return record

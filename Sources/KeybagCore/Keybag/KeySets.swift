@@ -153,7 +153,7 @@ public enum KeySets {
         _ kb: inout Keybag, passcode: SecureKey, deviceKey: SecureKey, recovery: RecoveryKey?, now: Double
     ) throws -> StoreKeys {
         if kb.counterKey == nil { _ = try kb.authenticate(deviceKey: deviceKey, now: now) }
-        let wait = kb.retryAfter(now: now)
+        let wait = PasscodeAttempts.retryAfter(kb, now: now)
         guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
         guard kb.currentKeySet < Keybag.maxKeySet else {
             throw KeybagError.invalid("this store has \(Keybag.maxKeySet + 1) key sets, the most it can have")
@@ -166,7 +166,7 @@ public enum KeySets {
         }
         var keys: StoreKeys
         do { keys = try kb.openAll(passcode: passcode, deviceKey: deviceKey) } catch KeybagError.badPasscode {
-            try kb.recordFailure(now: now)
+            try PasscodeAttempts.recordFailure(&kb, now: now)
             throw KeybagError.badPasscode
         }
         do {
@@ -193,12 +193,7 @@ public enum KeySets {
         var next = next
         try wrapAll(keys, into: &next, passcode: passcode, deviceKey: deviceKey, sealer: newSealer)
         if let recovery { try RecoveryEscrow.write(&next, keys: keys.escrowEntries(), recovery: recovery) }
-        next.failedAttempts = 0
-        next.lockoutUntil = 0
-        kb.file = next
-        kb.sealer = newSealer
-        try kb.save()
-        try newSealer?.keepOnly(salt: next.kdfSalt)
+        try PasscodeKey.install(&kb, next, sealer: newSealer)
         try KeySetFloor.record(kb, deviceID: try DeviceIdentity.id(deviceKey: deviceKey, storeID: kb.file.storeID))
     }
 }

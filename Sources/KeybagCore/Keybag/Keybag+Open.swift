@@ -96,22 +96,4 @@ extension Keybag {
         return StoreKeys(sets: sets, classD: (0...currentKeySet).map { d[UInt8($0)]! }, volume: volume)
     }
 
-    /// Every key of this keybag from the passcode (a wrong one counted, the throttle applied),
-    /// for a command that rewraps files or reads the TPM's lockout record.
-    public mutating func openAllCounted(
-        passcode: SecureKey, deviceKey: SecureKey, now: Double = Date().timeIntervalSince1970
-    ) throws -> StoreKeys {
-        if counterKey == nil { _ = try authenticate(deviceKey: deviceKey, now: now) }
-        let wait = retryAfter(now: now)
-        guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
-        do { return try openAll(passcode: passcode, deviceKey: deviceKey) } catch KeybagError.badPasscode {
-            try recordFailure(now: now)
-            throw KeybagError.badPasscode
-        }
-    }
-
-    /// Seconds until the next recovery attempt is allowed.
-    public func recoveryRetryAfter(now: Double) -> Double {
-        max(0, min((file.recoveryLockoutUntil ?? 0) - now, UnlockThrottle.delay(afterFailures: Int.max)))
-    }
 }

@@ -1,7 +1,6 @@
-import CSodium
 import Foundation
 
-/// Opening a keybag with a passcode, changing it, and the throttle of failed attempts.
+/// Opening a keybag's slots: device-only keys with the device key, the class keys with the passcode.
 extension Keybag {
     /// Unwraps a device-only key (`D` or `volume`); a wrong device key gives `badDeviceKey`.
     public func unwrapDeviceKeySlot(_ slot: String, deviceKey: SecureKey) throws -> SecureKey {
@@ -76,74 +75,4 @@ extension Keybag {
         return keys
     }
 
-    /// `unlockAll` for the offline commands: the keybag authenticated, the throttle honoured,
-    /// a wrong passcode counted in the keybag (and, with a TPM, in the TPM's lockout), a right
-    /// one clearing the count, as the daemon's unlock does.
-    public mutating func unlockCounting(
-        passcode: SecureKey, deviceKey: SecureKey, now: Double = Date().timeIntervalSince1970
-    ) throws -> [UnlockedClassKeys] {
-        if counterKey == nil { _ = try authenticate(deviceKey: deviceKey, now: now) }
-        let wait = retryAfter(now: now)
-        guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
-        do {
-            let sets = try unlockAll(passcode: passcode, deviceKey: deviceKey)
-            do { try recordSuccess() } catch { for k in sets { k.wipe() }; throw error }
-            return sets
-        } catch KeybagError.badPasscode {
-            try recordFailure(now: now)
-            throw KeybagError.badPasscode
-        }
-    }
-
-    /// Rewraps A, B and C of every key set under a new passcode (new salt); no file data changes.
-    public mutating func changePasscode(old: SecureKey, new: SecureKey, deviceKey: SecureKey) throws {
-        let sets = try unlockAll(passcode: old, deviceKey: deviceKey)
-        defer { for s in sets { s.wipe() } }
-        try rewrapUnderNewSalt(sets, passcode: new, deviceKey: deviceKey, sealer: sealer)
-    }
-
-    /// Rewraps A, B and C of `sets` under `passcode` with a new salt, through `next` (a TPM)
-    /// when given, clears the counter and saves; `next` then keeps only the new salt's secret.
-    mutating func rewrapUnderNewSalt(
-        _ sets: [UnlockedClassKeys], passcode: SecureKey, deviceKey: SecureKey, sealer next: (any PasscodeSealer)?
-    ) throws {
-        var f = file
-        f.kdfSalt = Data(Sodium.randomArray(Int(crypto_pwhash_SALTBYTES))).base64EncodedString()
-        if (next != nil) != (f.tpm2 == true) {
-            f.tpm2 = next != nil ? true : nil
-            f.generation = nil
-        }
-        let kek = try PasscodeKey.derive(passcode: passcode, file: f, deviceKey: deviceKey, sealer: next, making: true)
-        defer { kek.wipe() }
-        try KeySets.wrapPasscodeSlots(sets, into: &f, passcodeKey: kek)
-        f.failedAttempts = 0
-        f.lockoutUntil = 0
-        file = f
-        sealer = next
-        try save()
-        try next?.keepOnly(salt: f.kdfSalt)
-    }
-
-    /// Seconds until the next attempt is allowed (0 when allowed now).
-    /// Never longer than the longest delay: a lockout further ahead (a clock set back since)
-    /// is cut here, not in the stored value, whose counter MAC must still verify.
-    public func retryAfter(now: Double) -> Double {
-        max(0, min(file.lockoutUntil - now, UnlockThrottle.delay(afterFailures: Int.max)))
-    }
-
-    /// Records a failed attempt and persists the counter and the resulting lockout.
-    public mutating func recordFailure(now: Double) throws {
-        file.failedAttempts += 1
-        let d = UnlockThrottle.delay(afterFailures: file.failedAttempts)
-        file.lockoutUntil = d > 0 ? now + d : 0
-        try save()
-    }
-
-    /// Clears the counter after a success (persisted only when it changes).
-    public mutating func recordSuccess() throws {
-        guard file.failedAttempts != 0 || file.lockoutUntil != 0 else { return }
-        file.failedAttempts = 0
-        file.lockoutUntil = 0
-        try save()
-    }
 }

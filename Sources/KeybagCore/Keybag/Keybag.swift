@@ -1,8 +1,10 @@
 import CSodium
 import Foundation
 
-/// Keybag operations: create, open with the device key, unlock with a passcode,
-/// change the passcode, record failures. Writes are atomic (temp file, fsync, rename).
+/// A device's keybag: its file and what every holder needs (create, load, authenticate with
+/// the device key, unlock, save atomically). Key sets, devices, recovery, the TPM, passcode
+/// changes and failed attempts are rooms of their own that take it (`KeySets`, `StoreDevices`,
+/// `RecoveryEscrow`, `TPMBinding`, `PasscodeKey`, `PasscodeAttempts`).
 public struct Keybag: Sendable {
     /// File name of the keybag inside the store.
     public static let fileName = "keybag"
@@ -31,11 +33,6 @@ public struct Keybag: Sendable {
     public static let currentFormat = settingsFormat
     /// The keybag format whose settings are authenticated as a whole (`settingsMAC`).
     public static let settingsFormat = 4
-    /// Most Argon2id passes and memory a keybag may ask for (hostile values would stall or kill the daemon).
-    public static let maxOpsLimit: UInt64 = 32
-    public static let maxMemLimit: UInt64 = 4 << 30
-    /// Most failures in a row a keybag may record.
-    public static let maxFailedAttempts = 1_000_000
 
     init(storePath: String, file: KeybagFile, counterKey: SecureKey? = nil, relativePath: String = Keybag.fileName) {
         self.storePath = storePath
@@ -193,22 +190,6 @@ public struct Keybag: Sendable {
         try save()
     }
 
-    /// Whether the stored failed-attempt counter authenticates (format 2), without changing
-    /// anything (`fsck`); nil for format 1, which has no MAC yet.
-    public func counterIsAuthentic(deviceKey: SecureKey) throws -> Bool? {
-        guard file.format >= 2 else { return nil }
-        let key = try KeybagMACs.counterKey(deviceKey)
-        defer { key.wipe() }
-        return KeybagMACs.storedMAC(file.counterMAC, matches: try KeybagMACs.counterMAC(file, key: key)) ?? false
-    }
-
-    /// Whether the stored cipher name authenticates under the device key (nil: no MAC yet).
-    public func cipherIsAuthentic(deviceKey: SecureKey) throws -> Bool? {
-        let key = try KeybagMACs.counterKey(deviceKey)
-        defer { key.wipe() }
-        return try KeybagMACs.cipherIsAuthentic(file, key: key)
-    }
-
     /// Names the cipher of new files, with its MAC under the device key, and saves; the
     /// failed-attempt counter and its MAC stay as stored.
     public mutating func setCipherOfNewFiles(_ cipher: ContentCipher, deviceKey: SecureKey) throws {
@@ -246,32 +227,8 @@ public struct Keybag: Sendable {
         }
         let enc = JSONEncoder()
         enc.outputFormatting = [.prettyPrinted, .sortedKeys]
-        try Keybag.writeAtomically(try enc.encode(file), to: path)
+        try AtomicFile.write(try enc.encode(file), to: path)
         if counting, let sealer { try sealer.advanceGeneration() }
     }
 
-    /// Writes `data` to `path` atomically: temp file, fsync, rename, fsync of the folder.
-    static func writeAtomically(_ data: Data, to path: String) throws {
-        // The temporary is always a new file of our own: a stale one (or a symlink planted in
-        // its place) is removed first, and O_EXCL|O_NOFOLLOW never writes through a link
-        // that appears in between (the daemon runs as root).
-        let tmp = path + ".tmp"
-        if unlink(tmp) != 0 && errno != ENOENT { throw KeybagError.system("cannot remove the stale \(tmp)", errno) }
-        let fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o600)
-        guard fd >= 0 else { throw KeybagError.system("cannot write \(tmp)", errno) }
-        let ok = data.withUnsafeBytes { b -> Bool in
-            var off = 0
-            while off < b.count {
-                let n = write(fd, b.baseAddress! + off, b.count - off)
-                if n <= 0 { return false }
-                off += n
-            }
-            return fsync(fd) == 0
-        }
-        let err = errno
-        close(fd)
-        guard ok else { unlink(tmp); throw KeybagError.system("cannot write \(tmp)", err) }
-        guard rename(tmp, path) == 0 else { throw KeybagError.system("cannot replace \(path)", errno) }
-        DeviceKeyFile.syncFolder(of: path)
-    }
 }

@@ -4,6 +4,12 @@ import Foundation
 /// The checks a keybag file meets before anything reads it: each field a hostile keybag
 /// could use against the daemon is a `corrupt` error naming the field, never a trap.
 extension KeybagFile {
+    /// Most Argon2id passes and memory a keybag may ask for (hostile values would stall or kill the daemon).
+    public static let maxOpsLimit: UInt64 = 32
+    public static let maxMemLimit: UInt64 = 4 << 30
+    /// Most failures in a row a keybag may record.
+    public static let maxFailedAttempts = 1_000_000
+
     /// Checks every field a hostile keybag could use against the daemon: each bad value is a
     /// `corrupt` error naming the field, never a trap. A lockout further away than the
     /// longest delay stays as stored (its MAC covers it); `Keybag.retryAfter` cuts the wait.
@@ -20,10 +26,10 @@ extension KeybagFile {
         guard ContentCipher(name: cipher) != nil else {
             throw bad("cipher", "unknown cipher \(cipher.prefix(40)) (written by a newer keybagfs?)")
         }
-        guard kdfOpsLimit >= UInt64(crypto_pwhash_opslimit_min()), kdfOpsLimit <= Keybag.maxOpsLimit else {
+        guard kdfOpsLimit >= UInt64(crypto_pwhash_opslimit_min()), kdfOpsLimit <= Self.maxOpsLimit else {
             throw bad("kdfOpsLimit", "out of range")
         }
-        guard kdfMemLimit >= UInt64(crypto_pwhash_memlimit_min()), kdfMemLimit <= Keybag.maxMemLimit else {
+        guard kdfMemLimit >= UInt64(crypto_pwhash_memlimit_min()), kdfMemLimit <= Self.maxMemLimit else {
             throw bad("kdfMemLimit", "out of range")
         }
         guard let salt = Data(base64Encoded: kdfSalt), salt.count == Int(crypto_pwhash_SALTBYTES) else {
@@ -125,7 +131,7 @@ extension KeybagFile {
     /// The failure counters, lockout times and MACs of a keybag file.
     private func validateCountersAndMACs() throws {
         func bad(_ field: String, _ why: String) -> KeybagError { .corrupt("keybag field \(field): \(why)") }
-        guard failedAttempts >= 0, failedAttempts <= Keybag.maxFailedAttempts else {
+        guard failedAttempts >= 0, failedAttempts <= Self.maxFailedAttempts else {
             throw bad("failedAttempts", "out of range")
         }
         guard lockoutUntil.isFinite, lockoutUntil >= 0 else { throw bad("lockoutUntil", "not a time") }
@@ -154,7 +160,7 @@ extension KeybagFile {
             else { throw bad("wrapped.r\(slot)", "not a wrapped key") }
         }
         if let n = recoveryFailedAttempts {
-            guard n >= 0, n <= Keybag.maxFailedAttempts else { throw bad("recoveryFailedAttempts", "out of range") }
+            guard n >= 0, n <= Self.maxFailedAttempts else { throw bad("recoveryFailedAttempts", "out of range") }
         }
         if let t = recoveryLockoutUntil {
             guard t.isFinite, t >= 0 else { throw bad("recoveryLockoutUntil", "not a time") }

@@ -133,4 +133,20 @@ public enum KeybagMACs {
     public static func deviceWrapKey(_ deviceKey: SecureKey) throws -> SecureKey {
         try deviceSubkey(deviceKey, id: 1, context: "kbfsdev1")
     }
+
+    /// Whether the stored failed-attempt counter of `file` authenticates (format 2), without
+    /// changing anything (`fsck`); nil for format 1, which has no MAC yet.
+    public static func counterIsAuthentic(_ file: KeybagFile, deviceKey: SecureKey) throws -> Bool? {
+        guard file.format >= 2 else { return nil }
+        let key = try counterKey(deviceKey)
+        defer { key.wipe() }
+        return storedMAC(file.counterMAC, matches: try counterMAC(file, key: key)) ?? false
+    }
+
+    /// Whether the stored cipher name of `file` authenticates under the device key (nil: no MAC yet).
+    public static func cipherIsAuthentic(_ file: KeybagFile, deviceKey: SecureKey) throws -> Bool? {
+        let key = try counterKey(deviceKey)
+        defer { key.wipe() }
+        return try cipherIsAuthentic(file, key: key)
+    }
 }

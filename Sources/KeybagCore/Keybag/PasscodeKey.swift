@@ -85,4 +85,42 @@ public enum PasscodeKey {
         default: return "\(e)"
         }
     }
+
+    /// Rewraps A, B and C of every key set of `kb` under a new passcode (new salt); no file
+    /// data changes.
+    public static func change(_ kb: inout Keybag, old: SecureKey, new: SecureKey, deviceKey: SecureKey) throws {
+        let sets = try kb.unlockAll(passcode: old, deviceKey: deviceKey)
+        defer { for s in sets { s.wipe() } }
+        try rewrapUnderNewSalt(&kb, sets, passcode: new, deviceKey: deviceKey, sealer: kb.sealer)
+    }
+
+    /// Rewraps A, B and C of `sets` under `passcode` with a new salt, through `next` (a TPM)
+    /// when given, clears the counter and saves; `next` then keeps only the new salt's secret.
+    static func rewrapUnderNewSalt(
+        _ kb: inout Keybag, _ sets: [UnlockedClassKeys], passcode: SecureKey, deviceKey: SecureKey,
+        sealer next: (any PasscodeSealer)?
+    ) throws {
+        var f = kb.file
+        f.kdfSalt = Data(Sodium.randomArray(Int(crypto_pwhash_SALTBYTES))).base64EncodedString()
+        if (next != nil) != (f.tpm2 == true) {
+            f.tpm2 = next != nil ? true : nil
+            f.generation = nil
+        }
+        let kek = try derive(passcode: passcode, file: f, deviceKey: deviceKey, sealer: next, making: true)
+        defer { kek.wipe() }
+        try KeySets.wrapPasscodeSlots(sets, into: &f, passcodeKey: kek)
+        try install(&kb, f, sealer: next)
+    }
+
+    /// Makes `f` (slots wrapped under a new salt) the keybag's file with its failed-attempt
+    /// count cleared, and `next` its sealer; saves, then `next` keeps only the new salt's secret.
+    static func install(_ kb: inout Keybag, _ f: KeybagFile, sealer next: (any PasscodeSealer)?) throws {
+        var f = f
+        f.failedAttempts = 0
+        f.lockoutUntil = 0
+        kb.file = f
+        kb.sealer = next
+        try kb.save()
+        try next?.keepOnly(salt: f.kdfSalt)
+    }
 }

@@ -13,7 +13,7 @@ extension RecoveryEscrow {
             throw KeybagError.invalid(
                 "this store has no recovery key (it was made before recovery keys, or with --no-recovery-key)")
         }
-        let wait = kb.recoveryRetryAfter(now: now)
+        let wait = PasscodeAttempts.recoveryRetryAfter(kb, now: now)
         guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
         return try keysForRecovery(&kb, recovery, escrowFrom: nil, now: now)
     }
@@ -73,7 +73,7 @@ extension RecoveryEscrow {
             throw KeybagError.invalid(
                 "this store has no recovery key (it was made before recovery keys, or with --no-recovery-key)")
         }
-        let wait = kb.recoveryRetryAfter(now: now)
+        let wait = PasscodeAttempts.recoveryRetryAfter(kb, now: now)
         guard wait == 0 else { throw KeybagError.throttled(retryAfter: wait) }
         let keys = try keysForRecovery(&kb, recovery, escrowFrom: escrowFrom, now: now)
         defer { keys.wipe() }
@@ -130,7 +130,7 @@ extension RecoveryEscrow {
     ) throws -> RecoveryKey {
         // A wrong device key must fail here, not read as an edited counter below.
         try kb.unwrapDeviceKeySlot("D", deviceKey: deviceKey).wipe()
-        let keys = try kb.openAllCounted(passcode: passcode, deviceKey: deviceKey, now: now)
+        let keys = try PasscodeAttempts.openAllCounted(&kb, passcode: passcode, deviceKey: deviceKey, now: now)
         defer { keys.wipe() }
         if let trust = try DeviceTrust.rememberCertified(&kb, deviceKey: deviceKey) {
             return try KeySets.rotateForAll(

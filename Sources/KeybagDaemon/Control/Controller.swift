@@ -58,7 +58,10 @@ final class Controller: Sendable {
     func status() -> StatusReply {
         let st = state
         let (failures, retry, device, keySet) = keybag.withLock {
-            ($0.file.failedAttempts, $0.retryAfter(now: Date().timeIntervalSince1970), $0.deviceID, $0.currentKeySet)
+            (
+                $0.file.failedAttempts, PasscodeAttempts.retryAfter($0, now: Date().timeIntervalSince1970), $0.deviceID,
+                $0.currentKeySet
+            )
         }
         var r = StatusReply(
             state: st, mountpoint: mountpoint, pid: Int(getpid()), owner: Int(owner), grace: defaultGrace,
@@ -154,22 +157,22 @@ final class Controller: Sendable {
     private func verify(_ passcode: SecureKey) -> Verification {
         let now = Date().timeIntervalSince1970
         let snapshot = keybag.withLock { $0 }
-        let wait = snapshot.retryAfter(now: now)
+        let wait = PasscodeAttempts.retryAfter(snapshot, now: now)
         if wait > 0 {
             let s = Self.seconds(wait)
             return .refused(ControlRefusal(.throttled, "too many failed attempts; retry in \(s) s", retryAfter: s))
         }
         do {
             let keys = try snapshot.unlockAll(passcode: passcode, deviceKey: deviceKey)
-            keybag.withLock { try? $0.recordSuccess() }
+            keybag.withLock { try? PasscodeAttempts.recordSuccess(&$0) }
             return .accepted(keys)
         } catch KeybagError.badPasscode {
             return keybag.withLock { kb in
-                do { try kb.recordFailure(now: now) } catch {
+                do { try PasscodeAttempts.recordFailure(&kb, now: now) } catch {
                     return .refused(
                         ControlRefusal(.internal, "wrong passcode; the failure could not be recorded: \(error)"))
                 }
-                let retry = Self.seconds(kb.retryAfter(now: now))
+                let retry = Self.seconds(PasscodeAttempts.retryAfter(kb, now: now))
                 return .refused(
                     ControlRefusal(
                         .badPasscode, retry > 0 ? "wrong passcode; retry in \(retry) s" : "wrong passcode",
@@ -287,7 +290,7 @@ final class Controller: Sendable {
                 for k in keys { k.wipe() }
                 do {
                     var next = keybag.withLock { $0 }
-                    try next.changePasscode(old: old, new: new, deviceKey: deviceKey)  // two KDFs, off the lock
+                    try PasscodeKey.change(&next, old: old, new: new, deviceKey: deviceKey)  // two KDFs, off the lock
                     keybag.withLock { $0 = next }
                     return .success(DoneReply())
                 } catch {

@@ -44,7 +44,7 @@ final class DeviceKeybagTests: TempDirTestCase {
         // B's failures are written to B's keybag only.
         var bb = b
         XCTAssertEqual(try bb.authenticate(deviceKey: dkB), .authentic)
-        try bb.recordFailure(now: 1000)
+        try PasscodeAttempts.recordFailure(&bb, now: 1000)
         XCTAssertEqual(try Keybag.load(storePath: dir, deviceKey: dkA).file.failedAttempts, 0)
         XCTAssertEqual(try Keybag.load(storePath: dir, deviceKey: dkB).file.failedAttempts, 1)
     }

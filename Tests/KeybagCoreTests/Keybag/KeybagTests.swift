@@ -23,12 +23,12 @@ final class KeybagTests: TempDirTestCase {
         }
         XCTAssertNoThrow(try kb.unwrapDeviceKeySlot("D", deviceKey: dk))
         // passwd keeps the class keys, changes what unlocks them, and persists.
-        try kb.changePasscode(old: secret("right"), new: secret("new one"), deviceKey: dk)
+        try PasscodeKey.change(&kb, old: secret("right"), new: secret("new one"), deviceKey: dk)
         let reloaded = try Keybag.load(storePath: dir)
         XCTAssertThrowsError(try reloaded.unlock(passcode: secret("right"), deviceKey: dk))
         let again = try reloaded.unlock(passcode: secret("new one"), deviceKey: dk)
         XCTAssertTrue(try keys.classA.withBytes { a in try again.classA.withBytes { b in Array(a) == Array(b) } })
-        XCTAssertThrowsError(try kb.changePasscode(old: secret("nope"), new: secret("x"), deviceKey: dk))
+        XCTAssertThrowsError(try PasscodeKey.change(&kb, old: secret("nope"), new: secret("x"), deviceKey: dk))
     }
 
     func testFailuresPersistAndEscalate() throws {
@@ -37,14 +37,14 @@ final class KeybagTests: TempDirTestCase {
             storePath: dir, storeID: "ffeeddccbbaa99887766554433221100", passcode: secret("p"), deviceKey: dk,
             strength: .interactive)
         let now = 1_000_000.0
-        for _ in 1...4 { try kb.recordFailure(now: now) }
-        XCTAssertEqual(kb.retryAfter(now: now), 0)
-        try kb.recordFailure(now: now)
-        XCTAssertEqual(kb.retryAfter(now: now), 60)
-        XCTAssertEqual(try Keybag.load(storePath: dir).retryAfter(now: now), 60, "persisted")
+        for _ in 1...4 { try PasscodeAttempts.recordFailure(&kb, now: now) }
+        XCTAssertEqual(PasscodeAttempts.retryAfter(kb, now: now), 0)
+        try PasscodeAttempts.recordFailure(&kb, now: now)
+        XCTAssertEqual(PasscodeAttempts.retryAfter(kb, now: now), 60)
+        XCTAssertEqual(PasscodeAttempts.retryAfter(try Keybag.load(storePath: dir), now: now), 60, "persisted")
         XCTAssertEqual(
             [5, 6, 7, 8, 9, 12].map { UnlockThrottle.delay(afterFailures: $0) }, [60, 300, 900, 900, 3600, 3600])
-        try kb.recordSuccess()
+        try PasscodeAttempts.recordSuccess(&kb)
         XCTAssertEqual(try Keybag.load(storePath: dir).file.failedAttempts, 0)
     }
 
@@ -58,7 +58,7 @@ final class KeybagTests: TempDirTestCase {
         let victim = dir + "/victim"
         try Data("precious\n".utf8).write(to: URL(fileURLWithPath: victim))
         XCTAssertEqual(symlink(victim, dir + "/keybag.tmp"), 0)
-        try kb.recordFailure(now: 1_000_000)
+        try PasscodeAttempts.recordFailure(&kb, now: 1_000_000)
         XCTAssertEqual(
             try String(contentsOfFile: victim, encoding: .utf8), "precious\n", "the symlink's target is untouched")
         XCTAssertEqual(try Keybag.load(storePath: dir).file.failedAttempts, 1, "the keybag itself was saved")
@@ -210,10 +210,10 @@ final class KeybagTrustTests: TempDirTestCase {
         var kb = try Keybag.create(
             storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive)
         let now = Date().timeIntervalSince1970
-        for _ in 1...5 { try kb.recordFailure(now: now) }
+        for _ in 1...5 { try PasscodeAttempts.recordFailure(&kb, now: now) }
         var reloaded = try Keybag.load(storePath: dir)
         XCTAssertEqual(try reloaded.authenticate(deviceKey: dk, now: now), .authentic)
-        XCTAssertEqual(reloaded.retryAfter(now: now), 60)
+        XCTAssertEqual(PasscodeAttempts.retryAfter(reloaded, now: now), 60)
         for edit in [
             { (o: inout [String: Any]) in
                 o["failedAttempts"] = 0; o["lockoutUntil"] = 0
@@ -225,11 +225,12 @@ final class KeybagTrustTests: TempDirTestCase {
             try kb.save()
             try editJSON(edit)
             var edited = try Keybag.load(storePath: dir)
-            XCTAssertEqual(edited.retryAfter(now: now), 0, "the edit itself reads as no lockout")
+            XCTAssertEqual(PasscodeAttempts.retryAfter(edited, now: now), 0, "the edit itself reads as no lockout")
             XCTAssertEqual(try edited.authenticate(deviceKey: dk, now: now), .tampered)
             XCTAssertGreaterThanOrEqual(
-                edited.retryAfter(now: now), 3600, "an edited counter means the longest lockout")
-            XCTAssertGreaterThanOrEqual(try Keybag.load(storePath: dir).retryAfter(now: now), 3600, "and it is saved")
+                PasscodeAttempts.retryAfter(edited, now: now), 3600, "an edited counter means the longest lockout")
+            XCTAssertGreaterThanOrEqual(
+                PasscodeAttempts.retryAfter(try Keybag.load(storePath: dir), now: now), 3600, "and it is saved")
         }
         // Claiming the old format to drop the MAC: the device key no longer opens the store's
         // device slots under that format's tag, and the error says the format was edited.
@@ -334,7 +335,7 @@ final class KeybagTrustTests: TempDirTestCase {
         try kb.save()
         try editJSON { $0["lockoutUntil"] = 1e300 }
         XCTAssertLessThanOrEqual(
-            try Keybag.load(storePath: dir).retryAfter(now: Date().timeIntervalSince1970), 3600,
+            PasscodeAttempts.retryAfter(try Keybag.load(storePath: dir), now: Date().timeIntervalSince1970), 3600,
             "a lockout is cut to the longest delay")
     }
 
@@ -345,14 +346,16 @@ final class KeybagTrustTests: TempDirTestCase {
         var kb = try Keybag.create(
             storePath: dir, storeID: id, passcode: secret("p"), deviceKey: dk, strength: .interactive)
         let then = Date().timeIntervalSince1970
-        for _ in 1...5 { try kb.recordFailure(now: then) }  // lockout until then + 60
+        for _ in 1...5 { try PasscodeAttempts.recordFailure(&kb, now: then) }  // lockout until then + 60
         let dayEarlier = then - 86_400
         var reloaded = try Keybag.load(storePath: dir, now: dayEarlier)
         XCTAssertEqual(
             try reloaded.authenticate(deviceKey: dk, now: dayEarlier), .authentic,
             "the stored counter is the authentic one")
         XCTAssertEqual(reloaded.file.failedAttempts, 5, "not raised to the tampering penalty")
-        XCTAssertEqual(reloaded.retryAfter(now: dayEarlier), 3600, "the wait is never longer than the longest delay")
+        XCTAssertEqual(
+            PasscodeAttempts.retryAfter(reloaded, now: dayEarlier), 3600,
+            "the wait is never longer than the longest delay")
     }
 
     func testPasscodeComparisonIsExact() {

@@ -57,7 +57,7 @@ final class RecoveryKeyTests: TempDirTestCase {
             storePath: dir, storeID: id, passcode: secret("forgotten"), deviceKey: dk, strength: .interactive,
             recovery: rk)
         let before = try kb.unlock(passcode: secret("forgotten"), deviceKey: dk)
-        for _ in 1...3 { try kb.recordFailure(now: 1_000) }
+        for _ in 1...3 { try PasscodeAttempts.recordFailure(&kb, now: 1_000) }
         var loaded = try Keybag.load(storePath: dir)
         XCTAssertTrue(loaded.hasRecoveryKey)
         _ = try loaded.authenticate(deviceKey: dk)
@@ -122,7 +122,7 @@ final class RecoveryKeyTests: TempDirTestCase {
             XCTAssertEqual(try Keybag.load(storePath: dir).file.recoveryFailedAttempts, i, "persisted")
         }
         var kb = try Keybag.load(storePath: dir)
-        XCTAssertEqual(kb.recoveryRetryAfter(now: now), 60)
+        XCTAssertEqual(PasscodeAttempts.recoveryRetryAfter(kb, now: now), 60)
         XCTAssertThrowsError(
             try RecoveryEscrow.recover(&kb, with: rk, newPasscode: secret("x"), deviceKey: dk, now: now + 1)
         ) {
