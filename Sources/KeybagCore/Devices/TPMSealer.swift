@@ -67,16 +67,19 @@ public struct TPMEnrollment: Codable, Sendable, Equatable {
     /// Where the enrollment of device `deviceID` lives.
     public static func path(deviceID: String) -> String { KeySetFloor.stateFolder + "/\(deviceID).tpm2" }
 
-    /// The enrollment at `path`; nil when there is none. A primary's name that is not hex is
-    /// refused: read as "not pinned yet" it would leave the storage primary unchecked.
+    /// The enrollment at `path`; nil when there is none. A primary's name that is not a TPM
+    /// name (not hex, empty, too short or long) is refused: read as "not pinned yet" (as the
+    /// helper process reads an empty one) it would leave the storage primary unchecked.
     public static func load(from path: String) throws -> TPMEnrollment? {
         guard let data = try StoreFileOpen.contents(path) else { return nil }
         let e: TPMEnrollment
         do { e = try JSONDecoder().decode(TPMEnrollment.self, from: data) } catch {
             throw KeybagError.corrupt("the TPM enrollment \(path) is not valid")
         }
-        if let name = e.primaryName, Hex.bytes(name) == nil {
-            throw KeybagError.corrupt("the TPM enrollment \(path) pins a storage primary by a name that is not hex")
+        // A TPM object's name: a 2-byte hash algorithm and its digest (SHA-1 to SHA-512).
+        if let name = e.primaryName, !(22...66).contains(Hex.bytes(name)?.count ?? 0) {
+            throw KeybagError.corrupt(
+                "the TPM enrollment \(path) pins a storage primary by a name that is not a TPM name")
         }
         return e
     }

@@ -82,11 +82,15 @@ final class TPMEnrollmentTests: TempDirTestCase {
     /// pin): such a record is refused, not read as unpinned.
     func testARecordWhosePinDoesNotParseIsRefused() throws {
         let path = dir + "/state/device.tpm2"
-        var e = sample()
-        e.primaryName = "not hex"
-        try e.save(to: path)
-        XCTAssertThrowsError(try TPMEnrollment.load(from: path)) { error in
-            XCTAssertTrue("\(error)".contains("primary"), "\(error)")
+        // Not hex; empty (the helper process reads an empty pin as "not pinned"); too short to
+        // be a TPM object's name (a 2-byte algorithm and a digest).
+        for name in ["not hex", "", "000b", "000b" + String(repeating: "ab", count: 8)] {
+            var e = sample()
+            e.primaryName = name
+            try e.save(to: path)
+            XCTAssertThrowsError(try TPMEnrollment.load(from: path), "pin \"\(name)\"") { error in
+                XCTAssertTrue("\(error)".contains("primary"), "\(error)")
+            }
         }
     }
 }
