@@ -91,7 +91,7 @@ public final class StoreCheck {
         let data = open(store + "/" + Keybag.dataDirName, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
         guard data >= 0 else { throw KeybagError.system("cannot open \(store)/\(Keybag.dataDirName)", errno) }
         defer { close(data) }
-        checkDirectory(fd: data, rel: Keybag.dataDirName, plain: "", inherited: nil)
+        checkTree(fd: data)
         checkSideFolder(
             Keybag.xattrsDirName, referenced: xattrIDs, kind: "xattr-orphan",
             what: "an xattr set of no file or directory")
@@ -203,47 +203,74 @@ public final class StoreCheck {
         }
     }
 
-    /// Checks one directory of the tree and everything below it.
-    func checkDirectory(fd: Int32, rel: String, plain: String, inherited: ProtectionClass?) {
+    /// What a folder is walked with: its plaintext path (nil: its name does not decrypt) and
+    /// the class its parent passes on.
+    struct FolderWay {
+        let plain: String, named: String?
+        let inherited: ProtectionClass?
+    }
+
+    /// What a folder's entries are checked with: its plaintext path, class and name IVs.
+    struct FolderSeen {
+        let plain: String
+        let cls: ProtectionClass?
+        let ivs: DirectoryIVs?
+        let present: Set<String>
+    }
+
+    /// Checks the tree below `data/` (`StoreTree`): each folder's metadata, then its entries.
+    func checkTree(fd: Int32) {
+        StoreTree.walk(
+            fd, path: Keybag.dataDirName, FolderWay(plain: "", named: "", inherited: nil),
+            enter: { folder, way in enterFolder(folder, way) },
+            visit: { folder, e, seen in checkEntry(e, in: folder, seen) },
+            unopenable: { e, way, err in
+                let why = err == ELOOP ? "deeper than \(StoreTree.maxDepth) folders" : String(cString: strerror(err))
+                note("unreadable", e.path, way.named, why, "not-repairable")
+            })
+    }
+
+    /// A folder's metadata, counted; what its entries are checked with.
+    private func enterFolder(_ folder: StoreTree.Folder, _ way: FolderWay) -> FolderSeen {
         directories += 1
-        let meta = directoryMeta(fd: fd, rel: rel, plain: plain)
+        let meta = directoryMeta(fd: folder.fd, rel: folder.path, plain: way.plain)
         if let meta { xattrIDs.insert(Base64URL.encode(meta.iv)) }
-        let cls = meta?.defaultClass ?? inherited
-        let all = entries(fd)
-        let present = Set(all)
         // Names made on another device under a sync engine's copy of the metadata decrypt too.
         let ivs = meta.map {
-            DirectoryIVs(own: $0.iv, copies: DirectoryIVs.readCopies(dirFD: fd, among: all, cipher: names).copies)
+            DirectoryIVs(
+                own: $0.iv, copies: DirectoryIVs.readCopies(dirFD: folder.fd, among: folder.names, cipher: names).copies
+            )
         }
         // The losing device's own xattrs of this folder are under its IV: kept, not orphans.
         for other in ivs?.others ?? [] { xattrIDs.insert(Base64URL.encode(other.iv)) }
-        for e in all.sorted() where e != DirectoryMeta.fileName {
-            let path = rel + "/" + e
-            if checkedAsNoEntry(e, dirFD: fd, path: path, all: all, present: present) { continue }
-            let name = plaintextName(dirFD: fd, backing: e, ivs: ivs, path: path).map { plain + "/" + $0 }
-            var st = stat()
-            guard fstatat(fd, e, &st, AT_SYMLINK_NOFOLLOW) == 0 else { continue }
-            switch st.st_mode & S_IFMT {
-            case S_IFDIR:
-                let sub = openat(fd, e, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
-                guard sub >= 0 else {
-                    note("unreadable", path, name, String(cString: strerror(errno)), "not-repairable"); continue
-                }
-                checkDirectory(fd: sub, rel: path, plain: name ?? plain + "/?", inherited: cls)
-                close(sub)
-            case S_IFREG:
-                guard seenInodes.insert(UInt64(st.st_ino)).inserted else { continue }  // another link of a checked file
-                files += 1
-                if files % 500 == 0 { progress?(files) }
-                checkFile(
-                    dirFD: fd, backing: e, path: path, name: name,
-                    dirClass: cls ?? .completeUntilFirstUserAuthentication)
-            case S_IFLNK:
-                checkSymlink(dirFD: fd, backing: e, path: path, name: name)
-            default:
-                break
-            }
+        return FolderSeen(
+            plain: way.plain, cls: meta?.defaultClass ?? way.inherited, ivs: ivs, present: Set(folder.names))
+    }
+
+    /// Checks one entry of a folder; for a subfolder, returns what it is walked with.
+    private func checkEntry(_ e: StoreTree.Entry, in folder: StoreTree.Folder, _ seen: FolderSeen) -> FolderWay? {
+        let fd = folder.fd
+        guard e.name != DirectoryMeta.fileName,
+            !checkedAsNoEntry(e.name, dirFD: fd, path: e.path, all: folder.names, present: seen.present)
+        else { return nil }
+        let name = plaintextName(dirFD: fd, backing: e.name, ivs: seen.ivs, path: e.path).map { seen.plain + "/" + $0 }
+        guard let st = e.stat else { return nil }
+        switch st.st_mode & S_IFMT {
+        case S_IFDIR:
+            return FolderWay(plain: name ?? seen.plain + "/?", named: name, inherited: seen.cls)
+        case S_IFREG:
+            guard seenInodes.insert(UInt64(st.st_ino)).inserted else { return nil }  // another link of a checked file
+            files += 1
+            if files % 500 == 0 { progress?(files) }
+            checkFile(
+                dirFD: fd, backing: e.name, path: e.path, name: name,
+                dirClass: seen.cls ?? .completeUntilFirstUserAuthentication)
+        case S_IFLNK:
+            checkSymlink(dirFD: fd, backing: e.name, path: e.path, name: name)
+        default:
+            break
         }
+        return nil
     }
 
     /// Whether entry `name` of `dirFD` is a whiteout: a character device 0:0.

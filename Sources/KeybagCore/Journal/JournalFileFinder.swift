@@ -117,32 +117,25 @@ struct JournalFileFinder {
     private mutating func byInodeScan(_ id: JournalFileID) throws -> (fd: Int32, size: Int)? {
         guard sameStore else { return nil }
         if byInode == nil {
-            var map: [UInt64: String] = [:]
-            Self.walk(storePath + "/" + Keybag.dataDirName, rel: "", into: &map, depth: 0)
-            byInode = map
+            byInode = Self.regularFilesByInode(storePath + "/" + Keybag.dataDirName)
         }
         guard let rel = byInode?[id.ino] else { return nil }
         return try check(rel, id)
     }
 
-    /// Regular files under `dir` by inode number, with their paths relative to `data/`.
-    static func walk(_ dir: String, rel: String, into map: inout [UInt64: String], depth: Int) {
-        guard depth < 256, let d = opendir(dir) else { return }
-        defer { closedir(d) }
-        while let e = readdir(d) {
-            let name = withUnsafeBytes(of: e.pointee.d_name) {
-                String(cString: $0.bindMemory(to: CChar.self).baseAddress!)
-            }
-            if name == "." || name == ".." { continue }
-            let path = dir + "/" + name
-            let sub = rel.isEmpty ? name : rel + "/" + name
-            var st = stat()
-            guard lstat(path, &st) == 0 else { continue }
-            if (st.st_mode & S_IFMT) == S_IFDIR {
-                walk(path, rel: sub, into: &map, depth: depth + 1)
-            } else if (st.st_mode & S_IFMT) == S_IFREG {
-                map[UInt64(st.st_ino)] = sub
-            }
-        }
+    /// Regular files under `data` by inode number, with their paths relative to it (`StoreTree`).
+    static func regularFilesByInode(_ data: String) -> [UInt64: String] {
+        var map: [UInt64: String] = [:]
+        let fd = Glibc.open(data, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+        guard fd >= 0 else { return map }
+        defer { close(fd) }
+        StoreTree.walk(
+            fd, path: "", (), enter: { _, _ in },
+            visit: { _, e, _ -> Void? in
+                if e.isFolder { return () }
+                if e.isRegularFile, let st = e.stat { map[UInt64(st.st_ino)] = e.path }
+                return nil
+            }, unopenable: { _, _, _ in })
+        return map
     }
 }

@@ -52,30 +52,24 @@ public struct StoreRewrap {
         return result
     }
 
-    /// One directory and everything below it.
+    /// One directory and everything below it (`StoreTree`): every regular file once.
     private mutating func walk(_ dirFD: Int32) throws {
-        for e in DirectoryEntries.names(of: dirFD) {
-            switch BackingKind.of(e) {
-            case .directoryMeta, .storeFile, .sideFile, .syncEngine: continue
-            case .name, .longName, .foreign: break
-            }
-            var st = stat()
-            guard fstatat(dirFD, e, &st, AT_SYMLINK_NOFOLLOW) == 0 else { continue }
-            switch st.st_mode & S_IFMT {
-            case S_IFDIR:
-                let sub = openat(dirFD, e, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
-                guard sub >= 0 else { throw KeybagError.system("cannot open a folder of the store", errno) }
-                defer { close(sub) }
-                try walk(sub)
-            case S_IFREG:
-                guard seen.insert(UInt64(st.st_ino)).inserted else { continue }
-                try file(dirFD, e)
-                if pending.count >= Self.batch { try flush(dirFD) }
+        try StoreTree.walk(
+            dirFD, path: Keybag.dataDirName, (), enter: { _, _ in },
+            visit: { folder, e, _ -> Void? in
+                switch e.kind {
+                case .directoryMeta, .storeFile, .sideFile, .syncEngine: return nil
+                case .name, .longName, .foreign: break
+                }
+                if e.isFolder { return () }
+                guard e.isRegularFile, let st = e.stat, seen.insert(UInt64(st.st_ino)).inserted else { return nil }
+                try file(folder.fd, e.name)
+                if pending.count >= Self.batch { try flush(folder.fd) }
                 let done = result.rewrapped + result.current + result.skipped
                 if done % 1000 == 0 { progress?(done) }
-            default: continue
-            }
-        }
+                return nil
+            },
+            unopenable: { _, _, e in throw KeybagError.system("cannot open a folder of the store", e) })
     }
 
     /// One file: its superseded slot erased, or its header rewrapped into the other slot.
