@@ -41,12 +41,14 @@ final class CrashSafetyTests: XCTestCase {
                 src = "storm/%s-%d" % (tag, i - 1)
                 dst = "storm/" + ("L" * 200) + "-%s-%d" % (tag, i)
                 if os.path.exists(os.path.join(mnt, src)):
+                    note(op="rename-begin", src=src, dst=dst)  # a kill may land after it took effect
                     os.rename(os.path.join(mnt, src), os.path.join(mnt, dst))
                     note(op="rename", src=src, dst=dst)
             elif op < 0.97:
                 name = "storm/%s-%d" % (tag, i - 1)
                 if os.path.exists(os.path.join(mnt, name)):
                     c = rnd.choice(classes)
+                    note(op="class-begin", name=name, cls=c)
                     os.setxattr(os.path.join(mnt, name), "user.protection", c.encode())
                     note(op="class", name=name, cls=c)
             else:
@@ -161,15 +163,28 @@ final class CrashSafetyTests: XCTestCase {
         import hashlib, json, os, sys
         mnt, journal = sys.argv[1:3]
         files, classes, bad = {}, {}, []
+        # A rename or class change the kill cut off (begun, its return never seen) may or may not
+        # have happened: either outcome is right.
+        renaming, changing = {}, {}
+        def rename(src, dst):
+            if src in files: files[dst] = files.pop(src)
+            if src in classes: classes[dst] = classes.pop(src)
         for line in open(journal):
             o = json.loads(line)
             op = o["op"]
             if op == "file": files[o["name"]] = (o["sha"], o["len"], False); classes.pop(o["name"], None)
             elif op == "big": files[o["name"]] = (o["sha"], o["len"], True)
-            elif op == "rename":
-                if o["src"] in files: files[o["dst"]] = files.pop(o["src"])
-                if o["src"] in classes: classes[o["dst"]] = classes.pop(o["src"])
-            elif op == "class": classes[o["name"]] = o["cls"]
+            elif op == "rename-begin": renaming[o["src"]] = o["dst"]
+            elif op == "rename": renaming.pop(o["src"], None); rename(o["src"], o["dst"])
+            elif op == "class-begin": changing[o["name"]] = o["cls"]
+            elif op == "class": changing.pop(o["name"], None); classes[o["name"]] = o["cls"]
+        for src, dst in renaming.items():
+            if not os.path.lexists(os.path.join(mnt, src)) and os.path.lexists(os.path.join(mnt, dst)): rename(src, dst)
+        for name, c in changing.items():
+            try:
+                if os.getxattr(os.path.join(mnt, name), "user.protection").decode() == c: classes[name] = c
+            except OSError:
+                pass
         for name, (h, n, prefix) in files.items():
             try:
                 b = open(os.path.join(mnt, name), "rb").read()
