@@ -59,11 +59,14 @@ final class SleepFreezeTests: XCTestCase {
     }
 
     /// A reader: opens its file once and preads it in a loop, and also reopens it each
-    /// round; prints "eacces" to its log once a read or open was refused.
+    /// round; notes "ready" in its log once its descriptor is open, and "eacces" once a read or
+    /// open was refused.
     static let readerScript = """
         import os, sys, errno
         path, log = sys.argv[1], sys.argv[2]
         fd = os.open(path, os.O_RDONLY)
+        os.pread(fd, 65536, 0)
+        open(log, "a").write("ready\\n")
         seen = False
         while True:
             for attempt in (lambda: os.pread(fd, 65536, 0), lambda: os.close(os.open(path, os.O_RDONLY))):
@@ -111,7 +114,13 @@ final class SleepFreezeTests: XCTestCase {
             readers.append(p)
             XCTAssertTrue(freezer.add(p.processIdentifier), "move reader \(p.processIdentifier) into \(freezer.dir)")
         }
-        usleep(500_000)  // the readers are in full swing
+        // The readers are in full swing (a slow start must not meet the lock before its open).
+        XCTAssertTrue(
+            waitUntil(30) {
+                files.indices.allSatisfy { (ProcFile.read(m.root + "/reader-\($0).log") ?? "").contains("ready") }
+            },
+            "the readers did not open their files within 30 s")
+        usleep(100_000)
         XCTAssertTrue(readers.allSatisfy(\.isRunning), "every reader runs while unlocked")
 
         m.lock(grace: 0)
@@ -133,10 +142,10 @@ final class SleepFreezeTests: XCTestCase {
         XCTAssertTrue(waitUntil(5) { !freezer.frozen })
         // Every reader of class A saw the lock as EACCES; the B readers hold their handles
         // (reopening B is refused too).
-        usleep(200_000)
         for i in files.indices {
-            let log = ProcFile.read(m.root + "/reader-\(i).log") ?? ""
-            XCTAssertTrue(log.contains("eacces"), "reader of \(files[i]) was never refused after the lock")
+            XCTAssertTrue(
+                waitUntil(5) { (ProcFile.read(m.root + "/reader-\(i).log") ?? "").contains("eacces") },
+                "reader of \(files[i]) was never refused after the lock")
         }
         XCTAssertTrue(readers.allSatisfy(\.isRunning), "the readers were refused, not killed")
     }

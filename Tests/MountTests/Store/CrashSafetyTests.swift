@@ -22,6 +22,7 @@ final class CrashSafetyTests: XCTestCase {
         classes = ["none", "completeUntilFirstUserAuthentication", "completeUnlessOpen", "complete"]
         os.makedirs(os.path.join(mnt, "storm"), exist_ok=True)
         big = os.path.join(mnt, "big-" + tag)
+        print("ready", flush=True)  # the kill's random instant counts from here
         i = 0
         while True:
             i += 1
@@ -91,7 +92,14 @@ final class CrashSafetyTests: XCTestCase {
             w.executableURL = URL(fileURLWithPath: "/usr/bin/python3")
             w.arguments = [script, m.mnt, journal, String(round), MountFixture.binDir + "/keybagctl", m.socket, pa, pb]
             w.standardError = FileHandle.nullDevice
+            let ready = Pipe()
+            w.standardOutput = ready
             try w.run()
+            // A slow start (a cold cache, a busy machine) must not let the kill land before
+            // the workload has begun: its random instant counts from the workload's "ready".
+            let said = ready.fileHandleForReading.availableData
+            XCTAssertTrue(
+                String(decoding: said, as: UTF8.self).hasPrefix("ready"), "round \(round): the workload did not start")
             usleep(UInt32.random(in: 150_000...900_000, using: &rng))
             let pid = try XCTUnwrap(m.daemon?.processIdentifier)
             kill(pid, SIGKILL)
