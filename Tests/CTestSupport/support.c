@@ -36,3 +36,16 @@ int kbfs_test_aes256_block(const uint8_t *key, const uint8_t *in16, uint8_t *out
     memset(&k, 0, sizeof k);
     return 0;
 }
+
+size_t kbfs_test_filter_hits(const uint8_t *buf, size_t len, size_t width, const uint64_t *filter, size_t start,
+                             size_t *out, size_t cap) {
+    size_t n = 0;
+    if (len < width || width < 8) return 0;
+    for (size_t j = start; j + width <= len && n < cap; j++) {
+        uint64_t w;
+        memcpy(&w, buf + j, 8);
+        uint64_t h = (w * 0x9E3779B97F4A7C15ull) >> 44;
+        if (filter[h >> 6] & (1ull << (h & 63))) out[n++] = j;
+    }
+    return n;
+}
