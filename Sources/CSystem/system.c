@@ -85,6 +85,8 @@ int kbfs_fix_malloc_thresholds(int mmap_threshold, int trim_threshold) {
 
 int kbfs_malloc_trim(void) { return malloc_trim(0); }
 
+int kbfs_name_this_thread(const char *name) { return prctl(PR_SET_NAME, (unsigned long)name, 0, 0, 0); }
+
 static __thread int kbfs_kills_setid = -1;
 
 void kbfs_set_request_kills_setid(int on) { kbfs_kills_setid = on; }

@@ -22,7 +22,7 @@ final class HeapTrimmer: Sendable {
     /// Starts the background thread (once).
     func start() {
         guard running.compareExchange(expected: false, desired: true, ordering: .relaxed).exchanged else { return }
-        let t = Thread { [self] in
+        NamedThread.start("kbfs-heap-trim") { [self] in
             while running.load(ordering: .relaxed) {
                 usleep(Self.interval)
                 if freed.load(ordering: .relaxed) >= Self.threshold {
@@ -31,8 +31,6 @@ final class HeapTrimmer: Sendable {
                 }
             }
         }
-        t.name = "heap-trim"
-        t.start()
     }
 
     /// Stops the background thread at its next look.

@@ -34,6 +34,8 @@ int kbfs_set_nondumpable(void);
 int kbfs_limit_malloc_arenas(int n);
 /* Fixed mmap and trim thresholds (stops glibc raising the mmap threshold after big frees). */
 int kbfs_fix_malloc_thresholds(int mmap_threshold, int trim_threshold);
+/* PR_SET_NAME: names the calling thread (15 bytes are kept) for ps -L, top -H, perf, gdb. */
+int kbfs_name_this_thread(const char *name);
 /* malloc_trim(0): returns free heap pages to the kernel. */
 int kbfs_malloc_trim(void);
 /* Raises the soft open-files limit to the hard one; returns it, or -1. */

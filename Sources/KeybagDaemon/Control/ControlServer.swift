@@ -233,6 +233,9 @@ final class ControlServer: Sendable {
     let ownerUID: uid_t
     private let slots = ConnectionSlots()
     private let privileged = PrivilegedConnections()
+    /// Whether `start` ran, and the signal the accept thread gives when it returns.
+    private let acceptRunning = Locked(false)
+    private let acceptEnded = DispatchSemaphore(value: 0)
     /// Seconds a client may stay silent before it is disconnected (not subscribers).
     static let idleTimeout = 30
 
@@ -265,14 +268,20 @@ final class ControlServer: Sendable {
 
     /// Starts the accept thread.
     func start() {
-        let t = Thread { [self] in acceptLoop() }
-        t.name = "keybagfs-control"
-        t.start()
+        acceptRunning.withLock { $0 = true }
+        NamedThread.start("kbfs-control") { [self] in
+            acceptLoop()
+            acceptEnded.signal()
+        }
     }
 
-    /// Removes the socket file.
+    /// Removes the socket file and ends the accept thread: `shutdown` makes its blocked
+    /// `accept` fail (a bare `close` would leave it blocked, and the descriptor's number free
+    /// for the next `open` under it); the socket is closed once the thread has returned.
     func stop() {
         unlink(path)
+        shutdown(listenFD, Int32(SHUT_RDWR))
+        if acceptRunning.withLock({ $0 }) { acceptEnded.wait() }
         close(listenFD)
     }
 
@@ -305,11 +314,10 @@ final class ControlServer: Sendable {
                 slots.takeOverLimit()
             }
             let id = peer.privileged ? privileged.add(fd, uid: peer.uid) : nil
-            let t = Thread { [self] in
+            NamedThread.start("kbfs-client") { [self] in
                 serve(Connection(fd: fd), peer, registered: id)
                 slots.give(peer)
             }
-            t.start()
         }
     }
 

@@ -97,9 +97,7 @@ final class StoreWatcher: Sendable {
         w.watchDevicesFolder()
         if full { w.watchTree(dup(data)) } else { _ = w.watch(data) }  // else the data root only
         if full { fs.underneath.expectAnotherWriter() }
-        let t = Thread { [w] in w.run() }
-        t.name = "keybagfs-store-watcher"
-        t.start()
+        NamedThread.start("kbfs-watcher") { [w] in w.run() }
         return w
     }
 

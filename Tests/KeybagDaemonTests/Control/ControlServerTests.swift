@@ -26,10 +26,7 @@ final class ControlServerTests: SeedStoreTestCase {
 
     override func tearDown() {
         for fd in clients { close(fd) }
-        if let server {
-            shutdown(server.listenFD, Int32(SHUT_RDWR))  // ends the accept thread
-            server.stop()
-        }
+        server?.stop()
         controller?.shutdown()
         super.tearDown()
     }
@@ -64,6 +61,26 @@ final class ControlServerTests: SeedStoreTestCase {
 
     func refusal(_ line: String?) -> ControlRefusal? {
         line.flatMap { ControlProtocol.decode(ControlRefusal.self, from: $0) }.flatMap { $0.ok ? nil : $0 }
+    }
+
+    /// Threads of this process named as the accept thread (a client's thread is `kbfs-client`).
+    func acceptThreads() -> Int {
+        let tasks = (try? FileManager.default.contentsOfDirectory(atPath: "/proc/self/task")) ?? []
+        return tasks.filter { ProcFile.read("/proc/self/task/\($0)/comm") == "kbfs-control\n" }.count
+    }
+
+    func testStopEndsTheAcceptThreadAndNoOneConnectsAfterIt() throws {
+        let fd = try connect()
+        write(fd, ControlCall.status.line + "\n")
+        XCTAssertEqual(lines(fd, count: 1).count, 1, "served before the stop")
+        let running = acceptThreads()
+        XCTAssertGreaterThanOrEqual(running, 1, "the accept thread runs")
+        server.stop()
+        server = nil
+        // A blocked accept() on a closed descriptor never returns: the thread would stay, and
+        // the descriptor's number could be handed to the next open() under it.
+        XCTAssertTrue(waitUntil { self.acceptThreads() == running - 1 }, "the accept thread still runs after stop()")
+        XCTAssertThrowsError(try ControlClient.connect(path: socketPath), "the socket is gone")
     }
 
     func testPipelinedRequestsAreAnsweredInOrderAndBlankLinesAreIgnored() throws {
