@@ -873,7 +873,7 @@ def parse_args(argv):
     p.add_argument("--keybagfs", default=".build/release", help="folder with keybagfs and keybagctl")
     p.add_argument("--keybagfs-class", help="keybagfs --default-class (default: keybagfs' own default)")
     p.add_argument("--keybagfs-before", help="folder with an earlier build's keybagfs and keybagctl: the system "
-                                             "`before`, side by side with `keybagfs` (a change's before/after)")
+                                             "`before`, side by side with `keybagfs` (a change's before/after; added to --systems)")
     p.add_argument("--quick-apps", action="store_true",
                    help="smoke run: pgbench 5 s, 2,000 SQLite transactions / 100k rows, git on the quick tree, "
                         "make scripts only")
@@ -891,6 +891,8 @@ def parse_args(argv):
         p.error("the system before needs --keybagfs-before DIR")
     if a.keybagfs_before:
         a.keybagfs_before = os.path.realpath(a.keybagfs_before)
+        if "before" not in a.systems:  # given the earlier build, it is measured (beside keybagfs)
+            a.systems.insert(a.systems.index("keybagfs") if "keybagfs" in a.systems else len(a.systems), "before")
     if "passthrough" in a.systems and not (pt and os.access(pt, os.X_OK)):
         p.error(f"passthrough needs PASSTHROUGH_HP=/path/to/passthrough_hp (got {pt!r})")
     groups = []
