@@ -46,6 +46,7 @@ final class ControlSocketTests: XCTestCase {
             s = socket.socket(socket.AF_UNIX)
             s.connect(sys.argv[1])
             s.sendall(b'{"op":"subscribe"}\n')
+            if not held: print("churning", flush=True)
             held = (held + [s])[-50:]
             time.sleep(0.002)
         """#
@@ -267,9 +268,14 @@ final class ControlSocketTests: XCTestCase {
             "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c",
             Self.churn, m.socket,
         ]
+        let churning = Pipe()
+        churn.standardOutput = churning
         try churn.run()
         defer { churn.terminate(); churn.waitUntilExit() }
-        usleep(500_000)
+        // Root's requests go in while the flood runs, however slowly python started.
+        let said = String(decoding: churning.fileHandleForReading.availableData, as: UTF8.self)
+        XCTAssertTrue(said.hasPrefix("churning"), "the flood did not start: \(said)")
+        usleep(100_000)
         for i in 0..<6 {
             let reply = request(m, i % 2 == 0 ? #"{"op":"lock","grace":0}"# : #"{"op":"status"}"#)
             XCTAssertTrue(reply.contains("\"ok\":true"), "root's request \(i) during the owner's flood: \(reply)")
