@@ -25,7 +25,7 @@ extension FuzzTarget {
             let fd = memoryFile(input)
             defer { close(fd) }
             let store = SeedStore.shared
-            guard let (header, _) = try? EncryptedContent.readHeaderSlots(fd: fd),
+            guard let (header, _) = try? HeaderSlots.read(fd: fd),
                 let ck = store.keyring.unwrappingKey(for: header.protectionClass, keySet: header.keySet),
                 let raw = try? header.unwrap(using: ck), let key = try? FileContentKey(key: raw, header: header)
             else { return }

@@ -76,7 +76,7 @@ struct JournalProgram {
             guard fd >= 0 else { return nil }
             defer { close(fd) }
             var st = stat()
-            guard fstat(fd, &st) == 0, let h = try? EncryptedContent.readHeaderSlots(fd: fd) else { return nil }
+            guard fstat(fd, &st) == 0, let h = try? HeaderSlots.read(fd: fd) else { return nil }
             return JournalFileID(
                 ino: UInt64(st.st_ino), stamp: kbfs_inode_stamp(fd), fileID: h.current.fileID, path: folder + "/" + name
             )

@@ -22,7 +22,7 @@ extension StoreCheck {
         guard ftruncate(fd, 0) == 0 else { throw KeybagError.system("ftruncate", errno) }
         let raw = SecureKey(random: 32)
         defer { raw.wipe() }
-        try EncryptedContent.writeNewHeader(
+        try HeaderSlots.writeNew(
             fd: fd, try FileHeader.create(fileKey: raw, class: cls, cipher: keybag.cipher, using: wrap, keySet: set))
         guard fsync(fd) == 0 else { throw KeybagError.system("fsync", errno) }
     }
@@ -30,13 +30,13 @@ extension StoreCheck {
     /// The file's header (a superseded slot erased, when repairing), or nil with the problem noted.
     private func readHeader(fd: Int32, path: String, name: String?) -> FileHeader? {
         do {
-            let (header, superseded) = try EncryptedContent.readHeaderSlots(fd: fd)
+            let (header, superseded) = try HeaderSlots.read(fd: fd)
             if let superseded {
                 fix(
                     "header-superseded-slot", path, name,
                     "a class change was cut off: slot \(superseded) still holds the older class's wrap"
                 ) {
-                    try EncryptedContent.eraseHeaderSlot(fd: fd, index: superseded)
+                    try HeaderSlots.erase(fd: fd, index: superseded)
                 }
             }
             return header
@@ -143,7 +143,7 @@ extension StoreCheck {
             ) {
                 let zeros = [UInt8](repeating: 0, count: content.layout.cipherBlockSize)
                 try zeros.withUnsafeBytes {
-                    try EncryptedContent.pwriteFull(fd, $0, offset: content.layout.cipherOffset(ofBlock: b))
+                    try FullIO.pwriteFull(fd, $0, offset: content.layout.cipherOffset(ofBlock: b))
                 }
             }
         }

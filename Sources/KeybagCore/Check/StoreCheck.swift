@@ -359,7 +359,7 @@ public final class StoreCheck {
             var st = stat()
             let size = fstat(f, &st) == 0 ? Int(st.st_size) : -1
             var buf = [UInt8](repeating: 0, count: max(0, min(size, 16 << 20)))
-            let n = buf.withUnsafeMutableBytes { (try? EncryptedContent.preadFull(f, $0, offset: 0)) ?? -1 }
+            let n = buf.withUnsafeMutableBytes { (try? FullIO.preadFull(f, $0, offset: 0)) ?? -1 }
             close(f)
             guard n < 0 || (try? XattrSet.opened(Array(buf[0..<n]), id: id, names: names)) == nil else { continue }
             fix(

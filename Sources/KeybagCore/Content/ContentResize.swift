@@ -38,7 +38,7 @@ extension EncryptedContent {
                 guard ftruncate(fd, off_t(blockStart + oldLen + layout.overhead)) == 0 else {
                     throw KeybagError.system("ftruncate", errno)
                 }
-                try Self.pwriteFull(fd, UnsafeRawBufferPointer(sealed), offset: blockStart)
+                try FullIO.pwriteFull(fd, UnsafeRawBufferPointer(sealed), offset: blockStart)
                 guard ftruncate(fd, off_t(layout.backingSize(plainSize: newSize))) == 0 else {
                     throw KeybagError.system("ftruncate", errno)
                 }

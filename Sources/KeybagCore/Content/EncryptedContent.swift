@@ -49,7 +49,7 @@ public struct EncryptedContent: Sendable {
         let first = range.blocks.lowerBound, last = range.blocks.upperBound
         let sealed = layout.cipherRange(of: range.blocks, inFileOf: size)
         return try ScratchBuffers.shared.withBlock(sealed.count) { cbuf, plain in
-            var got = try Self.preadFull(fd, cbuf, offset: sealed.lowerBound)
+            var got = try FullIO.preadFull(fd, cbuf, offset: sealed.lowerBound)
             if let pending {
                 got = PendingBlock.overlay(
                     pending, onto: UnsafeMutableRawBufferPointer(rebasing: cbuf[0..<sealed.count]),
@@ -324,7 +324,7 @@ public struct EncryptedContent: Sendable {
         return try ScratchBuffers.shared.withBlock(layout.cipherBlockSize) { sealed, plain in
             try (0...last).map { b in
                 let len = BlockLayout.length(ofBlock: b, inFileOf: size) + layout.overhead
-                let got = try Self.preadFull(
+                let got = try FullIO.preadFull(
                     fd, UnsafeMutableRawBufferPointer(rebasing: sealed[0..<len]),
                     offset: layout.cipherOffset(ofBlock: b))
                 guard got == len else { return .damaged }
@@ -345,7 +345,7 @@ public struct EncryptedContent: Sendable {
             let n = try readBlock(fd: fd, key: key, block: block, length: len, last: from, into: plain)
             guard n == len else { throw KeybagError.corrupt("block \(block) short") }
             try key.seal(UnsafeRawBufferPointer(rebasing: plain[0..<len]), block: UInt64(block), last: to, into: sealed)
-            try Self.pwriteFull(fd, UnsafeRawBufferPointer(sealed), offset: layout.cipherOffset(ofBlock: block))
+            try FullIO.pwriteFull(fd, UnsafeRawBufferPointer(sealed), offset: layout.cipherOffset(ofBlock: block))
         }
     }
 
@@ -370,9 +370,9 @@ public struct EncryptedContent: Sendable {
             let got =
                 try journal?.pendingBlocks().map { pending in
                     PendingBlock.overlay(
-                        pending, onto: sealed, offset: at, got: try Self.preadFull(fd, sealed, offset: at),
+                        pending, onto: sealed, offset: at, got: try FullIO.preadFull(fd, sealed, offset: at),
                         stride: layout.cipherBlockSize)
-                } ?? Self.preadFull(fd, sealed, offset: at)
+                } ?? FullIO.preadFull(fd, sealed, offset: at)
             guard got == sealed.count else { throw KeybagError.corrupt("block \(block) truncated") }
             return try key.open(UnsafeRawBufferPointer(sealed), block: UInt64(block), last: last, into: plain)
         }
@@ -391,7 +391,7 @@ public struct EncryptedContent: Sendable {
 
         /// Stores `sealed` at backing offset `offset`.
         func put(_ sealed: UnsafeRawBufferPointer, at offset: Int, stride: Int) throws {
-            guard let journal else { return try EncryptedContent.pwriteFull(fd, sealed, offset: offset) }
+            guard let journal else { return try FullIO.pwriteFull(fd, sealed, offset: offset) }
             try journal.store(sealed, at: offset, fd: fd, backingSize: backingSize, stride: stride)
         }
     }

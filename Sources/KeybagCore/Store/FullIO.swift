@@ -24,16 +24,3 @@ public enum FullIO {
         }
     }
 }
-
-/// The content layer's names for `FullIO`.
-extension EncryptedContent {
-    /// `FullIO.preadFull`.
-    public static func preadFull(_ fd: Int32, _ buf: UnsafeMutableRawBufferPointer, offset: Int) throws -> Int {
-        try FullIO.preadFull(fd, buf, offset: offset)
-    }
-
-    /// `FullIO.pwriteFull`.
-    public static func pwriteFull(_ fd: Int32, _ buf: UnsafeRawBufferPointer, offset: Int) throws {
-        try FullIO.pwriteFull(fd, buf, offset: offset)
-    }
-}

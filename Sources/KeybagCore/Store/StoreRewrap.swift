@@ -76,7 +76,7 @@ public struct StoreRewrap {
     private mutating func file(_ dirFD: Int32, _ name: String) throws {
         let fd = openat(dirFD, name, O_RDWR | O_NOFOLLOW | O_CLOEXEC)
         guard fd >= 0 else { result.skipped += 1; return }
-        guard let (h, superseded) = try? EncryptedContent.readHeaderSlots(fd: fd) else {
+        guard let (h, superseded) = try? HeaderSlots.read(fd: fd) else {
             close(fd); result.skipped += 1; return
         }
         if Int(h.keySet) == keys.current {
@@ -92,7 +92,7 @@ public struct StoreRewrap {
             fileKey: fileKey, to: h.protectionClass, using: classKey(h.protectionClass, set: keys.current)!,
             keySet: UInt8(keys.current))
         let slot = next.encodeSlot()
-        try slot.withUnsafeBytes { try EncryptedContent.pwriteFull(fd, $0, offset: next.slotOffset) }
+        try slot.withUnsafeBytes { try FullIO.pwriteFull(fd, $0, offset: next.slotOffset) }
         pending.append((fd, h.slot))
         result.rewrapped += 1
     }
@@ -111,7 +111,7 @@ public struct StoreRewrap {
         for p in pending {
             do {
                 try zeros.withUnsafeBytes {
-                    try EncryptedContent.pwriteFull(p.fd, $0, offset: p.oldSlot * FileHeader.slotSize)
+                    try FullIO.pwriteFull(p.fd, $0, offset: p.oldSlot * FileHeader.slotSize)
                 }
             } catch {
                 failure = failure ?? error

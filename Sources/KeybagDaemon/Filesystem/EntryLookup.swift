@@ -65,7 +65,7 @@ struct EntryLookup: Sendable {
             let raw = SecureKey(random: 32)
             defer { raw.wipe() }
             do {
-                try EncryptedContent.writeNewHeader(
+                try HeaderSlots.writeNew(
                     fd: fd,
                     try FileHeader.create(fileKey: raw, class: cls, cipher: cipher, using: wrapKey, keySet: keySet))
                 log(

@@ -118,7 +118,7 @@ extension FileIO {
             let raw = SecureKey(random: 32)
             let header = try FileHeader.create(
                 fileKey: raw, class: cls, cipher: cipher, using: wrapKey, keySet: keySet)
-            try EncryptedContent.writeNewHeader(fd: bfd, header)
+            try HeaderSlots.writeNew(fd: bfd, header)
             return NewFile(fd: bfd, temp: temp, header: header, key: try FileContentKey(key: raw, header: header))
         } catch {
             if let temp { unlinkat(p.fd, temp, 0) }

@@ -60,12 +60,12 @@ final class FileIO: Sendable {
     func readHeader(_ node: Node) throws -> FileHeader {
         let fd = try check(node.open(O_RDONLY))
         defer { close(fd) }
-        let (h, superseded) = try EncryptedContent.readHeaderSlots(fd: fd)
+        let (h, superseded) = try HeaderSlots.read(fd: fd)
         if let superseded {
             let wfd = node.open(O_RDWR)
             if wfd >= 0 {
                 defer { close(wfd) }
-                do { try EncryptedContent.eraseHeaderSlot(fd: wfd, index: superseded) } catch {
+                do { try HeaderSlots.erase(fd: wfd, index: superseded) } catch {
                     log("could not erase the superseded header slot of inode \(node.backingIno): \(error)")
                 }
             } else {

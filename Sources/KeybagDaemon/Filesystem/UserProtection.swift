@@ -32,9 +32,9 @@ extension Attributes {
         try file.io.write { st in
             _ = try st.header { try io.readHeader(n) }
             try st.changeClass(to: cls, keyring: io.keyring, cipher: io.cipher) { next in
-                try EncryptedContent.writeHeaderSlot(fd: fd, next)
+                try HeaderSlots.write(fd: fd, next)
                 Failpoint.classChangeBetweenSlots.hit()
-                try EncryptedContent.eraseHeaderSlot(fd: fd, index: 1 - next.slot)
+                try HeaderSlots.erase(fd: fd, index: 1 - next.slot)
             }
         }
         var after = stat()

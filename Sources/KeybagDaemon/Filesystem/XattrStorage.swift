@@ -64,7 +64,7 @@ final class XattrStorage: Sendable {
         try check(fstat(fd, &st))
         guard st.st_size <= 16 << 20 else { throw FSError(EIO) }
         var buf = [UInt8](repeating: 0, count: Int(st.st_size))
-        let n = try buf.withUnsafeMutableBytes { try EncryptedContent.preadFull(fd, $0, offset: 0) }
+        let n = try buf.withUnsafeMutableBytes { try FullIO.preadFull(fd, $0, offset: 0) }
         // A set a power cut left empty or torn (its rename reached the disk before its bytes)
         // holds nothing that can be read: the object has no stored xattrs (fsck names it),
         // rather than every xattr call on it answering EIO.

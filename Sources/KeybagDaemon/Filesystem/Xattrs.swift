@@ -17,7 +17,7 @@ extension Attributes {
         if let h = file.io.read({ $0.header }) { return Base64URL.encode(h.fileID) }
         let fd = try check(n.open(O_RDONLY))
         defer { close(fd) }
-        return Base64URL.encode(try EncryptedContent.readHeader(fd: fd).fileID)
+        return Base64URL.encode(try HeaderSlots.current(fd: fd).fileID)
     }
 
     /// Whether any xattr set is stored (removals look for one only then).
@@ -47,7 +47,7 @@ extension Attributes {
         let fd = openat(dirFD, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
         guard fd >= 0 else { return nil }
         defer { close(fd) }
-        guard let id = (try? EncryptedContent.readHeader(fd: fd)).map({ Base64URL.encode($0.fileID) }) else {
+        guard let id = (try? HeaderSlots.current(fd: fd)).map({ Base64URL.encode($0.fileID) }) else {
             return nil
         }
         return keptForConflictCopies(id, dirFD: dirFD, name: name) ? nil : id

@@ -413,7 +413,7 @@ final class StoreWatcher: Sendable {
         let fd = n.open(O_RDONLY)
         guard fd >= 0 else { return }
         defer { close(fd) }
-        guard (try? EncryptedContent.readHeader(fd: fd)) != cached else { return }
+        guard (try? HeaderSlots.current(fd: fd)) != cached else { return }
         file.io.write { $0.supersede() }
         fs.table.retire(n)
         fs.kernel.dropPagesSoon(n.id, pass: "a file rewritten underneath while events were lost")

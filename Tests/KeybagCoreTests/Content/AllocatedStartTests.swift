@@ -14,7 +14,7 @@ final class AllocatedStartTests: TempDirTestCase {
         let raw = SecureKey(random: 32)
         let h = try FileHeader.create(
             fileKey: raw, class: .none, cipher: cipher, using: .symmetric(SecureKey(random: 32)))
-        try EncryptedContent.writeNewHeader(fd: fd, h)
+        try HeaderSlots.writeNew(fd: fd, h)
         let key = try FileContentKey(key: raw, header: h)
         let c = EncryptedContent(layout: BlockLayout(cipher: cipher))
         let block = [UInt8](repeating: 7, count: 4096)

@@ -16,7 +16,7 @@ final class FormatTests: TempDirTestCase {
         let classKey = SecureKey(random: 32)
         let raw = SecureKey(random: 32)
         let h = try FileHeader.create(fileKey: raw, class: cls, cipher: cipher, using: .symmetric(classKey))
-        try EncryptedContent.writeNewHeader(fd: fd, h)
+        try HeaderSlots.writeNew(fd: fd, h)
         return (fd, try FileContentKey(key: raw, header: h), h, classKey)
     }
 
@@ -257,8 +257,8 @@ final class FormatTests: TempDirTestCase {
         var h = try FileHeader.create(fileKey: raw, class: .none, cipher: cipher, using: .symmetric(sym))
         h.flags = 0
         h = try h.rewrapped(fileKey: raw, to: .none, using: .symmetric(sym))
-        try EncryptedContent.writeNewHeader(fd: fd, h)
-        let parsed = try EncryptedContent.readHeader(fd: fd)
+        try HeaderSlots.writeNew(fd: fd, h)
+        let parsed = try HeaderSlots.current(fd: fd)
         XCTAssertFalse(parsed.endIsSealed)
         let key = try FileContentKey(key: try parsed.unwrap(using: .symmetric(sym)), header: parsed)
         try [UInt8](repeating: 4, count: 9000).withUnsafeBytes { try c.write(fd: fd, key: key, offset: 0, data: $0) }

@@ -19,7 +19,7 @@ final class OverwriteJournalCoreTests: TempDirTestCase {
         let raw = SecureKey(random: 32)
         let h = try FileHeader.create(
             fileKey: raw, class: .none, cipher: cipher, using: .symmetric(SecureKey(random: 32)))
-        try EncryptedContent.writeNewHeader(fd: fd, h)
+        try HeaderSlots.writeNew(fd: fd, h)
         let key = try FileContentKey(key: raw, header: h)
         let c = EncryptedContent(layout: BlockLayout(cipher: cipher))
         let data = [UInt8](repeating: fill, count: blocks * 4096)

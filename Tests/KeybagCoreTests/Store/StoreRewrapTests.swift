@@ -64,7 +64,7 @@ final class StoreRewrapTests: TempDirTestCase {
         let fd = open(data + "/" + name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0o600)
         XCTAssertGreaterThanOrEqual(fd, 0)
         defer { close(fd) }
-        try EncryptedContent.writeNewHeader(fd: fd, h)
+        try HeaderSlots.writeNew(fd: fd, h)
         _ = tail.withUnsafeBytes { pwrite(fd, $0.baseAddress, $0.count, off_t(FileHeader.size)) }
         return (try fileKey.withBytes { Array($0) }, h)
     }
@@ -74,7 +74,7 @@ final class StoreRewrapTests: TempDirTestCase {
         let fd = open(data + "/" + name, O_RDONLY | O_CLOEXEC)
         XCTAssertGreaterThanOrEqual(fd, 0)
         defer { close(fd) }
-        return try EncryptedContent.readHeaderSlots(fd: fd)
+        return try HeaderSlots.read(fd: fd)
     }
 
     /// The bytes of `data/<name>`.
