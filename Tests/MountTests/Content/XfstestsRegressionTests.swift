@@ -457,15 +457,26 @@ final class XfstestsRegressionTests: XCTestCase {
         for i in 0..<2 { XCTAssertEqual(try sysPwrite(held, chunk, i << 20).get(), chunk.count) }
         XCTAssertEqual(fsync(held), 0)
         XCTAssertEqual(unlink(m.path("held")), 0)
-        // Dirty pages of an open class A file, still in the kernel's cache.
+        // An open class A file, made while there is room for its header.
         let dirty = sysOpen(m.path("a/dirty"), O_WRONLY | O_CREAT | O_EXCL)
         XCTAssertGreaterThanOrEqual(dirty, 0)
-        for i in 0..<8 { XCTAssertEqual(try sysPwrite(dirty, chunk, i << 20).get(), chunk.count) }
-        // The store's filesystem fills up behind the mount (another writer of the disk).
+        // The store's filesystem fills up behind the mount (another writer of the disk) before
+        // the pages are written: the kernel may write them back at any moment (at once where
+        // its dirty limit for a FUSE mount is under 8 MiB, as on a CI box with less memory), and
+        // wherever it does, they meet the full store.
         let filler = open(m.store + "/.kbfs-test-filler", O_WRONLY | O_CREAT | O_EXCL, 0o600)
         XCTAssertGreaterThanOrEqual(filler, 0)
         while write(filler, chunk, chunk.count) > 0 {}
         close(filler)
+        // Dirty pages of the open class A file, in the kernel's cache. Where the kernel writes
+        // them back at once, the full store shows in the write itself: ENOSPC, nothing accepted.
+        var accepted = 0
+        for i in 0..<8 {
+            switch sysPwrite(dirty, chunk, i << 20) {
+            case .success(let n): accepted += n
+            case .failure(let e): XCTAssertEqual(e.rawValue, ENOSPC, "write \(i)")
+            }
+        }
         // The lock goes straight to the socket: a child process would close its copy of the
         // descriptor at exec, and that close writes the dirty pages back before the lock.
         let ctl = try ControlClient.connect(path: m.socket)
@@ -478,8 +489,12 @@ final class XfstestsRegressionTests: XCTestCase {
         XCTAssertTrue(reply.contains(#""ok":true"#), reply)
         XCTAssertTrue(waitUntil { m.state == "locked" })
         XCTAssertLessThan(took, 2, "the lock waited for space (\(took) s)")
-        XCTAssertEqual(fsync(dirty), -1, "the pages met the full store")
-        XCTAssertEqual(errno, ENOSPC)
+        // Pages accepted into the cache did not fit: fsync says so (none is lost in silence).
+        if accepted > 0 {
+            XCTAssertEqual(fsync(dirty), -1, "\(accepted) bytes were accepted: the pages met the full store")
+            XCTAssertEqual(errno, ENOSPC)
+        }
+        print("full-store lock: \(accepted) bytes accepted into the cache before the lock, lock took \(took) s")
         close(dirty)
         close(held)
     }
