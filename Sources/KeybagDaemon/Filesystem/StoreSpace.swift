@@ -31,14 +31,16 @@ final class StoreSpace: Sendable {
 
         /// For a store of `size` bytes and a mount whose kernel may hold `dirty` bytes of
         /// dirty pages (loose), of which `tightDirty` while tight (0: the limit cannot be
-        /// lowered, and only a failed write makes the mount tight). While tight, a check lets
+        /// lowered, and only a failed write makes the mount tight). While loose, the kernel may
+        /// hold twice `dirty` and a write(2) more (its limit is soft; a 1 MiB write(2) can be
+        /// one large folio, counted at once) before the mount turns tight. While tight, a check lets
         /// a write(2) of up to `promisedWrite` through while the kernel holds up to twice
         /// `tightDirty` (its limit is soft: pages dirtied between two looks, pages under
         /// write-back); all of it sealed must fit in `refuseBelow`.
         init(size: Int, dirty: Int, canLowerDirty: Bool) {
             tightDirty = canLowerDirty ? min(4 << 20, size / 32) : 0
             refuseBelow = Self.sealed(Self.promisedWrite(size: size) + 2 * tightDirty)
-            tightBelow = canLowerDirty ? Self.sealed(dirty) + refuseBelow : 0
+            tightBelow = canLowerDirty ? Self.sealed(2 * dirty + Self.promisedWrite(size: size)) + refuseBelow : 0
             looseAbove = max(tightBelow, refuseBelow) + min(16 << 20, size / 16)
         }
 
@@ -56,6 +58,9 @@ final class StoreSpace: Sendable {
     private let tight = Atomic<Bool>(false)
     /// When (CLOCK_MONOTONIC ns) a write last looked at the free space.
     private let lastLook = Atomic<UInt64>(0)
+    /// Whether the last look found the store near `tightBelow` (within `nearMargin`): then
+    /// every write looks, since 10 ms of write-back can take more than the margin.
+    private let near = Atomic<Bool>(true)
     /// The mount's bdi folder in sysfs (its dirty limit), once the session exists.
     private let bdi = Locked<String?>(nil)
     /// The bdi's `max_ratio_fine` and `max_bytes` before the daemon lowered them.
@@ -72,8 +77,11 @@ final class StoreSpace: Sendable {
     static let settleTries = 5
     /// Longest wait for space (ns), and longest wait for the next release of a deleted file.
     static let longestWait: UInt64 = 5_000_000_000, longestWaitForARelease: UInt64 = 300_000_000
-    /// How often (ns) writes look at the free space.
+    /// How often (ns) writes look at the free space while it is far from `tightBelow`.
     static let lookInterval: UInt64 = 10_000_000
+    /// Free space above `tightBelow` within which every write looks (10 ms of write-back at
+    /// over 20 GB/s).
+    static let nearMargin = 256 << 20
 
     init(storeFD: Int32, threads: Int, mayWait: @escaping @Sendable () -> Bool) {
         self.storeFD = storeFD
@@ -89,18 +97,22 @@ final class StoreSpace: Sendable {
 
     // MARK: states
 
-    /// After a successful write: looks at the free space (at most every 10 ms) and turns
-    /// the mount tight when little is left. True when it turned tight now (the caller then
-    /// makes the kernel ask for attributes again).
+    /// After a successful write: looks at the free space (at most every 10 ms while far from
+    /// the end; after every write near it) and turns the mount tight when little is left.
+    /// True when it turned tight now (the caller then makes the kernel ask for attributes
+    /// again).
     func noteWritten() -> Bool {
         guard !isTight else { return false }
         let now = DispatchTime.now().uptimeNanoseconds
         let last = lastLook.load(ordering: .relaxed)
-        guard now &- last >= Self.lookInterval,
-            lastLook.compareExchange(expected: last, desired: now, ordering: .relaxed).exchanged,
-            let (available, t) = measure(), available < t.tightBelow
-        else { return false }
-        return turnTight()
+        if !near.load(ordering: .relaxed) {
+            guard now &- last >= Self.lookInterval,
+                lastLook.compareExchange(expected: last, desired: now, ordering: .relaxed).exchanged
+            else { return false }
+        }
+        guard let (available, t) = measure() else { return false }
+        near.store(available < t.tightBelow + Self.nearMargin, ordering: .relaxed)
+        return available < t.tightBelow ? turnTight() : false
     }
 
     /// A write failed for want of space: the mount turns tight. True when it turned now.
