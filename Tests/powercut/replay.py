@@ -20,6 +20,7 @@ tear"; counted in the summary too); `keybagfs fsck --json` lists only kinds docs
 after a crash, and `fsck --repair` then leaves it clean.
 """
 import argparse
+import re
 import hashlib
 import json
 import os
@@ -426,6 +427,17 @@ class Checker:
             sh(pg + [bin_ + "/pg_ctl", "-D", data, "-m", "immediate", "-w", "stop"])
             shutil.rmtree(sock, ignore_errors=True)
 
+    @staticmethod
+    def cut_rotation_record(p, pending):
+        """A `recovery-key rotate` cut between its key-set record and its keybag's save, on a
+        device alone without the current recovery key: the record carries no signature of the
+        certification key in force, so this device refuses it (fsck names it, left alone) and
+        the rotation did not happen (the old recovery key still opens the escrow, checked);
+        running the rotation again writes the record anew. Seen once in CI's short pass
+        (flush at entry 11745); issue note of 2026-11-29."""
+        return ("recovery" in pending and p["kind"] == "device-record-refused"
+                and re.fullmatch(r"devices/keyset-\d+\.[0-9a-f]+\.json", p["path"]) is not None)
+
     def fsck(self, store, facts, pending):
         env = dict(os.environ)
         codes = [c for c in (facts.get("passcode"), pending.get("passcode")) if c]
@@ -441,8 +453,9 @@ class Checker:
             return [f"fsck gave no report: {r.stderr.strip()[:200]}"]
         problems = []
         for p in out["problems"]:
-            if p["kind"] not in ALLOWED:
-                problems.append(f"fsck: {p['kind']}: {p['path']} ({p.get('name', '?')}): {p['detail'][:120]}")
+            if p["kind"] in ALLOWED or self.cut_rotation_record(p, pending):
+                continue
+            problems.append(f"fsck: {p['kind']}: {p['path']} ({p.get('name', '?')}): {p['detail'][:120]}")
         if out["problems"] and not problems:
             r = subprocess.run([self.a.kbin + "/keybagfs", "fsck", store, "--device-key", self.a.device_key,
                                 "--passcode-stdin", "--repair"], input=codes[0] + "\n", capture_output=True,
@@ -451,7 +464,8 @@ class Checker:
                                 "--passcode-stdin", "--json"], input=codes[0] + "\n", capture_output=True, text=True)
             left = json.loads(r.stdout)["problems"] if r.stdout.strip().startswith("{") else ["no report"]
             # What --repair leaves by design: a torn tail of a write never synced (cut only by --yes).
-            left = [p for p in left if not isinstance(p, dict) or p["kind"] not in ("torn-tail", "end-not-sealed")]
+            left = [p for p in left if not isinstance(p, dict) or (p["kind"] not in ("torn-tail", "end-not-sealed")
+                                                                   and not self.cut_rotation_record(p, pending))]
             if left:
                 problems.append(f"fsck --repair left: {json.dumps(left)[:300]}")
         return problems
